@@ -1,0 +1,84 @@
+"""Advantage estimators: rewards of G completions per prompt in, one advantage per completion out.
+
+Every estimator has one signature, `fn(rewards: Tensor[num_groups, group_size], eps: float) -> Tensor` of the
+same shape, and is registered by name with `@register_advantage(...)`; the trainer looks it up with
+`get_advantage_fn(name)` and never switches on the name itself. Row `g` of `rewards` holds the rewards of the
+completions sampled for prompt `g`. The advantage is one scalar per completion, broadcast over its tokens by
+the policy loss.
+
+Rewards must be finite: turning unscorable samples into a reward (or dropping them) is the scorer's job.
+"""
+
+from __future__ import annotations
+
+from typing import Callable, Protocol
+
+import torch
+from torch import Tensor
+
+
+class AdvantageFn(Protocol):
+    def __call__(self, rewards: Tensor, eps: float = ...) -> Tensor: ...
+
+
+_ADVANTAGES: dict[str, AdvantageFn] = {}
+
+
+def register_advantage(name: str) -> Callable[[AdvantageFn], AdvantageFn]:
+    """Register an advantage estimator under `name` (a second registration of a name is an error)."""
+
+    def decorate(fn: AdvantageFn) -> AdvantageFn:
+        if name in _ADVANTAGES:
+            raise ValueError(f"advantage estimator {name!r} is already registered")
+        _ADVANTAGES[name] = fn
+        return fn
+
+    return decorate
+
+
+def get_advantage_fn(name: str) -> AdvantageFn:
+    """The estimator registered as `name`; an unknown name raises ValueError listing the valid ones."""
+    try:
+        return _ADVANTAGES[name]
+    except KeyError:
+        raise ValueError(
+            f"unknown advantage estimator {name!r}; valid names: {', '.join(sorted(_ADVANTAGES))}"
+        ) from None
+
+
+def _check_grouped(rewards: Tensor) -> Tensor:
+    if rewards.dim() != 2:
+        raise ValueError(f"rewards must have shape [num_groups, group_size], got {tuple(rewards.shape)}")
+    # Integer rewards (0/1 correctness) are common; the arithmetic below needs a floating dtype.
+    return rewards if rewards.is_floating_point() else rewards.float()
+
+
+@register_advantage("grpo")
+def compute_grpo_advantages(rewards: Tensor, eps: float = 1e-6, normalize_std: bool = True) -> Tensor:
+    """Group-relative advantages (GRPO, Shao et al. 2024, DeepSeekMath).
+
+        A[g, i] = (r[g, i] - mean_g) / (std_g + eps)      if normalize_std
+        A[g, i] =  r[g, i] - mean_g                        otherwise (Dr. GRPO, Liu et al. 2025)
+
+    `std_g` is the per-group standard deviation with Bessel's correction (divides by group_size - 1), as in
+    TRL's default `scale_rewards="group"` (TRL uses eps=1e-4). A group whose rewards are all equal, including
+    a group of one, carries no learning signal and gets exactly 0 (not round-off / eps).
+
+    Shapes: rewards [num_groups, group_size] -> advantages [num_groups, group_size].
+    """
+    rewards = _check_grouped(rewards)
+    centered = rewards - rewards.mean(dim=1, keepdim=True)
+    if normalize_std and rewards.shape[1] > 1:
+        centered = centered / (rewards.std(dim=1, keepdim=True, unbiased=True) + eps)
+    # The mean of equal floats need not equal them bit for bit, and a tiny residual divided by eps is not
+    # small, so equal-reward groups are zeroed explicitly.
+    uniform = (rewards == rewards[:, :1]).all(dim=1, keepdim=True)
+    return torch.where(uniform, torch.zeros_like(centered), centered)
+
+
+@register_advantage("dr_grpo")
+def compute_dr_grpo_advantages(rewards: Tensor, eps: float = 1e-6) -> Tensor:
+    """Dr. GRPO advantages (Liu et al. 2025): `r - mean_g`, without dividing by the group std, which biases
+    updates towards prompts that are nearly always or nearly never solved. `eps` is unused; it keeps the
+    registry's one signature. Shapes as `compute_grpo_advantages`."""
+    return compute_grpo_advantages(rewards, eps=eps, normalize_std=False)
