@@ -1,0 +1,71 @@
+# megarl developer entry points: `make venv`, `make demo`, `make test`, `make test-fast`, `make clean`.
+#
+# torch is installed before megarl, and only ever at a pinned version, because an unpinned `pip install torch`
+# on a machine without a GPU drags in gigabytes of CUDA wheels:
+#   - an interpreter that already has a CUDA torch keeps it (the venv sees it through --system-site-packages);
+#   - otherwise torch==$(TORCH_VERSION) is installed. pip's own configuration decides which build that is: on
+#     this project's CPU machines /etc/xdg/pip points pip at a local +cpu wheel. Elsewhere pass e.g.
+#     TORCH_PIP_ARGS="--index-url https://download.pytorch.org/whl/cpu" for a CPU build.
+# Then `pip install -e .[dev]` runs under a constraint that pins the installed torch, so it cannot replace it
+# (--use-pep517: the legacy `setup.py develop` editable mode is gone from recent pip).
+
+# Prefer python3.11 (the version megarl targets) when it is on PATH.
+PYTHON ?= $(shell command -v python3.11 >/dev/null 2>&1 && echo python3.11 || echo python3)
+NPROC ?= 2
+TORCH_VERSION ?= 2.13.0
+TORCH_PIP_ARGS ?=
+
+VENV := .venv
+VPY := $(VENV)/bin/python
+STAMP := $(VENV)/.stamp
+STARTER := .cache/starter/config.json
+
+# "1" when $(PYTHON) already imports a torch built with CUDA.
+# Deferred (=), so torch is imported only when the venv is being (re)built.
+HOST_HAS_CUDA_TORCH = $(shell $(PYTHON) -c 'import torch; print(int(torch.version.cuda is not None))' 2>/dev/null || echo 0)
+
+.PHONY: venv demo test test-fast clean distclean
+
+venv: $(STAMP)
+
+$(STAMP): setup.py
+	@if [ ! -x $(VPY) ]; then \
+	  if [ "$(HOST_HAS_CUDA_TORCH)" = 1 ]; then \
+	    echo "== $(PYTHON) has a CUDA torch: creating $(VENV) with --system-site-packages to reuse it"; \
+	    $(PYTHON) -m venv --system-site-packages $(VENV); \
+	  else \
+	    echo "== creating $(VENV) with $(PYTHON)"; \
+	    $(PYTHON) -m venv $(VENV); \
+	  fi; \
+	fi
+	@if $(VPY) -c 'import sys, torch; sys.exit(torch.version.cuda is None)' 2>/dev/null; then \
+	  echo "== keeping the CUDA torch $$($(VPY) -c 'import torch; print(torch.__version__)')"; \
+	else \
+	  if ! nvidia-smi >/dev/null 2>&1; then echo "== no NVIDIA GPU: installing torch==$(TORCH_VERSION)"; \
+	  else echo "== NVIDIA GPU but no CUDA torch: installing torch==$(TORCH_VERSION) (check it is a CUDA build)"; fi; \
+	  $(VPY) -m pip install --quiet "torch==$(TORCH_VERSION)" $(TORCH_PIP_ARGS); \
+	fi
+	$(VPY) -c 'import torch; print("torch==" + torch.__version__)' > $(VENV)/torch-constraint.txt
+	$(VPY) -m pip install --quiet --use-pep517 -c $(VENV)/torch-constraint.txt -e ".[dev]"
+	@$(VPY) -c 'import torch, megatron.core, megarl; print("== ready: torch", torch.__version__, "cuda", torch.version.cuda)'
+	@touch $@
+
+$(STARTER): | $(STAMP)
+	$(VPY) tools/make_starter_model.py --out $(dir $@)
+
+demo: venv $(STARTER)
+	$(VENV)/bin/torchrun --nproc-per-node $(NPROC) megarl/train.py recipes/tiny_cpu.sh
+
+test: venv
+	$(VPY) -m pytest tests -q
+
+test-fast: venv
+	$(VPY) -m pytest tests/unit -q
+
+# Build and test leftovers; the venv and the starter model survive (see distclean).
+clean:
+	rm -rf build dist *.egg-info .pytest_cache
+	find . -path ./$(VENV) -prune -o -name __pycache__ -type d -prune -exec rm -rf {} +
+
+distclean: clean
+	rm -rf $(VENV) .cache

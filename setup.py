@@ -1,0 +1,45 @@
+"""Packaging for megarl.
+
+torch is not pinned here: `make venv` installs it first (keeping a CUDA build the interpreter already has, else
+a pinned CPU wheel), and `pip install -e .` must then leave it alone. `apex` is deliberately absent: the PyPI
+package of that name is unrelated to NVIDIA Apex.
+"""
+
+import re
+from pathlib import Path
+
+from setuptools import find_packages, setup
+
+ROOT = Path(__file__).parent
+VERSION = re.search(r'^__version__ = "([^"]+)"', (ROOT / "megarl" / "__init__.py").read_text(), re.M).group(1)
+
+setup(
+    name="megarl",
+    version=VERSION,
+    description="Megatron-native RL post-training with verifiable rewards (GRPO / RLVR)",
+    packages=find_packages(include=["megarl", "megarl.*"]),
+    python_requires=">=3.11",
+    install_requires=[
+        "torch>=2.4",
+        "megatron-core>=0.16.1,<0.20",  # 0.16.1 is the newest release for Python 3.11
+        "transformers>=4.51",
+        "safetensors",
+        "tokenizers",
+        "sympy",
+        "numpy",
+        # megatron-core imports these at run time without declaring them.
+        "einops",
+        "psutil",
+        "tqdm",
+        "matplotlib",
+    ],
+    extras_require={
+        "transformer-engine": ["transformer-engine[pytorch]"],
+        "sglang": ["sglang"],
+        "docker": ["docker"],
+        "wandb": ["wandb"],
+        "nemo-run": ["nemo-run"],
+        "dev": ["pytest", "pytest-timeout"],
+    },
+    entry_points={"console_scripts": ["megarl-verify = megarl.cli.verify:main"]},
+)
