@@ -1,0 +1,206 @@
+"""The Megatron policy: per-token log-probs and the update step, at any TP x PP x DP.
+
+Batches are right-padded token matrices `tokens [B, S]`. Log-probs are aligned with targets:
+`logp[b, t] = log p(tokens[b, t + 1] | tokens[b, :t + 1])`, shape `[B, S - 1]`, computed from vocab-parallel
+logits (divided by the sampling temperature) without gathering the vocabulary. Only the last pipeline stage
+holds log-probs and losses; the other stages get `None`.
+
+The loss is supplied by the caller as `loss_fn(logp, micro_batch) -> (loss_sum, denominator, metrics)`:
+Megatron sums `loss_sum` and `denominator` over micro-batches and DP ranks and divides once
+(`calculate_per_token_loss`), so the update does not depend on how the global batch is split.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from functools import partial
+from typing import Callable
+
+import torch
+import torch.distributed as dist
+
+from megarl.mcore import convert, cpu_compat, parallel
+from megarl.mcore.model import ModelShape, build_gpt_model, transformer_config
+
+LossFn = Callable[[torch.Tensor, dict], tuple[torch.Tensor, torch.Tensor, dict[str, torch.Tensor]]]
+
+
+@dataclass
+class OptimConfig:
+    lr: float = 1e-5
+    min_lr: float = 0.0
+    weight_decay: float = 0.0
+    adam_beta1: float = 0.9
+    adam_beta2: float = 0.999
+    adam_eps: float = 1e-8
+    clip_grad: float = 1.0
+    lr_warmup_steps: int = 0
+    lr_decay_steps: int = 1
+    lr_decay_style: str = "constant"
+    use_distributed_optimizer: bool = False
+
+
+def _pad_rows(t: torch.Tensor, rows: int, value=0) -> torch.Tensor:
+    if t.shape[0] == rows:
+        return t
+    pad = t.new_full((rows - t.shape[0], *t.shape[1:]), value)
+    return torch.cat([t, pad], dim=0)
+
+
+def _micro_batches(batch: dict[str, torch.Tensor], micro_batch_size: int) -> list[dict[str, torch.Tensor]]:
+    """Split along rows; the last micro-batch is padded with all-masked rows so pipeline shapes match."""
+    rows = batch["tokens"].shape[0]
+    count = -(-rows // micro_batch_size)
+    out = []
+    for i in range(count):
+        mb = {k: v[i * micro_batch_size : (i + 1) * micro_batch_size] for k, v in batch.items()}
+        n = mb["tokens"].shape[0]
+        mb = {k: _pad_rows(v, micro_batch_size) for k, v in mb.items()}
+        mb["_real_rows"] = n
+        out.append(mb)
+    return out
+
+
+def token_logprobs(logits: torch.Tensor, tokens: torch.Tensor, temperature: float) -> torch.Tensor:
+    """log p(tokens[:, 1:]) from vocab-parallel logits [b, s, v/tp] (differentiable)."""
+    from megatron.core import tensor_parallel
+
+    scaled = logits[:, :-1].float() / (temperature if temperature > 0 else 1.0)
+    # vocab_parallel_cross_entropy overwrites its input: `scaled` is a fresh tensor, never the model's logits.
+    return -tensor_parallel.vocab_parallel_cross_entropy(scaled, tokens[:, 1:].contiguous())
+
+
+class MegatronPolicy:
+    """A GPTModel shard (actor when trainable, reference when frozen), its optimizer and scheduler."""
+
+    def __init__(self, shape: ModelShape, *, tp: int, pp: int, trainable: bool, optim: OptimConfig | None = None,
+                 use_transformer_engine: bool | None = None, bf16: bool = False):
+        from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
+        from megatron.core.distributed.finalize_model_grads import finalize_model_grads
+
+        self.shape = shape
+        self.trainable = trainable
+        self.config = transformer_config(shape, tp=tp, pp=pp, bf16=bf16,
+                                         params_dtype=torch.bfloat16 if bf16 else torch.float32)
+        module = build_gpt_model(shape, self.config, use_transformer_engine=use_transformer_engine)
+        self.optimizer = self.scheduler = None
+        if not trainable:
+            module.eval()
+            for p in module.parameters():
+                p.requires_grad_(False)
+            self.model = module
+            return
+        optim = optim or OptimConfig()
+        with cpu_compat.megatron_scope():
+            self.model = DistributedDataParallel(
+                config=self.config,
+                ddp_config=DistributedDataParallelConfig(
+                    grad_reduce_in_fp32=True, use_distributed_optimizer=optim.use_distributed_optimizer
+                ),
+                module=module,
+            )
+        # Without this Megatron's DDP never all-reduces gradients: DP ranks silently diverge.
+        self.config.finalize_model_grads_func = finalize_model_grads
+        self.config.no_sync_func = self.model.no_sync
+        self._build_optimizer(optim)
+
+    @cpu_compat.in_megatron_scope
+    def _build_optimizer(self, optim: OptimConfig) -> None:
+        from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
+        from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
+
+        self.optimizer = get_megatron_optimizer(
+            OptimizerConfig(
+                optimizer="adam", lr=optim.lr, min_lr=optim.min_lr, weight_decay=optim.weight_decay,
+                adam_beta1=optim.adam_beta1, adam_beta2=optim.adam_beta2, adam_eps=optim.adam_eps,
+                clip_grad=optim.clip_grad, bf16=self.config.bf16, params_dtype=self.config.params_dtype,
+                use_distributed_optimizer=optim.use_distributed_optimizer,
+            ),
+            [self.model],
+        )
+        self.scheduler = OptimizerParamScheduler(
+            self.optimizer, init_lr=0.0 if optim.lr_warmup_steps else optim.lr, max_lr=optim.lr,
+            min_lr=optim.min_lr, lr_warmup_steps=optim.lr_warmup_steps,
+            lr_decay_steps=max(optim.lr_decay_steps, optim.lr_warmup_steps + 1), lr_decay_style=optim.lr_decay_style,
+            start_wd=optim.weight_decay, end_wd=optim.weight_decay, wd_incr_steps=1, wd_incr_style="constant",
+        )
+
+    # -- weights -------------------------------------------------------------------------------------------
+
+    def load_hf(self, hf_dir) -> None:
+        convert.load_hf_weights(self.model, hf_dir, self.shape)
+        if self.trainable and self.optimizer is not None:
+            # Megatron's optimizer may keep fp32 main copies of the params; refresh them from the model.
+            reload = getattr(self.optimizer, "reload_model_params", None)
+            if reload is not None:
+                with cpu_compat.megatron_scope():
+                    reload()
+
+    def export_hf(self) -> list[tuple[str, torch.Tensor]]:
+        """Full HF-named weights on the model-parallel leader, [] elsewhere."""
+        return convert.export_hf_weights(self.model, self.shape)
+
+    # -- compute -------------------------------------------------------------------------------------------
+
+    def _run(self, batch: dict[str, torch.Tensor], loss_fn: LossFn | None, micro_batch_size: int,
+             temperature: float, forward_only: bool) -> list[dict]:
+        from megatron.core.pipeline_parallel import get_forward_backward_func
+
+        micro = _micro_batches(batch, micro_batch_size)
+        seq_len = batch["tokens"].shape[1]
+
+        def loss_func(mb, output):
+            logp = token_logprobs(output, mb["tokens"], temperature)
+            if loss_fn is None:
+                zero = logp.sum() * 0.0
+                return zero, torch.tensor(1, dtype=torch.int), {"logprobs": logp.detach()[: mb["_real_rows"]]}
+            loss_sum, denom, metrics = loss_fn(logp, mb)
+            return loss_sum, denom.to(torch.int), metrics
+
+        def forward_step(data_iterator, model):
+            mb = next(data_iterator)
+            tokens = mb["tokens"]
+            positions = torch.arange(tokens.shape[1], device=tokens.device).unsqueeze(0).expand_as(tokens)
+            output = model(tokens, positions, None)
+            return output, partial(loss_func, mb)
+
+        with cpu_compat.megatron_scope():
+            return get_forward_backward_func()(
+                forward_step_func=forward_step,
+                data_iterator=iter(micro),
+                model=[self.model],
+                num_microbatches=len(micro),
+                seq_length=seq_len,
+                micro_batch_size=micro_batch_size,
+                forward_only=forward_only,
+            )
+
+    @torch.no_grad()
+    def logprobs(self, tokens: torch.Tensor, *, micro_batch_size: int, temperature: float = 1.0) -> torch.Tensor | None:
+        """Per-token log-probs [B, S - 1] on the last pipeline stage, None on the others."""
+        self.model.eval()
+        outputs = self._run({"tokens": tokens}, None, micro_batch_size, temperature, forward_only=True)
+        if not outputs:
+            return None
+        return torch.cat([o["logprobs"] for o in outputs], dim=0)
+
+    def train_step(self, batch: dict[str, torch.Tensor], loss_fn: LossFn, *, micro_batch_size: int,
+                   temperature: float = 1.0) -> dict[str, float]:
+        """One optimizer step over `batch` (this DP rank's share of the global batch)."""
+        assert self.trainable, "the reference model is frozen"
+        self.model.train()
+        self.model.zero_grad_buffer()
+        self.optimizer.zero_grad()
+        outputs = self._run(batch, loss_fn, micro_batch_size, temperature, forward_only=False)
+        with cpu_compat.megatron_scope():
+            ok, grad_norm, _ = self.optimizer.step()
+        self.scheduler.step(increment=1)
+        # Metrics live on the last stage; sum them there and let the caller reduce over ranks.
+        sums: dict[str, float] = {}
+        for o in outputs:
+            for k, v in o.items():
+                sums[k] = sums.get(k, 0.0) + float(v)
+        sums["grad_norm"] = float(grad_norm) if grad_norm is not None else float("nan")
+        sums["update_skipped"] = 0.0 if ok else 1.0
+        sums["lr"] = self.optimizer.param_groups[0]["lr"]
+        return sums

@@ -1,0 +1,289 @@
+"""Hugging Face <-> Megatron weights: one name/reshape table per model family.
+
+Megatron names here are those of the local layer spec, with the global layer index; Transformer Engine folds
+the norms into the following linear layer (`layer_norm_weight`), mapped by `_TE_ALIASES`.
+
+Reshapes:
+- `qkv`: HF's separate q/k/v projections -> Megatron's fused `linear_qkv`, grouped by KV head:
+  for each KV group g, [q heads of g ; k_g ; v_g] rows. Because the grouping is by KV head, TP shards of the
+  fused tensor are plain row chunks.
+- `gate_up`: HF's gate/up -> Megatron's fused `linear_fc1` = [gate ; up]. Each TP rank holds
+  [gate shard ; up shard], so sharding and gathering split the two halves separately.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Iterable, Mapping
+
+import torch
+import torch.distributed as dist
+
+from megarl.mcore import cpu_compat
+from megarl.mcore.model import ModelShape
+
+
+@dataclass(frozen=True)
+class Rule:
+    mcore: str  # Megatron name; {i} is the global layer index
+    hf: tuple[str, ...]  # HF names, in the order the reshape expects
+    kind: str = "copy"  # copy | qkv | gate_up
+    when: str | None = None  # a ModelShape flag that must be true (or "untied") for the rule to apply
+
+
+_LAYER = "decoder.layers.{i}."
+_HF_LAYER = "model.layers.{i}."
+
+_DECODER_RULES = (
+    Rule("embedding.word_embeddings.weight", ("model.embed_tokens.weight",)),
+    Rule("decoder.final_layernorm.weight", ("model.norm.weight",)),
+    Rule("output_layer.weight", ("lm_head.weight",), when="untied"),
+    Rule(_LAYER + "input_layernorm.weight", (_HF_LAYER + "input_layernorm.weight",)),
+    Rule(
+        _LAYER + "self_attention.linear_qkv.weight",
+        tuple(_HF_LAYER + f"self_attn.{p}_proj.weight" for p in "qkv"),
+        kind="qkv",
+    ),
+    Rule(
+        _LAYER + "self_attention.linear_qkv.bias",
+        tuple(_HF_LAYER + f"self_attn.{p}_proj.bias" for p in "qkv"),
+        kind="qkv",
+        when="qkv_bias",
+    ),
+    Rule(_LAYER + "self_attention.linear_proj.weight", (_HF_LAYER + "self_attn.o_proj.weight",)),
+    Rule(_LAYER + "pre_mlp_layernorm.weight", (_HF_LAYER + "post_attention_layernorm.weight",)),
+    Rule(
+        _LAYER + "mlp.linear_fc1.weight",
+        (_HF_LAYER + "mlp.gate_proj.weight", _HF_LAYER + "mlp.up_proj.weight"),
+        kind="gate_up",
+    ),
+    Rule(_LAYER + "mlp.linear_fc2.weight", (_HF_LAYER + "mlp.down_proj.weight",)),
+)
+
+# Llama and Qwen2 share a layout; Qwen2 always has q/k/v biases (ModelShape.qkv_bias).
+FAMILY_RULES: dict[str, tuple[Rule, ...]] = {"llama": _DECODER_RULES, "qwen2": _DECODER_RULES}
+
+_TE_ALIASES = {
+    "self_attention.linear_qkv.layer_norm_weight": "input_layernorm.weight",
+    "mlp.linear_fc1.layer_norm_weight": "pre_mlp_layernorm.weight",
+}
+
+
+def rules_for(shape: ModelShape) -> list[Rule]:
+    if shape.family not in FAMILY_RULES:
+        raise ValueError(f"no weight table for model family {shape.family!r}; known: {', '.join(FAMILY_RULES)}")
+    flags = {"untied": not shape.tie_word_embeddings, "qkv_bias": shape.qkv_bias}
+    return [r for r in FAMILY_RULES[shape.family] if r.when is None or flags[r.when]]
+
+
+def _compile(rules: list[Rule]) -> list[tuple[re.Pattern, Rule]]:
+    out = []
+    for r in rules:
+        pattern = re.escape(r.mcore).replace(re.escape("{i}"), r"(?P<i>\d+)")
+        out.append((re.compile(pattern + "$"), r))
+    return out
+
+
+def _match(name: str, rules: list[Rule]) -> tuple[Rule, int | None]:
+    for pattern, rule in _compile(rules):
+        m = pattern.match(name)
+        if m:
+            return rule, int(m["i"]) if "i" in m.groupdict() else None
+    raise KeyError(f"Megatron parameter {name!r} has no entry in the weight table")
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Full-tensor reshapes (no parallelism).
+
+
+def _qkv_to_mcore(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, shape: ModelShape) -> torch.Tensor:
+    groups, d = shape.num_kv_heads, shape.head_dim
+    per_group = shape.num_attention_heads // groups
+    tail = q.shape[1:]
+    q = q.reshape(groups, per_group * d, *tail)
+    k = k.reshape(groups, d, *tail)
+    v = v.reshape(groups, d, *tail)
+    return torch.cat([q, k, v], dim=1).reshape(-1, *tail)
+
+
+def _qkv_to_hf(qkv: torch.Tensor, shape: ModelShape) -> tuple[torch.Tensor, ...]:
+    groups, d = shape.num_kv_heads, shape.head_dim
+    per_group = shape.num_attention_heads // groups
+    tail = qkv.shape[1:]
+    grouped = qkv.reshape(groups, (per_group + 2) * d, *tail)
+    q, k, v = torch.split(grouped, [per_group * d, d, d], dim=1)
+    return tuple(t.reshape(-1, *tail).contiguous() for t in (q, k, v))
+
+
+def hf_to_mcore_tensor(rule: Rule, hf_tensors: list[torch.Tensor], shape: ModelShape) -> torch.Tensor:
+    if rule.kind == "qkv":
+        return _qkv_to_mcore(*hf_tensors, shape)
+    if rule.kind == "gate_up":
+        return torch.cat(hf_tensors, dim=0)
+    return hf_tensors[0]
+
+
+def mcore_to_hf_tensors(rule: Rule, tensor: torch.Tensor, shape: ModelShape) -> list[torch.Tensor]:
+    if rule.kind == "qkv":
+        return list(_qkv_to_hf(tensor, shape))
+    if rule.kind == "gate_up":
+        return [t.contiguous() for t in torch.chunk(tensor, 2, dim=0)]
+    return [tensor]
+
+
+def hf_names(rule: Rule, layer: int | None) -> list[str]:
+    return [n.format(i=layer) for n in rule.hf]
+
+
+def mcore_to_hf(name: str, tensor: torch.Tensor, shape: ModelShape) -> list[tuple[str, torch.Tensor]]:
+    """One full Megatron tensor (global name) -> its HF tensors."""
+    rule, layer = _match(name, rules_for(shape))
+    return list(zip(hf_names(rule, layer), mcore_to_hf_tensors(rule, tensor, shape)))
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Local (sharded, per-stage) parameters.
+
+
+def unwrap(model: torch.nn.Module) -> torch.nn.Module:
+    while hasattr(model, "module"):
+        model = model.module
+    return model
+
+
+def global_param_names(model: torch.nn.Module) -> dict[str, str]:
+    """This stage's parameter names -> canonical names with global layer indices and local-spec naming."""
+    model = unwrap(model)
+    layer_numbers = {}
+    if hasattr(model, "decoder"):
+        for local_index, layer in enumerate(model.decoder.layers):
+            layer_numbers[local_index] = layer.layer_number - 1  # layer_number is global and 1-based
+    out = {}
+    for name, _ in model.named_parameters():
+        canonical = name
+        m = re.match(r"decoder\.layers\.(\d+)\.(.*)$", name)
+        if m:
+            rest = _TE_ALIASES.get(m[2], m[2])
+            canonical = f"decoder.layers.{layer_numbers[int(m[1])]}.{rest}"
+        out[name] = canonical
+    return out
+
+
+def _is_tp_sharded(param: torch.Tensor) -> bool:
+    return bool(getattr(param, "tensor_model_parallel", False))
+
+
+def shard_for_tp(rule: Rule, full: torch.Tensor, param: torch.Tensor, tp_rank: int, tp_size: int) -> torch.Tensor:
+    if tp_size == 1 or not _is_tp_sharded(param):
+        return full
+    dim = param.partition_dim
+    if rule.kind == "gate_up":
+        gate, up = torch.chunk(full, 2, dim=0)
+        return torch.cat([torch.chunk(gate, tp_size, dim)[tp_rank], torch.chunk(up, tp_size, dim)[tp_rank]], dim=0)
+    return torch.chunk(full, tp_size, dim)[tp_rank]
+
+
+def gather_tp(rule: Rule, local: torch.Tensor, param: torch.Tensor, tp_group, tp_size: int) -> torch.Tensor:
+    if tp_size == 1 or not _is_tp_sharded(param):
+        return local
+    parts = [torch.empty_like(local) for _ in range(tp_size)]
+    dist.all_gather(parts, local.contiguous(), group=tp_group)
+    dim = param.partition_dim
+    if rule.kind == "gate_up":
+        halves = [torch.chunk(p, 2, dim=0) for p in parts]
+        return torch.cat([torch.cat([h[0] for h in halves], dim), torch.cat([h[1] for h in halves], dim)], dim=0)
+    return torch.cat(parts, dim)
+
+
+def _read_safetensors(path: Path, names: Iterable[str]) -> dict[str, torch.Tensor]:
+    from safetensors import safe_open
+
+    wanted = set(names)
+    files = sorted(path.glob("*.safetensors"))
+    if not files:
+        raise FileNotFoundError(f"--hf-checkpoint {path}: no *.safetensors files there")
+    out = {}
+    for f in files:
+        with safe_open(str(f), framework="pt") as handle:
+            for key in handle.keys():
+                if key in wanted:
+                    out[key] = handle.get_tensor(key)
+    missing = wanted - out.keys()
+    if missing:
+        raise KeyError(f"--hf-checkpoint {path}: tensors missing from the safetensors files: {sorted(missing)[:5]}")
+    return out
+
+
+@torch.no_grad()
+@cpu_compat.in_megatron_scope
+def load_hf_weights(model: torch.nn.Module, hf_dir: str | Path, shape: ModelShape) -> None:
+    """Copy an HF checkpoint into this rank's shard of `model` (call before wrapping in DDP)."""
+    from megatron.core import parallel_state as ps
+
+    model = unwrap(model)
+    tp_rank, tp_size = ps.get_tensor_model_parallel_rank(), ps.get_tensor_model_parallel_world_size()
+    rules = rules_for(shape)
+    names = global_param_names(model)
+    params = dict(model.named_parameters())
+    plan = {}
+    for local_name, global_name in names.items():
+        if global_name == "output_layer.weight" and shape.tie_word_embeddings:
+            plan[local_name] = (_match("embedding.word_embeddings.weight", rules)[0], None)
+        else:
+            plan[local_name] = _match(global_name, rules)
+    hf = _read_safetensors(Path(hf_dir), (n for rule, layer in plan.values() for n in hf_names(rule, layer)))
+    for local_name, (rule, layer) in plan.items():
+        full = hf_to_mcore_tensor(rule, [hf[n] for n in hf_names(rule, layer)], shape)
+        shard = shard_for_tp(rule, full, params[local_name], tp_rank, tp_size)
+        if shard.shape != params[local_name].shape:
+            raise ValueError(f"{local_name}: checkpoint gives shape {tuple(shard.shape)}, model has {tuple(params[local_name].shape)}")
+        params[local_name].copy_(shard)
+
+
+@torch.no_grad()
+@cpu_compat.in_megatron_scope
+def export_hf_weights(model: torch.nn.Module, shape: ModelShape) -> list[tuple[str, torch.Tensor]]:
+    """Gather full HF-named tensors onto the model-parallel leader (TP rank 0 of PP stage 0).
+
+    Every rank of the model-parallel group must call this (it runs collectives); the leader gets the full
+    list, the other ranks an empty one.
+    """
+    from megatron.core import parallel_state as ps
+
+    model = unwrap(model)
+    tp_group, tp_size = ps.get_tensor_model_parallel_group(), ps.get_tensor_model_parallel_world_size()
+    pp_group, pp_size = ps.get_pipeline_model_parallel_group(), ps.get_pipeline_model_parallel_world_size()
+    pp_rank, tp_rank = ps.get_pipeline_model_parallel_rank(), ps.get_tensor_model_parallel_rank()
+    rules = rules_for(shape)
+    params = dict(model.named_parameters())
+
+    stage_tensors: list[tuple[str, torch.Tensor]] = []
+    for local_name, global_name in global_param_names(model).items():
+        if global_name == "output_layer.weight" and shape.tie_word_embeddings:
+            continue  # a PP copy of the embedding, which stage 0 exports
+        rule, layer = _match(global_name, rules)
+        full = gather_tp(rule, params[local_name].detach(), params[local_name], tp_group, tp_size)
+        if tp_rank == 0:
+            stage_tensors.extend(zip(hf_names(rule, layer), mcore_to_hf_tensors(rule, full, shape)))
+
+    if tp_rank != 0:
+        return []
+    out = list(stage_tensors) if pp_rank == 0 else []
+    for stage in range(1, pp_size):
+        # Stage `stage` sends its tensors to stage 0 over the PP group of TP rank 0 ranks.
+        src = dist.get_global_rank(pp_group, stage)
+        meta = [[(n, tuple(t.shape), t.dtype) for n, t in stage_tensors] if pp_rank == stage else None]
+        dist.broadcast_object_list(meta, src=src, group=pp_group)
+        by_name = dict(stage_tensors) if pp_rank == stage else {}
+        for name, size, dtype in meta[0]:
+            buf = by_name[name].contiguous() if pp_rank == stage else torch.empty(size, dtype=dtype, device=_param_device(params))
+            dist.broadcast(buf, src=src, group=pp_group)
+            if pp_rank == 0:
+                out.append((name, buf))
+    return out
+
+
+def _param_device(params: Mapping[str, torch.Tensor]) -> torch.device:
+    return next(iter(params.values())).device

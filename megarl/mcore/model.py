@@ -1,0 +1,138 @@
+"""Build a Megatron `GPTModel` from a Hugging Face checkpoint directory (Llama and Qwen2 families)."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+from megarl.mcore import cpu_compat, parallel
+
+SUPPORTED_FAMILIES = ("llama", "qwen2")
+
+
+@dataclass(frozen=True)
+class ModelShape:
+    """The architecture facts megarl needs, read from an HF `config.json`."""
+
+    family: str
+    num_layers: int
+    hidden_size: int
+    num_attention_heads: int
+    num_kv_heads: int
+    head_dim: int
+    ffn_hidden_size: int
+    vocab_size: int
+    max_position_embeddings: int
+    rope_theta: float
+    norm_eps: float
+    tie_word_embeddings: bool
+    qkv_bias: bool
+
+    @classmethod
+    def from_hf_config(cls, cfg: dict, source: str = "config.json") -> "ModelShape":
+        family = cfg.get("model_type")
+        if family not in SUPPORTED_FAMILIES:
+            raise ValueError(f"{source}: model_type {family!r} is not supported; supported: {', '.join(SUPPORTED_FAMILIES)}")
+        heads = cfg["num_attention_heads"]
+        rope = cfg.get("rope_parameters") or cfg.get("rope_scaling") or {}
+        rope_type = rope.get("rope_type", rope.get("type", "default"))
+        if rope_type not in ("default", None):
+            raise ValueError(f"{source}: rope type {rope_type!r} is not supported yet; supported: default")
+        # transformers 5.x keeps rope_theta inside rope_parameters; 4.x at the top level.
+        rope_theta = rope.get("rope_theta", cfg.get("rope_theta", 10000.0))
+        return cls(
+            family=family,
+            num_layers=cfg["num_hidden_layers"],
+            hidden_size=cfg["hidden_size"],
+            num_attention_heads=heads,
+            num_kv_heads=cfg.get("num_key_value_heads") or heads,
+            head_dim=cfg.get("head_dim") or cfg["hidden_size"] // heads,
+            ffn_hidden_size=cfg["intermediate_size"],
+            vocab_size=cfg["vocab_size"],
+            max_position_embeddings=cfg.get("max_position_embeddings", 4096),
+            rope_theta=float(rope_theta),
+            norm_eps=cfg.get("rms_norm_eps", 1e-6),
+            tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
+            qkv_bias=family == "qwen2" or bool(cfg.get("attention_bias", False)),
+        )
+
+    @classmethod
+    def from_pretrained(cls, path: str | Path) -> "ModelShape":
+        config_path = Path(path) / "config.json"
+        if not config_path.is_file():
+            raise FileNotFoundError(f"--hf-checkpoint {path}: no config.json there (expected an HF checkpoint directory)")
+        return cls.from_hf_config(json.loads(config_path.read_text()), source=str(config_path))
+
+
+def transformer_config(shape: ModelShape, *, tp: int, pp: int, params_dtype=torch.float32, bf16=False, **overrides):
+    """The Megatron `TransformerConfig` for `shape`; fusions that need CUDA are off on a CPU machine."""
+    from megatron.core.transformer import TransformerConfig
+
+    if shape.vocab_size % tp:
+        raise ValueError(f"vocab size {shape.vocab_size} is not divisible by --tensor-model-parallel-size {tp}")
+    if shape.num_kv_heads % tp:
+        raise ValueError(f"{shape.num_kv_heads} KV heads are not divisible by --tensor-model-parallel-size {tp}")
+    if shape.num_layers % pp:
+        raise ValueError(f"{shape.num_layers} layers are not divisible by --pipeline-model-parallel-size {pp}")
+    on_gpu = torch.cuda.is_available()
+    kwargs = dict(
+        num_layers=shape.num_layers,
+        hidden_size=shape.hidden_size,
+        num_attention_heads=shape.num_attention_heads,
+        num_query_groups=shape.num_kv_heads,
+        kv_channels=shape.head_dim,
+        ffn_hidden_size=shape.ffn_hidden_size,
+        normalization="RMSNorm",
+        layernorm_epsilon=shape.norm_eps,
+        gated_linear_unit=True,
+        activation_func=F.silu,
+        add_bias_linear=False,
+        add_qkv_bias=shape.qkv_bias,
+        hidden_dropout=0.0,
+        attention_dropout=0.0,
+        tensor_model_parallel_size=tp,
+        pipeline_model_parallel_size=pp,
+        params_dtype=params_dtype,
+        pipeline_dtype=params_dtype,
+        bf16=bf16,
+        use_cpu_initialization=not on_gpu,
+        # Per-token loss: the trainer returns (loss sum, token count) and Megatron divides once by the
+        # global count, so DP=2 and DP=1 give the same update.
+        calculate_per_token_loss=True,
+        gradient_accumulation_fusion=False,
+        apply_rope_fusion=False,
+        persist_layer_norm=False,
+        bias_activation_fusion=on_gpu,
+        masked_softmax_fusion=on_gpu,
+        bias_dropout_fusion=on_gpu,
+        attention_softmax_in_fp32=True,
+    )
+    kwargs.update(overrides)
+    return TransformerConfig(**kwargs)
+
+
+@cpu_compat.in_megatron_scope
+def build_gpt_model(shape: ModelShape, config, *, use_transformer_engine: bool | None = None):
+    """A `GPTModel` holding this rank's TP shard of this rank's PP stage, randomly initialised."""
+    from megatron.core import parallel_state as ps
+    from megatron.core.models.gpt import GPTModel
+
+    model = GPTModel(
+        config=config,
+        transformer_layer_spec=parallel.layer_spec(use_transformer_engine),
+        vocab_size=shape.vocab_size,
+        max_sequence_length=shape.max_position_embeddings,
+        pre_process=ps.is_pipeline_first_stage(),
+        post_process=ps.is_pipeline_last_stage(),
+        parallel_output=True,
+        share_embeddings_and_output_weights=shape.tie_word_embeddings,
+        position_embedding_type="rope",
+        rotary_base=int(shape.rope_theta) if float(shape.rope_theta).is_integer() else shape.rope_theta,
+    )
+    if torch.cuda.is_available():
+        model.cuda(torch.cuda.current_device())
+    return model

@@ -1,0 +1,151 @@
+"""Process groups, the communication backend and the layer spec: each chosen in exactly one place here."""
+
+from __future__ import annotations
+
+import datetime
+import os
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+from megarl.mcore import cpu_compat
+
+
+def default_backend() -> str:
+    """NCCL where there is a GPU, gloo on CPU. The one place the backend is chosen."""
+    return "nccl" if torch.cuda.is_available() else "gloo"
+
+
+def device() -> torch.device:
+    if torch.cuda.is_available():
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
+def layer_spec(use_transformer_engine: bool | None = None, normalization: str = "RMSNorm"):
+    """Megatron's Transformer Engine spec on GPUs with TE installed, its local spec otherwise.
+
+    The one place the spec is chosen. `None` means "TE when available".
+    """
+    from megatron.core.models.gpt.gpt_layer_specs import (
+        get_gpt_layer_local_spec,
+        get_gpt_layer_with_transformer_engine_spec,
+    )
+
+    if use_transformer_engine is None:
+        use_transformer_engine = transformer_engine_available()
+    if use_transformer_engine:
+        if not transformer_engine_available():
+            raise RuntimeError("--transformer-impl transformer_engine needs a CUDA GPU and transformer-engine installed")
+        return get_gpt_layer_with_transformer_engine_spec()
+    return get_gpt_layer_local_spec(normalization=normalization)
+
+
+def transformer_engine_available() -> bool:
+    if not torch.cuda.is_available():
+        return False
+    try:
+        import transformer_engine  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+@dataclass(frozen=True)
+class ParallelInfo:
+    """Where this rank sits in the TP x PP x DP grid."""
+
+    rank: int
+    world_size: int
+    tp_rank: int
+    tp_size: int
+    pp_rank: int
+    pp_size: int
+    dp_rank: int
+    dp_size: int
+
+    @property
+    def is_first_stage(self) -> bool:
+        return self.pp_rank == 0
+
+    @property
+    def is_last_stage(self) -> bool:
+        return self.pp_rank == self.pp_size - 1
+
+    @property
+    def is_mp_leader(self) -> bool:
+        """The first rank of a model-parallel group: it runs the rollout engine for its DP shard."""
+        return self.tp_rank == 0 and self.pp_rank == 0
+
+
+def init_distributed(tp: int = 1, pp: int = 1, timeout_s: float = 600.0, seed: int = 0) -> ParallelInfo:
+    """Initialise torch.distributed (from torchrun's environment) and Megatron's model-parallel groups.
+
+    A collective that waits longer than `timeout_s` raises instead of hanging.
+    """
+    from megatron.core import parallel_state, tensor_parallel
+
+    cpu_compat.install()
+    if not dist.is_initialized():
+        world_size = int(os.environ.get("WORLD_SIZE", "1"))
+        rank = int(os.environ.get("RANK", "0"))
+        if "MASTER_ADDR" not in os.environ:
+            os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+            os.environ.setdefault("MASTER_PORT", "29500")
+        if torch.cuda.is_available():
+            torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+        dist.init_process_group(
+            backend=default_backend(),
+            world_size=world_size,
+            rank=rank,
+            timeout=datetime.timedelta(seconds=timeout_s),
+        )
+    world_size = dist.get_world_size()
+    if world_size % (tp * pp) != 0:
+        raise ValueError(
+            f"world size {world_size} is not divisible by --tensor-model-parallel-size {tp} x "
+            f"--pipeline-model-parallel-size {pp}"
+        )
+    parallel_state.initialize_model_parallel(
+        tensor_model_parallel_size=tp,
+        pipeline_model_parallel_size=pp,
+        distributed_timeout_minutes=max(1, int(timeout_s // 60)),
+    )
+    with cpu_compat.megatron_scope():
+        tensor_parallel.model_parallel_cuda_manual_seed(seed)
+    return parallel_info()
+
+
+def parallel_info() -> ParallelInfo:
+    from megatron.core import parallel_state as ps
+
+    return ParallelInfo(
+        rank=dist.get_rank(),
+        world_size=dist.get_world_size(),
+        tp_rank=ps.get_tensor_model_parallel_rank(),
+        tp_size=ps.get_tensor_model_parallel_world_size(),
+        pp_rank=ps.get_pipeline_model_parallel_rank(),
+        pp_size=ps.get_pipeline_model_parallel_world_size(),
+        dp_rank=ps.get_data_parallel_rank(),
+        dp_size=ps.get_data_parallel_world_size(),
+    )
+
+
+def mp_group():
+    """Ranks that hold one model replica (TP x PP)."""
+    from megatron.core import parallel_state as ps
+
+    return ps.get_model_parallel_group()
+
+
+def mp_leader_global_rank() -> int:
+    return dist.get_global_rank(mp_group(), 0)
+
+
+def destroy() -> None:
+    from megatron.core import parallel_state
+
+    if dist.is_initialized():
+        parallel_state.destroy_model_parallel()
+        dist.destroy_process_group()
