@@ -45,9 +45,9 @@ $(STAMP): setup.py
 	  else echo "== NVIDIA GPU but no CUDA torch: installing torch==$(TORCH_VERSION) (check it is a CUDA build)"; fi; \
 	  $(VPY) -m pip install --quiet "torch==$(TORCH_VERSION)" $(TORCH_PIP_ARGS); \
 	fi
-	$(VPY) -c 'import torch; print("torch==" + torch.__version__)' > $(VENV)/torch-constraint.txt
+	$(VPY) -W ignore -c 'import torch; print("torch==" + torch.__version__)' > $(VENV)/torch-constraint.txt
 	$(VPY) -m pip install --quiet --use-pep517 -c $(VENV)/torch-constraint.txt -e ".[dev]"
-	@$(VPY) -c 'import torch, megatron.core, megarl; print("== ready: torch", torch.__version__, "cuda", torch.version.cuda)'
+	@$(VPY) -W ignore -c 'import torch, megatron.core, megarl; print("== ready: torch", torch.__version__, "cuda", torch.version.cuda)'
 	@touch $@
 
 $(STARTER): | $(STAMP)
