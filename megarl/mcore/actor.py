@@ -199,7 +199,8 @@ class MegatronPolicy:
         sums: dict[str, float] = {}
         for o in outputs:
             for k, v in o.items():
-                sums[k] = sums.get(k, 0.0) + float(v)
+                v = float(v)
+                sums[k] = max(sums.get(k, v), v) if k.endswith("_max") else sums.get(k, 0.0) + v
         sums["grad_norm"] = float(grad_norm) if grad_norm is not None else float("nan")
         sums["update_skipped"] = 0.0 if ok else 1.0
         sums["lr"] = self.optimizer.param_groups[0]["lr"]

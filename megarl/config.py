@@ -1,0 +1,311 @@
+"""Typed configuration, recipes, and the command line generated from them.
+
+One dataclass per concern; each field is a flag (`--field-name`), documented by its `help`. A recipe is a bash
+file that fills arrays named `*_ARGS` (`MODEL_ARGS`, `ROLLOUT_ARGS`, ...); bash itself sources it, so comments,
+variables and `source recipes/models/<m>.sh` work. Flags after the recipe on the command line override it.
+Every problem is reported before any work starts, naming the flag, where it came from, and the valid values.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import os
+import subprocess
+import typing
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Literal
+
+
+class ConfigError(ValueError):
+    """A bad recipe, flag or value; the message names it."""
+
+
+def _f(default, help: str, **kw):
+    return field(default=default, metadata={"help": help}, **kw)
+
+
+@dataclass
+class ModelConfig:
+    hf_checkpoint: str = _f("", "Hugging Face checkpoint directory (config.json + safetensors + tokenizer) of the initial actor")
+    ref_checkpoint: str = _f("", "HF checkpoint of the frozen reference model; empty = same as --hf-checkpoint")
+    tensor_model_parallel_size: int = _f(1, "tensor-parallel size (TP)")
+    pipeline_model_parallel_size: int = _f(1, "pipeline-parallel size (PP)")
+    transformer_impl: Literal["auto", "local", "transformer_engine"] = _f(
+        "auto", "Megatron layer spec: Transformer Engine (GPU) or Megatron's local modules; auto picks TE when importable")
+    bf16: bool = _f(False, "train in bf16 with fp32 main params (GPU)")
+
+    def __post_init__(self):
+        _positive(self, "tensor_model_parallel_size", "pipeline_model_parallel_size")
+
+
+@dataclass
+class RolloutConfig:
+    rollout_backend: Literal["builtin", "sglang"] = _f("builtin", "rollout engine: megarl's built-in PyTorch engine or SGLang (GPU)")
+    n_samples_per_prompt: int = _f(8, "completions sampled per prompt (the GRPO group size)")
+    rollout_temperature: float = _f(1.0, "sampling temperature; the actor's log-probs use the same temperature")
+    rollout_top_p: float = _f(1.0, "nucleus sampling mass, 1 = off")
+    rollout_top_k: int = _f(-1, "top-k sampling, -1 = off")
+    max_response_len: int = _f(64, "maximum new tokens per completion")
+    rollout_device: Literal["auto", "cpu", "cuda"] = _f("auto", "where the built-in engine runs")
+
+    def __post_init__(self):
+        _positive(self, "n_samples_per_prompt", "max_response_len")
+        if self.rollout_temperature <= 0:
+            raise ConfigError(f"--rollout-temperature must be > 0 for RL sampling, got {self.rollout_temperature}")
+        if not 0 < self.rollout_top_p <= 1:
+            raise ConfigError(f"--rollout-top-p must be in (0, 1], got {self.rollout_top_p}")
+
+
+@dataclass
+class DataConfig:
+    prompt_data: str = _f("", "training prompts, jsonl: one object per line with the prompt, the label and the verifier")
+    eval_data: str = _f("", "held-out prompts (same format) for before/after evaluation; empty = no evaluation")
+    input_key: str = _f("prompt", "field of a data row that holds the prompt text")
+    label_key: str = _f("answer", "field of a data row that holds the ground truth given to the verifier")
+    verifier_key: str = _f("verifier", "field of a data row that names its verifier")
+    default_verifier: str = _f("", "verifier for rows without a verifier field; empty = such rows are an error")
+    rollout_batch_size: int = _f(8, "prompts per step, over all data-parallel ranks")
+    shuffle: bool = _f(True, "shuffle prompts each epoch (seeded by --seed)")
+
+    def __post_init__(self):
+        _positive(self, "rollout_batch_size")
+
+
+@dataclass
+class AlgorithmConfig:
+    advantage_estimator: Literal["grpo", "dr_grpo"] = _f("grpo", "advantage estimator")
+    policy_loss: Literal["clip"] = _f("clip", "policy loss")
+    eps_clip: float = _f(0.2, "PPO clip range, lower side")
+    eps_clip_high: float = _f(0.2, "PPO clip range, upper side (DAPO clip-higher when larger)")
+    kl_coef: float = _f(0.0, "weight of the KL(actor || reference) penalty; 0 runs no reference model")
+    kl_estimator: Literal["k1", "k2", "k3"] = _f("k3", "KL estimator")
+    loss_aggregation: Literal["token-mean", "seq-mean-token-mean"] = _f("token-mean", "how per-token losses are averaged")
+    advantage_eps: float = _f(1e-6, "added to the group std before dividing")
+
+    def __post_init__(self):
+        if self.kl_coef < 0:
+            raise ConfigError(f"--kl-coef must be >= 0, got {self.kl_coef}")
+        if self.eps_clip <= 0 or self.eps_clip_high <= 0:
+            raise ConfigError("--eps-clip and --eps-clip-high must be > 0")
+
+
+@dataclass
+class TrainingConfig:
+    num_steps: int = _f(100, "rollout + update steps")
+    max_train_minutes: float = _f(0.0, "stop after this much wall time (0 = no limit); the last step is saved")
+    lr: float = _f(1e-6, "Adam learning rate")
+    min_lr: float = _f(0.0, "learning rate at the end of the decay")
+    lr_warmup_steps: int = _f(0, "linear warmup steps")
+    lr_decay_style: Literal["constant", "linear", "cosine"] = _f("constant", "learning-rate schedule after warmup")
+    weight_decay: float = _f(0.0, "AdamW weight decay")
+    adam_beta1: float = _f(0.9, "Adam beta1")
+    adam_beta2: float = _f(0.999, "Adam beta2")
+    clip_grad: float = _f(1.0, "gradient-norm clip")
+    micro_batch_size: int = _f(8, "sequences per micro-batch")
+    updates_per_rollout: int = _f(1, "optimizer steps per rollout batch (the batch is split into this many mini-batches)")
+    use_distributed_optimizer: bool = _f(False, "shard optimizer states over data-parallel ranks")
+    seed: int = _f(1234, "seed for data order, sampling and initialisation")
+    distributed_timeout_seconds: float = _f(600.0, "a collective waiting longer than this fails instead of hanging")
+    threads_per_rank: int = _f(1, "torch intra-op threads per process on CPU")
+
+    def __post_init__(self):
+        _positive(self, "num_steps", "micro_batch_size", "updates_per_rollout", "threads_per_rank")
+        if self.lr <= 0:
+            raise ConfigError(f"--lr must be > 0, got {self.lr}")
+
+
+@dataclass
+class CheckpointConfig:
+    save: str = _f("", "directory for checkpoints (megatron dist_checkpointing); empty = no checkpoints")
+    save_interval: int = _f(0, "save every this many steps (0 = only at the end)")
+    load: str = _f("", "resume from this checkpoint directory (its latest complete step)")
+    keep_last: int = _f(2, "checkpoints kept; older ones are deleted after a newer one is complete")
+    save_hf: str = _f("", "export the final actor as an HF checkpoint directory here")
+
+
+@dataclass
+class LoggingConfig:
+    output_dir: str = _f("runs/default", "where metrics.jsonl, the reward plot and eval results go")
+    log_interval: int = _f(1, "print a line every this many steps")
+    eval_samples_per_prompt: int = _f(4, "samples per held-out prompt for the sampled accuracy")
+    eval_max_prompts: int = _f(0, "evaluate on at most this many held-out prompts (0 = all)")
+
+    def __post_init__(self):
+        _positive(self, "log_interval", "eval_samples_per_prompt")
+
+
+@dataclass
+class Config:
+    model: ModelConfig
+    rollout: RolloutConfig
+    data: DataConfig
+    algorithm: AlgorithmConfig
+    training: TrainingConfig
+    checkpoint: CheckpointConfig
+    logging: LoggingConfig
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+
+SECTIONS: dict[str, type] = {"model": ModelConfig, "rollout": RolloutConfig, "data": DataConfig, "algorithm": AlgorithmConfig,
+            "training": TrainingConfig, "checkpoint": CheckpointConfig, "logging": LoggingConfig}
+
+
+def _positive(obj, *names):
+    for n in names:
+        if getattr(obj, n) < 1:
+            raise ConfigError(f"--{n.replace('_', '-')} must be >= 1, got {getattr(obj, n)}")
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Flags.
+
+
+@dataclass(frozen=True)
+class FlagSpec:
+    section: str
+    name: str  # dataclass field
+    type: Any
+    help: str
+
+    @property
+    def flag(self) -> str:
+        return "--" + self.name.replace("_", "-")
+
+
+def flag_specs() -> dict[str, FlagSpec]:
+    out = {}
+    for section, cls in SECTIONS.items():
+        hints = typing.get_type_hints(cls)
+        for f in dataclasses.fields(cls):
+            spec = FlagSpec(section, f.name, hints[f.name], f.metadata.get("help", ""))
+            out[spec.flag] = spec
+    return out
+
+
+def _convert(spec: FlagSpec, raw: str, where: str):
+    t = spec.type
+    if typing.get_origin(t) is Literal:
+        choices = typing.get_args(t)
+        if raw not in choices:
+            raise ConfigError(f"{where}: {spec.flag} {raw!r} is not valid; choose one of: {', '.join(choices)}")
+        return raw
+    if t is bool:
+        low = raw.lower()
+        if low in ("1", "true", "yes", "on"):
+            return True
+        if low in ("0", "false", "no", "off"):
+            return False
+        raise ConfigError(f"{where}: {spec.flag} expects true/false, got {raw!r}")
+    try:
+        return t(raw)
+    except ValueError:
+        raise ConfigError(f"{where}: {spec.flag} expects {t.__name__}, got {raw!r}") from None
+
+
+def parse_flags(tokens: list[str], where: str, values: dict[str, Any] | None = None) -> dict[str, Any]:
+    """Apply `--flag value` / `--flag=value` / `--bool-flag` / `--no-bool-flag` tokens onto `values`."""
+    specs = flag_specs()
+    values = dict(values or {})
+    i = 0
+    while i < len(tokens):
+        tok = tokens[i]
+        if not tok.startswith("--"):
+            raise ConfigError(f"{where}: expected a --flag, got {tok!r}")
+        name, eq, inline = tok.partition("=")
+        negated = name.startswith("--no-") and name not in specs and ("--" + name[5:]) in specs
+        spec = specs.get("--" + name[5:] if negated else name)
+        if spec is None:
+            close = difflib.get_close_matches(name, specs, n=3)
+            hint = f"; did you mean {', '.join(close)}?" if close else "; run with --help for the list"
+            raise ConfigError(f"{where}: unknown flag {name}{hint}")
+        if spec.type is bool and not eq:
+            nxt = tokens[i + 1] if i + 1 < len(tokens) else None
+            if nxt is not None and nxt.lower() in ("true", "false", "1", "0", "yes", "no", "on", "off") and not negated:
+                values[spec.name] = _convert(spec, nxt, where)
+                i += 2
+                continue
+            values[spec.name] = not negated
+            i += 1
+            continue
+        if eq:
+            raw = inline
+            i += 1
+        else:
+            if i + 1 >= len(tokens):
+                raise ConfigError(f"{where}: {name} needs a value")
+            raw = tokens[i + 1]
+            i += 2
+        values[spec.name] = _convert(spec, raw, where)
+    return values
+
+
+def build_config(values: dict[str, Any]) -> Config:
+    sections = {}
+    for section, cls in SECTIONS.items():
+        names = {f.name for f in dataclasses.fields(cls)}
+        sections[section] = cls(**{k: v for k, v in values.items() if k in names})
+    return Config(**sections)
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Recipes.
+
+ARRAY_ORDER = ("MODEL_ARGS", "ROLLOUT_ARGS", "DATA_ARGS", "ALGORITHM_ARGS", "TRAINING_ARGS", "CHECKPOINT_ARGS",
+               "LOGGING_ARGS", "EVAL_ARGS")
+
+_DUMP = r"""
+set -e
+source "$1" >&2
+order=(%s)
+declare -A seen
+for a in "${order[@]}" $(compgen -A arrayvar | sort); do
+  [[ $a == *_ARGS ]] || continue
+  [[ -n ${seen[$a]:-} ]] && continue
+  seen[$a]=1
+  declare -n arr=$a
+  [[ $(declare -p $a 2>/dev/null) == "declare -a"* ]] || continue
+  for x in "${arr[@]}"; do printf '%%s\0' "$x"; done
+  unset -n arr
+done
+""" % " ".join(ARRAY_ORDER)
+
+
+def read_recipe(path: str | os.PathLike) -> list[str]:
+    """The flags a recipe defines, in array order. bash sources the file from the current directory; recipes
+    find their siblings through `${BASH_SOURCE[0]}`."""
+    p = Path(path)
+    if not p.is_file():
+        raise ConfigError(f"recipe {path}: no such file")
+    proc = subprocess.run(["bash", "-c", _DUMP, "megarl-recipe", str(p.resolve())], capture_output=True,
+                          text=True, timeout=30)
+    if proc.returncode != 0:
+        raise ConfigError(f"recipe {path}: bash failed (exit {proc.returncode}): {proc.stderr.strip()[-800:]}")
+    return [t for t in proc.stdout.split("\0") if t != ""]
+
+
+def parse_args(argv: list[str]) -> Config:
+    """`[recipe.sh] [--flag value ...]` -> Config. Raises ConfigError naming the problem."""
+    values: dict[str, Any] = {}
+    rest = list(argv)
+    if rest and not rest[0].startswith("--"):
+        recipe = rest.pop(0)
+        values = parse_flags(read_recipe(recipe), f"recipe {recipe}", values)
+    values = parse_flags(rest, "command line", values)
+    return build_config(values)
+
+
+def help_text() -> str:
+    lines = ["usage: torchrun --nproc-per-node N megarl/train.py [recipe.sh] [--flag value ...]", ""]
+    for section, cls in SECTIONS.items():
+        lines.append(f"{section}:")
+        for spec in flag_specs().values():
+            if spec.section == section:
+                t = spec.type
+                kind = "|".join(typing.get_args(t)) if typing.get_origin(t) is Literal else t.__name__
+                default = next(f.default for f in dataclasses.fields(cls) if f.name == spec.name)
+                lines.append(f"  {spec.flag} <{kind}> (default {default!r}): {spec.help}")
+    return "\n".join(lines)

@@ -1,0 +1,124 @@
+"""Checkpoints: model and optimizer through megatron `dist_checkpointing` (so a run saved at one TP/PP layout
+loads at another), plus the trainer's own state (step, scheduler, data position, RNG states per rank).
+
+Layout: `<dir>/iter_0000007/` holds one complete checkpoint; `<dir>/latest` names the newest complete one.
+A checkpoint is written under `iter_0000007.tmp` and renamed only once every rank has finished, and `latest` is
+replaced atomically after that, so a crash mid-save never damages the last good checkpoint.
+"""
+
+from __future__ import annotations
+
+import os
+import pickle
+import random
+import shutil
+from pathlib import Path
+
+import numpy as np
+import torch
+import torch.distributed as dist
+
+from megarl.config import ConfigError
+from megarl.mcore import cpu_compat
+from megarl.mcore.convert import unwrap
+
+LATEST = "latest"
+
+
+def _iter_name(step: int) -> str:
+    return f"iter_{step:07d}"
+
+
+def find_latest(root: str | os.PathLike, flag: str = "--load") -> Path:
+    """The newest complete checkpoint under `root`, or a ConfigError naming what is wrong."""
+    root = Path(root)
+    if not root.is_dir():
+        raise ConfigError(f"{flag} {root}: no such checkpoint directory")
+    marker = root / LATEST
+    if not marker.is_file():
+        raise ConfigError(f"{flag} {root}: no complete checkpoint there (no '{LATEST}' file)")
+    path = root / marker.read_text().strip()
+    if not path.is_dir():
+        raise ConfigError(f"{flag} {root}: '{LATEST}' names {path.name}, which does not exist")
+    return path
+
+
+def _rng_state() -> dict:
+    return {"python": random.getstate(), "numpy": np.random.get_state(), "torch": torch.get_rng_state(),
+            "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None}
+
+
+def _set_rng_state(state: dict) -> None:
+    random.setstate(state["python"])
+    np.random.set_state(state["numpy"])
+    torch.set_rng_state(state["torch"])
+    if state.get("cuda") is not None and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(state["cuda"])
+
+
+def _sharded_state_dict(policy, is_loading: bool) -> dict:
+    model_sd = unwrap(policy.model).sharded_state_dict()
+    return {"model": model_sd, "optimizer": policy.optimizer.sharded_state_dict(model_sd, is_loading=is_loading)}
+
+
+@cpu_compat.in_megatron_scope
+def save(root: str | os.PathLike, step: int, policy, trainer_state: dict, keep_last: int = 2) -> Path:
+    """Collective: every rank calls it. `trainer_state` is the same on all ranks (step, data position...)."""
+    from megatron.core import dist_checkpointing
+
+    root = Path(root)
+    final = root / _iter_name(step)
+    tmp = root / (_iter_name(step) + ".tmp")
+    rank = dist.get_rank()
+    if rank == 0:
+        root.mkdir(parents=True, exist_ok=True)
+        shutil.rmtree(tmp, ignore_errors=True)  # leftovers of a crashed save of the same step
+        tmp.mkdir()
+    dist.barrier()
+    dist_checkpointing.save(_sharded_state_dict(policy, is_loading=False), str(tmp))
+    with open(tmp / f"rank{rank:05d}.pkl", "wb") as fh:
+        pickle.dump({"rng": _rng_state()}, fh)
+    if rank == 0:
+        with open(tmp / "trainer_state.pkl", "wb") as fh:
+            pickle.dump({**trainer_state, "scheduler": policy.scheduler.state_dict(), "step": step}, fh)
+    dist.barrier()
+    if rank == 0:
+        if final.exists():
+            shutil.rmtree(final)
+        os.replace(tmp, final)
+        marker_tmp = root / (LATEST + ".tmp")
+        marker_tmp.write_text(final.name + "\n")
+        os.replace(marker_tmp, root / LATEST)
+        _prune(root, keep_last, keep=final.name)
+    dist.barrier()
+    return final
+
+
+def _prune(root: Path, keep_last: int, keep: str) -> None:
+    done = sorted(p for p in root.glob("iter_*") if p.is_dir() and not p.name.endswith(".tmp"))
+    for old in done[: max(0, len(done) - keep_last)]:
+        if old.name != keep:
+            shutil.rmtree(old, ignore_errors=True)
+
+
+@cpu_compat.in_megatron_scope
+def load(path: str | os.PathLike, policy, *, load_optimizer: bool = True, load_rng: bool = True) -> dict:
+    """Load a checkpoint saved at any TP/PP layout into `policy`; returns the trainer state."""
+    from megatron.core import dist_checkpointing
+
+    path = Path(path)
+    sd = _sharded_state_dict(policy, is_loading=True)
+    if not load_optimizer:
+        sd.pop("optimizer")
+    loaded = dist_checkpointing.load(sd, str(path))
+    unwrap(policy.model).load_state_dict(loaded["model"])
+    if load_optimizer:
+        policy.optimizer.load_state_dict(loaded["optimizer"])
+    with open(path / "trainer_state.pkl", "rb") as fh:
+        state = pickle.load(fh)
+    policy.scheduler.load_state_dict(state.pop("scheduler"))
+    rank_file = path / f"rank{dist.get_rank():05d}.pkl"
+    if load_rng and rank_file.is_file():
+        with open(rank_file, "rb") as fh:
+            _set_rng_state(pickle.load(fh)["rng"])
+    return state

@@ -1,0 +1,166 @@
+"""GRPO with a Megatron-core actor and a colocated rollout engine.
+
+    torchrun --nproc-per-node N megarl/train.py recipes/<recipe>.sh [--flag value ...]
+
+Each step: generate -> reward -> advantages -> log-probs (actor, reference) -> update -> sync weights -> log
+-> checkpoint. Data parallelism splits the prompts (a prompt's group stays on one rank); within a model-parallel
+group (TP x PP) the first rank runs the rollout engine and shares the samples with the others.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+
+# `torchrun megarl/train.py` puts megarl/ itself first on sys.path, where megarl's own module names could shadow
+# top-level packages; replace it with the repository root.
+_here = os.path.dirname(os.path.abspath(__file__))
+if sys.path and os.path.abspath(sys.path[0] or ".") == _here:
+    sys.path[0] = os.path.dirname(_here)
+
+import time  # noqa: E402
+from dataclasses import replace  # noqa: E402
+
+from megarl.config import Config, ConfigError, help_text, parse_args  # noqa: E402
+
+
+def preflight(cfg: Config) -> None:
+    """Everything that can be checked before any process group or model exists."""
+    from pathlib import Path
+
+    import torch
+
+    if cfg.rollout.rollout_backend == "sglang":
+        if not torch.cuda.is_available():
+            raise ConfigError("--rollout-backend sglang needs a CUDA GPU and this machine has none; "
+                              "use --rollout-backend builtin (the CPU default)")
+        raise ConfigError("--rollout-backend sglang is not available in this version yet; use --rollout-backend builtin")
+    if cfg.rollout.rollout_device == "cuda" and not torch.cuda.is_available():
+        raise ConfigError("--rollout-device cuda: this machine has no CUDA GPU; allowed here: auto, cpu")
+    if not cfg.model.hf_checkpoint:
+        raise ConfigError("--hf-checkpoint is required")
+    for flag, path in (("--hf-checkpoint", cfg.model.hf_checkpoint), ("--ref-checkpoint", cfg.model.ref_checkpoint)):
+        if path and not (Path(path) / "config.json").is_file():
+            raise ConfigError(f"{flag} {path}: not an HF checkpoint directory (no config.json)")
+    if cfg.checkpoint.load:
+        from megarl.mcore.checkpoint import find_latest
+
+        find_latest(cfg.checkpoint.load)
+
+
+def main(argv: list[str]) -> int:
+    if any(a in ("-h", "--help") for a in argv):
+        print(help_text())
+        return 0
+    try:
+        cfg = parse_args(argv)
+        preflight(cfg)
+        return run(cfg)
+    except ConfigError as e:
+        rank = os.environ.get("RANK", "0")
+        if rank == "0":
+            print(f"megarl: error: {e}", file=sys.stderr)
+        return 2
+
+
+def run(cfg: Config) -> int:
+    import torch
+    from transformers import AutoTokenizer
+
+    from megarl import steps
+    from megarl.data import PromptSampler, load_prompts
+    from megarl.mcore import checkpoint, parallel
+    from megarl.mcore.actor import MegatronPolicy
+    from megarl.mcore.model import ModelShape
+    from megarl.metrics import MetricsLog, format_step, plot_rewards
+
+    m, r, d, a, t, c, lg = (cfg.model, cfg.rollout, cfg.data, cfg.algorithm, cfg.training, cfg.checkpoint, cfg.logging)
+    torch.set_num_threads(t.threads_per_rank)
+    torch.manual_seed(t.seed)
+    info = parallel.init_distributed(m.tensor_model_parallel_size, m.pipeline_model_parallel_size,
+                                     timeout_s=t.distributed_timeout_seconds, seed=t.seed)
+    say = print if info.rank == 0 else (lambda *x, **k: None)
+    if d.rollout_batch_size % info.dp_size:
+        raise ConfigError(f"--rollout-batch-size {d.rollout_batch_size} is not divisible by the data-parallel size {info.dp_size}")
+
+    tokenizer = AutoTokenizer.from_pretrained(m.hf_checkpoint)
+    keys = dict(input_key=d.input_key, label_key=d.label_key, verifier_key=d.verifier_key, default_verifier=d.default_verifier)
+    prompts = load_prompts(d.prompt_data, tokenizer, **keys)
+    eval_prompts = load_prompts(d.eval_data, tokenizer, flag="--eval-data", **keys) if d.eval_data else []
+    if lg.eval_max_prompts:
+        eval_prompts = eval_prompts[: lg.eval_max_prompts]
+    shape = ModelShape.from_pretrained(m.hf_checkpoint)
+    say(f"megarl: {info.world_size} ranks (TP {info.tp_size} x PP {info.pp_size} x DP {info.dp_size}), "
+        f"{shape.family} {shape.num_layers} layers hidden {shape.hidden_size}, {len(prompts)} prompts")
+
+    actor = MegatronPolicy(shape, tp=info.tp_size, pp=info.pp_size, trainable=True, bf16=m.bf16,
+                           optim=steps.optim_config(t), use_transformer_engine=steps.use_te(m.transformer_impl))
+    reference = None
+    if a.kl_coef > 0:
+        reference = MegatronPolicy(shape, tp=info.tp_size, pp=info.pp_size, trainable=False, bf16=m.bf16,
+                                   use_transformer_engine=steps.use_te(m.transformer_impl))
+        reference.load_hf(m.ref_checkpoint or m.hf_checkpoint)
+    sampler = PromptSampler(len(prompts), seed=t.seed, shuffle=d.shuffle)
+    start_step = 0
+    if c.load:
+        state = checkpoint.load(checkpoint.find_latest(c.load), actor)
+        sampler.load_state_dict(state["sampler"])
+        start_step = state["step"]
+        say(f"megarl: resumed from {c.load} at step {start_step}")
+    else:
+        actor.load_hf(m.hf_checkpoint)
+    engine = steps.build_engine(m.hf_checkpoint, r.rollout_device) if info.is_mp_leader else None
+    steps.sync_weights(actor, engine, version=start_step)
+
+    log = MetricsLog(lg.output_dir, enabled=info.rank == 0)
+    eval_before = steps.evaluate(engine, eval_prompts, tokenizer, cfg, info) if eval_prompts and start_step == 0 else None
+    if eval_before:
+        say(f"held-out before training: sampled {100 * eval_before['sampled']:.1f}%, greedy {100 * eval_before['greedy']:.1f}%")
+
+    train_start = time.perf_counter()
+    step = start_step
+    while step < t.num_steps:
+        t0 = time.perf_counter()
+        batch_prompts = steps.prompts_for_rank(sampler, prompts, d.rollout_batch_size, info)
+        rollout = steps.generate_and_score(engine, batch_prompts, tokenizer, cfg, step, info)  # generate, reward
+        steps.compute_advantages(rollout, a)
+        timings = {"t_generate": rollout.generate_seconds, "t_reward": rollout.reward_seconds}
+        train_batch = steps.make_train_batch(rollout, tokenizer)
+        t1 = time.perf_counter()
+        steps.add_logprobs(train_batch, actor, reference, cfg)  # log-probs (old when needed, reference)
+        timings["t_logprobs"] = time.perf_counter() - t1
+        t1 = time.perf_counter()
+        update = steps.update(actor, train_batch, cfg)
+        timings["t_update"] = time.perf_counter() - t1
+        t1 = time.perf_counter()
+        steps.sync_weights(actor, engine, version=step + 1)
+        timings["t_sync"] = time.perf_counter() - t1
+        step += 1
+        row = steps.step_metrics(step, rollout, update, timings, time.perf_counter() - t0, info)
+        log.write(row)
+        if step % lg.log_interval == 0 or step == t.num_steps:
+            say(format_step(row, t.num_steps), flush=True)
+        out_of_time = steps.agree_any(t.max_train_minutes > 0 and time.perf_counter() - train_start > 60 * t.max_train_minutes)
+        if c.save and c.save_interval and step % c.save_interval == 0:
+            checkpoint.save(c.save, step, actor, {"sampler": sampler.state_dict()}, keep_last=c.keep_last)
+        if out_of_time:
+            say(f"megarl: --max-train-minutes {t.max_train_minutes} reached after step {step}")
+            break
+    train_minutes = (time.perf_counter() - train_start) / 60
+
+    if c.save and not (c.save_interval and step % c.save_interval == 0):
+        checkpoint.save(c.save, step, actor, {"sampler": sampler.state_dict()}, keep_last=c.keep_last)
+    if c.save_hf:
+        steps.save_hf(actor, engine, tokenizer, m.hf_checkpoint, c.save_hf, info)
+    if eval_prompts:
+        eval_after = steps.evaluate(engine, eval_prompts, tokenizer, cfg, info)
+        steps.report(say, log, eval_before, eval_after, train_minutes, step, len(eval_prompts), lg)
+    elif info.rank == 0 and log.all_rows():
+        plot_rewards(log.all_rows(), log.dir / "reward_curve.png")
+    say(f"megarl: peak memory per process {steps.peak_rss_mib(info):.0f} MiB (max over ranks)")
+    parallel.destroy()
+    return 0
+
+
+if __name__ == "__main__":  # dist_checkpointing's save spawns helpers: keep the guard
+    sys.exit(main(sys.argv[1:]))
