@@ -42,7 +42,82 @@ def scenario_forward(args, info):
     return out
 
 
-SCENARIOS = {"forward": scenario_forward}
+def _synthetic_batch(vocab: int, rows: int = 8, seq: int = 12) -> dict[str, torch.Tensor]:
+    g = torch.Generator().manual_seed(99)
+    tokens = torch.randint(0, vocab, (rows, seq), generator=g)
+    mask = torch.zeros(rows, seq - 1)
+    for b in range(rows):
+        start = 2 + b % 4
+        mask[b, start : seq - 1 - b % 3] = 1.0
+    return {"tokens": tokens, "loss_mask": mask, "rollout_logp": torch.zeros(rows, seq - 1),
+            "advantages": torch.randn(rows, generator=g)}
+
+
+def _trained_actor(args, info, steps: int = 1):
+    """An actor loaded from HF and moved by `steps` GRPO updates on this DP rank's slice of a fixed batch."""
+    from megarl import steps as train_steps
+    from megarl.config import build_config
+    from megarl.mcore.actor import MegatronPolicy, OptimConfig
+    from megarl.mcore.model import ModelShape
+
+    shape = ModelShape.from_pretrained(args.hf)
+    # A large Adam eps: gradients that are zero in exact arithmetic (the key bias, by softmax shift invariance)
+    # come out as float noise, and Adam's m / sqrt(v) would blow that noise up into a full-size update.
+    actor = MegatronPolicy(shape, tp=args.tp, pp=args.pp, trainable=True, optim=OptimConfig(lr=1e-2, adam_eps=1e-4))
+    actor.load_hf(args.hf)
+    batch = _synthetic_batch(shape.vocab_size)
+    per = batch["tokens"].shape[0] // info.dp_size
+    mine = {k: v[info.dp_rank * per : (info.dp_rank + 1) * per] for k, v in batch.items()}
+    cfg = build_config({})
+    losses = []
+    for _ in range(steps):
+        out = actor.train_step(mine, train_steps.make_loss_fn(cfg), micro_batch_size=2, temperature=1.0)
+        losses.append(out.get("loss_num", 0.0))
+    return actor, shape, losses
+
+
+def scenario_dp_step(args, info):
+    """Weights after two updates on a fixed global batch, however it is split over DP ranks."""
+    actor, _, losses = _trained_actor(args, info, steps=2)
+    return {"exported": dict(actor.export_hf()), "losses": losses}
+
+
+def scenario_sync(args, info):
+    """After an update and a weight sync, the built-in engine's log-probs equal the actor's."""
+    from megarl import steps as train_steps
+
+    actor, shape, _ = _trained_actor(args, info)
+    engine = train_steps.build_engine(args.hf, "cpu") if info.is_mp_leader else None
+    train_steps.sync_weights(actor, engine, version=1)
+    tokens = _fixed_tokens(shape.vocab_size)
+    out = {"actor_logprobs": actor.logprobs(tokens, micro_batch_size=2, temperature=0.7)}
+    if engine is not None:
+        out["engine_logprobs"] = torch.tensor(engine.score(tokens.tolist(), [1] * tokens.shape[0], temperature=0.7))
+        out["engine_version"] = engine.weight_version
+    return out
+
+
+def scenario_ckpt_save(args, info):
+    from megarl.mcore import checkpoint
+
+    actor, shape, _ = _trained_actor(args, info)
+    checkpoint.save(args.ckpt, 1, actor, {"sampler": {"epoch": 0, "position": 0}})
+    return {"logprobs": actor.logprobs(_fixed_tokens(shape.vocab_size), micro_batch_size=2)}
+
+
+def scenario_ckpt_load(args, info):
+    from megarl.mcore import checkpoint
+    from megarl.mcore.actor import MegatronPolicy
+    from megarl.mcore.model import ModelShape
+
+    shape = ModelShape.from_pretrained(args.hf)
+    actor = MegatronPolicy(shape, tp=args.tp, pp=args.pp, trainable=True)
+    state = checkpoint.load(checkpoint.find_latest(args.ckpt), actor)
+    return {"logprobs": actor.logprobs(_fixed_tokens(shape.vocab_size), micro_batch_size=2), "step": state["step"]}
+
+
+SCENARIOS = {"forward": scenario_forward, "dp_step": scenario_dp_step, "sync": scenario_sync,
+             "ckpt_save": scenario_ckpt_save, "ckpt_load": scenario_ckpt_load}
 
 
 def main():
@@ -53,6 +128,7 @@ def main():
     p.add_argument("--tp", type=int, default=1)
     p.add_argument("--pp", type=int, default=1)
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--ckpt", default="")
     args = p.parse_args()
     info = _setup(args)
     result = SCENARIOS[args.scenario](args, info)

@@ -1,0 +1,56 @@
+"""Shared test helpers: tiny models made locally, and a bounded torchrun launcher."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def make_tiny_hf_model(out: Path, family: str = "qwen2", tie: bool = False, seed: int = 0, layers: int = 2,
+                       vocab: int = 96, with_tokenizer: bool = False) -> Path:
+    """A random Llama/Qwen2 created with `transformers` (no hub) and saved as an HF checkpoint directory."""
+    import torch
+    from transformers import AutoModelForCausalLM, LlamaConfig, Qwen2Config
+
+    torch.manual_seed(seed)
+    cls = {"qwen2": Qwen2Config, "llama": LlamaConfig}[family]
+    cfg = cls(vocab_size=vocab, hidden_size=64, intermediate_size=128, num_hidden_layers=layers,
+              num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64, tie_word_embeddings=tie)
+    model = AutoModelForCausalLM.from_config(cfg).float().eval()
+    model.save_pretrained(out)
+    if with_tokenizer:
+        from megarl.tasks.arithmetic import build_tokenizer
+
+        build_tokenizer(out)
+    return out
+
+
+def env() -> dict:
+    e = dict(os.environ)
+    e["PYTHONPATH"] = str(REPO) + os.pathsep + e.get("PYTHONPATH", "")
+    e.setdefault("OMP_NUM_THREADS", "1")
+    e["PYTHONWARNINGS"] = "ignore"
+    return e
+
+
+def torchrun(nproc: int, script: str, *args: str, timeout: float = 300, check: bool = True,
+             port: int | None = None) -> subprocess.CompletedProcess:
+    """Run `script` under torchrun on `nproc` CPU processes; a hang fails after `timeout` seconds."""
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(nproc),
+           "--master-port", str(port or _free_port()), script, *map(str, args)]
+    proc = subprocess.run(cmd, cwd=REPO, env=env(), capture_output=True, text=True, timeout=timeout)
+    if check and proc.returncode != 0:
+        raise AssertionError(f"{' '.join(cmd)} failed with {proc.returncode}:\n{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}")
+    return proc
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
