@@ -1,0 +1,105 @@
+"""`megarl/train.py` end to end on the starter model: exact resume, and bad input that fails cleanly."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from helpers import REPO, env, torchrun
+
+pytestmark = [pytest.mark.distributed, pytest.mark.slow]
+TRAIN = "megarl/train.py"
+COMPARED = ("reward_mean", "accuracy", "loss", "kl", "clip_frac", "grad_norm", "response_len")
+
+
+def _common(starter: Path, out: Path) -> list[str]:
+    return ["recipes/tiny_cpu.sh", "--hf-checkpoint", starter, "--prompt-data", starter / "train.jsonl",
+            "--eval-data", "", "--max-train-minutes", "0", "--rollout-batch-size", "4", "--n-samples-per-prompt", "4",
+            "--micro-batch-size", "8", "--lr", "3e-4", "--kl-coef", "0.01", "--output-dir", out, "--log-interval", "1"]
+
+
+def _metrics(out: Path) -> dict[int, dict]:
+    return {row["step"]: row for row in map(json.loads, (out / "metrics.jsonl").read_text().splitlines())}
+
+
+@pytest.fixture(scope="module")
+def runs(starter, tmp_path_factory):
+    """An uninterrupted 6-step run, and a 3-step run resumed to 6 steps from its checkpoint."""
+    root = tmp_path_factory.mktemp("runs")
+    full, first, resumed = root / "full", root / "first", root / "resumed"
+    torchrun(2, TRAIN, *_common(starter, full), "--num-steps", 6, timeout=400)
+    torchrun(2, TRAIN, *_common(starter, first), "--num-steps", 3, "--save", root / "ckpt", timeout=400)
+    torchrun(2, TRAIN, *_common(starter, resumed), "--num-steps", 6, "--load", root / "ckpt", timeout=400)
+    return {"full": _metrics(full), "first": _metrics(first), "resumed": _metrics(resumed), "ckpt": root / "ckpt",
+            "starter": starter}
+
+
+def test_resumed_run_matches_uninterrupted(runs):
+    full, first, resumed = runs["full"], runs["first"], runs["resumed"]
+    assert sorted(resumed) == [4, 5, 6], "the resumed run starts after the checkpointed step"
+    assert any(full[s]["loss"] != 0.0 for s in full), "all-zero losses would make the comparison vacuous"
+    for step in (1, 2, 3):
+        for key in COMPARED:
+            assert first[step][key] == full[step][key], (step, key)
+    for step in (4, 5, 6):
+        for key in COMPARED:
+            assert resumed[step][key] == full[step][key], (step, key)  # bitwise on CPU, same seeds
+
+
+def _fingerprint(root: Path) -> dict[str, str]:
+    return {str(p.relative_to(root)): hashlib.sha256(p.read_bytes()).hexdigest()
+            for p in sorted(root.rglob("*")) if p.is_file()}
+
+
+def _train_single(*args) -> subprocess.CompletedProcess:
+    """One process, as `python megarl/train.py ...` (torchrun's environment is optional for one rank)."""
+    e = env()
+    e.update(MASTER_ADDR="127.0.0.1", MASTER_PORT="29517")
+    return subprocess.run([sys.executable, TRAIN, *map(str, args)], cwd=REPO, env=e, capture_output=True,
+                          text=True, timeout=300)
+
+
+def test_bad_input_fails_clearly_and_keeps_checkpoint(runs, tmp_path):
+    starter, ckpt = runs["starter"], runs["ckpt"]
+    before = _fingerprint(ckpt)
+    base = _common(starter, tmp_path / "out") + ["--save", ckpt]
+
+    bad_flag = _train_single(*base, "--learning-rate", "1e-3")
+    assert bad_flag.returncode == 2
+    assert "unknown flag --learning-rate" in bad_flag.stderr and "command line" in bad_flag.stderr
+
+    bad_choice = _train_single(*base, "--advantage-estimator", "ppo2")
+    assert bad_choice.returncode == 2 and "grpo, dr_grpo" in bad_choice.stderr
+
+    recipe = tmp_path / "typo.sh"
+    recipe.write_text("TRAINING_ARGS=(--num-step 5)\n")
+    bad_recipe = _train_single(recipe)
+    assert bad_recipe.returncode == 2
+    assert f"recipe {recipe}: unknown flag --num-step" in bad_recipe.stderr and "--num-steps" in bad_recipe.stderr
+
+    missing = _train_single(*base, "--load", tmp_path / "no-such-ckpt")
+    assert missing.returncode == 2 and f"--load {tmp_path / 'no-such-ckpt'}: no such checkpoint directory" in missing.stderr
+
+    data = tmp_path / "bad.jsonl"
+    lines = (starter / "train.jsonl").read_text().splitlines()[:5]
+    lines[2] = '{"prompt": "1+1=", "answer": 2'  # line 3: truncated JSON
+    data.write_text("\n".join(lines) + "\n")
+    malformed = _train_single(*base, "--load", ckpt, "--prompt-data", data)
+    assert malformed.returncode == 2
+    assert f"{data}:3: not valid JSON" in malformed.stderr
+
+    assert _fingerprint(ckpt) == before, "a failed start must not touch the existing checkpoint"
+
+
+def test_gpu_recipe_parses_and_fails_clearly_on_cpu():
+    import torch
+
+    if torch.cuda.is_available():
+        pytest.skip("this checks the CPU-machine message")
+    proc = _train_single("recipes/r1_math.sh")
+    assert proc.returncode == 2
+    assert "--rollout-backend sglang needs a CUDA GPU" in proc.stderr
