@@ -1,0 +1,409 @@
+"""Typed config from bash recipes and the command line (`megarl/config.py`).
+
+Recipes are real bash run by `read_recipe`, so these tests write small recipes into tmp_path; the last group
+parses the repository's own recipes and checks the values written in them.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import typing
+from pathlib import Path
+
+import pytest
+
+from megarl.config import SECTIONS, Config, ConfigError, help_text, parse_args, read_recipe
+
+REPO = Path(__file__).resolve().parents[2]
+
+# A model-shape file kept beside the recipe, as recipes/models/<m>.sh is: the recipe finds it through
+# ${BASH_SOURCE[0]}, which only works if read_recipe sources the file by its own path.
+MODEL_SH = """\
+# model shape: where the checkpoint is and how to split it
+CKPT_ROOT=/ckpts
+MODEL_ARGS=(
+  --hf-checkpoint "$CKPT_ROOT/tiny"   # a comment inside the array
+  --tensor-model-parallel-size 2
+  --transformer-impl local
+)
+"""
+
+RECIPE_SH = """\
+# A test recipe: comments, variables, arithmetic, a value with spaces, a sourced sibling.
+HERE=$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)
+source "$HERE/models/tiny.sh"
+echo "recipes may print; this must not become a flag"
+GROUP=4
+
+ROLLOUT_ARGS=(
+  --n-samples-per-prompt $GROUP
+  # a whole-line comment between flags
+  --max-response-len $((GROUP * 16))     # 64
+  --rollout-top-k -1
+  --rollout-top-p 0.95
+)
+
+DATA_ARGS=(
+  --prompt-data "$HERE/my data/train set.jsonl"
+  --rollout-batch-size $((GROUP * 2 + 1))
+)
+
+TRAINING_ARGS=(
+  --num-steps 7
+  --lr 3e-5
+  --seed 99
+)
+"""
+
+
+@pytest.fixture
+def recipe(tmp_path) -> Path:
+    (tmp_path / "models").mkdir()
+    (tmp_path / "models" / "tiny.sh").write_text(MODEL_SH)
+    path = tmp_path / "recipe.sh"
+    path.write_text(RECIPE_SH)
+    return path
+
+
+def write_recipe(tmp_path: Path, text: str, name: str = "r.sh") -> Path:
+    path = tmp_path / name
+    path.write_text(text)
+    return path
+
+
+# ------------------------------------------------------------------------------------------------ recipes
+
+
+def test_read_recipe_returns_flags_in_array_order(recipe):
+    here = str(recipe.parent.resolve())
+    assert read_recipe(recipe) == [
+        "--hf-checkpoint", "/ckpts/tiny", "--tensor-model-parallel-size", "2", "--transformer-impl", "local",
+        "--n-samples-per-prompt", "4", "--max-response-len", "64", "--rollout-top-k", "-1", "--rollout-top-p", "0.95",
+        "--prompt-data", f"{here}/my data/train set.jsonl", "--rollout-batch-size", "9",
+        "--num-steps", "7", "--lr", "3e-5", "--seed", "99",
+    ]
+
+
+def test_recipe_parses_to_typed_values(recipe, monkeypatch, tmp_path):
+    # Run from another directory: the sibling file must be found relative to the recipe, not the cwd.
+    monkeypatch.chdir(tmp_path / "models")
+    cfg = parse_args([str(recipe)])
+    assert isinstance(cfg, Config)
+    assert cfg.model.hf_checkpoint == "/ckpts/tiny"
+    assert cfg.model.tensor_model_parallel_size == 2 and type(cfg.model.tensor_model_parallel_size) is int
+    assert cfg.model.transformer_impl == "local"
+    assert cfg.rollout.n_samples_per_prompt == 4
+    assert cfg.rollout.max_response_len == 64
+    assert cfg.rollout.rollout_top_k == -1
+    assert cfg.rollout.rollout_top_p == 0.95 and type(cfg.rollout.rollout_top_p) is float
+    assert cfg.data.prompt_data == f"{recipe.parent.resolve()}/my data/train set.jsonl"
+    assert cfg.data.rollout_batch_size == 9
+    assert cfg.training.num_steps == 7
+    assert cfg.training.lr == 3e-5 and type(cfg.training.lr) is float
+    assert cfg.training.seed == 99
+    # Untouched settings keep their dataclass defaults.
+    assert cfg.model.pipeline_model_parallel_size == 1
+    assert cfg.algorithm.advantage_estimator == "grpo"
+    assert cfg.data.shuffle is True and cfg.model.bf16 is False
+
+
+def test_command_line_overrides_recipe(recipe):
+    cfg = parse_args([str(recipe), "--num-steps", "3", "--tensor-model-parallel-size=1", "--lr", "1e-3"])
+    assert cfg.training.num_steps == 3
+    assert cfg.model.tensor_model_parallel_size == 1
+    assert cfg.training.lr == 1e-3
+    assert cfg.training.seed == 99  # not overridden
+
+
+def test_later_array_overrides_earlier_and_extra_args_arrays_are_read(tmp_path):
+    # Arrays outside the known order (here CUSTOM_ARGS) are read after the known ones; the last value wins.
+    path = write_recipe(tmp_path, "TRAINING_ARGS=(--seed 1 --num-steps 2)\nMODEL_ARGS=(--seed 5)\nCUSTOM_ARGS=(--num-steps 9)\n")
+    cfg = parse_args([str(path)])
+    assert cfg.training.seed == 1  # MODEL_ARGS comes before TRAINING_ARGS whatever the file order
+    assert cfg.training.num_steps == 9
+
+
+def test_non_array_args_variables_are_ignored(tmp_path):
+    path = write_recipe(tmp_path, 'NOTE_ARGS="--seed 5"\nTRAINING_ARGS=(--seed 6)\n')
+    assert read_recipe(path) == ["--seed", "6"]
+
+
+# ------------------------------------------------------------------------------------------------ flag forms
+
+
+def test_equals_form():
+    cfg = parse_args(["--rollout-backend=sglang", "--num-steps=12", "--output-dir=a b=c"])
+    assert cfg.rollout.rollout_backend == "sglang"
+    assert cfg.training.num_steps == 12
+    assert cfg.logging.output_dir == "a b=c"  # only the first '=' separates flag and value
+
+
+def test_defaults_without_any_flags():
+    cfg = parse_args([])
+    assert cfg.training.num_steps == 100 and cfg.rollout.rollout_backend == "builtin" and cfg.data.shuffle is True
+
+
+@pytest.mark.parametrize(
+    "argv, bf16, shuffle",
+    [
+        (["--bf16"], True, True),
+        (["--bf16", "true"], True, True),
+        (["--bf16", "--seed", "3"], True, True),  # a bare bool flag does not swallow the next flag
+        (["--no-shuffle"], False, False),
+        (["--shuffle", "false"], False, False),
+        (["--shuffle", "0"], False, False),
+        (["--shuffle=false"], False, False),
+        (["--shuffle=off"], False, False),
+        (["--no-shuffle", "--shuffle"], False, True),  # the last one wins
+        (["--bf16=no"], False, True),
+        (["--no-bf16"], False, True),
+    ],
+)
+def test_bool_flags(argv, bf16, shuffle):
+    cfg = parse_args(argv)
+    assert cfg.model.bf16 is bf16
+    assert cfg.data.shuffle is shuffle
+
+
+def test_bare_bool_flag_then_positional_value_is_an_error():
+    # "--bf16 maybe" is not a bool value, so --bf16 is bare and "maybe" is a stray token.
+    with pytest.raises(ConfigError, match="expected a --flag, got 'maybe'"):
+        parse_args(["--bf16", "maybe"])
+
+
+def test_bool_equals_form_rejects_non_bool():
+    with pytest.raises(ConfigError, match=r"--shuffle expects true/false, got 'maybe'"):
+        parse_args(["--shuffle=maybe"])
+
+
+@pytest.mark.xfail(strict=True, reason="parse_flags ignores the --no- prefix when a value is given with '=': "
+                   "--no-shuffle=true sets shuffle=True (and --no-shuffle=false sets it False)")
+def test_negated_bool_flag_with_inline_value_is_not_silently_inverted():
+    try:
+        cfg = parse_args(["--no-shuffle=true"])
+    except ConfigError:
+        return  # rejecting the combination would be fine too
+    assert cfg.data.shuffle is False
+
+
+@pytest.mark.xfail(strict=True, reason="parse_flags accepts the --no- prefix on non-bool flags and ignores it: "
+                   "--no-seed 5 sets seed=5 instead of failing as an unknown flag")
+@pytest.mark.parametrize("argv", [["--no-seed", "5"], ["--no-rollout-backend", "sglang"]])
+def test_no_prefix_only_applies_to_bool_flags(argv):
+    with pytest.raises(ConfigError, match=f"unknown flag {argv[0]}"):
+        parse_args(argv)
+
+
+# ------------------------------------------------------------------------------------------------ errors
+
+
+def test_unknown_flag_on_command_line_suggests_close_ones():
+    with pytest.raises(ConfigError) as e:
+        parse_args(["--rollout-batchsize", "8"])
+    msg = str(e.value)
+    assert msg.startswith("command line:")
+    assert "unknown flag --rollout-batchsize" in msg
+    assert "--rollout-batch-size" in msg
+
+
+def test_unknown_flag_in_recipe_names_the_recipe(tmp_path):
+    path = write_recipe(tmp_path, "TRAINING_ARGS=(\n  --num-step 10\n)\n")
+    with pytest.raises(ConfigError) as e:
+        parse_args([str(path)])
+    msg = str(e.value)
+    assert f"recipe {path}" in msg
+    assert "command line" not in msg
+    assert "unknown flag --num-step" in msg and "--num-steps" in msg
+
+
+def test_unknown_flag_without_close_match_points_to_help():
+    with pytest.raises(ConfigError, match=r"unknown flag --zzzzzzzz; run with --help"):
+        parse_args(["--zzzzzzzz", "1"])
+
+
+def test_stray_value_is_an_error():
+    with pytest.raises(ConfigError, match="command line: expected a --flag, got 'oops'"):
+        parse_args(["--seed", "1", "oops"])
+
+
+def test_bad_literal_lists_allowed_values():
+    with pytest.raises(ConfigError) as e:
+        parse_args(["--advantage-estimator", "ppo"])
+    msg = str(e.value)
+    assert "--advantage-estimator" in msg and "'ppo'" in msg
+    assert "grpo" in msg and "dr_grpo" in msg
+
+
+def test_bad_literal_in_recipe_names_recipe(tmp_path):
+    path = write_recipe(tmp_path, "ROLLOUT_ARGS=(--rollout-backend vllm)\n")
+    with pytest.raises(ConfigError) as e:
+        parse_args([str(path)])
+    assert f"recipe {path}" in str(e.value)
+    assert "builtin, sglang" in str(e.value)
+
+
+@pytest.mark.parametrize("flag, raw, kind", [("--num-steps", "ten", "int"), ("--num-steps", "2.5", "int"),
+                                             ("--lr", "fast", "float")])
+def test_non_numeric_value(flag, raw, kind):
+    with pytest.raises(ConfigError, match=f"{flag} expects {kind}, got '{raw}'"):
+        parse_args([flag, raw])
+
+
+def test_value_missing_at_end():
+    with pytest.raises(ConfigError, match="command line: --seed needs a value"):
+        parse_args(["--num-steps", "3", "--seed"])
+
+
+@pytest.mark.parametrize(
+    "argv, pattern",
+    [
+        (["--num-steps", "0"], r"--num-steps must be >= 1, got 0"),
+        (["--micro-batch-size", "-2"], r"--micro-batch-size must be >= 1, got -2"),
+        (["--tensor-model-parallel-size", "0"], r"--tensor-model-parallel-size must be >= 1"),
+        (["--rollout-batch-size", "0"], r"--rollout-batch-size must be >= 1"),
+        (["--rollout-top-p", "1.5"], r"--rollout-top-p must be in \(0, 1\], got 1.5"),
+        (["--rollout-top-p", "0"], r"--rollout-top-p must be in \(0, 1\]"),
+        (["--rollout-temperature", "0"], r"--rollout-temperature must be > 0"),
+        (["--kl-coef", "-0.1"], r"--kl-coef must be >= 0"),
+        (["--eps-clip", "0"], r"--eps-clip"),
+        (["--lr", "0"], r"--lr must be > 0"),
+        (["--log-interval", "0"], r"--log-interval must be >= 1"),
+    ],
+)
+def test_out_of_range_values(argv, pattern):
+    with pytest.raises(ConfigError, match=pattern):
+        parse_args(argv)
+
+
+def test_boundary_values_are_accepted():
+    cfg = parse_args(["--rollout-top-p", "1", "--num-steps", "1", "--kl-coef", "0"])
+    assert (cfg.rollout.rollout_top_p, cfg.training.num_steps, cfg.algorithm.kl_coef) == (1.0, 1, 0.0)
+
+
+def test_missing_recipe_file(tmp_path):
+    missing = tmp_path / "nope.sh"
+    with pytest.raises(ConfigError, match=f"recipe {missing}: no such file"):
+        parse_args([str(missing)])
+
+
+def test_recipe_that_exits_nonzero_reports_exit_code_and_stderr(tmp_path):
+    path = write_recipe(tmp_path, 'echo "MODEL_DIR is not set" >&2\nexit 3\n')
+    with pytest.raises(ConfigError) as e:
+        read_recipe(path)
+    msg = str(e.value)
+    assert f"recipe {path}" in msg and "exit 3" in msg and "MODEL_DIR is not set" in msg
+
+
+def test_recipe_with_bash_syntax_error(tmp_path):
+    path = write_recipe(tmp_path, "MODEL_ARGS=(\n  --seed 1\n  $((1 +)) \n)\n")
+    with pytest.raises(ConfigError) as e:
+        read_recipe(path)
+    msg = str(e.value)
+    assert f"recipe {path}: bash failed" in msg and "syntax error" in msg
+
+
+def test_recipe_failing_command_stops_it(tmp_path):
+    # The recipe runs under `set -e`: a failing command is an error, not a silently half-read recipe.
+    path = write_recipe(tmp_path, "source /no/such/model.sh\nMODEL_ARGS=(--seed 1)\n")
+    with pytest.raises(ConfigError, match=r"/no/such/model.sh"):
+        read_recipe(path)
+
+
+# ------------------------------------------------------------------------------------------------ contract
+
+
+def all_fields():
+    return [(section, f) for section, cls in SECTIONS.items() for f in dataclasses.fields(cls)]
+
+
+def test_sections_cover_config():
+    assert [f.name for f in dataclasses.fields(Config)] == list(SECTIONS)
+    assert {f.name: typing.get_type_hints(Config)[f.name] for f in dataclasses.fields(Config)} == SECTIONS
+
+
+def test_every_field_has_help():
+    undocumented = [f"{s}.{f.name}" for s, f in all_fields() if not str(f.metadata.get("help", "")).strip()]
+    assert undocumented == []
+
+
+def test_flag_names_are_unique_across_sections():
+    names = [f.name for _, f in all_fields()]
+    assert len(names) == len(set(names)) and len(names) > 40
+
+
+def test_help_text_lists_every_field_with_its_help():
+    text = help_text()
+    for section, f in all_fields():
+        flag = "--" + f.name.replace("_", "-")
+        lines = [line for line in text.splitlines() if line.strip().startswith(flag + " ")]
+        assert len(lines) == 1, flag
+        assert f.metadata["help"] in lines[0]
+        assert f"(default {f.default!r})" in lines[0]
+    for section in SECTIONS:
+        assert f"{section}:" in text.splitlines()
+    assert "<grpo|dr_grpo>" in text
+
+
+def test_every_field_default_builds_a_valid_config():
+    cfg = parse_args([])
+    for section, f in all_fields():
+        assert getattr(getattr(cfg, section), f.name) == f.default
+
+
+# ------------------------------------------------------------------------------------------------ real recipes
+
+
+@pytest.fixture
+def clean_env(monkeypatch):
+    # The recipes take these from the environment when set; the tests check the defaults written in them.
+    for var in ("STARTER_DIR", "MODEL_DIR", "DATA_DIR", "REPO_ROOT"):
+        monkeypatch.delenv(var, raising=False)
+
+
+def test_tiny_cpu_recipe(clean_env):
+    root = str(REPO)
+    starter = f"{root}/.cache/starter"
+    cfg = parse_args([str(REPO / "recipes/tiny_cpu.sh")])
+    assert cfg.model.hf_checkpoint == starter
+    assert (cfg.model.tensor_model_parallel_size, cfg.model.pipeline_model_parallel_size) == (1, 1)
+    assert cfg.model.transformer_impl == "local"
+    assert cfg.rollout.rollout_backend == "builtin"
+    assert cfg.rollout.n_samples_per_prompt == 8
+    assert cfg.rollout.rollout_temperature == 1.0
+    assert cfg.rollout.max_response_len == 8
+    assert cfg.data.prompt_data == f"{starter}/train.jsonl"
+    assert cfg.data.eval_data == f"{starter}/heldout.jsonl"
+    assert cfg.data.rollout_batch_size == 8
+    assert (cfg.algorithm.advantage_estimator, cfg.algorithm.eps_clip, cfg.algorithm.kl_coef) == ("grpo", 0.2, 0.001)
+    assert (cfg.algorithm.kl_estimator, cfg.algorithm.loss_aggregation) == ("k3", "token-mean")
+    assert (cfg.training.num_steps, cfg.training.max_train_minutes, cfg.training.lr) == (3000, 8.0, 1e-4)
+    assert (cfg.training.lr_decay_style, cfg.training.micro_batch_size, cfg.training.seed) == ("constant", 32, 1234)
+    assert cfg.logging.output_dir == f"{root}/runs/tiny_cpu"
+    assert (cfg.logging.log_interval, cfg.logging.eval_samples_per_prompt) == (10, 4)
+
+
+def test_tiny_cpu_recipe_honours_env_and_command_line(monkeypatch, tmp_path):
+    monkeypatch.setenv("STARTER_DIR", str(tmp_path))
+    cfg = parse_args([str(REPO / "recipes/tiny_cpu.sh"), "--num-steps", "5", "--max-train-minutes", "0"])
+    assert cfg.model.hf_checkpoint == str(tmp_path)
+    assert cfg.data.prompt_data == f"{tmp_path}/train.jsonl"
+    assert (cfg.training.num_steps, cfg.training.max_train_minutes) == (5, 0.0)
+
+
+def test_r1_math_recipe(clean_env):
+    root = str(REPO)
+    cfg = parse_args([str(REPO / "recipes/r1_math.sh")])
+    assert cfg.model.hf_checkpoint == "/models/Qwen2.5-Math-1.5B"
+    assert (cfg.model.tensor_model_parallel_size, cfg.model.pipeline_model_parallel_size) == (2, 1)
+    assert cfg.model.transformer_impl == "transformer_engine" and cfg.model.bf16 is True
+    assert cfg.rollout.rollout_backend == "sglang"
+    assert (cfg.rollout.n_samples_per_prompt, cfg.rollout.max_response_len) == (8, 4096)
+    assert cfg.data.prompt_data == "/data/dapo-math/train.jsonl"
+    assert cfg.data.eval_data == "/data/dapo-math/aime24.jsonl"
+    assert cfg.data.default_verifier == "math" and cfg.data.rollout_batch_size == 128
+    assert (cfg.algorithm.eps_clip, cfg.algorithm.eps_clip_high, cfg.algorithm.kl_coef) == (0.2, 0.28, 0.0)
+    assert (cfg.training.num_steps, cfg.training.lr, cfg.training.lr_warmup_steps) == (500, 1e-6, 10)
+    assert (cfg.training.weight_decay, cfg.training.clip_grad) == (0.1, 1.0)
+    assert (cfg.training.micro_batch_size, cfg.training.updates_per_rollout, cfg.training.seed) == (4, 4, 42)
+    assert (cfg.checkpoint.save, cfg.checkpoint.save_interval) == (f"{root}/checkpoints/r1_math", 20)
+    assert (cfg.logging.output_dir, cfg.logging.log_interval) == (f"{root}/runs/r1_math", 1)
