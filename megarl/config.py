@@ -216,8 +216,11 @@ def parse_flags(tokens: list[str], where: str, values: dict[str, Any] | None = N
         if not tok.startswith("--"):
             raise ConfigError(f"{where}: expected a --flag, got {tok!r}")
         name, eq, inline = tok.partition("=")
-        negated = name.startswith("--no-") and name not in specs and ("--" + name[5:]) in specs
-        spec = specs.get("--" + name[5:] if negated else name)
+        positive = specs.get("--" + name[5:]) if name.startswith("--no-") and name not in specs else None
+        negated = positive is not None and positive.type is bool
+        spec = positive if negated else specs.get(name)
+        if negated and eq:
+            raise ConfigError(f"{where}: {name} takes no value (use --{name[5:]}={inline} instead)")
         if spec is None:
             close = difflib.get_close_matches(name, specs, n=3)
             hint = f"; did you mean {', '.join(close)}?" if close else "; run with --help for the list"

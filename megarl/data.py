@@ -48,7 +48,7 @@ def load_prompts(path: str, tokenizer, *, input_key: str, label_key: str, verifi
                     raise ConfigError(f"{where}: missing field {key!r} (fields: {', '.join(row) or 'none'})")
             if not isinstance(row[input_key], str) or not row[input_key]:
                 raise ConfigError(f"{where}: field {input_key!r} must be a non-empty string")
-            verifier = row.get(verifier_key, default_verifier)
+            verifier = row.get(verifier_key) or default_verifier
             if not verifier:
                 raise ConfigError(f"{where}: no {verifier_key!r} field and no --default-verifier")
             if verifier not in known:
