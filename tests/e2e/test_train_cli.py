@@ -103,3 +103,21 @@ def test_gpu_recipe_parses_and_fails_clearly_on_cpu():
     proc = _train_single("recipes/r1_math.sh")
     assert proc.returncode == 2
     assert "--rollout-backend sglang needs a CUDA GPU" in proc.stderr
+
+
+def test_tp2_and_pp2_steps_match_tp1(starter, tmp_path):
+    """The same seeds give the same rollouts and the same first update at TP=1, TP=2 and PP=2 (DP=1 in each)."""
+    layouts = {"tp1": (1, []), "tp2": (2, ["--tensor-model-parallel-size", 2]),
+               "pp2": (2, ["--pipeline-model-parallel-size", 2])}
+    got = {}
+    for name, (nproc, extra) in layouts.items():
+        torchrun(nproc, TRAIN, *_common(starter, tmp_path / name), "--num-steps", 2, *extra, timeout=400)
+        got[name] = _metrics(tmp_path / name)
+    base = got["tp1"][1]
+    assert base["loss"] != 0.0
+    for name in ("tp2", "pp2"):
+        step = got[name][1]
+        assert step["reward_mean"] == base["reward_mean"] and step["response_len"] == base["response_len"], name
+        assert abs(step["loss"] - base["loss"]) < 1e-5, name
+        assert abs(step["grad_norm"] - base["grad_norm"]) < 1e-4 * max(1.0, base["grad_norm"]), name
+        assert step["rollout_actor_logp_absdiff_max"] < 1e-4, name  # engine and actor agree token by token
