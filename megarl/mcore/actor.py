@@ -146,7 +146,8 @@ class MegatronPolicy:
              temperature: float, forward_only: bool) -> list[dict]:
         from megatron.core.pipeline_parallel import get_forward_backward_func
 
-        micro = _micro_batches(batch, micro_batch_size)
+        device = parallel.device()
+        micro = _micro_batches({k: v.to(device) for k, v in batch.items()}, micro_batch_size)
         seq_len = batch["tokens"].shape[1]
 
         def loss_func(mb, output):

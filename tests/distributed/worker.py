@@ -16,6 +16,12 @@ def _setup(args):
     return parallel.init_distributed(tp=args.tp, pp=args.pp, timeout_s=120, seed=args.seed)
 
 
+def parallel_device() -> torch.device:
+    from megarl.mcore.parallel import device
+
+    return device()
+
+
 def _fixed_tokens(vocab: int, rows: int = 4, seq: int = 12) -> torch.Tensor:
     g = torch.Generator().manual_seed(1234)
     return torch.randint(0, vocab, (rows, seq), generator=g)
@@ -32,12 +38,13 @@ def scenario_forward(args, info):
     shape = ModelShape.from_pretrained(args.hf)
     policy = MegatronPolicy(shape, tp=args.tp, pp=args.pp, trainable=False)
     policy.load_hf(args.hf)
-    tokens = _fixed_tokens(shape.vocab_size)
-    out = {"logprobs": policy.logprobs(tokens, micro_batch_size=2, temperature=0.7)}
+    tokens = _fixed_tokens(shape.vocab_size).to(parallel_device())
+    logprobs = policy.logprobs(tokens, micro_batch_size=2, temperature=0.7)
+    out = {"logprobs": None if logprobs is None else logprobs.cpu()}
     if info.pp_size == 1:
         with cpu_compat.megatron_scope(), torch.no_grad():
-            logits = policy.model(tokens, torch.arange(tokens.shape[1]).expand_as(tokens), None)
-            out["logits"] = tensor_parallel.gather_from_tensor_model_parallel_region(logits)
+            logits = policy.model(tokens, torch.arange(tokens.shape[1], device=tokens.device).expand_as(tokens), None)
+            out["logits"] = tensor_parallel.gather_from_tensor_model_parallel_region(logits).cpu()
     out["exported"] = dict(policy.export_hf())
     return out
 
@@ -89,7 +96,7 @@ def scenario_sync(args, info):
     actor, shape, _ = _trained_actor(args, info)
     engine = train_steps.build_engine(args.hf, "cpu") if info.is_mp_leader else None
     train_steps.sync_weights(actor, engine, version=1)
-    tokens = _fixed_tokens(shape.vocab_size)
+    tokens = _fixed_tokens(shape.vocab_size).to(parallel_device())
     out = {"actor_logprobs": actor.logprobs(tokens, micro_batch_size=2, temperature=0.7)}
     if engine is not None:
         out["engine_logprobs"] = torch.tensor(engine.score(tokens.tolist(), [1] * tokens.shape[0], temperature=0.7))
