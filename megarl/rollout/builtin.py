@@ -1,0 +1,524 @@
+"""The built-in rollout engine: Llama / Qwen2 decoding in plain PyTorch.
+
+It lets megarl run, and be tested, with nothing but torch installed (CPU included); SGLang fits behind the same
+protocol for scale. It implements `RolloutEngine` for decoder-only models with RMSNorm, a SwiGLU MLP, default
+RoPE and grouped-query attention (Qwen2 adds q/k/v biases). It knows nothing of Megatron: weights arrive only as
+Hugging Face-named tensors through `update_weights`.
+
+How one `generate` call runs:
+  * all prompts x n samples decode as ONE batch. Prompts are left-padded, so every row writes its next key/value
+    into the same KV-cache column; padding is hidden by an additive key mask and positions count real tokens only.
+  * each distinct prompt is prefilled once and its KV cache copied to its n sample rows.
+  * the KV cache is preallocated per call (`KVCache`); keys are stored transposed so that decode attention is two
+    plain batched matmuls, which on CPU beat SDPA's kernel for one query per head by about 2x.
+  * decoding goes step by step; a row ends on one of `stop_token_ids` or at `max_new_tokens`, and once a quarter
+    of the batch has ended, ended rows are dropped (the batch is compacted) so they cost no more compute.
+  * log-probs are log_softmax(logits / temperature) at the chosen token, before top-k / top-p truncation,
+    i.e. what the actor recomputes (see `Completion`).
+
+Small models pay per-op dispatch on every step, so the layout is fused where HF names allow it: q/k/v are one
+matmul, gate/up are one matmul, and `update_weights` writes HF tensors into views of the fused weights.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Iterable, Iterator, Sequence
+
+import torch
+import torch.nn.functional as F
+
+from megarl.rollout.base import Completion, SamplingParams
+
+SUPPORTED_MODEL_TYPES = ("llama", "qwen2")
+_COMPACT_FRACTION = 0.25  # drop ended rows once this share of the batch has ended: copying the cache is not free
+
+
+@dataclass(frozen=True)
+class ModelShape:
+    """The parts of a Hugging Face config the engine needs."""
+
+    model_type: str
+    vocab_size: int
+    hidden_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    intermediate_size: int
+    rms_norm_eps: float
+    rope_theta: float
+    qkv_bias: bool
+    o_bias: bool
+    tie_word_embeddings: bool
+
+    @classmethod
+    def from_hf(cls, cfg: dict) -> ModelShape:
+        model_type = cfg.get("model_type")
+        if model_type not in SUPPORTED_MODEL_TYPES:
+            raise ValueError(f"BuiltinEngine supports model_type {SUPPORTED_MODEL_TYPES}, got {model_type!r}")
+        if cfg.get("hidden_act", "silu") != "silu":
+            raise ValueError(f"BuiltinEngine needs hidden_act 'silu' (SwiGLU), got {cfg['hidden_act']!r}")
+        if cfg.get("mlp_bias", False):
+            raise ValueError("BuiltinEngine does not support mlp_bias=True")
+        if cfg.get("use_sliding_window", False) or any(t != "full_attention" for t in cfg.get("layer_types") or ()):
+            raise ValueError("BuiltinEngine supports full attention only (sliding-window layers are not implemented)")
+        heads = cfg["num_attention_heads"]
+        attention_bias = bool(cfg.get("attention_bias", False))
+        return cls(
+            model_type=model_type,
+            vocab_size=cfg["vocab_size"],
+            hidden_size=cfg["hidden_size"],
+            num_layers=cfg["num_hidden_layers"],
+            num_heads=heads,
+            num_kv_heads=cfg.get("num_key_value_heads") or heads,
+            head_dim=cfg.get("head_dim") or cfg["hidden_size"] // heads,
+            intermediate_size=cfg["intermediate_size"],
+            rms_norm_eps=cfg.get("rms_norm_eps", 1e-6),
+            rope_theta=_rope_theta(cfg),
+            qkv_bias=model_type == "qwen2" or attention_bias,  # Qwen2 always has q/k/v biases
+            o_bias=model_type == "llama" and attention_bias,
+            tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
+        )
+
+
+def _rope_theta(cfg: dict) -> float:
+    """transformers >= 5 nests RoPE settings in `rope_parameters`; older configs use top-level keys."""
+    rope = cfg.get("rope_parameters") or cfg.get("rope_scaling") or {}
+    rope_type = rope.get("rope_type", rope.get("type", "default"))
+    if rope_type != "default":
+        raise ValueError(f"BuiltinEngine supports only the default RoPE, got rope_type {rope_type!r}")
+    return float(rope.get("rope_theta", cfg.get("rope_theta", 10000.0)))
+
+
+@dataclass
+class KVCache:
+    """Per-call KV cache: keys [layers, batch, kv_heads, head_dim, max_len] (transposed: q @ k needs no copy) and
+    values [layers, batch, kv_heads, max_len, head_dim]."""
+
+    k: torch.Tensor
+    v: torch.Tensor
+
+    @classmethod
+    def empty(cls, layers: int, batch: int, kv_heads: int, max_len: int, head_dim: int, **kw) -> KVCache:
+        return cls(
+            torch.empty(layers, batch, kv_heads, head_dim, max_len, **kw),
+            torch.empty(layers, batch, kv_heads, max_len, head_dim, **kw),
+        )
+
+    def repeat_rows(self, n: int) -> KVCache:
+        """Each row repeated n times consecutively (row i -> rows i*n .. i*n+n-1)."""
+        return KVCache(self.k.repeat_interleave(n, dim=1), self.v.repeat_interleave(n, dim=1))
+
+    def select_rows(self, rows: torch.Tensor) -> KVCache:
+        return KVCache(self.k.index_select(1, rows), self.v.index_select(1, rows))
+
+
+@dataclass
+class _Batch:
+    """The live rows of one decode, and everything that must stay aligned with them when rows are dropped."""
+
+    cache: KVCache
+    rows: torch.Tensor  # [B] original row index (prompt * n + sample) of each live row
+    next_pos: torch.Tensor  # [B] position of the token each row feeds next
+    key_mask: torch.Tensor  # [B, kv_heads, max_len] additive mask over cache columns: -inf on left padding
+    alive: torch.Tensor  # [B] False once a row has emitted a stop token
+
+    def repeat_rows(self, n: int) -> _Batch:
+        """Each row repeated n times consecutively; rows are renumbered 0 .. B * n - 1."""
+        return _Batch(
+            cache=self.cache.repeat_rows(n),
+            rows=torch.arange(len(self.rows) * n, device=self.rows.device),
+            next_pos=self.next_pos.repeat_interleave(n),
+            key_mask=self.key_mask.repeat_interleave(n, dim=0),
+            alive=self.alive.repeat_interleave(n),
+        )
+
+    def select_rows(self, keep: torch.Tensor) -> _Batch:
+        return _Batch(
+            self.cache.select_rows(keep), self.rows[keep], self.next_pos[keep], self.key_mask[keep], self.alive[keep]
+        )
+
+
+@dataclass
+class _Layer:
+    """One decoder layer in the engine's fused layout ([out, in] weights, as F.linear wants)."""
+
+    ln1: torch.Tensor
+    wqkv: torch.Tensor  # rows: q heads, then k heads, then v heads
+    bqkv: torch.Tensor | None
+    wo: torch.Tensor
+    bo: torch.Tensor | None
+    ln2: torch.Tensor
+    wgu: torch.Tensor  # rows: gate, then up
+    wdown: torch.Tensor
+
+
+class BuiltinEngine:
+    """A `RolloutEngine` for Llama / Qwen2 in plain PyTorch (see the module docstring)."""
+
+    def __init__(self, hf_config: dict, device: str | torch.device = "cpu", dtype: torch.dtype = torch.float32):
+        self.shape = ModelShape.from_hf(hf_config)
+        self.device = torch.device(device)
+        self.dtype = dtype
+        self.weight_version = 0
+        self._allocate_weights()
+        self._params = self._hf_views()
+        self._rope = torch.empty(0, 2, self.shape.head_dim, device=self.device, dtype=self.dtype)
+
+    @classmethod
+    def from_pretrained(
+        cls, path: str | Path, device: str | torch.device = "cpu", dtype: torch.dtype = torch.float32
+    ) -> BuiltinEngine:
+        """Build from a Hugging Face checkpoint directory (config.json + *.safetensors)."""
+        path = Path(path)
+        engine = cls(json.loads((path / "config.json").read_text()), device=device, dtype=dtype)
+        files = sorted(path.glob("*.safetensors"))
+        if not files:
+            raise FileNotFoundError(f"no *.safetensors files in {path}")
+        loaded: set[str] = set()
+
+        def tensors() -> Iterator[tuple[str, torch.Tensor]]:
+            from safetensors import safe_open
+
+            for file in files:
+                with safe_open(str(file), framework="pt", device="cpu") as f:
+                    for name in f.keys():
+                        if name.endswith("rotary_emb.inv_freq"):  # a buffer some old checkpoints saved
+                            continue
+                        loaded.add(name)
+                        yield name, f.get_tensor(name)
+
+        engine.update_weights(tensors(), version=0)
+        missing = set(engine._params) - loaded - ({"lm_head.weight"} if engine.shape.tie_word_embeddings else set())
+        if missing:
+            raise ValueError(f"checkpoint {path} lacks {len(missing)} parameters, e.g. {sorted(missing)[:3]}")
+        return engine
+
+    # ---- weights -------------------------------------------------------------------------------------------
+
+    def _allocate_weights(self) -> None:
+        s = self.shape
+        q, kv = s.num_heads * s.head_dim, s.num_kv_heads * s.head_dim
+
+        def zeros(*size: int) -> torch.Tensor:
+            return torch.zeros(size, device=self.device, dtype=self.dtype)
+
+        self.embed = zeros(s.vocab_size, s.hidden_size)
+        self.norm = zeros(s.hidden_size)
+        self.lm_head = self.embed if s.tie_word_embeddings else zeros(s.vocab_size, s.hidden_size)
+        self.layers = [
+            _Layer(
+                ln1=zeros(s.hidden_size),
+                wqkv=zeros(q + 2 * kv, s.hidden_size),
+                bqkv=zeros(q + 2 * kv) if s.qkv_bias else None,
+                wo=zeros(s.hidden_size, q),
+                bo=zeros(s.hidden_size) if s.o_bias else None,
+                ln2=zeros(s.hidden_size),
+                wgu=zeros(2 * s.intermediate_size, s.hidden_size),
+                wdown=zeros(s.hidden_size, s.intermediate_size),
+            )
+            for _ in range(s.num_layers)
+        ]
+
+    def _hf_views(self) -> dict[str, torch.Tensor]:
+        """HF parameter name -> the view of the engine's (fused) tensor that holds it."""
+        s = self.shape
+        q, kv, inter = s.num_heads * s.head_dim, s.num_kv_heads * s.head_dim, s.intermediate_size
+        views = {"model.embed_tokens.weight": self.embed, "model.norm.weight": self.norm, "lm_head.weight": self.lm_head}
+        for i, layer in enumerate(self.layers):
+            p = f"model.layers.{i}."
+            views[p + "input_layernorm.weight"] = layer.ln1
+            views[p + "post_attention_layernorm.weight"] = layer.ln2
+            for proj, rows in (("q", slice(0, q)), ("k", slice(q, q + kv)), ("v", slice(q + kv, q + 2 * kv))):
+                views[f"{p}self_attn.{proj}_proj.weight"] = layer.wqkv[rows]
+                if layer.bqkv is not None:
+                    views[f"{p}self_attn.{proj}_proj.bias"] = layer.bqkv[rows]
+            views[p + "self_attn.o_proj.weight"] = layer.wo
+            if layer.bo is not None:
+                views[p + "self_attn.o_proj.bias"] = layer.bo
+            views[p + "mlp.gate_proj.weight"] = layer.wgu[:inter]
+            views[p + "mlp.up_proj.weight"] = layer.wgu[inter:]
+            views[p + "mlp.down_proj.weight"] = layer.wdown
+        return views
+
+    @torch.no_grad()
+    def update_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]], version: int | None = None) -> None:
+        """Copy HF-named tensors (all or a subset) into the engine; tensors stream, so an error stops midway."""
+        for name, tensor in named_tensors:
+            dst = self._params.get(name)
+            if dst is None:
+                raise KeyError(
+                    f"BuiltinEngine.update_weights: unknown parameter {name!r} for a {self.shape.model_type} model "
+                    f"with {self.shape.num_layers} layers (expected Hugging Face names such as "
+                    f"'model.layers.0.self_attn.q_proj.weight')"
+                )
+            if tuple(tensor.shape) != tuple(dst.shape):
+                raise ValueError(
+                    f"BuiltinEngine.update_weights: {name!r} has shape {tuple(tensor.shape)}, "
+                    f"expected {tuple(dst.shape)}"
+                )
+            dst.copy_(tensor)
+        self.weight_version = self.weight_version + 1 if version is None else version
+
+    def release_memory(self) -> None:
+        """Nothing to free: the KV cache lives only for one `generate` call."""
+
+    def resume_memory(self) -> None:
+        """Nothing to re-acquire (see `release_memory`)."""
+
+    # ---- the transformer -----------------------------------------------------------------------------------
+
+    def _ensure_rope(self, length: int) -> None:
+        """RoPE table [length, 2, head_dim] of (cos, signed sin), in HF's half-split (`rotate_half`) convention.
+
+        HF computes x * cos + rotate_half(x) * sin with rotate_half(x) = cat(-x2, x1). Moving the minus sign into
+        the table turns the rotation into roll(x) = cat(x2, x1): one op fewer per layer and step."""
+        if length <= len(self._rope):
+            return
+        length = max(length, 2 * len(self._rope), 256)  # grow geometrically: few rebuilds over a run
+        s = self.shape
+        inv_freq = 1.0 / (s.rope_theta ** (torch.arange(0, s.head_dim, 2, dtype=torch.float32) / s.head_dim))
+        freqs = torch.outer(torch.arange(length, dtype=torch.float32), inv_freq)
+        cos, sin = freqs.cos(), freqs.sin()
+        table = torch.stack([torch.cat([cos, cos], dim=-1), torch.cat([-sin, sin], dim=-1)], dim=1)
+        self._rope = table.to(self.device, self.dtype)
+
+    def _rms_norm(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+        if x.dtype == torch.float32:
+            return F.rms_norm(x, (x.shape[-1],), weight, self.shape.rms_norm_eps)
+        # Like HF: normalise in fp32, cast back, then scale, so low-precision runs match the actor's rounding.
+        return weight * F.rms_norm(x.float(), (x.shape[-1],), eps=self.shape.rms_norm_eps).to(x.dtype)
+
+    def _attention(
+        self,
+        x: torch.Tensor,
+        layer: _Layer,
+        rope: torch.Tensor,
+        mask: torch.Tensor,
+        kv: tuple[torch.Tensor, torch.Tensor] | None,
+        start: int,
+    ) -> torch.Tensor:
+        """Self-attention of x [B, T, hidden]. With one layer's cache `kv` (see `KVCache`), the new keys and values
+        go to columns start..start+T and attention covers columns 0..start+T."""
+        s = self.shape
+        B, T, _ = x.shape
+        nq, nkv, hd = s.num_heads, s.num_kv_heads, s.head_dim
+        qkv = F.linear(x, layer.wqkv, layer.bqkv).view(B, T, nq + 2 * nkv, hd)
+        qk = qkv[:, :, : nq + nkv]
+        qk = torch.addcmul(qk * rope[..., 0, :], qk.roll(hd // 2, dims=-1), rope[..., 1, :])
+        q, k, v = qk[:, :, :nq].transpose(1, 2), qk[:, :, nq:].transpose(1, 2), qkv[:, :, nq + nkv :].transpose(1, 2)
+        if kv is not None:
+            k_cache, v_cache = kv
+            end = start + T
+            k_cache[..., start:end] = k.transpose(2, 3)
+            v_cache[:, :, start:end] = v
+            if T == 1:
+                out = self._decode_attention(q, k_cache[..., :end], v_cache[:, :, :end], mask)
+                return F.linear(out, layer.wo, layer.bo)
+            k, v = k_cache[..., :end].transpose(2, 3), v_cache[:, :, :end]
+        out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=nkv != nq)
+        return F.linear(out.transpose(1, 2).reshape(B, T, nq * hd), layer.wo, layer.bo)
+
+    def _decode_attention(self, q: torch.Tensor, k_t: torch.Tensor, v: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+        """Attention of one new token per row: q [B, heads, 1, hd], k_t [B, kv_heads, hd, L], v [B, kv_heads, L, hd],
+        additive mask [B * kv_heads, 1, L] -> [B, 1, heads * hd].
+
+        The query heads sharing a kv head act as that head's queries, so GQA needs no repeated keys (there is no
+        causal structure among them; the mask is per key). `baddbmm` folds the scale and the mask into the matmul."""
+        s = self.shape
+        B = q.shape[0]
+        q = q.reshape(B * s.num_kv_heads, s.num_heads // s.num_kv_heads, s.head_dim)
+        scores = torch.baddbmm(mask, q, k_t.flatten(0, 1), alpha=s.head_dim**-0.5)
+        probs = scores.softmax(dim=-1, dtype=torch.float32).to(v.dtype)  # fp32 softmax, as SDPA does internally
+        return torch.bmm(probs, v.flatten(0, 1)).view(B, 1, s.num_heads * s.head_dim)
+
+    def _forward(
+        self,
+        ids: torch.Tensor,
+        pos: torch.Tensor,
+        mask: torch.Tensor,
+        cache: KVCache | None = None,
+        start: int = 0,
+    ) -> torch.Tensor:
+        """Final-norm hidden states [B, T, hidden] for token ids [B, T] at positions `pos` [B, T]. `mask` is SDPA's
+        [B, 1, T, T] when T > 1 and `_decode_attention`'s [B * kv_heads, 1, start + 1] when T == 1."""
+        h = F.embedding(ids, self.embed)
+        rope = self._rope[pos].unsqueeze(2)  # [B, T, 1, 2, head_dim]: broadcasts over heads
+        for i, layer in enumerate(self.layers):
+            kv = (cache.k[i], cache.v[i]) if cache is not None else None
+            h += self._attention(self._rms_norm(h, layer.ln1), layer, rope, mask, kv, start)
+            gu = F.linear(self._rms_norm(h, layer.ln2), layer.wgu)
+            inter = self.shape.intermediate_size
+            h += F.linear(F.silu(gu[..., :inter]) * gu[..., inter:], layer.wdown)
+        return self._rms_norm(h, self.norm)
+
+    def _logits(self, h: torch.Tensor) -> torch.Tensor:
+        return F.linear(h, self.lm_head).float()
+
+    # ---- batching helpers ----------------------------------------------------------------------------------
+
+    def _left_pad(self, seqs: Sequence[Sequence[int]]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Left-padded ids [B, L], positions [B, L] (0 at each row's first real token) and pad lengths [B]."""
+        if any(len(seq) == 0 for seq in seqs):
+            raise ValueError("BuiltinEngine: every prompt / sequence needs at least one token")
+        width = max(len(seq) for seq in seqs)
+        ids = torch.zeros(len(seqs), width, dtype=torch.long)
+        for row, seq in enumerate(seqs):
+            ids[row, width - len(seq) :] = torch.as_tensor(seq, dtype=torch.long)
+        pads = torch.tensor([width - len(seq) for seq in seqs], dtype=torch.long)
+        pos = (torch.arange(width) - pads[:, None]).clamp(min=0)
+        self._ensure_rope(width + 1)
+        return ids.to(self.device), pos.to(self.device), pads.to(self.device)
+
+    def _key_mask(self, pads: torch.Tensor, width: int) -> torch.Tensor:
+        """Additive mask [B, width]: -inf over each row's left padding, 0 elsewhere."""
+        cols = torch.arange(width, device=self.device)
+        mask = torch.zeros(len(pads), width, device=self.device, dtype=self.dtype)
+        return mask.masked_fill_(cols[None, :] < pads[:, None], float("-inf"))
+
+    def _prefill_mask(self, key_mask: torch.Tensor, width: int) -> torch.Tensor:
+        """Causal + padding mask [B, 1, width, width]; the diagonal stays open so pad rows never see only -inf."""
+        causal = torch.full((width, width), float("-inf"), device=self.device, dtype=self.dtype).triu_(1)
+        mask = causal[None] + key_mask[:, None, :width]
+        mask.diagonal(dim1=1, dim2=2).zero_()
+        return mask[:, None]
+
+    # ---- scoring and generation ----------------------------------------------------------------------------
+
+    @torch.inference_mode()
+    def score(self, sequences: list[list[int]], prompt_lens: list[int], temperature: float = 1.0) -> list[list[float]]:
+        """Log-probs of each sequence's tokens after its prompt, from one full forward (no cache)."""
+        if len(sequences) != len(prompt_lens):
+            raise ValueError(f"score: {len(sequences)} sequences but {len(prompt_lens)} prompt lengths")
+        for seq, plen in zip(sequences, prompt_lens):
+            if not 1 <= plen <= len(seq):
+                raise ValueError(f"score: prompt length {plen} not in [1, {len(seq)}]")
+        ids, pos, pads = self._left_pad(sequences)
+        width = ids.shape[1]
+        logits = self._logits(self._forward(ids, pos, self._prefill_mask(self._key_mask(pads, width), width)))
+        if temperature > 0:
+            logits = logits / temperature
+        logp = torch.log_softmax(logits[:, :-1], dim=-1).gather(2, ids[:, 1:, None]).squeeze(2).cpu()
+        # Token at padded column c is predicted at column c - 1.
+        return [
+            logp[row, width - len(seq) + plen - 1 :].tolist() for row, (seq, plen) in enumerate(zip(sequences, prompt_lens))
+        ]
+
+    @torch.inference_mode()
+    def generate(self, prompts: Sequence[Sequence[int]], params: SamplingParams) -> list[list[Completion]]:
+        """Sample `params.n` completions per prompt, all in one batch; result[i] is prompt i's group."""
+        if not prompts:
+            return []
+        batch, logits, width = self._prefill(prompts, params)
+        tokens, logprobs, ends = self._decode(batch, logits, width, params)
+        return self._completions(tokens, logprobs, ends, len(prompts), params)
+
+    def _prefill(self, prompts: Sequence[Sequence[int]], params: SamplingParams) -> tuple[_Batch, torch.Tensor, int]:
+        """Run each distinct prompt once, then copy its cache to its n sample rows. Returns the decode batch, the
+        fp32 logits of each row's next token and the padded prompt width (the cache column of the first new token)."""
+        s, n = self.shape, params.n
+        ids, pos, pads = self._left_pad(prompts)
+        num_prompts, width = ids.shape
+        max_len = width + params.max_new_tokens
+        self._ensure_rope(max_len)
+        key_mask = self._key_mask(pads, max_len)
+        cache = KVCache.empty(
+            s.num_layers, num_prompts, s.num_kv_heads, max_len, s.head_dim, device=self.device, dtype=self.dtype
+        )
+        logits = self._logits(self._forward(ids, pos, self._prefill_mask(key_mask, width), cache, 0)[:, -1])
+        batch = _Batch(
+            cache=cache,
+            rows=torch.arange(num_prompts, device=self.device),
+            next_pos=pos[:, -1] + 1,
+            key_mask=key_mask[:, None].expand(-1, s.num_kv_heads, -1).contiguous(),
+            alive=torch.ones(num_prompts, dtype=torch.bool, device=self.device),
+        )
+        if n == 1:
+            return batch, logits, width
+        return batch.repeat_rows(n), logits.repeat_interleave(n, dim=0), width
+
+    def _decode(
+        self, batch: _Batch, logits: torch.Tensor, width: int, params: SamplingParams
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Step-by-step decoding. Returns tokens and log-probs [rows, max_new_tokens] and, per row, the step at
+        which it emitted a stop token (-1: none)."""
+        rows_total, max_new = logits.shape[0], params.max_new_tokens
+        generator = torch.Generator(device=self.device)
+        if params.seed is None:
+            generator.seed()
+        else:
+            generator.manual_seed(params.seed)
+        stop_ids = torch.tensor(params.stop_token_ids, dtype=torch.long, device=self.device)
+        tokens = torch.zeros(rows_total, max_new, dtype=torch.long, device=self.device)
+        logprobs = torch.zeros(rows_total, max_new, dtype=torch.float32, device=self.device)
+        ends = torch.full((rows_total,), -1, dtype=torch.long, device=self.device)
+        for step in range(max_new):
+            tok, lp = _sample(logits, params, generator)
+            tokens[batch.rows, step], logprobs[batch.rows, step] = tok, lp
+            if params.stop_token_ids:
+                hit = torch.isin(tok, stop_ids).logical_and_(batch.alive)
+                if bool(hit.any()):  # the only host sync per step, and only when stops are asked for
+                    ends[batch.rows[hit]] = step
+                    batch.alive &= ~hit
+                    live = int(batch.alive.sum())
+                    if live == 0:
+                        break
+                    if live <= (1 - _COMPACT_FRACTION) * len(tok):
+                        keep = batch.alive.nonzero().squeeze(1)
+                        batch, tok = batch.select_rows(keep), tok[keep]
+            if step == max_new - 1:
+                break
+            col = width + step
+            mask = batch.key_mask[:, :, None, : col + 1].flatten(0, 1)
+            logits = self._logits(self._forward(tok[:, None], batch.next_pos[:, None], mask, batch.cache, col)[:, -1])
+            batch.next_pos += 1
+        return tokens, logprobs, ends
+
+    def _completions(
+        self, tokens: torch.Tensor, logprobs: torch.Tensor, ends: torch.Tensor, num_prompts: int, params: SamplingParams
+    ) -> list[list[Completion]]:
+        tokens, logprobs, ends = tokens.tolist(), logprobs.tolist(), ends.tolist()
+        completions = []
+        for row, end in enumerate(ends):
+            length = params.max_new_tokens if end < 0 else end + 1
+            completions.append(
+                Completion(
+                    token_ids=tokens[row][:length],
+                    logprobs=logprobs[row][:length],
+                    finish_reason="length" if end < 0 else "stop",
+                    weight_version=self.weight_version,
+                )
+            )
+        return [completions[i * params.n : (i + 1) * params.n] for i in range(num_prompts)]
+
+
+def _sample(logits: torch.Tensor, params: SamplingParams, generator: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
+    """Next token [B] and its log-prob [B] from fp32 logits [B, vocab]; the log-prob ignores top-k/top-p."""
+    if params.temperature == 0:
+        logp = torch.log_softmax(logits, dim=-1)
+        tok = logits.argmax(dim=-1)
+    else:
+        scaled = logits if params.temperature == 1.0 else logits / params.temperature
+        logp = torch.log_softmax(scaled, dim=-1)
+        kept = _truncate(logp, params.top_k, params.top_p)
+        # Exponential-race sampling: argmax(p / E), E ~ Exp(1), draws from p; it needs no normalised p and no sync.
+        noise = torch.empty_like(kept).exponential_(generator=generator)
+        tok = (kept.exp() / noise).argmax(dim=-1)
+    return tok, logp.gather(1, tok[:, None]).squeeze(1)
+
+
+def _truncate(logp: torch.Tensor, top_k: int, top_p: float) -> torch.Tensor:
+    """Log-probs with tokens outside the top-k, then outside the top-p nucleus, set to -inf (HF's order)."""
+    if top_k > 0 and top_k < logp.shape[-1]:
+        kth = torch.topk(logp, top_k, dim=-1).values[:, -1:]
+        logp = logp.masked_fill(logp < kth, float("-inf"))
+    if top_p < 1.0:
+        sorted_logp, order = logp.sort(dim=-1, descending=True)
+        probs = sorted_logp.softmax(dim=-1)  # renormalised after top-k
+        drop_sorted = probs.cumsum(dim=-1) - probs >= top_p  # the tokens above already reach top_p
+        drop = torch.zeros_like(drop_sorted).scatter_(1, order, drop_sorted)
+        logp = logp.masked_fill(drop, float("-inf"))
+    return logp

@@ -1,0 +1,213 @@
+"""The built-in rollout engine against `transformers`' own Llama / Qwen2 on tiny random checkpoints.
+
+Checks: log-probs from `score` equal HF's, greedy decoding equals HF `generate`, sampled log-probs equal a
+re-score, stop / length finishing, seeding, top_k=1 == greedy, clear `update_weights` errors, and group order.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+transformers = pytest.importorskip("transformers")
+
+from megarl.rollout.base import RolloutEngine, SamplingParams  # noqa: E402
+from megarl.rollout.builtin import BuiltinEngine, ModelShape  # noqa: E402
+
+VOCAB = 96
+PROMPTS = [[5, 17, 33, 2, 8, 90, 41], [12, 7], [60, 61, 62, 63, 1]]  # different lengths: exercises left padding
+
+
+@pytest.fixture(autouse=True, scope="module")
+def one_thread():
+    """Tiny models gain nothing from intra-op threads, and on a loaded machine OpenMP barriers make them 10x slower."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+def _save_tiny_model(path, family: str, tied: bool) -> torch.nn.Module:
+    """A tiny random HF model saved to `path`; returned in eval mode as the reference."""
+    config_cls = {"qwen2": transformers.Qwen2Config, "llama": transformers.LlamaConfig}[family]
+    config = config_cls(
+        vocab_size=VOCAB,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=256,
+        tie_word_embeddings=tied,
+        bos_token_id=None,
+        eos_token_id=None,  # HF would stop (and min_new_tokens would mask) at Llama's default eos 2
+        rope_parameters={"rope_type": "default", "rope_theta": 1000.0},  # not the default, so theta is read
+    )
+    torch.manual_seed(0)
+    model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    with torch.no_grad():  # HF's init (std 0.02) gives near-uniform logits: greedy would hinge on rounding ties
+        for name, param in model.named_parameters():
+            if "norm" not in name:
+                param.normal_(0, 0.2)
+    model.save_pretrained(path)
+    return model.eval()
+
+
+@pytest.fixture(scope="module", params=[("qwen2", False), ("qwen2", True), ("llama", False), ("llama", True)],
+                ids=lambda p: f"{p[0]}-{'tied' if p[1] else 'untied'}")
+def models(request, tmp_path_factory):
+    family, tied = request.param
+    path = tmp_path_factory.mktemp(f"{family}_{tied}")
+    hf = _save_tiny_model(path, family, tied)
+    return hf, BuiltinEngine.from_pretrained(path)
+
+
+@pytest.fixture(scope="module")
+def qwen(tmp_path_factory):
+    path = tmp_path_factory.mktemp("qwen")
+    hf = _save_tiny_model(path, "qwen2", False)
+    return hf, BuiltinEngine.from_pretrained(path)
+
+
+def _hf_logprobs(hf, seq: list[int], prompt_len: int) -> list[float]:
+    with torch.no_grad():
+        logits = hf(torch.tensor([seq])).logits[0].float()
+    logp = torch.log_softmax(logits, dim=-1)
+    return [logp[i - 1, seq[i]].item() for i in range(prompt_len, len(seq))]
+
+
+def test_is_a_rollout_engine(qwen):
+    assert isinstance(qwen[1], RolloutEngine)
+
+
+def test_score_matches_hf(models):
+    hf, engine = models
+    seqs = [p + [3, 9, 27, 81, 50] for p in PROMPTS]
+    prompt_lens = [len(p) for p in PROMPTS]
+    ours = engine.score(seqs, prompt_lens)
+    for seq, plen, got in zip(seqs, prompt_lens, ours):
+        want = _hf_logprobs(hf, seq, plen)
+        assert len(got) == len(want) == len(seq) - plen
+        torch.testing.assert_close(torch.tensor(got), torch.tensor(want), atol=1e-4, rtol=0)
+
+
+def test_greedy_matches_hf_generate(models):
+    hf, engine = models
+    max_new = 12
+    out = engine.generate(PROMPTS, SamplingParams(temperature=0, max_new_tokens=max_new))
+    for prompt, group in zip(PROMPTS, out):
+        # HF one prompt at a time: no padding on its side, so any padding bug on ours shows.
+        want = hf.generate(
+            torch.tensor([prompt]), do_sample=False, max_new_tokens=max_new, pad_token_id=0
+        )[0, len(prompt):].tolist()
+        assert group[0].token_ids == want
+        assert group[0].finish_reason == "length"
+
+
+def test_sampled_logprobs_equal_rescore(models):
+    _, engine = models
+    params = SamplingParams(n=2, temperature=0.7, top_p=0.9, top_k=40, max_new_tokens=10, seed=3)
+    groups = engine.generate(PROMPTS, params)
+    seqs, plens, want = [], [], []
+    for prompt, group in zip(PROMPTS, groups):
+        for c in group:
+            assert len(c.logprobs) == len(c.token_ids) == 10
+            seqs.append(list(prompt) + c.token_ids)
+            plens.append(len(prompt))
+            want.append(c.logprobs)
+    got = engine.score(seqs, plens, temperature=0.7)
+    torch.testing.assert_close(torch.tensor(got), torch.tensor(want), atol=1e-4, rtol=0)
+
+
+def test_stop_and_length(qwen):
+    _, engine = qwen
+    greedy = engine.generate(PROMPTS, SamplingParams(temperature=0, max_new_tokens=8))
+    stop = greedy[0][0].token_ids[3]  # prompt 0 will emit it at step 3 (or earlier, if it repeats)
+    out = engine.generate(PROMPTS, SamplingParams(temperature=0, max_new_tokens=8, stop_token_ids=(stop,)))
+    for full, group in zip(greedy, out):
+        c, tokens = group[0], full[0].token_ids
+        if stop in tokens:
+            cut = tokens.index(stop) + 1
+            assert (c.finish_reason, c.token_ids, c.token_ids[-1]) == ("stop", tokens[:cut], stop)
+            torch.testing.assert_close(torch.tensor(c.logprobs), torch.tensor(full[0].logprobs[:cut]))
+        else:
+            assert (c.finish_reason, c.token_ids) == ("length", tokens)
+    assert out[0][0].finish_reason == "stop" and len(out[0][0].token_ids) <= 4
+
+
+def test_stops_with_compaction_keep_rows_apart(qwen):
+    """Many rows ending at different steps force batch compaction; each row must still match its own decode."""
+    _, engine = qwen
+    params = SamplingParams(n=8, temperature=1.0, max_new_tokens=16, seed=11, stop_token_ids=tuple(range(0, VOCAB, 6)))
+    batched = engine.generate(PROMPTS, params)
+    reasons = {c.finish_reason for g in batched for c in g}
+    assert reasons == {"stop", "length"}
+    for prompt, group in zip(PROMPTS, batched):
+        for c in group:
+            assert all(t not in params.stop_token_ids for t in c.token_ids[:-1])
+            rescored = engine.score([list(prompt) + c.token_ids], [len(prompt)])[0]
+            torch.testing.assert_close(torch.tensor(rescored), torch.tensor(c.logprobs), atol=1e-4, rtol=0)
+
+
+def test_seeding(qwen):
+    _, engine = qwen
+    params = SamplingParams(n=4, temperature=1.0, max_new_tokens=12, seed=7)
+    first = engine.generate(PROMPTS, params)
+    again = engine.generate(PROMPTS, params)
+    other = engine.generate(PROMPTS, SamplingParams(n=4, temperature=1.0, max_new_tokens=12, seed=8))
+
+    def ids(groups):
+        return [c.token_ids for g in groups for c in g]
+
+    assert ids(first) == ids(again)
+    assert ids(first) != ids(other)
+    assert len({tuple(t) for t in ids(first)}) > 1  # the n samples of a prompt differ
+
+
+def test_top_k_one_is_greedy(qwen):
+    _, engine = qwen
+    greedy = engine.generate(PROMPTS, SamplingParams(temperature=0, max_new_tokens=10))
+    top1 = engine.generate(PROMPTS, SamplingParams(n=2, temperature=1.0, top_k=1, max_new_tokens=10, seed=1))
+    for g, t in zip(greedy, top1):
+        assert t[0].token_ids == t[1].token_ids == g[0].token_ids
+
+
+def test_update_weights_errors_and_version(qwen):
+    _, engine = qwen
+    with pytest.raises(KeyError, match="model.layers.9.mlp.up_proj.weight"):
+        engine.update_weights([("model.layers.9.mlp.up_proj.weight", torch.zeros(128, 64))])
+    with pytest.raises(ValueError, match=r"model.layers.0.self_attn.k_proj.weight.*\(64, 64\).*\(32, 64\)"):
+        engine.update_weights([("model.layers.0.self_attn.k_proj.weight", torch.zeros(64, 64))])
+    engine.update_weights([], version=5)
+    assert engine.weight_version == 5
+    before = engine.score([PROMPTS[0]], [1])
+    bias = engine._params["model.layers.0.self_attn.v_proj.bias"].clone()
+    engine.update_weights([("model.layers.0.self_attn.v_proj.bias", bias + 1.0)])  # a subset; version + 1
+    assert engine.weight_version == 6
+    assert engine.score([PROMPTS[0]], [1]) != before
+    engine.update_weights([("model.layers.0.self_attn.v_proj.bias", bias)], version=7)
+    assert engine.score([PROMPTS[0]], [1]) == before
+    assert engine.generate([[1, 2]], SamplingParams(max_new_tokens=1))[0][0].weight_version == 7
+
+
+def test_groups_in_prompt_order(qwen):
+    _, engine = qwen
+    n = 3
+    out = engine.generate(PROMPTS, SamplingParams(n=n, temperature=0, max_new_tokens=6))
+    assert [len(g) for g in out] == [n] * len(PROMPTS)
+    for prompt, group in zip(PROMPTS, out):
+        alone = engine.generate([prompt], SamplingParams(temperature=0, max_new_tokens=6))[0][0]
+        assert all(c.token_ids == alone.token_ids for c in group)
+
+
+def test_config_parsing():
+    base = {"model_type": "llama", "vocab_size": VOCAB, "hidden_size": 64, "intermediate_size": 128,
+            "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2}
+    assert ModelShape.from_hf({**base, "rope_theta": 500.0}).rope_theta == 500.0  # transformers < 5
+    assert ModelShape.from_hf({**base, "rope_parameters": {"rope_type": "default", "rope_theta": 7.0}}).rope_theta == 7.0
+    assert ModelShape.from_hf(base).qkv_bias is False
+    assert ModelShape.from_hf({**base, "model_type": "qwen2"}).qkv_bias is True
+    with pytest.raises(ValueError, match="rope_type 'llama3'"):
+        ModelShape.from_hf({**base, "rope_parameters": {"rope_type": "llama3", "rope_theta": 7.0, "factor": 8.0}})
+    with pytest.raises(ValueError, match="model_type"):
+        ModelShape.from_hf({**base, "model_type": "gpt2"})
