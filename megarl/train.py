@@ -71,7 +71,7 @@ def run(cfg: Config) -> int:
     from megarl.data import PromptSampler, load_prompts
     from megarl.mcore import checkpoint, parallel
     from megarl.mcore.actor import MegatronPolicy
-    from megarl.mcore.model import ModelShape
+    from megarl.model_shape import ModelShape
     from megarl.metrics import MetricsLog, format_step, plot_rewards
 
     m, r, d, a, t, c, lg = (cfg.model, cfg.rollout, cfg.data, cfg.algorithm, cfg.training, cfg.checkpoint, cfg.logging)

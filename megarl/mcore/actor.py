@@ -20,7 +20,8 @@ import torch
 import torch.distributed as dist
 
 from megarl.mcore import convert, cpu_compat, parallel
-from megarl.mcore.model import ModelShape, build_gpt_model, transformer_config
+from megarl.mcore.model import build_gpt_model, transformer_config
+from megarl.model_shape import ModelShape
 
 LossFn = Callable[[torch.Tensor, dict], tuple[torch.Tensor, torch.Tensor, dict[str, torch.Tensor]]]
 

@@ -22,7 +22,7 @@ import torch
 import torch.distributed as dist
 
 from megarl.mcore import cpu_compat
-from megarl.mcore.model import ModelShape
+from megarl.model_shape import ModelShape
 
 
 @dataclass(frozen=True)

@@ -1,71 +1,12 @@
-"""Build a Megatron `GPTModel` from a Hugging Face checkpoint directory (Llama and Qwen2 families)."""
+"""Build a Megatron `GPTModel` for a Hugging Face checkpoint's architecture (Llama and Qwen2 families)."""
 
 from __future__ import annotations
-
-import json
-from dataclasses import dataclass
-from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 
 from megarl.mcore import cpu_compat, parallel
-
-SUPPORTED_FAMILIES = ("llama", "qwen2")
-
-
-@dataclass(frozen=True)
-class ModelShape:
-    """The architecture facts megarl needs, read from an HF `config.json`."""
-
-    family: str
-    num_layers: int
-    hidden_size: int
-    num_attention_heads: int
-    num_kv_heads: int
-    head_dim: int
-    ffn_hidden_size: int
-    vocab_size: int
-    max_position_embeddings: int
-    rope_theta: float
-    norm_eps: float
-    tie_word_embeddings: bool
-    qkv_bias: bool
-
-    @classmethod
-    def from_hf_config(cls, cfg: dict, source: str = "config.json") -> "ModelShape":
-        family = cfg.get("model_type")
-        if family not in SUPPORTED_FAMILIES:
-            raise ValueError(f"{source}: model_type {family!r} is not supported; supported: {', '.join(SUPPORTED_FAMILIES)}")
-        heads = cfg["num_attention_heads"]
-        rope = cfg.get("rope_parameters") or cfg.get("rope_scaling") or {}
-        rope_type = rope.get("rope_type", rope.get("type", "default"))
-        if rope_type not in ("default", None):
-            raise ValueError(f"{source}: rope type {rope_type!r} is not supported yet; supported: default")
-        # transformers 5.x keeps rope_theta inside rope_parameters; 4.x at the top level.
-        rope_theta = rope.get("rope_theta", cfg.get("rope_theta", 10000.0))
-        return cls(
-            family=family,
-            num_layers=cfg["num_hidden_layers"],
-            hidden_size=cfg["hidden_size"],
-            num_attention_heads=heads,
-            num_kv_heads=cfg.get("num_key_value_heads") or heads,
-            head_dim=cfg.get("head_dim") or cfg["hidden_size"] // heads,
-            ffn_hidden_size=cfg["intermediate_size"],
-            vocab_size=cfg["vocab_size"],
-            max_position_embeddings=cfg.get("max_position_embeddings", 4096),
-            rope_theta=float(rope_theta),
-            norm_eps=cfg.get("rms_norm_eps", 1e-6),
-            tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
-            qkv_bias=family == "qwen2" or bool(cfg.get("attention_bias", False)),
-        )
-
-    @classmethod
-    def from_pretrained(cls, path: str | Path) -> "ModelShape":
-        config_path = Path(path) / "config.json"
-        if not config_path.is_file():
-            raise FileNotFoundError(f"--hf-checkpoint {path}: no config.json there (expected an HF checkpoint directory)")
-        return cls.from_hf_config(json.loads(config_path.read_text()), source=str(config_path))
+from megarl.model_shape import ModelShape
 
 
 def transformer_config(shape: ModelShape, *, tp: int, pp: int, params_dtype=torch.float32, bf16=False, **overrides):

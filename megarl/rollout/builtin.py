@@ -30,67 +30,10 @@ from typing import Iterable, Iterator, Sequence
 import torch
 import torch.nn.functional as F
 
+from megarl.model_shape import ModelShape
 from megarl.rollout.base import Completion, SamplingParams
 
-SUPPORTED_MODEL_TYPES = ("llama", "qwen2")
 _COMPACT_FRACTION = 0.25  # drop ended rows once this share of the batch has ended: copying the cache is not free
-
-
-@dataclass(frozen=True)
-class ModelShape:
-    """The parts of a Hugging Face config the engine needs."""
-
-    model_type: str
-    vocab_size: int
-    hidden_size: int
-    num_layers: int
-    num_heads: int
-    num_kv_heads: int
-    head_dim: int
-    intermediate_size: int
-    rms_norm_eps: float
-    rope_theta: float
-    qkv_bias: bool
-    o_bias: bool
-    tie_word_embeddings: bool
-
-    @classmethod
-    def from_hf(cls, cfg: dict) -> ModelShape:
-        model_type = cfg.get("model_type")
-        if model_type not in SUPPORTED_MODEL_TYPES:
-            raise ValueError(f"BuiltinEngine supports model_type {SUPPORTED_MODEL_TYPES}, got {model_type!r}")
-        if cfg.get("hidden_act", "silu") != "silu":
-            raise ValueError(f"BuiltinEngine needs hidden_act 'silu' (SwiGLU), got {cfg['hidden_act']!r}")
-        if cfg.get("mlp_bias", False):
-            raise ValueError("BuiltinEngine does not support mlp_bias=True")
-        if cfg.get("use_sliding_window", False) or any(t != "full_attention" for t in cfg.get("layer_types") or ()):
-            raise ValueError("BuiltinEngine supports full attention only (sliding-window layers are not implemented)")
-        heads = cfg["num_attention_heads"]
-        attention_bias = bool(cfg.get("attention_bias", False))
-        return cls(
-            model_type=model_type,
-            vocab_size=cfg["vocab_size"],
-            hidden_size=cfg["hidden_size"],
-            num_layers=cfg["num_hidden_layers"],
-            num_heads=heads,
-            num_kv_heads=cfg.get("num_key_value_heads") or heads,
-            head_dim=cfg.get("head_dim") or cfg["hidden_size"] // heads,
-            intermediate_size=cfg["intermediate_size"],
-            rms_norm_eps=cfg.get("rms_norm_eps", 1e-6),
-            rope_theta=_rope_theta(cfg),
-            qkv_bias=model_type == "qwen2" or attention_bias,  # Qwen2 always has q/k/v biases
-            o_bias=model_type == "llama" and attention_bias,
-            tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
-        )
-
-
-def _rope_theta(cfg: dict) -> float:
-    """transformers >= 5 nests RoPE settings in `rope_parameters`; older configs use top-level keys."""
-    rope = cfg.get("rope_parameters") or cfg.get("rope_scaling") or {}
-    rope_type = rope.get("rope_type", rope.get("type", "default"))
-    if rope_type != "default":
-        raise ValueError(f"BuiltinEngine supports only the default RoPE, got rope_type {rope_type!r}")
-    return float(rope.get("rope_theta", cfg.get("rope_theta", 10000.0)))
 
 
 @dataclass
@@ -150,7 +93,6 @@ class _Layer:
     wqkv: torch.Tensor  # rows: q heads, then k heads, then v heads
     bqkv: torch.Tensor | None
     wo: torch.Tensor
-    bo: torch.Tensor | None
     ln2: torch.Tensor
     wgu: torch.Tensor  # rows: gate, then up
     wdown: torch.Tensor
@@ -160,7 +102,7 @@ class BuiltinEngine:
     """A `RolloutEngine` for Llama / Qwen2 in plain PyTorch (see the module docstring)."""
 
     def __init__(self, hf_config: dict, device: str | torch.device = "cpu", dtype: torch.dtype = torch.float32):
-        self.shape = ModelShape.from_hf(hf_config)
+        self.shape = ModelShape.from_hf_config(hf_config)
         self.device = torch.device(device)
         self.dtype = dtype
         self.weight_version = 0
@@ -201,7 +143,7 @@ class BuiltinEngine:
 
     def _allocate_weights(self) -> None:
         s = self.shape
-        q, kv = s.num_heads * s.head_dim, s.num_kv_heads * s.head_dim
+        q, kv = s.num_attention_heads * s.head_dim, s.num_kv_heads * s.head_dim
 
         def zeros(*size: int) -> torch.Tensor:
             return torch.zeros(size, device=self.device, dtype=self.dtype)
@@ -215,10 +157,9 @@ class BuiltinEngine:
                 wqkv=zeros(q + 2 * kv, s.hidden_size),
                 bqkv=zeros(q + 2 * kv) if s.qkv_bias else None,
                 wo=zeros(s.hidden_size, q),
-                bo=zeros(s.hidden_size) if s.o_bias else None,
                 ln2=zeros(s.hidden_size),
-                wgu=zeros(2 * s.intermediate_size, s.hidden_size),
-                wdown=zeros(s.hidden_size, s.intermediate_size),
+                wgu=zeros(2 * s.ffn_hidden_size, s.hidden_size),
+                wdown=zeros(s.hidden_size, s.ffn_hidden_size),
             )
             for _ in range(s.num_layers)
         ]
@@ -226,7 +167,7 @@ class BuiltinEngine:
     def _hf_views(self) -> dict[str, torch.Tensor]:
         """HF parameter name -> the view of the engine's (fused) tensor that holds it."""
         s = self.shape
-        q, kv, inter = s.num_heads * s.head_dim, s.num_kv_heads * s.head_dim, s.intermediate_size
+        q, kv, inter = s.num_attention_heads * s.head_dim, s.num_kv_heads * s.head_dim, s.ffn_hidden_size
         views = {"model.embed_tokens.weight": self.embed, "model.norm.weight": self.norm, "lm_head.weight": self.lm_head}
         for i, layer in enumerate(self.layers):
             p = f"model.layers.{i}."
@@ -237,8 +178,6 @@ class BuiltinEngine:
                 if layer.bqkv is not None:
                     views[f"{p}self_attn.{proj}_proj.bias"] = layer.bqkv[rows]
             views[p + "self_attn.o_proj.weight"] = layer.wo
-            if layer.bo is not None:
-                views[p + "self_attn.o_proj.bias"] = layer.bo
             views[p + "mlp.gate_proj.weight"] = layer.wgu[:inter]
             views[p + "mlp.up_proj.weight"] = layer.wgu[inter:]
             views[p + "mlp.down_proj.weight"] = layer.wdown
@@ -251,7 +190,7 @@ class BuiltinEngine:
             dst = self._params.get(name)
             if dst is None:
                 raise KeyError(
-                    f"BuiltinEngine.update_weights: unknown parameter {name!r} for a {self.shape.model_type} model "
+                    f"BuiltinEngine.update_weights: unknown parameter {name!r} for a {self.shape.family} model "
                     f"with {self.shape.num_layers} layers (expected Hugging Face names such as "
                     f"'model.layers.0.self_attn.q_proj.weight')"
                 )
@@ -288,9 +227,9 @@ class BuiltinEngine:
 
     def _rms_norm(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
         if x.dtype == torch.float32:
-            return F.rms_norm(x, (x.shape[-1],), weight, self.shape.rms_norm_eps)
+            return F.rms_norm(x, (x.shape[-1],), weight, self.shape.norm_eps)
         # Like HF: normalise in fp32, cast back, then scale, so low-precision runs match the actor's rounding.
-        return weight * F.rms_norm(x.float(), (x.shape[-1],), eps=self.shape.rms_norm_eps).to(x.dtype)
+        return weight * F.rms_norm(x.float(), (x.shape[-1],), eps=self.shape.norm_eps).to(x.dtype)
 
     def _attention(
         self,
@@ -305,7 +244,7 @@ class BuiltinEngine:
         go to columns start..start+T and attention covers columns 0..start+T."""
         s = self.shape
         B, T, _ = x.shape
-        nq, nkv, hd = s.num_heads, s.num_kv_heads, s.head_dim
+        nq, nkv, hd = s.num_attention_heads, s.num_kv_heads, s.head_dim
         qkv = F.linear(x, layer.wqkv, layer.bqkv).view(B, T, nq + 2 * nkv, hd)
         qk = qkv[:, :, : nq + nkv]
         qk = torch.addcmul(qk * rope[..., 0, :], qk.roll(hd // 2, dims=-1), rope[..., 1, :])
@@ -317,10 +256,10 @@ class BuiltinEngine:
             v_cache[:, :, start:end] = v
             if T == 1:
                 out = self._decode_attention(q, k_cache[..., :end], v_cache[:, :, :end], mask)
-                return F.linear(out, layer.wo, layer.bo)
+                return F.linear(out, layer.wo)
             k, v = k_cache[..., :end].transpose(2, 3), v_cache[:, :, :end]
         out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=nkv != nq)
-        return F.linear(out.transpose(1, 2).reshape(B, T, nq * hd), layer.wo, layer.bo)
+        return F.linear(out.transpose(1, 2).reshape(B, T, nq * hd), layer.wo)
 
     def _decode_attention(self, q: torch.Tensor, k_t: torch.Tensor, v: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
         """Attention of one new token per row: q [B, heads, 1, hd], k_t [B, kv_heads, hd, L], v [B, kv_heads, L, hd],
@@ -330,10 +269,10 @@ class BuiltinEngine:
         causal structure among them; the mask is per key). `baddbmm` folds the scale and the mask into the matmul."""
         s = self.shape
         B = q.shape[0]
-        q = q.reshape(B * s.num_kv_heads, s.num_heads // s.num_kv_heads, s.head_dim)
+        q = q.reshape(B * s.num_kv_heads, s.num_attention_heads // s.num_kv_heads, s.head_dim)
         scores = torch.baddbmm(mask, q, k_t.flatten(0, 1), alpha=s.head_dim**-0.5)
         probs = scores.softmax(dim=-1, dtype=torch.float32).to(v.dtype)  # fp32 softmax, as SDPA does internally
-        return torch.bmm(probs, v.flatten(0, 1)).view(B, 1, s.num_heads * s.head_dim)
+        return torch.bmm(probs, v.flatten(0, 1)).view(B, 1, s.num_attention_heads * s.head_dim)
 
     def _forward(
         self,
@@ -351,7 +290,7 @@ class BuiltinEngine:
             kv = (cache.k[i], cache.v[i]) if cache is not None else None
             h += self._attention(self._rms_norm(h, layer.ln1), layer, rope, mask, kv, start)
             gu = F.linear(self._rms_norm(h, layer.ln2), layer.wgu)
-            inter = self.shape.intermediate_size
+            inter = self.shape.ffn_hidden_size
             h += F.linear(F.silu(gu[..., :inter]) * gu[..., inter:], layer.wdown)
         return self._rms_norm(h, self.norm)
 

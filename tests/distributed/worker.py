@@ -33,7 +33,7 @@ def scenario_forward(args, info):
 
     from megarl.mcore import cpu_compat
     from megarl.mcore.actor import MegatronPolicy
-    from megarl.mcore.model import ModelShape
+    from megarl.model_shape import ModelShape
 
     shape = ModelShape.from_pretrained(args.hf)
     policy = MegatronPolicy(shape, tp=args.tp, pp=args.pp, trainable=False)
@@ -65,7 +65,7 @@ def _trained_actor(args, info, steps: int = 1):
     from megarl import steps as train_steps
     from megarl.config import build_config
     from megarl.mcore.actor import MegatronPolicy, OptimConfig
-    from megarl.mcore.model import ModelShape
+    from megarl.model_shape import ModelShape
 
     shape = ModelShape.from_pretrained(args.hf)
     # A large Adam eps: gradients that are zero in exact arithmetic (the key bias, by softmax shift invariance)
@@ -115,7 +115,7 @@ def scenario_ckpt_save(args, info):
 def scenario_ckpt_load(args, info):
     from megarl.mcore import checkpoint
     from megarl.mcore.actor import MegatronPolicy
-    from megarl.mcore.model import ModelShape
+    from megarl.model_shape import ModelShape
 
     shape = ModelShape.from_pretrained(args.hf)
     actor = MegatronPolicy(shape, tp=args.tp, pp=args.pp, trainable=True)

@@ -21,7 +21,7 @@ from megarl.mcore.convert import (
     rules_for,
     shard_for_tp,
 )
-from megarl.mcore.model import ModelShape
+from megarl.model_shape import ModelShape
 
 HIDDEN = 3  # input columns of the toy projections; column 0 holds the row label
 
@@ -302,7 +302,9 @@ def test_llama_defaults_and_attention_bias():
     base = hf_config(model_type="llama", head_dim=32, num_key_value_heads=None, tie_word_embeddings=False)
     s = ModelShape.from_hf_config(base)
     assert (s.head_dim, s.num_kv_heads, s.qkv_bias, s.tie_word_embeddings) == (32, 4, False, False)
-    assert ModelShape.from_hf_config({**base, "attention_bias": True}).qkv_bias is True
+    # Llama's attention_bias also puts a bias on o_proj, which the Megatron layer table does not carry.
+    with pytest.raises(ValueError, match="attention_bias=true"):
+        ModelShape.from_hf_config({**base, "attention_bias": True})
 
 
 def test_unsupported_model_type_is_named():
