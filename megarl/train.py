@@ -57,10 +57,12 @@ def main(argv: list[str]) -> int:
         preflight(cfg)
         return run(cfg)
     except ConfigError as e:
-        rank = os.environ.get("RANK", "0")
-        if rank == "0":
+        if os.environ.get("RANK", "0") == "0":  # every rank sees the same config: say it once
             print(f"megarl: error: {e}", file=sys.stderr)
         return 2
+    except BaseException as e:  # torchrun then stops the other ranks; say which one failed first
+        print(f"megarl: rank {os.environ.get('RANK', '0')} failed: {type(e).__name__}: {e}", file=sys.stderr, flush=True)
+        raise
 
 
 def run(cfg: Config) -> int:
