@@ -154,12 +154,12 @@ def run(cfg: Config) -> int:
         checkpoint.save(c.save, step, actor, {"sampler": sampler.state_dict()}, keep_last=c.keep_last)
     if c.save_hf:
         steps.save_hf(actor, engine, tokenizer, m.hf_checkpoint, c.save_hf, info)
-    if eval_prompts:
-        eval_after = steps.evaluate(engine, eval_prompts, tokenizer, cfg, info)
+    eval_after = steps.evaluate(engine, eval_prompts, tokenizer, cfg, info) if eval_prompts else None
+    say(f"megarl: peak memory per process {steps.peak_rss_mib(info):.0f} MiB (max over ranks)")
+    if eval_after:
         steps.report(say, log, eval_before, eval_after, train_minutes, step, len(eval_prompts), lg)
     elif info.rank == 0 and log.all_rows():
         plot_rewards(log.all_rows(), log.dir / "reward_curve.png")
-    say(f"megarl: peak memory per process {steps.peak_rss_mib(info):.0f} MiB (max over ranks)")
     parallel.destroy()
     return 0
 
