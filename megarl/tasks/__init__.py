@@ -1,0 +1,1 @@
+"""Task generators: problems as jsonl rows `{"id", "prompt", "answer", "verifier"}`. Pure python, no torch."""
