@@ -259,16 +259,17 @@ def save_hf(actor: MegatronPolicy, engine, tokenizer, src_dir: str, out_dir: str
     dist.barrier()
 
 
-def report(say, log, before: dict | None, after: dict, minutes: float, steps: int, n_prompts: int, lg) -> None:
+def report(say, log, before: dict | None, after: dict, minutes: float, steps: int, n_prompts: int, cfg: Config) -> None:
     from megarl.metrics import plot_rewards
 
     result = {"after": after, "before": before, "train_minutes": minutes, "steps": steps, "eval_prompts": n_prompts}
     say("")
     say(f"held-out accuracy on {n_prompts} prompts never trained on ({steps} steps, {minutes:.1f} min of training):")
-    say(f"  {'':<28}{'before':>8}{'after':>8}")
-    for key, label in (("sampled", f"sampled (T={lg.eval_samples_per_prompt} x temp)"), ("greedy", "greedy")):
+    say(f"  {'':<30}{'before':>8}{'after':>8}")
+    sampled = f"sampled (temp {cfg.rollout.rollout_temperature:g}, {cfg.logging.eval_samples_per_prompt}/prompt)"
+    for key, label in (("sampled", sampled), ("greedy", "greedy")):
         b = f"{100 * before[key]:7.1f}%" if before else "      -"
-        say(f"  {label:<28}{b}{100 * after[key]:7.1f}%")
+        say(f"  {label:<30}{b}{100 * after[key]:7.1f}%")
     if log.enabled:
         (log.dir / "eval.json").write_text(json.dumps(result, indent=2))
         rows = log.all_rows()

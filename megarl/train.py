@@ -157,7 +157,7 @@ def run(cfg: Config) -> int:
     eval_after = steps.evaluate(engine, eval_prompts, tokenizer, cfg, info) if eval_prompts else None
     say(f"megarl: peak memory per process {steps.peak_rss_mib(info):.0f} MiB (max over ranks)")
     if eval_after:
-        steps.report(say, log, eval_before, eval_after, train_minutes, step, len(eval_prompts), lg)
+        steps.report(say, log, eval_before, eval_after, train_minutes, step, len(eval_prompts), cfg)
     elif info.rank == 0 and log.all_rows():
         plot_rewards(log.all_rows(), log.dir / "reward_curve.png")
     parallel.destroy()

@@ -25,6 +25,6 @@ def starter(tmp_path_factory):
     import subprocess
 
     out = tmp_path_factory.mktemp("starter") / "model"
-    subprocess.run([sys.executable, str(REPO / "tools/make_starter_model.py"), "--out", str(out), "--max-steps", "150",
-                    "--minutes", "2"], check=True, env=env(), cwd=REPO, timeout=600, capture_output=True)
+    subprocess.run([sys.executable, str(REPO / "tools/make_starter_model.py"), "--out", str(out), "--max-steps", "300",
+                    "--minutes", "10"], check=True, env=env(), cwd=REPO, timeout=600, capture_output=True)
     return out

@@ -18,8 +18,8 @@ COMPARED = ("reward_mean", "accuracy", "loss", "kl", "clip_frac", "grad_norm", "
 
 def _common(starter: Path, out: Path) -> list[str]:
     return ["recipes/tiny_cpu.sh", "--hf-checkpoint", starter, "--prompt-data", starter / "train.jsonl",
-            "--eval-data", "", "--max-train-minutes", "0", "--rollout-batch-size", "4", "--n-samples-per-prompt", "4",
-            "--micro-batch-size", "8", "--lr", "3e-4", "--kl-coef", "0.01", "--output-dir", out, "--log-interval", "1"]
+            "--eval-data", "", "--max-train-minutes", "0", "--rollout-batch-size", "8", "--n-samples-per-prompt", "8",
+            "--micro-batch-size", "16", "--lr", "3e-4", "--kl-coef", "0.01", "--output-dir", out, "--log-interval", "1"]
 
 
 def _metrics(out: Path) -> dict[int, dict]:
