@@ -16,34 +16,24 @@ from typing import Callable, Protocol
 import torch
 from torch import Tensor
 
+from megarl.registry import Registry
+
 
 class AdvantageFn(Protocol):
     def __call__(self, rewards: Tensor, eps: float = ...) -> Tensor: ...
 
 
-_ADVANTAGES: dict[str, AdvantageFn] = {}
+_ADVANTAGES: Registry[AdvantageFn] = Registry("advantage estimator")
 
 
 def register_advantage(name: str) -> Callable[[AdvantageFn], AdvantageFn]:
     """Register an advantage estimator under `name` (a second registration of a name is an error)."""
-
-    def decorate(fn: AdvantageFn) -> AdvantageFn:
-        if name in _ADVANTAGES:
-            raise ValueError(f"advantage estimator {name!r} is already registered")
-        _ADVANTAGES[name] = fn
-        return fn
-
-    return decorate
+    return _ADVANTAGES.register(name)
 
 
 def get_advantage_fn(name: str) -> AdvantageFn:
     """The estimator registered as `name`; an unknown name raises ValueError listing the valid ones."""
-    try:
-        return _ADVANTAGES[name]
-    except KeyError:
-        raise ValueError(
-            f"unknown advantage estimator {name!r}; valid names: {', '.join(sorted(_ADVANTAGES))}"
-        ) from None
+    return _ADVANTAGES.get(name)
 
 
 def _check_grouped(rewards: Tensor) -> Tensor:

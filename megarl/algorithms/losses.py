@@ -13,10 +13,12 @@ mean, so that means are taken once over the whole optimizer step (see its docstr
 
 from __future__ import annotations
 
-from typing import Callable, Literal, Protocol, TypeVar
+from typing import Callable, Literal, Protocol
 
 import torch
 from torch import Tensor
+
+from megarl.registry import Registry
 
 AggregationMode = Literal["token-mean", "seq-mean-token-mean"]
 AGGREGATION_MODES: tuple[str, ...] = ("token-mean", "seq-mean-token-mean")
@@ -29,47 +31,29 @@ class PolicyLossFn(Protocol):
 
 
 KLFn = Callable[[Tensor, Tensor], Tensor]
-_F = TypeVar("_F")
 
-_POLICY_LOSSES: dict[str, PolicyLossFn] = {}
-_KL_ESTIMATORS: dict[str, KLFn] = {}
-
-
-def _registrar(table: dict, kind: str, name: str) -> Callable[[_F], _F]:
-    def decorate(fn: _F) -> _F:
-        if name in table:
-            raise ValueError(f"{kind} {name!r} is already registered")
-        table[name] = fn
-        return fn
-
-    return decorate
-
-
-def _lookup(table: dict, kind: str, name: str):
-    try:
-        return table[name]
-    except KeyError:
-        raise ValueError(f"unknown {kind} {name!r}; valid names: {', '.join(sorted(table))}") from None
+_POLICY_LOSSES: Registry[PolicyLossFn] = Registry("policy loss")
+_KL_ESTIMATORS: Registry[KLFn] = Registry("KL estimator")
 
 
 def register_policy_loss(name: str) -> Callable[[PolicyLossFn], PolicyLossFn]:
     """Register a per-token policy loss under `name`."""
-    return _registrar(_POLICY_LOSSES, "policy loss", name)
+    return _POLICY_LOSSES.register(name)
 
 
 def get_policy_loss_fn(name: str) -> PolicyLossFn:
     """The policy loss registered as `name`; an unknown name raises ValueError listing the valid ones."""
-    return _lookup(_POLICY_LOSSES, "policy loss", name)
+    return _POLICY_LOSSES.get(name)
 
 
 def register_kl(name: str) -> Callable[[KLFn], KLFn]:
     """Register a per-token KL estimator `fn(logp, ref_logp) -> Tensor` under `name`."""
-    return _registrar(_KL_ESTIMATORS, "KL estimator", name)
+    return _KL_ESTIMATORS.register(name)
 
 
 def get_kl_fn(name: str) -> KLFn:
     """The KL estimator registered as `name`; an unknown name raises ValueError listing the valid ones."""
-    return _lookup(_KL_ESTIMATORS, "KL estimator", name)
+    return _KL_ESTIMATORS.get(name)
 
 
 # KL(actor || reference) estimators from samples of the actor (Schulman, "Approximating KL divergence", 2020).

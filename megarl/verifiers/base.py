@@ -9,6 +9,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Callable, Literal, Protocol, runtime_checkable
 
+from megarl.registry import Registry
+
 Outcome = Literal["correct", "incorrect", "no_answer", "parse_error", "timeout"]
 
 
@@ -28,31 +30,23 @@ class Verifier(Protocol):
     def verify(self, response: str, ground_truth: Any) -> VerifyResult: ...
 
 
-_REGISTRY: dict[str, Callable[[], Verifier]] = {}
+_VERIFIERS: Registry[Callable[[], Verifier]] = Registry("verifier")
 
 
 def register_verifier(name: str):
     """Class decorator: `@register_verifier("arithmetic")`; the class is built with no arguments."""
-
-    def wrap(factory):
-        if name in _REGISTRY:
-            raise ValueError(f"verifier {name!r} is registered twice")
-        _REGISTRY[name] = factory
-        return factory
-
-    return wrap
+    return _VERIFIERS.register(name)
 
 
 def verifier_names() -> list[str]:
     _import_builtin()
-    return sorted(_REGISTRY)
+    return _VERIFIERS.names()
 
 
 def get_verifier(name: str) -> Verifier:
+    """A new instance of the verifier registered as `name`; an unknown name raises ValueError listing them."""
     _import_builtin()
-    if name not in _REGISTRY:
-        raise KeyError(f"unknown verifier {name!r}; registered: {', '.join(sorted(_REGISTRY))}")
-    return _REGISTRY[name]()
+    return _VERIFIERS.get(name)()
 
 
 def _import_builtin():
