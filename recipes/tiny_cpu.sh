@@ -24,11 +24,14 @@ ALGORITHM_ARGS=(
   --loss-aggregation token-mean
 )
 
+# ~0.1 s per step on 2 cores: 5400 steps fit in the 9.5-minute budget, so the learning rate decays all the way.
+# The decay matters: at a constant 1e-4 the held-out greedy accuracy drifted down while sampled accuracy rose.
 TRAINING_ARGS=(
-  --num-steps 3000
-  --max-train-minutes 8
+  --num-steps 5400
+  --max-train-minutes 9.5
   --lr 1e-4
-  --lr-decay-style constant
+  --min-lr 1e-5
+  --lr-decay-style linear
   --micro-batch-size 32
   --seed 1234
 )
