@@ -19,6 +19,8 @@ VENV := .venv
 VPY := $(VENV)/bin/python
 STAMP := $(VENV)/.stamp
 STARTER := .cache/starter/config.json
+# Pre-training is step-bound (not wall-time-bound) so every machine builds the same starter model.
+STARTER_STEPS ?= 1200
 
 # "1" when $(PYTHON) already imports a torch built with CUDA.
 # Deferred (=), so torch is imported only when the venv is being (re)built.
@@ -51,7 +53,7 @@ $(STAMP): setup.py
 	@touch $@
 
 $(STARTER): | $(STAMP)
-	$(VPY) tools/make_starter_model.py --out $(dir $@)
+	$(VPY) tools/make_starter_model.py --out $(dir $@) --max-steps $(STARTER_STEPS) --minutes 15
 
 demo: venv $(STARTER)
 	$(VENV)/bin/torchrun --nproc-per-node $(NPROC) megarl/train.py recipes/tiny_cpu.sh
