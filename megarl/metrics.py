@@ -25,15 +25,18 @@ def reduce_over_ranks(values: dict[str, float], keys: list[str]) -> dict[str, fl
 
 
 class MetricsLog:
-    """Rank 0 writes `<dir>/metrics.jsonl` (appending, so a resumed run continues the same file)."""
+    """Rank 0 writes `<dir>/metrics.jsonl`. A resumed run appends to it; a fresh run moves an earlier run's file
+    aside (`metrics.<time>.jsonl`) rather than mixing the two or deleting it."""
 
-    def __init__(self, output_dir: str, enabled: bool):
+    def __init__(self, output_dir: str, enabled: bool, resumed: bool = False):
         self.enabled = enabled
         self.dir = Path(output_dir)
         self.rows: list[dict] = []
         if enabled:
             self.dir.mkdir(parents=True, exist_ok=True)
             self.path = self.dir / "metrics.jsonl"
+            if not resumed and self.path.exists():
+                self.path.rename(self.dir / f"metrics.{time.strftime('%Y%m%d-%H%M%S')}.jsonl")
 
     def write(self, row: dict) -> None:
         if not self.enabled:

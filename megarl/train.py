@@ -114,7 +114,7 @@ def run(cfg: Config) -> int:
     engine = steps.build_engine(m.hf_checkpoint, r.rollout_device) if info.is_mp_leader else None
     steps.sync_weights(actor, engine, version=start_step)
 
-    log = MetricsLog(lg.output_dir, enabled=info.rank == 0)
+    log = MetricsLog(lg.output_dir, enabled=info.rank == 0, resumed=start_step > 0)
     eval_before = steps.evaluate(engine, eval_prompts, tokenizer, cfg, info) if eval_prompts and start_step == 0 else None
     if eval_before:
         say(f"held-out before training: sampled {100 * eval_before['sampled']:.1f}%, greedy {100 * eval_before['greedy']:.1f}%")

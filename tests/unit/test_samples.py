@@ -83,3 +83,4 @@ def test_logprob_count_must_match_response_length():
     bad = sample([1, 2], [3, 4, 5], [-0.1, -0.2], advantage=0.0)
     with pytest.raises(RuntimeError):
         to_train_batch([bad], pad_id=PAD)
+
