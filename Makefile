@@ -20,7 +20,7 @@ VPY := $(VENV)/bin/python
 STAMP := $(VENV)/.stamp
 STARTER := .cache/starter/config.json
 # Pre-training is step-bound (not wall-time-bound) so every machine builds the same starter model.
-STARTER_STEPS ?= 1200
+STARTER_STEPS ?= 1760
 
 # "1" when $(PYTHON) already imports a torch built with CUDA.
 # Deferred (=), so torch is imported only when the venv is being (re)built.
