@@ -1,0 +1,130 @@
+# Shared by colocated.sbatch and disaggregated.sbatch; sourced, never run on its own.
+#
+# Dry run (MEGARL_DRY_RUN=1): every command that would run is printed, shell-quoted, instead; nothing is started,
+# and no Slurm command is needed. Outside an allocation the hosts are MEGARL_HOSTS ("a b ...") or
+# node001..nodeN with N = MEGARL_NODES (default 2).
+
+megarl_init() {
+  DRY_RUN=${MEGARL_DRY_RUN:-0}
+  JOB_ID=${SLURM_JOB_ID:-dryrun}
+  JOB_NAME=${SLURM_JOB_NAME:-megarl}
+  RESTART=${SLURM_RESTART_COUNT:-0}
+  GPUS_PER_NODE=${GPUS_PER_NODE:-${SLURM_GPUS_ON_NODE:-8}}
+  MASTER_PORT=${MASTER_PORT:-29500}
+  LOG_DIR=${LOG_DIR:-$MEGARL_ROOT/logs/$JOB_NAME}
+  MAX_FAILURES=${MAX_FAILURES:-3}
+  PYTHON=${MEGARL_PYTHON:-python3}
+  mapfile -t HOSTS < <(megarl_hostnames)
+  NODES=${#HOSTS[@]}
+  if [[ -n ${MEGARL_SETUP:-} ]]; then  # site setup: module loads, a venv's activate script, NCCL variables
+    # shellcheck disable=SC1090
+    source "$MEGARL_SETUP"
+  fi
+  [[ $DRY_RUN == 1 ]] || mkdir -p "$LOG_DIR"
+  echo "megarl: job $JOB_ID ($JOB_NAME) restart $RESTART on $NODES node(s) x $GPUS_PER_NODE GPU(s): ${HOSTS[*]}"
+}
+
+megarl_hostnames() {
+  if [[ -n ${MEGARL_HOSTS:-} ]]; then
+    tr ' ,' '\n\n' <<<"$MEGARL_HOSTS" | sed '/^$/d'
+  elif [[ -n ${SLURM_JOB_NODELIST:-} ]] && command -v scontrol >/dev/null; then
+    scontrol show hostnames "$SLURM_JOB_NODELIST"
+  else
+    seq -f 'node%03g' 1 "${MEGARL_NODES:-${SLURM_JOB_NUM_NODES:-2}}"
+  fi
+}
+
+megarl_show() {  # one command on one line, each word shell-quoted where it needs to be
+  local w out=()
+  for w in "$@"; do
+    if [[ $w =~ ^[][A-Za-z0-9_@%+=:,./-]+$ ]]; then out+=("$w"); else out+=("$(printf '%q' "$w")"); fi
+  done
+  echo "${out[*]}"
+}
+
+# The recipe's parallel sizes against the world size, before any GPU work. Sets HF_CHECKPOINT, TP, PP, DP,
+# SAVE_DIR. Needs a python3 with nothing but the standard library (megarl/config.py is pure Python).
+megarl_check() {
+  local world=$1 out
+  shift
+  out=$("$PYTHON" "$MEGARL_ROOT/launch/render.py" check --world-size "$world" -- "$@") || {
+    echo "megarl: the launch does not fit the recipe (above); nothing was started" >&2
+    exit 2
+  }
+  eval "$out"
+  echo "megarl: TP=$TP x PP=$PP x DP=$DP = $world GPUs; checkpoints in ${SAVE_DIR:-<none>}"
+}
+
+# srun flags for one step on the given hosts: one task per node, the container when CONTAINER_IMAGE is set.
+megarl_srun_args() {
+  local name=$1
+  shift
+  local hosts=("$@")
+  local IFS=,
+  SRUN_ARGS=(srun --nodes="${#hosts[@]}" --ntasks-per-node=1 --nodelist="${hosts[*]}" --kill-on-bad-exit=1
+             --output="$LOG_DIR/$JOB_ID-r$RESTART-$name-%n.log")
+  if [[ -n ${CONTAINER_IMAGE:-} ]]; then
+    SRUN_ARGS+=(--container-image="$CONTAINER_IMAGE" --container-workdir="$MEGARL_ROOT"
+                --container-mounts="$MEGARL_ROOT:$MEGARL_ROOT${CONTAINER_MOUNTS:+,$CONTAINER_MOUNTS}")
+  else
+    SRUN_ARGS+=(--chdir="$MEGARL_ROOT")
+  fi
+}
+
+megarl_train_args() {  # the recipe and its flags, then the launch's own overrides
+  TRAIN_ARGS=("$@")
+  [[ -z ${CKPT_DIR:-} ]] || TRAIN_ARGS+=(--save "$CKPT_DIR")
+  [[ -z ${OUTPUT_DIR:-} ]] || TRAIN_ARGS+=(--output-dir "$OUTPUT_DIR")
+}
+
+megarl_train_cmd() {  # torchrun with the rendezvous on the first host; every node runs the same command
+  local nodes=$1 head=$2
+  TRAIN_CMD=(torchrun --nnodes "$nodes" --nproc-per-node "$GPUS_PER_NODE" --rdzv-backend c10d
+             --rdzv-endpoint "$head:$MASTER_PORT" --rdzv-id "$JOB_ID" --max-restarts 0
+             launch/resume.py "${TRAIN_ARGS[@]}")
+}
+
+# Run a step in the background and wait for it, so that the USR1 trap (time limit near) runs while it works.
+megarl_step() {
+  if [[ $DRY_RUN == 1 ]]; then
+    megarl_show "$@"
+    return 0
+  fi
+  "$@" &
+  STEP_PID=$!
+  local rc=0
+  wait "$STEP_PID" || rc=$?
+  while kill -0 "$STEP_PID" 2>/dev/null; do  # a trapped signal interrupted the wait, not the step
+    rc=0
+    wait "$STEP_PID" || rc=$?
+  done
+  return "$rc"
+}
+
+# Requeue: Slurm starts the same script again (SLURM_RESTART_COUNT + 1) and launch/resume.py loads the newest
+# complete checkpoint. A time limit always requeues; a failure requeues at most MAX_FAILURES times; a bad
+# config (exit 2) never does.
+megarl_on_time_limit() {
+  echo "megarl: time limit near: requeueing job $JOB_ID; it resumes from its newest complete checkpoint"
+  [[ $DRY_RUN == 1 ]] || scontrol requeue "$JOB_ID"
+}
+
+megarl_on_exit() {
+  local rc=$1 counter="$LOG_DIR/$JOB_ID.failures" failures=0
+  if ((rc == 0)); then
+    echo "megarl: finished"
+    return 0
+  fi
+  if ((rc == 2)); then
+    echo "megarl: stopped on a config error (exit 2); not requeueing" >&2
+    return 2
+  fi
+  [[ -f $counter ]] && failures=$(<"$counter")
+  if ((failures >= MAX_FAILURES)); then
+    echo "megarl: exit $rc after $failures requeue(s) on failure (MAX_FAILURES=$MAX_FAILURES); giving up" >&2
+    return "$rc"
+  fi
+  echo $((failures + 1)) >"$counter"
+  echo "megarl: exit $rc: requeueing job $JOB_ID (failure $((failures + 1)) of $MAX_FAILURES)" >&2
+  scontrol requeue "$JOB_ID"
+}

@@ -1,0 +1,16 @@
+# Llama-3.1-8B / -Instruct (Llama architecture, GQA with 8 KV heads, untied embeddings). The shape below (HF
+# config.json keys) is for tools/plan.py. The real checkpoint's config.json asks for "llama3" RoPE scaling,
+# which megarl's ModelShape does not support yet (it stops at load and says so); Llama-3-8B (no scaling) loads.
+MODEL_DIR=${MODEL_DIR:-/models/Llama-3.1-8B-Instruct}
+declare -A MODEL_SHAPE=(
+  [model_type]=llama [num_hidden_layers]=32 [hidden_size]=4096 [num_attention_heads]=32 [num_key_value_heads]=8
+  [intermediate_size]=14336 [vocab_size]=128256 [max_position_embeddings]=131072 [rope_theta]=500000
+  [rms_norm_eps]=1e-5 [tie_word_embeddings]=false
+)
+MODEL_ARGS=(
+  --hf-checkpoint "$MODEL_DIR"
+  --tensor-model-parallel-size 4
+  --pipeline-model-parallel-size 1
+  --transformer-impl transformer_engine
+  --bf16
+)
