@@ -35,9 +35,13 @@ class ModelConfig:
     transformer_impl: Literal["auto", "local", "transformer_engine"] = _f(
         "auto", "Megatron layer spec: Transformer Engine (GPU) or Megatron's local modules; auto picks TE when importable")
     bf16: bool = _f(False, "train in bf16 with fp32 main params (GPU)")
+    sequence_parallel: bool = _f(False, "Megatron sequence parallelism: norms and dropout sharded over the sequence "
+                                 "on TP ranks (GPU with Transformer Engine, TP > 1)")
 
     def __post_init__(self):
         _positive(self, "tensor_model_parallel_size", "pipeline_model_parallel_size")
+        if self.sequence_parallel and self.tensor_model_parallel_size < 2:
+            raise ConfigError("--sequence-parallel needs --tensor-model-parallel-size >= 2")
 
 
 @dataclass
@@ -49,11 +53,24 @@ class RolloutConfig:
     rollout_top_k: int = _f(-1, "top-k sampling, -1 = off")
     max_response_len: int = _f(64, "maximum new tokens per completion")
     rollout_device: Literal["auto", "cpu", "cuda"] = _f("auto", "where the built-in engine runs")
+    sglang_mem_fraction: float = _f(0.5, "share of each GPU SGLang takes for weights and KV cache "
+                                    "(mem_fraction_static); the rest stays with the colocated actor")
+    sglang_tp_size: int = _f(0, "SGLang's tensor-parallel size; 0 = the actor's TP size")
+    sync_bucket_mb: int = _f(512, "weight sync: the actor's weights go to the engine in flat buckets of at most "
+                             "this many MiB")
+    verify_weight_sync: bool = _f(False, "after each weight sync, compare the engine's and the actor's log-probs on a "
+                                  "probe sequence and stop on a mismatch")
+    verify_sync_tolerance: float = _f(0.05, "largest mean absolute log-prob difference --verify-weight-sync accepts "
+                                      "(fp32: ~1e-6; bf16 engines: ~1e-2)")
     rollout_servers: str = _f("", "disaggregated mode: comma-separated host:port of SGLang servers on other nodes "
                               "(launch/slurm/disaggregated.sbatch fills it); empty = the colocated engine")
 
     def __post_init__(self):
-        _positive(self, "n_samples_per_prompt", "max_response_len")
+        _positive(self, "n_samples_per_prompt", "max_response_len", "sync_bucket_mb")
+        if not 0 < self.sglang_mem_fraction < 1:
+            raise ConfigError(f"--sglang-mem-fraction must be in (0, 1), got {self.sglang_mem_fraction}")
+        if self.sglang_tp_size < 0 or self.verify_sync_tolerance <= 0:
+            raise ConfigError("--sglang-tp-size must be >= 0 and --verify-sync-tolerance > 0")
         if self.rollout_servers and self.rollout_backend != "sglang":
             raise ConfigError(f"--rollout-servers needs --rollout-backend sglang, got {self.rollout_backend}")
         if self.rollout_temperature <= 0:
@@ -79,20 +96,49 @@ class DataConfig:
 
 @dataclass
 class AlgorithmConfig:
-    advantage_estimator: Literal["grpo", "dr_grpo"] = _f("grpo", "advantage estimator")
-    policy_loss: Literal["clip"] = _f("clip", "policy loss")
+    advantage_estimator: Literal["grpo", "dr_grpo", "rloo", "reinforce_pp", "reinforce_pp_baseline", "gae"] = _f(
+        "grpo", "advantage estimator (gae: PPO with a critic, trained colocated with the actor)")
+    policy_loss: Literal["clip", "dual_clip", "gspo"] = _f("clip", "policy loss")
     eps_clip: float = _f(0.2, "PPO clip range, lower side")
     eps_clip_high: float = _f(0.2, "PPO clip range, upper side (DAPO clip-higher when larger)")
+    clip_ratio_c: float = _f(3.0, "dual-clip cap: a negative-advantage token's loss is at most -c * A (c > 1)")
+    tis_cap: float = _f(0.0, "truncated importance sampling against the rollout engine's log-probs: weight cap "
+                        "(e.g. 2.0); 0 = off")
     kl_coef: float = _f(0.0, "weight of the KL(actor || reference) penalty; 0 runs no reference model")
     kl_estimator: Literal["k1", "k2", "k3"] = _f("k3", "KL estimator")
-    loss_aggregation: Literal["token-mean", "seq-mean-token-mean"] = _f("token-mean", "how per-token losses are averaged")
+    kl_in_reward: bool = _f(False, "fold the KL penalty into the reward (kl_coef * summed per-token KL of each "
+                            "response) instead of adding it to the loss")
+    entropy_coef: float = _f(0.0, "entropy bonus weight (0 = off; entropy is reported either way)")
+    loss_aggregation: Literal["token-mean", "seq-mean-token-mean", "seq-mean-token-sum", "seq-mean-token-sum-norm"] = _f(
+        "token-mean", "how per-token losses are averaged (seq-mean-token-sum-norm: Dr. GRPO's constant normaliser)")
     advantage_eps: float = _f(1e-6, "added to the group std before dividing")
+    gae_gamma: float = _f(1.0, "GAE discount over response tokens (--advantage-estimator gae)")
+    gae_lambda: float = _f(1.0, "GAE lambda: 1 = reward-to-go minus value, 0 = one-step TD (--advantage-estimator gae)")
+    gae_whiten: bool = _f(True, "whiten GAE advantages over the global batch's response tokens")
+    value_clip: float = _f(0.2, "PPO value clip: the critic's loss uses max of the plain and the clipped error, the "
+                           "clipped value staying within this of the rollout-time value")
+    dynamic_sampling: bool = _f(False, "DAPO dynamic sampling: drop groups whose verifier outcomes are all equal "
+                                "and draw more prompts to refill the batch")
+    max_sampling_rounds: int = _f(4, "dynamic sampling: generation rounds per step before accepting equal groups")
+    overlong_buffer_len: int = _f(0, "DAPO overlong shaping: responses longer than max-response-len minus this "
+                                  "many tokens get a linearly growing penalty; 0 = off")
+    overlong_penalty: float = _f(1.0, "DAPO overlong shaping: the penalty at max-response-len")
+    mask_truncated: bool = _f(False, "leave responses cut at max-response-len out of the loss")
 
     def __post_init__(self):
         if self.kl_coef < 0:
             raise ConfigError(f"--kl-coef must be >= 0, got {self.kl_coef}")
         if self.eps_clip <= 0 or self.eps_clip_high <= 0:
             raise ConfigError("--eps-clip and --eps-clip-high must be > 0")
+        if self.clip_ratio_c <= 1:
+            raise ConfigError(f"--clip-ratio-c must be > 1, got {self.clip_ratio_c}")
+        if self.tis_cap < 0 or self.entropy_coef < 0 or self.overlong_buffer_len < 0 or self.overlong_penalty < 0:
+            raise ConfigError("--tis-cap, --entropy-coef, --overlong-buffer-len and --overlong-penalty must be >= 0")
+        _positive(self, "max_sampling_rounds")
+        if not (0 <= self.gae_gamma <= 1 and 0 <= self.gae_lambda <= 1):
+            raise ConfigError(f"--gae-gamma and --gae-lambda must be in [0, 1], got {self.gae_gamma}, {self.gae_lambda}")
+        if self.value_clip <= 0:
+            raise ConfigError(f"--value-clip must be > 0, got {self.value_clip}")
 
 
 @dataclass
@@ -113,9 +159,17 @@ class TrainingConfig:
     seed: int = _f(1234, "seed for data order, sampling and initialisation")
     distributed_timeout_seconds: float = _f(600.0, "a collective waiting longer than this fails instead of hanging")
     threads_per_rank: int = _f(1, "torch intra-op threads per process on CPU")
+    offload_optimizer: bool = _f(False, "colocated mode: move optimizer states off the GPU and free gradients while "
+                                 "the rollout engine generates")
+    offload_params: bool = _f(False, "colocated mode: move the actor's weights off the GPU too while the engine "
+                              "generates")
+    critic_lr: float = _f(1e-5, "the critic's Adam learning rate (--advantage-estimator gae); it follows the "
+                          "actor's schedule, decaying to critic-lr * min-lr / lr")
 
     def __post_init__(self):
         _positive(self, "num_steps", "micro_batch_size", "updates_per_rollout", "threads_per_rank")
+        if self.critic_lr <= 0:
+            raise ConfigError(f"--critic-lr must be > 0, got {self.critic_lr}")
         if self.lr <= 0:
             raise ConfigError(f"--lr must be > 0, got {self.lr}")
 
@@ -131,13 +185,23 @@ class CheckpointConfig:
 
 @dataclass
 class LoggingConfig:
-    output_dir: str = _f("runs/default", "where metrics.jsonl, the reward plot and eval results go")
-    log_interval: int = _f(1, "print a line every this many steps")
+    output_dir: str = _f("runs/default", "where metrics.jsonl, samples.jsonl, the training plot and eval results go")
+    log_interval: int = _f(1, "print a progress line every this many steps")
+    log_samples_interval: int = _f(10, "every this many steps log rollout samples (prompt, response, reward, "
+                                   "outcome) to samples.jsonl and to TensorBoard/wandb; 0 = never")
+    log_samples_count: int = _f(8, "rollout samples per logging (the first groups of rank 0's batch)")
+    tensorboard_dir: str = _f("", "write TensorBoard event files here; empty = no TensorBoard")
+    wandb_project: str = _f("", "log to this wandb project; empty = no wandb")
+    wandb_mode: Literal["online", "offline", "disabled"] = _f(
+        "online", "wandb mode; offline writes under <output-dir>/wandb with no network (upload later: wandb sync)")
+    wandb_run_name: str = _f("", "wandb run name; empty = wandb picks one")
     eval_samples_per_prompt: int = _f(4, "samples per held-out prompt for the sampled accuracy")
     eval_max_prompts: int = _f(0, "evaluate on at most this many held-out prompts (0 = all)")
 
     def __post_init__(self):
-        _positive(self, "log_interval", "eval_samples_per_prompt")
+        _positive(self, "log_interval", "eval_samples_per_prompt", "log_samples_count")
+        if self.log_samples_interval < 0:
+            raise ConfigError(f"--log-samples-interval must be >= 0, got {self.log_samples_interval}")
 
 
 @dataclass

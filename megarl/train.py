@@ -30,11 +30,21 @@ def preflight(cfg: Config) -> None:
 
     import torch
 
-    if cfg.rollout.rollout_backend == "sglang":
+    if cfg.rollout.rollout_backend == "sglang" and not cfg.rollout.rollout_servers:  # the colocated engine
         if not torch.cuda.is_available():
             raise ConfigError("--rollout-backend sglang needs a CUDA GPU and this machine has none; "
                               "use --rollout-backend builtin (the CPU default)")
-        raise ConfigError("--rollout-backend sglang is not available in this version yet; use --rollout-backend builtin")
+        from megarl.rollout.sglang_engine import sglang_available
+
+        ok, why = sglang_available()
+        if not ok:
+            raise ConfigError(f"--rollout-backend sglang: {why}; install it (pip install 'megarl[sglang]') or use "
+                              "--rollout-backend builtin")
+    if cfg.model.sequence_parallel:
+        from megarl.mcore.parallel import transformer_engine_available
+
+        if not transformer_engine_available():
+            raise ConfigError("--sequence-parallel needs a CUDA GPU with Transformer Engine importable")
     if cfg.rollout.rollout_device == "cuda" and not torch.cuda.is_available():
         raise ConfigError("--rollout-device cuda: this machine has no CUDA GPU; allowed here: auto, cpu")
     if not cfg.model.hf_checkpoint:
@@ -69,12 +79,12 @@ def run(cfg: Config) -> int:
     import torch
     from transformers import AutoTokenizer
 
-    from megarl import steps
+    from megarl import ppo, steps
     from megarl.data import PromptSampler, load_prompts
     from megarl.mcore import checkpoint, parallel
     from megarl.mcore.actor import MegatronPolicy
     from megarl.model_shape import ModelShape
-    from megarl.metrics import MetricsLog, format_step, plot_rewards
+    from megarl.metrics import MetricsLog, eta_seconds, format_step, open_sinks, plot_run, rollout_sample_rows
 
     m, r, d, a, t, c, lg = (cfg.model, cfg.rollout, cfg.data, cfg.algorithm, cfg.training, cfg.checkpoint, cfg.logging)
     torch.set_num_threads(t.threads_per_rank)
@@ -96,25 +106,30 @@ def run(cfg: Config) -> int:
         f"{shape.family} {shape.num_layers} layers hidden {shape.hidden_size}, {len(prompts)} prompts")
 
     actor = MegatronPolicy(shape, tp=info.tp_size, pp=info.pp_size, trainable=True, bf16=m.bf16,
-                           optim=steps.optim_config(t), use_transformer_engine=steps.use_te(m.transformer_impl))
+                           optim=steps.optim_config(t), use_transformer_engine=steps.use_te(m.transformer_impl),
+                           sequence_parallel=m.sequence_parallel)
     reference = None
     if a.kl_coef > 0:
         reference = MegatronPolicy(shape, tp=info.tp_size, pp=info.pp_size, trainable=False, bf16=m.bf16,
                                    use_transformer_engine=steps.use_te(m.transformer_impl))
         reference.load_hf(m.ref_checkpoint or m.hf_checkpoint)
     sampler = PromptSampler(len(prompts), seed=t.seed, shuffle=d.shuffle)
+    ds_buffer: list = []  # dynamic sampling's surplus groups, this rank's
     start_step = 0
     if c.load:
         state = checkpoint.load(checkpoint.find_latest(c.load), actor)
         sampler.load_state_dict(state["sampler"])
+        ds_buffer = state["rank_state"].get("ds_buffer", [])
         start_step = state["step"]
         say(f"megarl: resumed from {c.load} at step {start_step}")
     else:
         actor.load_hf(m.hf_checkpoint)
-    engine = steps.build_engine(m.hf_checkpoint, r.rollout_device) if info.is_mp_leader else None
-    steps.sync_weights(actor, engine, version=start_step)
+    critic = ppo.build_critic(cfg, shape, info, start_step)  # PPO's value model; None unless --advantage-estimator gae
+    engine = steps.build_engine(m.hf_checkpoint, r.rollout_device, cfg) if info.is_mp_leader else None
+    steps.sync_weights(actor, engine, version=start_step, cfg=cfg)
 
-    log = MetricsLog(lg.output_dir, enabled=info.rank == 0, resumed=start_step > 0)
+    sinks = open_sinks(lg, lg.output_dir, cfg.to_dict(), resumed=start_step > 0) if info.rank == 0 else []
+    log = MetricsLog(lg.output_dir, enabled=info.rank == 0, resumed=start_step > 0, sinks=sinks)
     eval_before = steps.evaluate(engine, eval_prompts, tokenizer, cfg, info) if eval_prompts and start_step == 0 else None
     if eval_before:
         say(f"held-out before training: sampled {100 * eval_before['sampled']:.1f}%, greedy {100 * eval_before['greedy']:.1f}%")
@@ -123,43 +138,63 @@ def run(cfg: Config) -> int:
     step = start_step
     while step < t.num_steps:
         t0 = time.perf_counter()
-        batch_prompts = steps.prompts_for_rank(sampler, prompts, d.rollout_batch_size, info)
-        rollout = steps.generate_and_score(engine, batch_prompts, tokenizer, cfg, step, info)  # generate, reward
-        steps.compute_advantages(rollout, a)
+        steps.enter_rollout(actor, engine, cfg)  # colocated: the actor offloads, the engine resumes its KV cache
+        # generate, reward (dynamic sampling refills dropped groups), reward shaping
+        rollout = steps.collect_rollout(engine, sampler, prompts, tokenizer, cfg, step, info, ds_buffer)
+        steps.shape_rewards(rollout, cfg)
         timings = {"t_generate": rollout.generate_seconds, "t_reward": rollout.reward_seconds}
-        train_batch = steps.make_train_batch(rollout, tokenizer)
+        train_batch = steps.make_train_batch(rollout, tokenizer, mask_truncated=a.mask_truncated)
+        steps.enter_training(actor, engine, cfg)  # colocated: the engine releases its memory, the actor onloads
         t1 = time.perf_counter()
         steps.add_logprobs(train_batch, actor, reference, cfg)  # log-probs (old when needed, reference)
         timings["t_logprobs"] = time.perf_counter() - t1
+        steps.fold_kl_into_rewards(rollout, train_batch, cfg, info)  # --kl-in-reward only
+        if critic is None:
+            steps.compute_advantages(rollout, a, train_batch)
+            critic_metrics = {}
+        else:  # PPO: the critic's values -> GAE advantages, then the critic's own update (megarl/ppo.py)
+            critic_metrics = ppo.gae_advantages_and_critic_update(critic, rollout, train_batch, cfg, info)
         t1 = time.perf_counter()
         update = steps.update(actor, train_batch, cfg)
         timings["t_update"] = time.perf_counter() - t1
         t1 = time.perf_counter()
-        steps.sync_weights(actor, engine, version=step + 1)
+        timings.update(steps.sync_weights(actor, engine, version=step + 1, cfg=cfg))
         timings["t_sync"] = time.perf_counter() - t1
         step += 1
-        row = steps.step_metrics(step, rollout, update, timings, time.perf_counter() - t0, info)
+        row = {**steps.step_metrics(step, rollout, update, timings, time.perf_counter() - t0, info), **critic_metrics}
         log.write(row)
+        if log.enabled and lg.log_samples_interval and step % lg.log_samples_interval == 0:
+            log.write_samples(step, rollout_sample_rows(step, rollout.samples, prompts, lg.log_samples_count))
         if step % lg.log_interval == 0 or step == t.num_steps:
-            say(format_step(row, t.num_steps), flush=True)
+            elapsed = time.perf_counter() - train_start
+            budget_left = 60 * t.max_train_minutes - elapsed if t.max_train_minutes > 0 else None
+            say(format_step(row, t.num_steps, eta_seconds(elapsed, step - start_step, t.num_steps - step, budget_left)),
+                flush=True)
         out_of_time = steps.agree_any(t.max_train_minutes > 0 and time.perf_counter() - train_start > 60 * t.max_train_minutes)
         if c.save and c.save_interval and step % c.save_interval == 0:
-            checkpoint.save(c.save, step, actor, {"sampler": sampler.state_dict()}, keep_last=c.keep_last)
+            ppo.save_critic(critic, c.save, step, c.keep_last)
+            checkpoint.save(c.save, step, actor, {"sampler": sampler.state_dict()}, keep_last=c.keep_last,
+                            rank_state={"ds_buffer": ds_buffer})
         if out_of_time:
             say(f"megarl: --max-train-minutes {t.max_train_minutes} reached after step {step}")
             break
     train_minutes = (time.perf_counter() - train_start) / 60
 
     if c.save and not (c.save_interval and step % c.save_interval == 0):
-        checkpoint.save(c.save, step, actor, {"sampler": sampler.state_dict()}, keep_last=c.keep_last)
+        ppo.save_critic(critic, c.save, step, c.keep_last)
+        checkpoint.save(c.save, step, actor, {"sampler": sampler.state_dict()}, keep_last=c.keep_last,
+                            rank_state={"ds_buffer": ds_buffer})
     if c.save_hf:
         steps.save_hf(actor, engine, tokenizer, m.hf_checkpoint, c.save_hf, info)
+    steps.enter_rollout(actor, engine, cfg)
     eval_after = steps.evaluate(engine, eval_prompts, tokenizer, cfg, info) if eval_prompts else None
     say(f"megarl: peak memory per process {steps.peak_rss_mib(info):.0f} MiB (max over ranks)")
     if eval_after:
         steps.report(say, log, eval_before, eval_after, train_minutes, step, len(eval_prompts), cfg)
     elif info.rank == 0 and log.all_rows():
-        plot_rewards(log.all_rows(), log.dir / "reward_curve.png")
+        plot_run(log.all_rows(), log.dir / "training.png")
+    log.close()
+    steps.close_engine(engine)
     parallel.destroy()
     return 0
 

@@ -1,8 +1,10 @@
 """Advantage estimators: rewards of G completions per prompt in, one advantage per completion out.
 
-Every estimator has one signature, `fn(rewards: Tensor[num_groups, group_size], eps: float) -> Tensor` of the
-same shape, and is registered by name with `@register_advantage(...)`; the trainer looks it up with
-`get_advantage_fn(name)` and never switches on the name itself. Row `g` of `rewards` holds the rewards of the
+Every estimator has one signature, `fn(rewards: Tensor[num_groups, group_size], eps: float, **inputs) -> Tensor`,
+and is registered by name with `@register_advantage(...)`; the trainer looks it up with `get_advantage_fn(name)`
+and never switches on the name itself. Outcome estimators (GRPO, Dr. GRPO, RLOO, REINFORCE++) return one
+advantage per completion, shape [num_groups, group_size], and ignore `inputs`; token-level estimators (GAE with a
+critic) read what they need from `inputs` (values, masks, discounting) and return [num_completions, T]. Row `g` of `rewards` holds the rewards of the
 completions sampled for prompt `g`. The advantage is one scalar per completion, broadcast over its tokens by
 the policy loss.
 
@@ -20,7 +22,7 @@ from megarl.registry import Registry
 
 
 class AdvantageFn(Protocol):
-    def __call__(self, rewards: Tensor, eps: float = ...) -> Tensor: ...
+    def __call__(self, rewards: Tensor, eps: float = ..., **inputs) -> Tensor: ...
 
 
 _ADVANTAGES: Registry[AdvantageFn] = Registry("advantage estimator")
@@ -44,7 +46,7 @@ def _check_grouped(rewards: Tensor) -> Tensor:
 
 
 @register_advantage("grpo")
-def compute_grpo_advantages(rewards: Tensor, eps: float = 1e-6, normalize_std: bool = True) -> Tensor:
+def compute_grpo_advantages(rewards: Tensor, eps: float = 1e-6, normalize_std: bool = True, **inputs) -> Tensor:
     """Group-relative advantages (GRPO, Shao et al. 2024, DeepSeekMath).
 
         A[g, i] = (r[g, i] - mean_g) / (std_g + eps)      if normalize_std
@@ -67,8 +69,63 @@ def compute_grpo_advantages(rewards: Tensor, eps: float = 1e-6, normalize_std: b
 
 
 @register_advantage("dr_grpo")
-def compute_dr_grpo_advantages(rewards: Tensor, eps: float = 1e-6) -> Tensor:
+def compute_dr_grpo_advantages(rewards: Tensor, eps: float = 1e-6, **inputs) -> Tensor:
     """Dr. GRPO advantages (Liu et al. 2025): `r - mean_g`, without dividing by the group std, which biases
     updates towards prompts that are nearly always or nearly never solved. `eps` is unused; it keeps the
     registry's one signature. Shapes as `compute_grpo_advantages`."""
     return compute_grpo_advantages(rewards, eps=eps, normalize_std=False)
+
+
+def _zero_uniform_groups(rewards: Tensor, advantages: Tensor) -> Tensor:
+    uniform = (rewards == rewards[:, :1]).all(dim=1, keepdim=True)
+    return torch.where(uniform, torch.zeros_like(advantages), advantages)
+
+
+@register_advantage("rloo")
+def compute_rloo_advantages(rewards: Tensor, eps: float = 1e-6, **inputs) -> Tensor:
+    """REINFORCE leave-one-out (Kool et al. 2019; Ahmadian et al. 2024): each completion's baseline is the mean
+    reward of the *other* completions of its prompt.
+
+        A[g, i] = r[g, i] - (sum_j r[g, j] - r[g, i]) / (n - 1)  =  n / (n - 1) * (r[g, i] - mean_g)
+
+    A group of one has no other completion to compare with and gets 0, as does a group of equal rewards.
+    `eps` is unused. Shapes as `compute_grpo_advantages`.
+    """
+    rewards = _check_grouped(rewards)
+    n = rewards.shape[1]
+    if n == 1:
+        return torch.zeros_like(rewards)
+    baseline = (rewards.sum(dim=1, keepdim=True) - rewards) / (n - 1)
+    return _zero_uniform_groups(rewards, rewards - baseline)
+
+
+@register_advantage("reinforce_pp")
+def compute_reinforce_pp_advantages(rewards: Tensor, eps: float = 1e-6, **inputs) -> Tensor:
+    """REINFORCE++ (Hu 2025): no per-prompt baseline; the rewards of the whole batch are whitened,
+
+        A[g, i] = (r[g, i] - mean_batch) / (std_batch + eps)
+
+    (std with Bessel's correction). A batch whose rewards are all equal gets 0. Shapes as GRPO's.
+    """
+    rewards = _check_grouped(rewards)
+    flat = rewards.flatten()
+    if flat.numel() < 2 or bool((flat == flat[0]).all()):
+        return torch.zeros_like(rewards)
+    return (rewards - flat.mean()) / (flat.std(unbiased=True) + eps)
+
+
+@register_advantage("reinforce_pp_baseline")
+def compute_reinforce_pp_baseline_advantages(rewards: Tensor, eps: float = 1e-6, **inputs) -> Tensor:
+    """REINFORCE++-baseline: subtract the per-prompt mean, then divide by the std of those centred rewards over
+    the whole batch (not per group, so prompts that are nearly always or never solved are not up-weighted).
+
+        c[g, i] = r[g, i] - mean_g;   A[g, i] = c[g, i] / (std_batch(c) + eps)
+
+    Groups of equal rewards get exactly 0. Shapes as GRPO's.
+    """
+    rewards = _check_grouped(rewards)
+    centered = _zero_uniform_groups(rewards, rewards - rewards.mean(dim=1, keepdim=True))
+    flat = centered.flatten()
+    if flat.numel() < 2 or bool((flat == 0).all()):
+        return torch.zeros_like(rewards)
+    return centered / (flat.std(unbiased=True) + eps)

@@ -20,13 +20,16 @@ from torch import Tensor
 
 from megarl.registry import Registry
 
-AggregationMode = Literal["token-mean", "seq-mean-token-mean"]
-AGGREGATION_MODES: tuple[str, ...] = ("token-mean", "seq-mean-token-mean")
+AggregationMode = Literal["token-mean", "seq-mean-token-mean", "seq-mean-token-sum", "seq-mean-token-sum-norm"]
+AGGREGATION_MODES: tuple[str, ...] = ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum", "seq-mean-token-sum-norm")
 
 
 class PolicyLossFn(Protocol):
+    """`options` carries loss-specific settings (e.g. `clip_ratio_c` of dual-clip); a loss ignores the others."""
+
     def __call__(
-        self, logp: Tensor, old_logp: Tensor, advantages: Tensor, mask: Tensor, clip_low: float, clip_high: float
+        self, logp: Tensor, old_logp: Tensor, advantages: Tensor, mask: Tensor, clip_low: float, clip_high: float,
+        **options,
     ) -> tuple[Tensor, dict[str, float]]: ...
 
 
@@ -104,6 +107,7 @@ def policy_loss_clip(
     mask: Tensor,
     clip_low: float = 0.2,
     clip_high: float = 0.2,
+    **options,
 ) -> tuple[Tensor, dict[str, float]]:
     """PPO's clipped surrogate, per token (Schulman et al. 2017; asymmetric "clip-higher" as in DAPO).
 
@@ -136,6 +140,99 @@ def policy_loss_clip(
     return torch.where(mask, pg, torch.zeros_like(pg)), metrics
 
 
+@register_policy_loss("dual_clip")
+def policy_loss_dual_clip(
+    logp: Tensor,
+    old_logp: Tensor,
+    advantages: Tensor,
+    mask: Tensor,
+    clip_low: float = 0.2,
+    clip_high: float = 0.2,
+    clip_ratio_c: float = 3.0,
+    **options,
+) -> tuple[Tensor, dict[str, float]]:
+    """Dual-clip PPO (Ye et al. 2020): PPO clip, and for negative advantages the loss is also capped at
+    `-clip_ratio_c * A`, so a token whose ratio has exploded (ratio >> 1 with A < 0) cannot dominate the update.
+
+        pg      = -min(ratio * A, clamp(ratio, 1 - clip_low, 1 + clip_high) * A)
+        pg_dual = min(pg, -clip_ratio_c * A)    where A < 0;   pg elsewhere
+
+    `clip_ratio_c` must be > 1. Shapes and metrics as `policy_loss_clip`, plus `clip_frac_dual` (tokens where
+    the cap is taken; they give no gradient).
+    """
+    if clip_ratio_c <= 1:
+        raise ValueError(f"dual-clip needs clip_ratio_c > 1, got {clip_ratio_c}")
+    pg, metrics = policy_loss_clip(logp, old_logp, advantages, mask, clip_low, clip_high)
+    mask = mask.bool()
+    adv = _per_token_advantages(advantages, logp)
+    cap = -clip_ratio_c * adv
+    capped = (adv < 0) & (pg > cap) & mask
+    pg = torch.where(capped, cap, pg)
+    metrics["clip_frac_dual"] = _masked_mean(capped.float(), mask)
+    return torch.where(mask, pg, torch.zeros_like(pg)), metrics
+
+
+@register_policy_loss("gspo")
+def policy_loss_gspo(
+    logp: Tensor,
+    old_logp: Tensor,
+    advantages: Tensor,
+    mask: Tensor,
+    clip_low: float = 3e-4,
+    clip_high: float = 4e-4,
+    **options,
+) -> tuple[Tensor, dict[str, float]]:
+    """GSPO (Zheng et al. 2025): one importance ratio per *sequence*, the geometric mean of its token ratios,
+
+        s_i = exp( mean_{t in mask_i} (logp[i, t] - old_logp[i, t]) )
+
+    clipped as in PPO (GSPO's ranges are ~1e-4, far tighter than token-level PPO's). Written per token in the
+    "GSPO-token" form, ratio_t = sg(s_i) * exp(logp_t - sg(logp_t)): its value is s_i on every token and its
+    gradient is s_i * grad(logp_t), so with per-sequence token-mean aggregation the update is exactly GSPO's
+    s_i * A_i * mean_t grad(logp_t). Shapes and metrics as `policy_loss_clip`.
+    """
+    mask = mask.bool()
+    adv = _per_token_advantages(advantages, logp)
+    log_ratio = torch.where(mask, logp - old_logp, torch.zeros_like(logp))
+    counts = mask.sum(dim=-1, keepdim=True).clamp(min=1)
+    seq_log_ratio = (log_ratio.sum(dim=-1, keepdim=True) / counts).detach()
+    ratio = torch.exp(seq_log_ratio + logp - logp.detach())
+    ratio = torch.where(mask, ratio, torch.ones_like(ratio))
+    clipped_ratio = ratio.clamp(1 - clip_low, 1 + clip_high)
+    pg = -torch.minimum(ratio * adv, clipped_ratio * adv)
+    with torch.no_grad():
+        clipped_low = (ratio < 1 - clip_low) & (adv < 0)
+        clipped_high = (ratio > 1 + clip_high) & (adv > 0)
+        metrics = {
+            "clip_frac": _masked_mean((clipped_low | clipped_high).float(), mask),
+            "clip_frac_low": _masked_mean(clipped_low.float(), mask),
+            "clip_frac_high": _masked_mean(clipped_high.float(), mask),
+            "ratio_mean": _masked_mean(ratio, mask),
+        }
+    return torch.where(mask, pg, torch.zeros_like(pg)), metrics
+
+
+def truncated_is_weights(old_logp: Tensor, rollout_logp: Tensor, mask: Tensor, cap: float) -> tuple[Tensor, dict]:
+    """Truncated importance sampling (TIS; Yao et al. 2025): the rollout engine samples from its own
+    distribution (different kernels, precision), not exactly the trainer's. Each token's policy-gradient term is
+    reweighted by
+
+        w_t = min(exp(old_logp_t - rollout_logp_t), cap)     (no gradient; 1 at masked positions)
+
+    Shapes: [B, T] each. Returns the weights and metrics `tis_weight_mean`, `tis_weight_max`, `tis_clip_frac`.
+    """
+    mask = mask.bool()
+    with torch.no_grad():
+        raw = torch.exp(torch.where(mask, old_logp - rollout_logp, torch.zeros_like(old_logp)))
+        w = raw.clamp(max=cap)
+        metrics = {
+            "tis_weight_mean": _masked_mean(w, mask),
+            "tis_weight_max": float(torch.where(mask, w, torch.zeros_like(w)).max()) if mask.any() else 0.0,
+            "tis_clip_frac": _masked_mean((raw > cap).float(), mask),
+        }
+    return torch.where(mask, w, torch.ones_like(w)), metrics
+
+
 def grpo_token_loss(
     logp: Tensor,
     old_logp: Tensor,
@@ -147,53 +244,91 @@ def grpo_token_loss(
     kl_coef: float = 0.0,
     kl_type: str = "k3",
     policy_loss: str = "clip",
+    *,
+    rollout_logp: Tensor | None = None,
+    tis_cap: float = 0.0,
+    entropy: Tensor | None = None,
+    entropy_coef: float = 0.0,
+    **options,
 ) -> tuple[Tensor, dict[str, float]]:
-    """The GRPO per-token loss: `l_t = pg_t + kl_coef * kl_t`, 0 at masked positions.
+    """The per-token loss of GRPO-style training: `l_t = w_t * pg_t + kl_coef * kl_t - entropy_coef * H_t`, 0 at
+    masked positions.
 
-    `pg_t` is the registered policy loss `policy_loss` (PPO clip by default), `kl_t` the registered KL
-    estimator `kl_type` of KL(actor || reference). As in TRL (without its `use_bias_correction_kl`), the KL term
-    is added per token before aggregation, so it is normalised exactly like the policy term.
-    `ref_logp` may be None only when `kl_coef == 0` (no reference model is run then).
+    `pg_t` is the registered policy loss `policy_loss` (PPO clip by default; `options` go to it, e.g.
+    `clip_ratio_c`), `kl_t` the registered KL estimator `kl_type` of KL(actor || reference). As in TRL (without
+    its `use_bias_correction_kl`), the KL term is added per token before aggregation, so it is normalised exactly
+    like the policy term. `ref_logp` may be None only when `kl_coef == 0` (no reference model is run then).
+    `w_t` is 1, or the truncated importance weight against the rollout engine's own log-probs when
+    `tis_cap > 0` (`rollout_logp` required). `entropy` [B, T] is the actor's per-token entropy (differentiable);
+    with `entropy_coef > 0` it is a bonus (subtracted from the loss); it is reported whenever given.
 
-    Shapes: logp, old_logp, ref_logp, mask [B, T]; advantages [B] or [B, T]. Returns the per-token loss [B, T]
-    and float metrics (those of the policy loss, plus `kl_mean` over masked tokens when `ref_logp` is given).
+    Shapes: logp, old_logp, ref_logp, rollout_logp, entropy, mask [B, T]; advantages [B] or [B, T]. Returns the
+    per-token loss [B, T] and float metrics (those of the policy loss, `kl_mean` over masked tokens when
+    `ref_logp` is given, `entropy_mean` when `entropy` is, the TIS weights' when TIS is on).
     """
     mask = mask.bool()
-    per_token, metrics = get_policy_loss_fn(policy_loss)(logp, old_logp, advantages, mask, clip_low, clip_high)
+    per_token, metrics = get_policy_loss_fn(policy_loss)(logp, old_logp, advantages, mask, clip_low, clip_high,
+                                                         **options)
+    zero = torch.zeros_like(logp)
+    if tis_cap > 0:
+        if rollout_logp is None:
+            raise ValueError("truncated importance sampling (tis_cap > 0) needs the rollout engine's log-probs")
+        weights, tis_metrics = truncated_is_weights(old_logp.detach(), rollout_logp, mask, tis_cap)
+        per_token = per_token * weights
+        metrics.update(tis_metrics)
+    if entropy is not None:
+        metrics["entropy_mean"] = _masked_mean(entropy.detach(), mask)
+        if entropy_coef != 0:
+            per_token = per_token - entropy_coef * torch.where(mask, entropy, zero)
+    elif entropy_coef != 0:
+        raise ValueError(f"entropy_coef={entropy_coef} needs the per-token entropy, got entropy=None")
     if ref_logp is None:
         if kl_coef != 0:
             raise ValueError(f"kl_coef={kl_coef} needs reference log-probs, got ref_logp=None")
-        return per_token, metrics
+        return torch.where(mask, per_token, zero), metrics
 
-    zero = torch.zeros_like(logp)
     # Both arguments are zeroed at padding so that the KL there is exactly 0 with a finite gradient.
     kl = get_kl_fn(kl_type)(torch.where(mask, logp, zero), torch.where(mask, ref_logp, zero))
     metrics["kl_mean"] = _masked_mean(kl.detach(), mask)
     if kl_coef != 0:
         per_token = per_token + kl_coef * kl
-    return per_token, metrics
+    return torch.where(mask, per_token, zero), metrics
 
 
-def aggregate(per_token_loss: Tensor, mask: Tensor, mode: AggregationMode = "token-mean") -> tuple[Tensor, Tensor]:
+def aggregate(per_token_loss: Tensor, mask: Tensor, mode: AggregationMode = "token-mean",
+              max_len: int | None = None) -> tuple[Tensor, Tensor]:
     """Reduce a per-token loss [B, T] to a (numerator, denominator) pair of scalar tensors.
 
-        token-mean:           numerator = sum_{i,t} l[i,t] m[i,t]                 denominator = sum_{i,t} m[i,t]
-        seq-mean-token-mean:  numerator = sum_i (sum_t l[i,t] m[i,t] / sum_t m[i,t])   denominator = B
+        token-mean:               num = sum_{i,t} l[i,t] m[i,t]                       den = sum_{i,t} m[i,t]
+        seq-mean-token-mean:      num = sum_i (sum_t l[i,t] m[i,t] / sum_t m[i,t])    den = B
+        seq-mean-token-sum:       num = sum_{i,t} l[i,t] m[i,t]                       den = B
+        seq-mean-token-sum-norm:  num = sum_{i,t} l[i,t] m[i,t]                       den = B * max_len
 
     The loss of an optimizer step is sum(numerators) / sum(denominators), summed over all micro-batches and
     data-parallel ranks, divided once. Averaging per-micro-batch means instead would weight a token by the size
     of the micro-batch it landed in. "token-mean" over the whole step is TRL's default `dapo` loss (and DAPO's
-    token-level loss); "seq-mean-token-mean" is TRL's `grpo` loss (the GRPO paper's 1/G sum_i 1/|o_i| sum_t).
-    A sequence with no masked-in token adds 0 to the numerator and still counts in the seq-mean denominator,
-    as in TRL. Gradients flow through the numerator only; the denominator is a count.
+    token-level loss); "seq-mean-token-mean" is TRL's `grpo` loss (the GRPO paper's 1/G sum_i 1/|o_i| sum_t);
+    "seq-mean-token-sum-norm" is Dr. GRPO's constant normaliser (TRL's `dr_grpo`: `max_len` is the configured
+    maximum response length, a constant, not the realised one), so no sequence's tokens are up- or down-weighted
+    by its length. A sequence with no masked-in token adds 0 to the numerator and still counts in the per-sequence
+    denominators, as in TRL. Gradients flow through the numerator only; the denominator is a count.
     """
     mask = mask.bool()
     masked = torch.where(mask, per_token_loss, torch.zeros_like(per_token_loss))
     counts = mask.sum(dim=-1).to(per_token_loss.dtype)
+
+    def count(x: float) -> Tensor:
+        return torch.tensor(float(x), dtype=per_token_loss.dtype, device=per_token_loss.device)
+
+    rows = mask.shape[0]
     if mode == "token-mean":
         return masked.sum(), counts.sum()
     if mode == "seq-mean-token-mean":
-        per_seq = masked.sum(dim=-1) / counts.clamp(min=1)
-        return per_seq.sum(), torch.tensor(float(mask.shape[0]), dtype=per_token_loss.dtype,
-                                           device=per_token_loss.device)
+        return (masked.sum(dim=-1) / counts.clamp(min=1)).sum(), count(rows)
+    if mode == "seq-mean-token-sum":
+        return masked.sum(), count(rows)
+    if mode == "seq-mean-token-sum-norm":
+        if not max_len or max_len <= 0:
+            raise ValueError("seq-mean-token-sum-norm needs max_len, the configured maximum response length")
+        return masked.sum(), count(rows * max_len)
     raise ValueError(f"unknown aggregation mode {mode!r}; valid modes: {', '.join(AGGREGATION_MODES)}")

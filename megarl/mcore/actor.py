@@ -71,19 +71,39 @@ def token_logprobs(logits: torch.Tensor, tokens: torch.Tensor, temperature: floa
     return -tensor_parallel.vocab_parallel_cross_entropy(scaled, tokens[:, 1:].contiguous())
 
 
+def token_entropy(logits: torch.Tensor, temperature: float) -> torch.Tensor:
+    """Entropy of the next-token distribution at each position but the last, [b, s - 1], from vocab-parallel
+    logits [b, s, v/tp] without gathering the vocabulary (differentiable).
+
+    With x the temperature-scaled logits and m their max: H = log sum_j e^(x_j - m) + m - sum_j p_j x_j. The two
+    sums over the vocabulary run over this rank's shard and are all-reduced over tensor-parallel ranks (an
+    autograd-aware reduction: each rank's shard gets its own gradient)."""
+    from megatron.core import parallel_state
+    from megatron.core.tensor_parallel.mappings import reduce_from_tensor_model_parallel_region
+
+    x = logits[:, :-1].float() / (temperature if temperature > 0 else 1.0)
+    m = x.detach().max(dim=-1, keepdim=True).values
+    if parallel_state.get_tensor_model_parallel_world_size() > 1:
+        dist.all_reduce(m, op=dist.ReduceOp.MAX, group=parallel_state.get_tensor_model_parallel_group())
+    e = torch.exp(x - m)
+    z = reduce_from_tensor_model_parallel_region(e.sum(dim=-1))
+    ex = reduce_from_tensor_model_parallel_region((e * x).sum(dim=-1))
+    return torch.log(z) + m.squeeze(-1) - ex / z
+
+
 class MegatronPolicy:
     """A GPTModel shard (actor when trainable, reference when frozen), its optimizer and scheduler."""
 
     def __init__(self, shape: ModelShape, *, tp: int, pp: int, trainable: bool, optim: OptimConfig | None = None,
-                 use_transformer_engine: bool | None = None, bf16: bool = False):
+                 use_transformer_engine: bool | None = None, bf16: bool = False, sequence_parallel: bool = False):
         from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
         from megatron.core.distributed.finalize_model_grads import finalize_model_grads
 
         self.shape = shape
         self.trainable = trainable
-        self.config = transformer_config(shape, tp=tp, pp=pp, bf16=bf16,
+        self.config = transformer_config(shape, tp=tp, pp=pp, bf16=bf16, sequence_parallel=sequence_parallel,
                                          params_dtype=torch.bfloat16 if bf16 else torch.float32)
-        module = build_gpt_model(shape, self.config, use_transformer_engine=use_transformer_engine)
+        module = self._build_module(shape, use_transformer_engine)
         self.optimizer = self.scheduler = None
         if not trainable:
             module.eval()
@@ -104,6 +124,14 @@ class MegatronPolicy:
         self.config.finalize_model_grads_func = finalize_model_grads
         self.config.no_sync_func = self.model.no_sync
         self._build_optimizer(optim)
+
+    def _build_module(self, shape: ModelShape, use_transformer_engine: bool | None):
+        """The GPTModel this class trains; subclasses swap parts of it (the critic's value head)."""
+        return build_gpt_model(shape, self.config, use_transformer_engine=use_transformer_engine)
+
+    def _per_token(self, output: torch.Tensor, tokens: torch.Tensor, temperature: float) -> torch.Tensor:
+        """What the loss sees for each position: log-probs of the next token [b, s - 1] (the critic: values)."""
+        return token_logprobs(output, tokens, temperature)
 
     @cpu_compat.in_megatron_scope
     def _build_optimizer(self, optim: OptimConfig) -> None:
@@ -141,6 +169,20 @@ class MegatronPolicy:
         """Full HF-named weights on the model-parallel leader, [] elsewhere."""
         return convert.export_hf_weights(self.model, self.shape)
 
+    _offloader = None
+
+    def offload(self, *, params: bool = True, optimizer: bool = True) -> int:
+        """Free GPU memory for the colocated rollout engine: gradients, and optimizer states and/or weights
+        (moved to CPU); returns the bytes freed. `onload` brings everything back."""
+        from megarl.mcore.offload import Offloader
+
+        if self._offloader is None:
+            self._offloader = Offloader(self.model, self.optimizer)
+        return self._offloader.offload(params=params, grads=self.trainable, optimizer=optimizer)
+
+    def onload(self) -> int:
+        return self._offloader.onload() if self._offloader is not None else 0
+
     # -- compute -------------------------------------------------------------------------------------------
 
     def _run(self, batch: dict[str, torch.Tensor], loss_fn: LossFn | None, micro_batch_size: int,
@@ -152,10 +194,13 @@ class MegatronPolicy:
         seq_len = batch["tokens"].shape[1]
 
         def loss_func(mb, output):
-            logp = token_logprobs(output, mb["tokens"], temperature)
+            logp = self._per_token(output, mb["tokens"], temperature)
             if loss_fn is None:
                 zero = logp.sum() * 0.0
                 return zero, torch.tensor(1, dtype=torch.int), {"logprobs": logp.detach()[: mb["_real_rows"]]}
+            if getattr(loss_fn, "needs_entropy", False):
+                with torch.set_grad_enabled(torch.is_grad_enabled() and getattr(loss_fn, "entropy_grad", True)):
+                    mb = {**mb, "entropy": token_entropy(output, temperature)}
             loss_sum, denom, metrics = loss_fn(logp, mb)
             return loss_sum, denom.to(torch.int), metrics
 

@@ -62,8 +62,10 @@ def _sharded_state_dict(policy, is_loading: bool) -> dict:
 
 
 @cpu_compat.in_megatron_scope
-def save(root: str | os.PathLike, step: int, policy, trainer_state: dict, keep_last: int = 2) -> Path:
-    """Collective: every rank calls it. `trainer_state` is the same on all ranks (step, data position...)."""
+def save(root: str | os.PathLike, step: int, policy, trainer_state: dict, keep_last: int = 2,
+         rank_state: dict | None = None) -> Path:
+    """Collective: every rank calls it. `trainer_state` is the same on all ranks (step, data position...);
+    `rank_state` is this rank's own (e.g. its dynamic-sampling buffer), saved next to its RNG states."""
     from megatron.core import dist_checkpointing
 
     root = Path(root)
@@ -77,7 +79,7 @@ def save(root: str | os.PathLike, step: int, policy, trainer_state: dict, keep_l
     dist.barrier()
     dist_checkpointing.save(_sharded_state_dict(policy, is_loading=False), str(tmp))
     with open(tmp / f"rank{rank:05d}.pkl", "wb") as fh:
-        pickle.dump({"rng": _rng_state()}, fh)
+        pickle.dump({"rng": _rng_state(), "rank_state": rank_state or {}}, fh)
     if rank == 0:
         with open(tmp / "trainer_state.pkl", "wb") as fh:
             pickle.dump({**trainer_state, "scheduler": policy.scheduler.state_dict(), "step": step}, fh)
@@ -103,7 +105,8 @@ def _prune(root: Path, keep_last: int, keep: str) -> None:
 
 @cpu_compat.in_megatron_scope
 def load(path: str | os.PathLike, policy, *, load_optimizer: bool = True, load_rng: bool = True) -> dict:
-    """Load a checkpoint saved at any TP/PP layout into `policy`; returns the trainer state."""
+    """Load a checkpoint saved at any TP/PP layout into `policy`; returns the trainer state, with this rank's own
+    saved state under "rank_state" ({} when the checkpoint has none for this rank)."""
     from megatron.core import dist_checkpointing
 
     path = Path(path)
@@ -118,7 +121,11 @@ def load(path: str | os.PathLike, policy, *, load_optimizer: bool = True, load_r
         state = pickle.load(fh)
     policy.scheduler.load_state_dict(state.pop("scheduler"))
     rank_file = path / f"rank{dist.get_rank():05d}.pkl"
-    if load_rng and rank_file.is_file():
+    state["rank_state"] = {}
+    if rank_file.is_file():
         with open(rank_file, "rb") as fh:
-            _set_rng_state(pickle.load(fh)["rng"])
+            mine = pickle.load(fh)
+        if load_rng:
+            _set_rng_state(mine["rng"])
+        state["rank_state"] = mine.get("rank_state", {})
     return state

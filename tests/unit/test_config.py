@@ -334,7 +334,7 @@ def test_help_text_lists_every_field_with_its_help():
         assert f"(default {f.default!r})" in lines[0]
     for section in SECTIONS:
         assert f"{section}:" in text.splitlines()
-    assert "<grpo|dr_grpo>" in text
+    assert "<grpo|dr_grpo|rloo|reinforce_pp|reinforce_pp_baseline" in text
 
 
 def test_every_field_default_builds_a_valid_config():
