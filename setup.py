@@ -38,8 +38,11 @@ setup(
         "sglang": ["sglang"],
         "docker": ["docker"],
         "wandb": ["wandb"],
+        "tensorboard": ["tensorboard"],
+        "parquet": ["pyarrow"],
         "nemo-run": ["nemo-run"],
-        "dev": ["pytest", "pytest-timeout"],
+        # The optional integrations too, so that their tests run; trl for the loss-parity test and tools/bench/step.py.
+        "dev": ["pytest", "pytest-timeout", "tensorboard", "wandb", "pyarrow", "trl==1.16.0"],
     },
     entry_points={"console_scripts": ["megarl-verify = megarl.cli.verify:main"]},
 )

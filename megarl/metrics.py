@@ -1,14 +1,26 @@
-"""Step metrics: reduced over ranks, printed, appended to metrics.jsonl, and plotted at the end."""
+"""What a run reports: step metrics reduced over ranks, the console line, `metrics.jsonl`, rollout samples,
+TensorBoard and wandb, and the end-of-run figure.
+
+Only rank 0 writes anything. TensorBoard and wandb are optional: a flag that asks for one whose package is missing
+prints a warning naming the package and the run goes on without it, since losing a dashboard should never cost a
+training run.
+"""
 
 from __future__ import annotations
 
 import json
 import math
+import sys
 import time
 from pathlib import Path
+from typing import Any, Protocol, Sequence
 
 import torch
 import torch.distributed as dist
+
+# Per-phase seconds that train.py records in each row, in loop order, with the names the console line uses.
+PHASES: tuple[tuple[str, str], ...] = (("t_generate", "rollout"), ("t_reward", "reward"), ("t_logprobs", "logp"),
+                                       ("t_update", "update"), ("t_sync", "sync"))
 
 
 def reduce_over_ranks(values: dict[str, float], keys: list[str]) -> dict[str, float]:
@@ -24,19 +36,121 @@ def reduce_over_ranks(values: dict[str, float], keys: list[str]) -> dict[str, fl
     return {k: (maxes[i].item() if k.endswith("_max") else sums[i].item()) for i, k in enumerate(keys)}
 
 
-class MetricsLog:
-    """Rank 0 writes `<dir>/metrics.jsonl`. A resumed run appends to it; a fresh run moves an earlier run's file
-    aside (`metrics.<time>.jsonl`) rather than mixing the two or deleting it."""
+# -- sinks: TensorBoard and wandb --------------------------------------------------------------------------------
 
-    def __init__(self, output_dir: str, enabled: bool, resumed: bool = False):
+
+class Sink(Protocol):
+    def scalars(self, row: dict, step: int) -> None: ...
+    def samples(self, rows: list[dict], step: int) -> None: ...
+    def close(self) -> None: ...
+
+
+def _numeric(row: dict) -> dict[str, float]:
+    return {k: float(v) for k, v in row.items()
+            if k not in ("step", "time") and isinstance(v, (int, float)) and not isinstance(v, bool)}
+
+
+class TensorBoardSink:
+    """Every numeric metric as a scalar under its metrics.jsonl name; samples as a markdown table (TEXT tab)."""
+
+    def __init__(self, log_dir: str):
+        from torch.utils.tensorboard import SummaryWriter  # ImportError without the tensorboard package
+
+        self.writer = SummaryWriter(log_dir=log_dir)
+
+    def scalars(self, row: dict, step: int) -> None:
+        for k, v in _numeric(row).items():
+            self.writer.add_scalar(k, v, step)
+
+    def samples(self, rows: list[dict], step: int) -> None:
+        def cell(x) -> str:
+            return str(x).replace("|", "\\|").replace("\n", "\\n")
+
+        lines = ["| prompt | response | reward | outcome |", "|---|---|---|---|"]
+        lines += [f"| {cell(r['prompt'])} | {cell(r['response'])} | {r['reward']:.3f} | {cell(r['outcome'])} |"
+                  for r in rows]
+        self.writer.add_text("rollout_samples", "\n".join(lines), step)
+
+    def close(self) -> None:
+        self.writer.close()
+
+
+class WandbSink:
+    """One wandb run per output directory: a resumed megarl run continues the wandb run it started (its id is kept
+    in `<output-dir>/wandb-run-id`). `offline` writes under `<output-dir>/wandb/` and needs no network; upload later
+    with `wandb sync`."""
+
+    def __init__(self, project: str, mode: str, name: str, output_dir: Path, config: dict, resumed: bool):
+        import wandb  # ImportError without the wandb package
+
+        id_file = output_dir / "wandb-run-id"
+        run_id = id_file.read_text().strip() if resumed and id_file.is_file() else None
+        self.wandb = wandb
+        self.run = wandb.init(project=project, mode=mode, name=name or None, dir=str(output_dir), config=config,
+                              id=run_id, resume="allow" if run_id else None)
+        id_file.write_text(self.run.id)
+
+    def scalars(self, row: dict, step: int) -> None:
+        self.run.log(_numeric(row), step=step)
+
+    def samples(self, rows: list[dict], step: int) -> None:
+        columns = ["step", "prompt", "response", "reward", "outcome", "advantage"]
+        table = self.wandb.Table(columns=columns, data=[[r[c] for c in columns] for r in rows])
+        self.run.log({"rollout_samples": table}, step=step)
+
+    def close(self) -> None:
+        self.run.finish()
+        self.wandb.teardown()  # waits for wandb's service process to write everything out
+
+
+def open_sinks(logging_cfg, output_dir: str, run_config: dict, resumed: bool) -> list[Sink]:
+    """The sinks the logging flags ask for. Call on rank 0 only."""
+    lg, sinks = logging_cfg, []
+    if lg.tensorboard_dir:
+        try:
+            sinks.append(TensorBoardSink(lg.tensorboard_dir))
+        except ImportError:
+            _warn("--tensorboard-dir needs the tensorboard package (pip install tensorboard); "
+                  "continuing without TensorBoard")
+    if lg.wandb_project and lg.wandb_mode != "disabled":
+        try:
+            sinks.append(WandbSink(lg.wandb_project, lg.wandb_mode, lg.wandb_run_name, Path(output_dir), run_config,
+                                   resumed))
+        except ImportError:
+            _warn("--wandb-project needs the wandb package (pip install 'megarl[wandb]' or pip install wandb); "
+                  "continuing without wandb")
+    return sinks
+
+
+def _warn(msg: str) -> None:
+    print(f"megarl: warning: {msg}", file=sys.stderr, flush=True)
+
+
+# -- the metrics file and the samples file -----------------------------------------------------------------------
+
+
+def _move_aside(path: Path) -> None:
+    if path.exists():
+        path.rename(path.with_name(f"{path.stem}.{time.strftime('%Y%m%d-%H%M%S')}{path.suffix}"))
+
+
+class MetricsLog:
+    """Rank 0 writes `<dir>/metrics.jsonl` (one row per step) and `<dir>/samples.jsonl` (rollout samples), and
+    forwards both to its sinks. A resumed run appends; a fresh run moves an earlier run's files aside
+    (`metrics.<time>.jsonl`) rather than mixing the two or deleting them."""
+
+    def __init__(self, output_dir: str, enabled: bool, resumed: bool = False, sinks: Sequence[Sink] = ()):
         self.enabled = enabled
         self.dir = Path(output_dir)
+        self.path = self.dir / "metrics.jsonl"
+        self.samples_path = self.dir / "samples.jsonl"
+        self.sinks = list(sinks) if enabled else []
         self.rows: list[dict] = []
         if enabled:
             self.dir.mkdir(parents=True, exist_ok=True)
-            self.path = self.dir / "metrics.jsonl"
-            if not resumed and self.path.exists():
-                self.path.rename(self.dir / f"metrics.{time.strftime('%Y%m%d-%H%M%S')}.jsonl")
+            if not resumed:
+                _move_aside(self.path)
+                _move_aside(self.samples_path)
 
     def write(self, row: dict) -> None:
         if not self.enabled:
@@ -45,6 +159,17 @@ class MetricsLog:
         self.rows.append(row)
         with self.path.open("a") as fh:
             fh.write(json.dumps(row) + "\n")
+        for sink in self.sinks:
+            sink.scalars(row, row["step"])
+
+    def write_samples(self, step: int, rows: list[dict]) -> None:
+        if not self.enabled or not rows:
+            return
+        with self.samples_path.open("a") as fh:
+            for r in rows:
+                fh.write(json.dumps(r) + "\n")
+        for sink in self.sinks:
+            sink.samples(rows, step)
 
     def all_rows(self) -> list[dict]:
         """Every row of the file, including those of earlier (resumed-from) runs."""
@@ -52,43 +177,117 @@ class MetricsLog:
             return []
         return [json.loads(line) for line in self.path.read_text().splitlines() if line.strip()]
 
-
-def format_step(row: dict, num_steps: int) -> str:
-    return (
-        f"step {row['step']:>4}/{num_steps} | reward {row['reward_mean']:.3f} | acc {100 * row['accuracy']:5.1f}% "
-        f"| kl {row.get('kl', 0.0):.4f} | clip {row.get('clip_frac', 0.0):.3f} | len {row['response_len']:.1f} "
-        f"| {row['step_seconds']:.2f} s (gen {row['t_generate']:.2f} reward {row['t_reward']:.2f} "
-        f"logp {row['t_logprobs']:.2f} update {row['t_update']:.2f} sync {row['t_sync']:.2f}) "
-        f"| {row['tokens_per_second']:.0f} tok/s"
-    )
+    def close(self) -> None:
+        for sink in self.sinks:
+            sink.close()
+        self.sinks = []
 
 
-def plot_rewards(rows: list[dict], path: Path, before_after: dict | None = None) -> Path:
+def rollout_sample_rows(step: int, samples: Sequence, prompts: Sequence, limit: int) -> list[dict]:
+    """The first `limit` samples of a rollout (whole groups first, as samples are stored group by group) as
+    plain rows. `prompts` is the dataset, indexed by each sample's `prompt_index`."""
+    return [
+        {"step": step, "prompt_index": s.prompt_index, "prompt": prompts[s.prompt_index].prompt,
+         "response": s.response_text, "reward": float(s.reward), "outcome": s.outcome,
+         "advantage": float(s.advantage), "response_len": len(s.response_ids), "finish_reason": s.finish_reason}
+        for s in list(samples)[:limit]
+    ]
+
+
+# -- the console line ------------------------------------------------------------------------------------------
+
+
+def eta_seconds(elapsed: float, steps_done: int, steps_left: int, time_left: float | None = None) -> float | None:
+    """Remaining wall time at this run's average pace, capped by a time budget; None before the first step."""
+    if steps_done <= 0:
+        return None
+    eta = elapsed / steps_done * steps_left
+    return min(eta, max(time_left, 0.0)) if time_left is not None else eta
+
+
+def _duration(seconds: float) -> str:
+    s = int(round(seconds))
+    h, m = divmod(s // 60, 60)
+    return f"{h}h{m:02d}m" if h else f"{m}m{s % 60:02d}s"
+
+
+def format_step(row: dict, num_steps: int, eta: float | None = None) -> str:
+    """One progress line; any metric the row lacks (entropy when it is not computed, ...) is left out."""
+    parts = [f"step {row['step']:>{len(str(num_steps))}}/{num_steps}"]
+    if eta is not None:
+        parts.append(f"eta {_duration(eta)}")
+    fields = (("reward_mean", "reward", "{:.3f}"), ("accuracy", "acc", "{:.1%}"), ("kl", "kl", "{:.4f}"),
+              ("clip_frac", "clip", "{:.3f}"), ("entropy", "ent", "{:.3f}"), ("response_len", "len", "{:.1f}"))
+    parts += [f"{label} {fmt.format(row[k])}" for k, label, fmt in fields if k in row]
+    if "step_seconds" in row:
+        phases = " ".join(f"{label} {row[k]:.2f}" for k, label in PHASES if k in row)
+        parts.append(f"{row['step_seconds']:.2f} s ({phases})" if phases else f"{row['step_seconds']:.2f} s")
+    if "tokens_per_second" in row:
+        parts.append(f"{row['tokens_per_second']:.0f} tok/s")
+    return " | ".join(parts)
+
+
+# -- the end-of-run figure -------------------------------------------------------------------------------------
+
+
+def _smooth(values: list[float], window: int) -> list[float]:
+    out, total = [], 0.0
+    for i, v in enumerate(values):
+        total += v
+        if i >= window:
+            total -= values[i - window]
+        out.append(total / min(i + 1, window))
+    return out
+
+
+def plot_run(rows: list[dict], path: Path, before_after: dict | None = None) -> Path:
+    """One PNG: reward, accuracy, KL, response length, and the time per step split by phase (each a raw and a
+    smoothed curve); a sixth panel shows held-out accuracy before/after when given. Missing metrics leave their
+    panel empty rather than failing the run's last step."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
     steps = [r["step"] for r in rows]
-    fig, axes = plt.subplots(1, 2, figsize=(11, 4))
-    axes[0].plot(steps, [r["reward_mean"] for r in rows], alpha=0.35, label="reward (per step)")
     window = max(1, len(rows) // 20)
-    smooth = [sum(r["reward_mean"] for r in rows[max(0, i - window + 1): i + 1]) / len(rows[max(0, i - window + 1): i + 1])
-              for i in range(len(rows))]
-    axes[0].plot(steps, smooth, label=f"reward ({window}-step mean)")
-    axes[0].set_xlabel("step")
-    axes[0].set_ylabel("mean reward")
-    axes[0].set_title("GRPO training reward")
-    axes[0].legend()
-    axes[1].plot(steps, [r.get("kl", 0.0) for r in rows], label="KL(actor || ref)")
-    axes[1].plot(steps, [r["response_len"] for r in rows], label="response length")
-    axes[1].set_xlabel("step")
-    axes[1].set_yscale("symlog", linthresh=1e-3)
-    axes[1].legend()
+    fig, axes = plt.subplots(2, 3, figsize=(15, 8))
+    panels = (("reward_mean", "mean reward", None), ("accuracy", "accuracy (train rollouts)", None),
+              ("kl", "KL(actor || ref)", "symlog"), ("response_len", "response length (tokens)", None))
+    for ax, (key, title, scale) in zip(axes.flat, panels):
+        ax.set_title(title)
+        ax.set_xlabel("step")
+        values = [r.get(key) for r in rows]
+        if not rows or any(v is None for v in values):
+            ax.text(0.5, 0.5, f"no {key} recorded", ha="center", va="center", transform=ax.transAxes)
+            continue
+        ax.plot(steps, values, alpha=0.3 if window > 1 else 1.0, label="per step")
+        if window > 1:
+            ax.plot(steps, _smooth(values, window), label=f"{window}-step mean")
+        if scale:
+            ax.set_yscale(scale, linthresh=1e-4)
+        ax.legend(loc="best", fontsize=8)
+
+    ax = axes.flat[4]
+    ax.set_title("seconds per step, by phase")
+    ax.set_xlabel("step")
+    present = [(k, label) for k, label in PHASES if rows and all(k in r for r in rows)]
+    if present:
+        ax.stackplot(steps, *[_smooth([r[k] for r in rows], window) for k, _ in present],
+                     labels=[label for _, label in present], alpha=0.8)
+        ax.legend(loc="upper left", fontsize=8)
+
+    ax = axes.flat[5]
     if before_after:
-        axes[0].set_title("GRPO training reward; held-out sampled acc "
-                          f"{100 * before_after['before']:.1f}% -> {100 * before_after['after']:.1f}%")
+        ax.set_title("held-out accuracy (sampled)")
+        bars = ax.bar(["before", "after"], [100 * before_after["before"], 100 * before_after["after"]],
+                      color=["tab:gray", "tab:green"])
+        ax.bar_label(bars, fmt="%.1f%%")
+        ax.set_ylim(0, 100)
+        ax.set_ylabel("%")
+    else:
+        ax.axis("off")
     fig.tight_layout()
-    fig.savefig(path, dpi=110)
+    fig.savefig(path, dpi=100)
     plt.close(fig)
     return path
