@@ -1,0 +1,403 @@
+"""Will a run fit, and how long will a step take? Per-GPU memory by component and a step-time estimate.
+
+Arithmetic over the model shape and the run's settings: no torch, nothing allocated. `tools/plan.py` is the
+command line. Memory, in bytes, for P parameters held by one GPU (its TP shard of its PP stage):
+
+- actor weights 2P (bf16); gradients 4P (megarl's DDP reduces gradients in fp32); optimizer 12P (fp32 main
+  params + Adam m and v), divided by DP with --use-distributed-optimizer. So a 70B actor is 140 GB of weights
+  and 18 bytes/param = 1.26 TB of training state before activations (Adam's fp32 m and v alone are 560 GB).
+- activations per token and layer (bf16, flash attention, no recomputation, sequence-parallel sharding over TP):
+  2 x (4h + 2 q + 2 kv) + 6 f bytes, with q = heads x head_dim, kv = kv_heads x head_dim, f = the MLP width
+  (norm inputs, QKV, attention output, SwiGLU's two inputs and output); a PP stage keeps min(PP, micro-batches)
+  micro-batches in flight (1F1B). The last stage adds the logits: bf16 + fp32 scaled copy + fp32 softmax = 10 bytes
+  per vocabulary entry per token, sharded over TP.
+- KV cache per token: 2 (K and V) x layers x kv_heads x head_dim x 2 bytes, sharded over the engine's TP.
+- reference model (when --kl-coef > 0): its bf16 weights, sharded like the actor.
+- rollout engine (SGLang): it reserves --sglang-mem-fraction of the GPU (0.85 on a dedicated rollout GPU) for its
+  weights (2 x all parameters / engine TP) and a KV pool; colocated, it releases both while the actor trains,
+  and the actor's optimizer (and weights) can leave the GPU while the engine generates (--offload-optimizer,
+  --offload-params).
+- 4 GB per GPU for the CUDA context, NCCL buffers and allocator fragmentation.
+
+Time: rollout = prefill (2P FLOPs per prompt token) + decoding to --max-response-len, each decode step bounded
+by reading the engine's weights and the live KV cache from HBM (or by its FLOPs); training = 6P FLOPs per token
+(+2P for the actor's log-probs, +2P for the reference's), plus attention, at a model-FLOPs utilisation; weight
+sync = the bf16 weights over NVLink (colocated) or the inter-node network (disaggregated). These are estimates to
+choose a layout by, good to a factor of ~1.5, not measurements.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field, replace
+from typing import Literal
+
+from megarl.model_shape import ModelShape
+
+GB = 1e9
+MIB = 2**20
+OVERHEAD_BYTES = 4 * GB
+
+
+@dataclass(frozen=True)
+class GPU:
+    name: str
+    memory_bytes: float  # what nvidia-smi reports as total
+    bf16_tflops: float  # dense peak
+    hbm_gbps: float  # GB/s
+    nvlink_gbps: float  # GB/s per GPU, one direction
+
+
+GPUS = {
+    "h100": GPU("H100 80GB SXM", 81559 * MIB, 989, 3350, 450),
+    "h200": GPU("H200 141GB SXM", 143771 * MIB, 989, 4800, 450),
+    "a100": GPU("A100 80GB SXM", 81920 * MIB, 312, 2039, 300),
+    "a100-40g": GPU("A100 40GB SXM", 40960 * MIB, 312, 1555, 300),
+    "l40s": GPU("L40S 48GB", 46068 * MIB, 362, 864, 32),
+}
+
+
+@dataclass(frozen=True)
+class Cluster:
+    gpu: GPU
+    gpus: int  # in the whole job
+    gpus_per_node: int = 8
+    internode_gbps: float = 3200.0  # Gbit/s into one node (8 x 400G InfiniBand NDR)
+
+
+@dataclass(frozen=True)
+class Run:
+    """The settings that size a run; names follow megarl's flags (see Run.from_config)."""
+
+    tp: int = 1
+    pp: int = 1
+    mode: Literal["colocated", "disaggregated"] = "colocated"
+    rollout_gpus: int = 0  # disaggregated: GPUs that run the engine (0 = the planner picks the split)
+    engine_tp: int = 0  # SGLang's TP; 0 = the actor's (colocated) / the smallest that leaves room (disaggregated)
+    rollout_batch_size: int = 128  # prompts per step
+    n_samples_per_prompt: int = 8
+    prompt_len: int = 256  # mean prompt tokens
+    max_response_len: int = 4096
+    mean_response_frac: float = 0.6  # mean response length / max-response-len
+    micro_batch_size: int = 4
+    updates_per_rollout: int = 1
+    kl: bool = False  # a reference model is loaded (--kl-coef > 0)
+    distributed_optimizer: bool = False
+    offload_optimizer: bool = False
+    offload_params: bool = False
+    engine_mem_fraction: float = 0.5  # colocated; a dedicated rollout GPU uses DEDICATED_ENGINE_FRACTION
+    mfu: float = 0.35  # training model-FLOPs utilisation
+
+    @classmethod
+    def from_config(cls, cfg, **planner) -> "Run":
+        """From a megarl Config; flags that this checkout's config lacks keep the defaults above."""
+        t, r, m = cfg.training, cfg.rollout, cfg.model
+        return cls(tp=m.tensor_model_parallel_size, pp=m.pipeline_model_parallel_size,
+                   engine_tp=getattr(r, "sglang_tp_size", 0), rollout_batch_size=cfg.data.rollout_batch_size,
+                   n_samples_per_prompt=r.n_samples_per_prompt, max_response_len=r.max_response_len,
+                   micro_batch_size=t.micro_batch_size, updates_per_rollout=t.updates_per_rollout,
+                   kl=cfg.algorithm.kl_coef > 0, distributed_optimizer=t.use_distributed_optimizer,
+                   offload_optimizer=getattr(t, "offload_optimizer", False),
+                   offload_params=getattr(t, "offload_params", False),
+                   engine_mem_fraction=getattr(r, "sglang_mem_fraction", 0.5),
+                   mode="disaggregated" if getattr(r, "rollout_servers", "") else "colocated", **planner)
+
+
+DEDICATED_ENGINE_FRACTION = 0.85  # launch/slurm/disaggregated.sbatch's SGLANG_MEM_FRACTION
+
+
+# ------------------------------------------------------------------------------------------------ the model
+
+def layer_params(s: ModelShape) -> int:
+    q, kv = s.num_attention_heads * s.head_dim, s.num_kv_heads * s.head_dim
+    attn = s.hidden_size * (q + 2 * kv) + q * s.hidden_size + ((q + 2 * kv) if s.qkv_bias else 0)
+    return attn + 3 * s.hidden_size * s.ffn_hidden_size + 2 * s.hidden_size
+
+
+def num_params(s: ModelShape) -> int:
+    embed = s.vocab_size * s.hidden_size
+    return s.num_layers * layer_params(s) + embed * (1 if s.tie_word_embeddings else 2) + s.hidden_size
+
+
+def stage_params(s: ModelShape, tp: int, pp: int) -> float:
+    """Parameters on one GPU of the largest PP stage: its layers and, first/last stage, the embedding/output."""
+    embed = s.vocab_size * s.hidden_size
+    layers = math.ceil(s.num_layers / pp) * layer_params(s)
+    first = layers + embed
+    last = layers + (0 if s.tie_word_embeddings and pp == 1 else embed) + s.hidden_size
+    return (first + last - layers if pp == 1 else max(first, last)) / tp
+
+
+def weights_bytes(params: float, bytes_per_param: int = 2) -> float:
+    return params * bytes_per_param
+
+
+def adam_state_bytes(params: float, distributed_over: int = 1) -> float:
+    """fp32 main params + Adam m + v: 12 bytes a parameter (sharded over DP with the distributed optimizer)."""
+    return 12 * params / distributed_over
+
+
+def kv_bytes_per_token(s: ModelShape, bytes_per_value: int = 2) -> int:
+    """K and V for one token in every layer: 2 x layers x kv_heads x head_dim x bytes."""
+    return 2 * s.num_layers * s.num_kv_heads * s.head_dim * bytes_per_value
+
+
+def activation_bytes_per_token_layer(s: ModelShape) -> int:
+    q, kv = s.num_attention_heads * s.head_dim, s.num_kv_heads * s.head_dim
+    return 2 * (4 * s.hidden_size + 2 * q + 2 * kv) + 6 * s.ffn_hidden_size
+
+
+# ------------------------------------------------------------------------------------------------ memory
+
+@dataclass
+class Phase:
+    """Bytes per GPU by component during one phase."""
+
+    name: str
+    components: dict[str, float] = field(default_factory=dict)
+
+    @property
+    def total(self) -> float:
+        return sum(self.components.values())
+
+
+@dataclass
+class MemoryPlan:
+    pool: str  # "all GPUs", "training GPUs", "rollout GPUs"
+    gpus: int
+    phases: list[Phase]
+    capacity: float
+    kv_needed: float  # bytes per GPU to hold the whole batch's KV cache at once
+    kv_pool: float  # bytes per GPU the engine has for it
+    problems: list[str]
+
+    @property
+    def peak(self) -> float:
+        return max(p.total for p in self.phases)
+
+    @property
+    def fits(self) -> bool:
+        return not self.problems
+
+
+def _sequence_len(r: Run) -> int:
+    return r.prompt_len + r.max_response_len
+
+
+def _engine_tp(s: ModelShape, r: Run, cluster: Cluster) -> int:
+    """--sglang-tp-size if set; colocated, the actor's TP; on dedicated GPUs the smallest power of two (within a
+    node) whose weight shard leaves at least half the engine's memory for the KV cache."""
+    if r.engine_tp:
+        return r.engine_tp
+    if r.mode == "colocated":
+        return r.tp
+    tp = 1
+    while tp < cluster.gpus_per_node and weights_bytes(num_params(s)) / tp > DEDICATED_ENGINE_FRACTION * cluster.gpu.memory_bytes / 2:
+        tp *= 2
+    return tp
+
+
+def _train_phase(s: ModelShape, r: Run, dp: int) -> dict[str, float]:
+    p = stage_params(s, r.tp, r.pp)
+    samples_per_rank = r.rollout_batch_size * r.n_samples_per_prompt / dp / r.updates_per_rollout
+    micro_batches = max(1, math.ceil(samples_per_rank / r.micro_batch_size))
+    tokens = r.micro_batch_size * _sequence_len(r)
+    in_flight = min(r.pp, micro_batches)
+    layers = math.ceil(s.num_layers / r.pp) * activation_bytes_per_token_layer(s) * tokens * in_flight / r.tp
+    logits = 10 * s.vocab_size * tokens / r.tp
+    return {"actor weights": weights_bytes(p), "gradients (fp32)": 4 * p,
+            "optimizer (fp32 main + Adam)": adam_state_bytes(p, dp if r.distributed_optimizer else 1),
+            "activations + logits": layers + logits,
+            "reference model": weights_bytes(p) if r.kl else 0.0}
+
+
+def memory_plan(s: ModelShape, r: Run, cluster: Cluster) -> list[MemoryPlan]:
+    """One MemoryPlan per pool of GPUs: colocated has one; disaggregated has training and rollout GPUs."""
+    cap = cluster.gpu.memory_bytes
+    total = num_params(s)
+    etp = _engine_tp(s, r, cluster)
+    samples = r.rollout_batch_size * r.n_samples_per_prompt
+    kv_tp = min(etp, s.num_kv_heads)  # KV heads shard over TP; beyond that they are replicated
+    if r.mode == "colocated":
+        train_gpus = rollout_gpus = cluster.gpus
+    else:
+        rollout_gpus = r.rollout_gpus
+        train_gpus = cluster.gpus - rollout_gpus
+    engines = max(1, rollout_gpus // etp)
+    kv_needed = samples / engines * _sequence_len(r) * kv_bytes_per_token(s) / kv_tp
+    engine_weights = weights_bytes(total) / etp
+    plans = []
+
+    def check(pool, gpus, phases, kv_pool, problems):
+        for ph in phases:
+            if ph.total > cap:
+                big = max(ph.components, key=ph.components.get)
+                problems.append(f"{pool}, {ph.name}: {ph.total / GB:.1f} GB > {cap / GB:.1f} GB "
+                                f"(largest: {big}, {ph.components[big] / GB:.1f} GB)")
+        plans.append(MemoryPlan(pool, gpus, phases, cap, kv_needed, kv_pool, problems))
+
+    problems: list[str] = []
+    dp, rem = divmod(train_gpus, r.tp * r.pp)
+    if dp < 1 or rem:
+        problems.append(f"{train_gpus} training GPUs are not a multiple of TP {r.tp} x PP {r.pp}")
+        dp = max(dp, 1)
+    train = _train_phase(s, r, dp)
+    train["CUDA context, NCCL, fragmentation"] = OVERHEAD_BYTES
+    if r.mode == "disaggregated":
+        check("training GPUs", train_gpus, [Phase("training", train)], 0.0, problems)
+        reserve = DEDICATED_ENGINE_FRACTION * cap
+        rollout = {"engine weights": engine_weights, "KV cache": max(0.0, reserve - engine_weights),
+                   "CUDA context, NCCL, fragmentation": OVERHEAD_BYTES}
+        rproblems = [] if reserve > engine_weights else [
+            f"rollout GPUs: the engine's weights ({engine_weights / GB:.1f} GB) exceed its share of the GPU; "
+            f"raise the engine TP"]
+        check("rollout GPUs", rollout_gpus, [Phase("rollout", rollout)], rollout["KV cache"], rproblems)
+        return plans
+    reserve = r.engine_mem_fraction * cap
+    kv_pool = max(0.0, reserve - engine_weights)
+    resident = {k: v for k, v in train.items() if k not in ("activations + logits",)}
+    if r.offload_optimizer:
+        resident["gradients (fp32)"] = resident["optimizer (fp32 main + Adam)"] = 0.0
+    if r.offload_params:
+        resident["actor weights"] = 0.0
+    rollout = {**resident, "engine weights": engine_weights, "KV cache": kv_pool}
+    if reserve <= engine_weights:
+        problems.append(f"the engine's weights ({engine_weights / GB:.1f} GB) exceed --sglang-mem-fraction "
+                        f"{r.engine_mem_fraction} of the GPU")
+    check("all GPUs", cluster.gpus, [Phase("training (engine released)", train), Phase("rollout", rollout)],
+          kv_pool, problems)
+    return plans
+
+
+# ------------------------------------------------------------------------------------------------ time
+
+@dataclass
+class StepTime:
+    rollout: float
+    training: float
+    weight_sync: float
+    waves: int  # rounds of decoding the KV pool forces (1 = the whole batch at once)
+
+    @property
+    def total(self) -> float:
+        return self.rollout + self.training + self.weight_sync
+
+
+def step_time(s: ModelShape, r: Run, cluster: Cluster, plans: list[MemoryPlan]) -> StepTime:
+    g = cluster.gpu
+    total = num_params(s)
+    etp = _engine_tp(s, r, cluster)
+    rollout_gpus = cluster.gpus if r.mode == "colocated" else r.rollout_gpus
+    train_gpus = cluster.gpus if r.mode == "colocated" else cluster.gpus - r.rollout_gpus
+    engines = max(1, rollout_gpus // etp)
+    seqs = r.rollout_batch_size * r.n_samples_per_prompt / engines
+    rollout_plan = plans[-1]
+    waves = max(1, math.ceil(rollout_plan.kv_needed / rollout_plan.kv_pool)) if rollout_plan.kv_pool > 0 else 1
+    live = seqs / waves
+    prefill = 2 * total * seqs * r.prompt_len / (etp * g.bf16_tflops * 1e12 * 0.5)
+    kv_tp = min(etp, s.num_kv_heads)
+    mean_ctx = r.prompt_len + r.max_response_len / 2
+    bytes_per_step = weights_bytes(total) / etp + live * mean_ctx * kv_bytes_per_token(s) / kv_tp
+    per_step = max(bytes_per_step / (g.hbm_gbps * 1e9 * 0.7), 2 * total * live / (etp * g.bf16_tflops * 1e12 * 0.5))
+    rollout = prefill + waves * r.max_response_len * (per_step + 2e-3)  # +2 ms scheduling per step
+    tokens = r.rollout_batch_size * r.n_samples_per_prompt * (r.prompt_len + r.mean_response_frac * r.max_response_len)
+    passes = 6 + 2 + (2 if r.kl else 0)  # update fwd+bwd, the actor's log-probs, the reference's
+    attention = 2 * s.num_layers * mean_ctx * s.num_attention_heads * s.head_dim  # per token, forward
+    flops = tokens * (passes * total + passes / 2 * attention)
+    dp = max(1, train_gpus // (r.tp * r.pp))
+    micro = max(1, math.ceil(r.rollout_batch_size * r.n_samples_per_prompt / dp / r.updates_per_rollout
+                             / r.micro_batch_size))
+    bubble = 1 + (r.pp - 1) / micro
+    training = flops / (train_gpus * g.bf16_tflops * 1e12 * r.mfu) * bubble
+    sync_bytes = weights_bytes(total)
+    if r.mode == "colocated":  # gather + HF names + CUDA IPC within the node; a quarter of NVLink is typical
+        sync = sync_bytes / (g.nvlink_gbps * 1e9 / 4) + 0.5
+    else:  # NCCL broadcast from the training ranks to the servers over the network
+        sync = sync_bytes / (cluster.internode_gbps / 8 * 1e9 * 0.7) + 1.0
+    return StepTime(rollout, training, sync, waves)
+
+
+# ------------------------------------------------------------------------------------------------ advice
+
+@dataclass
+class Plan:
+    run: Run
+    memory: list[MemoryPlan]
+    time: StepTime
+
+    @property
+    def fits(self) -> bool:
+        return all(m.fits for m in self.memory)
+
+
+def plan(s: ModelShape, r: Run, cluster: Cluster) -> Plan:
+    if r.mode == "disaggregated" and not r.rollout_gpus:
+        r = best_split(s, r, cluster).run
+    r = replace(r, engine_tp=_engine_tp(s, r, cluster))
+    mem = memory_plan(s, r, cluster)
+    return Plan(r, mem, step_time(s, r, cluster, mem))
+
+
+def best_split(s: ModelShape, r: Run, cluster: Cluster) -> Plan:
+    """The disaggregated split (rollout GPUs in whole engines) with the shortest step among those that fit."""
+    unit = r.tp * r.pp
+    etp = _engine_tp(s, replace(r, mode="disaggregated"), cluster)
+    best = None
+    for rollout_gpus in range(etp, cluster.gpus, etp):
+        if (cluster.gpus - rollout_gpus) % unit:
+            continue
+        cand = replace(r, mode="disaggregated", rollout_gpus=rollout_gpus, engine_tp=etp)
+        mem = memory_plan(s, cand, cluster)
+        p = Plan(cand, mem, step_time(s, cand, cluster, mem))
+        if best is None or (p.fits, -p.time.total) > (best.fits, -best.time.total):
+            best = p
+    if best is None:  # no split exists (e.g. one GPU): report the half-and-half attempt
+        cand = replace(r, mode="disaggregated", rollout_gpus=max(1, cluster.gpus // 2), engine_tp=etp)
+        mem = memory_plan(s, cand, cluster)
+        best = Plan(cand, mem, step_time(s, cand, cluster, mem))
+    return best
+
+
+def fixes(s: ModelShape, r: Run, cluster: Cluster) -> list[str]:
+    """Single changes of megarl flags that make a colocated run fit."""
+    out = []
+    tries = [("--use-distributed-optimizer", dict(distributed_optimizer=True)),
+             ("--offload-optimizer", dict(offload_optimizer=True)),
+             ("--offload-optimizer --offload-params", dict(offload_optimizer=True, offload_params=True)),
+             (f"--micro-batch-size {max(1, r.micro_batch_size // 2)}", dict(micro_batch_size=max(1, r.micro_batch_size // 2))),
+             ("--micro-batch-size 1", dict(micro_batch_size=1))]
+    if r.tp * 2 <= cluster.gpus_per_node and s.num_attention_heads % (r.tp * 2) == 0:
+        tries.append((f"--tensor-model-parallel-size {r.tp * 2}", dict(tp=r.tp * 2)))
+    if r.pp * 2 <= s.num_layers:
+        tries.append((f"--pipeline-model-parallel-size {r.pp * 2}", dict(pp=r.pp * 2)))
+    for flags, change in tries:
+        cand = replace(r, **change)
+        if cluster.gpus % (cand.tp * cand.pp) == 0 and all(m.fits for m in memory_plan(s, cand, cluster)):
+            out.append(flags)
+    return out
+
+
+def recommend(s: ModelShape, r: Run, cluster: Cluster) -> tuple[str, str, Plan, Plan]:
+    """(choice, reason, colocated plan, best disaggregated plan)."""
+    colo = plan(s, replace(r, mode="colocated", rollout_gpus=0), cluster)
+    dis = best_split(s, replace(r, rollout_gpus=0), cluster) if cluster.gpus > 1 else None
+    if colo.fits and (dis is None or not dis.fits or colo.time.total <= dis.time.total):
+        why = (f"it fits ({colo.memory[0].peak / GB:.0f} of {cluster.gpu.memory_bytes / GB:.0f} GB at peak) and every "
+               f"GPU works in both phases: ~{colo.time.total:.0f} s a step")
+        if dis is not None and dis.fits:
+            why += (f" vs ~{dis.time.total:.0f} s disaggregated ({dis.run.rollout_gpus} rollout + "
+                    f"{cluster.gpus - dis.run.rollout_gpus} training GPUs, each pool idle while the other works)")
+        return "colocated", why, colo, dis or colo
+    if dis is not None and dis.fits:
+        if colo.fits:
+            why = (f"~{dis.time.total:.0f} s a step vs ~{colo.time.total:.0f} s colocated: the dedicated engines keep "
+                   f"a KV pool large enough to decode the batch in {dis.time.waves} wave(s) instead of "
+                   f"{colo.time.waves}")
+        else:
+            why = (f"colocated does not fit ({colo.memory[0].problems[0]}); with {dis.run.rollout_gpus} GPUs for "
+                   f"SGLang and {cluster.gpus - dis.run.rollout_gpus} for training it does")
+        return "disaggregated", why, colo, dis
+    fix = fixes(s, replace(r, mode="colocated", rollout_gpus=0), cluster)
+    why = "neither layout fits: " + (colo.memory[0].problems or ["?"])[0]
+    why += f"; each of these makes colocated fit: {'; '.join(fix)}" if fix else "; it needs more GPUs or a smaller model"
+    return "neither", why, colo, dis or colo

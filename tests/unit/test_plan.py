@@ -1,0 +1,111 @@
+"""The planner's figures against known facts, and its verdicts on layouts that do and do not fit."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from dataclasses import replace
+
+import pytest
+
+from helpers import REPO
+
+from megarl import plan as P
+from megarl.model_shape import ModelShape
+
+sys.path.insert(0, str(REPO / "tools"))
+from plan import main as plan_main, shape_from_bash  # noqa: E402
+
+H100 = P.GPUS["h100"]
+
+
+def shape(name: str) -> ModelShape:
+    return shape_from_bash(REPO / "recipes/models" / f"{name}.sh")
+
+
+# Parameter counts as published on the models' Hugging Face pages (safetensors metadata).
+@pytest.mark.parametrize("name,params", [("qwen2.5-math-1.5b", 1_543_714_304), ("qwen2.5-math-7b", 7_615_616_512),
+                                         ("qwen2.5-7b", 7_615_616_512), ("llama-3.1-8b", 8_030_261_248),
+                                         ("llama-3.1-70b", 70_553_706_496)])
+def test_parameter_counts_of_the_shape_files(name, params):
+    assert P.num_params(shape(name)) == params
+
+
+def test_70b_in_bf16_is_140_gb_of_weights_per_instance():
+    assert P.weights_bytes(70e9) == 140e9
+    s = shape("llama-3.1-70b")
+    per_gpu = P.stage_params(s, tp=8, pp=1) * 2
+    assert per_gpu * 8 == pytest.approx(P.weights_bytes(P.num_params(s)))  # TP shards add up to one instance
+    assert 140e9 <= P.weights_bytes(P.num_params(s)) < 142e9
+
+
+def test_adam_with_fp32_states_puts_a_70b_actor_past_560_gb_before_activations():
+    params = 70e9
+    assert 2 * 4 * params == 560e9  # Adam's fp32 m and v alone
+    actor = P.weights_bytes(params) + 4 * params + P.adam_state_bytes(params)  # bf16 weights, fp32 grads, Adam
+    assert actor == 18 * params > 560e9
+    # The planner's per-GPU components over one TP x PP model replica: the same figure, activations aside.
+    s = shape("llama-3.1-70b")
+    r = P.Run(tp=8, pp=1, micro_batch_size=1)
+    [mem] = P.memory_plan(s, r, P.Cluster(H100, 8))
+    train = mem.phases[0].components
+    replica = 8 * (train["actor weights"] + train["gradients (fp32)"] + train["optimizer (fp32 main + Adam)"])
+    assert replica == pytest.approx(18 * P.num_params(s)) and replica > 560e9
+    assert not mem.fits and "GB > 85.5 GB" in mem.problems[0]  # ~158 GB a GPU: flagged
+
+
+@pytest.mark.parametrize("layers,kv_heads,head_dim,expected", [
+    (80, 8, 128, 327_680),   # Llama-3.1-70B: 320 KiB a token
+    (28, 2, 128, 28_672),    # Qwen2.5-1.5B
+    (32, 32, 128, 524_288),  # Llama-2-7B (no GQA): 512 KiB a token
+])
+def test_kv_cache_bytes_per_token(layers, kv_heads, head_dim, expected):
+    s = ModelShape.from_hf_config({"model_type": "llama", "num_hidden_layers": layers, "hidden_size": 4096,
+                                   "num_attention_heads": 32, "num_key_value_heads": kv_heads, "head_dim": head_dim,
+                                   "intermediate_size": 11008, "vocab_size": 32000})
+    assert P.kv_bytes_per_token(s) == 2 * layers * kv_heads * head_dim * 2 == expected
+
+
+def test_distributed_optimizer_and_offload_shrink_what_they_should():
+    s, c = shape("qwen2.5-math-7b"), P.Cluster(H100, 8)
+    base = P.Run(tp=2, micro_batch_size=1)
+    opt = lambda r: P.memory_plan(s, r, c)[0].phases[0].components["optimizer (fp32 main + Adam)"]  # noqa: E731
+    assert opt(replace(base, distributed_optimizer=True)) == pytest.approx(opt(base) / 4)  # DP = 8 / 2
+    rollout = lambda r: P.memory_plan(s, r, c)[0].phases[1].components  # noqa: E731
+    off = rollout(replace(base, offload_optimizer=True, offload_params=True))
+    assert off["optimizer (fp32 main + Adam)"] == off["gradients (fp32)"] == off["actor weights"] == 0
+    assert rollout(base)["optimizer (fp32 main + Adam)"] > 0
+
+
+def test_recommendations():
+    small = P.Run(tp=2, rollout_batch_size=128, max_response_len=4096)
+    choice, why, colo, _ = P.recommend(shape("qwen2.5-math-1.5b"), small, P.Cluster(H100, 8))
+    assert choice == "colocated" and colo.fits and "every GPU works in both phases" in why
+    # Colocated, the engine's reservation on top of the resident actor does not fit; dedicated pools do.
+    tight = P.Run(tp=2, micro_batch_size=1, distributed_optimizer=True, engine_mem_fraction=0.7)
+    choice, why, colo, dis = P.recommend(shape("qwen2.5-math-7b"), tight, P.Cluster(H100, 16))
+    assert choice == "disaggregated" and not colo.fits and dis.fits and "colocated does not fit" in why
+    # 70B on one node: nothing fits; the reason names the largest component.
+    choice, why, *_ = P.recommend(shape("llama-3.1-70b"), P.Run(tp=8, micro_batch_size=1), P.Cluster(H100, 8))
+    assert choice == "neither" and "optimizer" in why
+
+
+def test_cli_on_a_shape_file_and_on_a_config_json(tmp_path, capsys):
+    assert plan_main([str(REPO / "recipes/models/llama-3.1-70b.sh"), "--gpus", "64", "--", "--micro-batch-size",
+                      "1"]) == 0
+    out = capsys.readouterr().out
+    assert "70.55B parameters (141.1 GB in bf16)" in out and "KV cache 320 KiB/token" in out
+    assert "recommendation: colocated" in out
+    cfg = {"model_type": "qwen2", "num_hidden_layers": 2, "hidden_size": 64, "num_attention_heads": 4,
+           "num_key_value_heads": 2, "intermediate_size": 128, "vocab_size": 96}
+    (tmp_path / "config.json").write_text(json.dumps(cfg))
+    assert plan_main(["--model", str(tmp_path), "--gpus", "1", "--mode", "colocated", "--", "--max-response-len",
+                      "32"]) == 0
+    assert "fits" in capsys.readouterr().out
+
+
+def test_cli_without_a_shape_says_what_to_give():
+    proc = subprocess.run([sys.executable, str(REPO / "tools/plan.py"), "--gpus", "8"], capture_output=True,
+                          text=True, cwd=REPO)
+    assert proc.returncode == 2 and "no model shape: give --model" in proc.stderr
