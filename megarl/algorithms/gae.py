@@ -21,6 +21,8 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
+from megarl.algorithms.advantages import register_advantage
+
 
 def terminal_token_rewards(scores: Tensor, mask: Tensor, kl: Tensor | None = None, kl_coef: float = 0.0) -> Tensor:
     """Per-token rewards [B, T]: each sequence's score on its last response token, minus `kl_coef * kl` on every
@@ -65,6 +67,26 @@ def compute_gae(rewards: Tensor, values: Tensor, mask: Tensor, gamma: float = 1.
         next_adv = torch.where(m, adv, next_adv)
     returns = torch.where(mask, advantages + values, torch.zeros_like(advantages))
     return advantages, returns
+
+
+@register_advantage("gae")
+def compute_gae_advantages(rewards: Tensor, eps: float = 1e-6, *, values: Tensor | None = None,
+                           mask: Tensor | None = None, gamma: float = 1.0, lam: float = 1.0, kl: Tensor | None = None,
+                           kl_coef: float = 0.0, **inputs) -> Tensor:
+    """The registry's GAE estimator: one score per completion (`rewards`, any shape with N elements, in the
+    order of the rows of `values`) placed on its last response token (minus `kl_coef * kl` per token when
+    given), then `compute_gae`. Needs the critic's `values` and the response `mask`, both [N, T]; returns the
+    advantages [N, T] (returns are `gae_returns(advantages, values, mask)`). `eps` is unused."""
+    if values is None or mask is None:
+        raise ValueError("the gae advantage estimator needs the critic's per-token values and the response mask")
+    token_rewards = terminal_token_rewards(rewards.flatten(), mask, kl=kl, kl_coef=kl_coef)
+    return compute_gae(token_rewards, values.to(token_rewards.dtype), mask, gamma, lam)[0]
+
+
+def gae_returns(advantages: Tensor, values: Tensor, mask: Tensor) -> Tensor:
+    """The critic's targets `A + V` [B, T], 0 outside the mask."""
+    mask = mask.bool()
+    return torch.where(mask, advantages + values.to(advantages.dtype), torch.zeros_like(advantages))
 
 
 def whiten(x: Tensor, mask: Tensor, mean: Tensor | float, var: Tensor | float, eps: float = 1e-8) -> Tensor:

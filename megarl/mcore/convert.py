@@ -218,8 +218,9 @@ def _read_safetensors(path: Path, names: Iterable[str]) -> dict[str, torch.Tenso
 
 @torch.no_grad()
 @cpu_compat.in_megatron_scope
-def load_hf_weights(model: torch.nn.Module, hf_dir: str | Path, shape: ModelShape) -> None:
-    """Copy an HF checkpoint into this rank's shard of `model` (call before wrapping in DDP)."""
+def load_hf_weights(model: torch.nn.Module, hf_dir: str | Path, shape: ModelShape, skip: tuple[str, ...] = ()) -> None:
+    """Copy an HF checkpoint into this rank's shard of `model` (call before wrapping in DDP). Parameters whose
+    canonical name starts with one of `skip` are left as they are (the critic's value head has no HF tensor)."""
     from megatron.core import parallel_state as ps
 
     model = unwrap(model)
@@ -229,6 +230,8 @@ def load_hf_weights(model: torch.nn.Module, hf_dir: str | Path, shape: ModelShap
     params = dict(model.named_parameters())
     plan = {}
     for local_name, global_name in names.items():
+        if skip and global_name.startswith(skip):
+            continue
         if global_name == "output_layer.weight" and shape.tie_word_embeddings:
             plan[local_name] = (_match("embedding.word_embeddings.weight", rules)[0], None)
         else:

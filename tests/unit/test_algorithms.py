@@ -81,7 +81,7 @@ def test_dr_grpo_advantages_only_center():
 def test_advantage_registry():
     assert get_advantage_fn("grpo") is compute_grpo_advantages
     assert get_advantage_fn("dr_grpo") is compute_dr_grpo_advantages
-    with pytest.raises(ValueError, match="'ppo'.*valid names: dr_grpo, grpo"):
+    with pytest.raises(ValueError, match="'ppo'.*valid names: dr_grpo, gae, grpo"):
         get_advantage_fn("ppo")
 
 

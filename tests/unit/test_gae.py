@@ -102,3 +102,17 @@ def test_value_loss_clipped_hand_computed():
     assert float(m["clipped"]) == 1.0
     loss.sum().backward()
     torch.testing.assert_close(values.grad, t([[0.0, 0.9, 0.0]]))
+
+
+def test_registered_gae_estimator_matches_compute_gae():
+    from megarl.algorithms import get_advantage_fn
+    from megarl.algorithms.gae import gae_returns
+
+    mask = t([[0, 1, 1, 1, 0, 0]])
+    values = t([[9.0, 0.5, 0.2, -0.1, 7.0, 7.0]])
+    fn = get_advantage_fn("gae")
+    adv = fn(t([[1.0]]), 1e-6, values=values, mask=mask, gamma=0.9, lam=0.8)
+    torch.testing.assert_close(adv, t([[0, 0.04144, 0.502, 1.1, 0, 0]]))
+    torch.testing.assert_close(gae_returns(adv, values, mask), t([[0, 0.54144, 0.702, 1.0, 0, 0]]))
+    with pytest.raises(ValueError, match="needs the critic's per-token values"):
+        fn(t([[1.0]]), 1e-6)

@@ -1,0 +1,77 @@
+"""The PPO critic: the actor's GPTModel trunk with a scalar value head, its own optimizer and scheduler.
+
+Values are aligned with the actor's log-probs: `values[b, t]` is the value of the state `tokens[b, :t + 1]`, the
+state in which `tokens[b, t + 1]` is chosen, shape `[B, S - 1]`; only the last pipeline stage holds them.
+
+The value head replaces GPTModel's vocab-parallel output layer. GPTModel calls its output layer as
+`output_layer(hidden, weight=..., runtime_gather_output=...)` and expects `(output, bias)`; `ValueHead` has that
+signature. Without sequence parallelism (a GPU-only option this project does not turn on) the hidden state that
+enters the output layer is complete and identical on every TP rank, so a replicated `Linear(hidden, 1)` gives
+the same value on each TP rank and the trunk's gradient needs no TP reduction. The head is zero-initialised:
+every TP rank starts identical without a shared RNG, and the first values are 0.
+
+The model is always built with untied embeddings (the head has nothing to share with the input embedding), so
+no embedding-gradient all-reduce across pipeline stages is set up for it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+import torch
+
+from megarl.mcore import convert, cpu_compat
+from megarl.mcore.actor import MegatronPolicy, OptimConfig
+from megarl.model_shape import ModelShape
+
+
+class ValueHead(torch.nn.Module):
+    """`hidden [s, b, h] -> (values [s, b, 1], None)`, called where GPTModel calls its output layer."""
+
+    def __init__(self, hidden_size: int, dtype: torch.dtype, device: torch.device):
+        super().__init__()
+        # Named `weight` and `bias` like the layer it replaces: GPTModel's sharded_state_dict expects
+        # `output_layer.weight` on the last stage.
+        self.weight = torch.nn.Parameter(torch.zeros(1, hidden_size, dtype=dtype, device=device))
+        self.bias = torch.nn.Parameter(torch.zeros(1, dtype=dtype, device=device))
+
+    def forward(self, hidden_states: torch.Tensor, weight=None, runtime_gather_output=None):
+        return torch.nn.functional.linear(hidden_states, self.weight, self.bias), None
+
+
+class MegatronCritic(MegatronPolicy):
+    """A value model at any TP x PP x DP, trained with its own optimizer through the actor's machinery:
+    `train_step(batch, loss_fn)` calls `loss_fn(values [b, S - 1], micro_batch)` (Megatron divides the summed
+    loss by the summed denominator once, as for the actor)."""
+
+    def __init__(self, shape: ModelShape, *, tp: int, pp: int, optim: OptimConfig | None = None,
+                 use_transformer_engine: bool | None = None, bf16: bool = False):
+        super().__init__(replace(shape, tie_word_embeddings=False), tp=tp, pp=pp, trainable=True, optim=optim,
+                         use_transformer_engine=use_transformer_engine, bf16=bf16)
+
+    def _build_module(self, shape: ModelShape, use_transformer_engine: bool | None):
+        module = super()._build_module(shape, use_transformer_engine)
+        if module.post_process:
+            device = next(module.parameters()).device
+            module.output_layer = ValueHead(shape.hidden_size, self.config.params_dtype, device)
+        return module
+
+    def _per_token(self, output: torch.Tensor, tokens: torch.Tensor, temperature: float) -> torch.Tensor:
+        return output[:, :-1, 0].float()  # [b, s, 1] -> [b, s - 1]: no value is needed after the last token
+
+    def load_hf(self, hf_dir) -> None:
+        """The trunk from an HF checkpoint (the actor's, usually); the value head keeps its zero init."""
+        convert.load_hf_weights(self.model, hf_dir, self.shape, skip=("output_layer.",))
+        reload = getattr(self.optimizer, "reload_model_params", None)
+        if reload is not None:  # refresh any fp32 main copies of the params from the model
+            with cpu_compat.megatron_scope():
+                reload()
+
+    def export_hf(self):
+        raise NotImplementedError("the critic has no HF counterpart (its value head replaces lm_head)")
+
+    @torch.no_grad()
+    def values(self, tokens: torch.Tensor, *, micro_batch_size: int) -> torch.Tensor | None:
+        """Values [B, S - 1] on the last pipeline stage, None on the others."""
+        # `logprobs` runs the forward-only pass and concatenates `_per_token`, which here is the value.
+        return self.logprobs(tokens, micro_batch_size=micro_batch_size)

@@ -1,0 +1,140 @@
+"""PPO with a critic (`--advantage-estimator gae`): the trainer's glue for the fourth model.
+
+The four models of PPO are the actor, the frozen reference (when `--kl-coef > 0`), the reward (the verifiers)
+and the critic, a Megatron value model (`megarl.mcore.critic`) trained colocated with the actor, on the same
+ranks and the same TP x PP x DP layout, with its own optimizer. Each step, after the log-probs:
+
+    values   V = critic(rollout tokens)                       [B, S - 1], the state before each response token
+    rewards  the (shaped, KL-folded) score on the last response token
+    GAE      A, R = A + V                                      `megarl.algorithms.gae`, through the registry
+    whiten   A over all response tokens of the global batch    (`--gae-whiten`)
+    critic   `--updates-per-rollout` steps on 0.5 * max((V - R)^2, (clip(V, V_old +- eps_v) - R)^2), token mean
+
+and the actor then trains on the token-level advantages `A` as usual. The critic's checkpoint is saved under
+`<save>/critic/` by the same code as the actor's, before the actor's, so the actor's `latest` step always has a
+complete critic checkpoint next to it.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import replace
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+from megarl import steps
+from megarl.algorithms import get_advantage_fn
+from megarl.algorithms.gae import gae_returns, masked_moments, mean_var, value_loss_clipped, whiten
+from megarl.config import Config, ConfigError
+from megarl.mcore import checkpoint
+from megarl.mcore.critic import MegatronCritic
+from megarl.mcore.parallel import ParallelInfo
+from megarl.metrics import reduce_over_ranks
+from megarl.model_shape import ModelShape
+from megarl.samples import RolloutBatch
+
+CRITIC_DIR = "critic"
+_SUM_KEYS = ["value_loss_num", "value_tokens", "value_clipped", "n", "v_sum", "r_sum", "r_sq", "e_sum", "e_sq"]
+
+
+def build_critic(cfg: Config, shape: ModelShape, info: ParallelInfo, start_step: int) -> MegatronCritic | None:
+    """The critic for `--advantage-estimator gae` (None otherwise): the actor's HF checkpoint with a fresh value
+    head, or its state at `start_step` when resuming."""
+    if cfg.algorithm.advantage_estimator != "gae":
+        return None
+    m, t, c = cfg.model, cfg.training, cfg.checkpoint
+    # Same schedule shape as the actor's, scaled to the critic's learning rate.
+    optim = replace(steps.optim_config(t), lr=t.critic_lr, min_lr=t.critic_lr * t.min_lr / t.lr)
+    critic = MegatronCritic(shape, tp=info.tp_size, pp=info.pp_size, optim=optim, bf16=m.bf16,
+                            use_transformer_engine=steps.use_te(m.transformer_impl))
+    if c.load and start_step > 0:
+        path = Path(c.load) / CRITIC_DIR / checkpoint._iter_name(start_step)
+        if not path.is_dir():
+            raise ConfigError(f"--load {c.load}: no critic checkpoint for step {start_step} ({path}); "
+                              "was it saved by a run with --advantage-estimator gae?")
+        checkpoint.load(path, critic, load_rng=False)  # the actor's checkpoint holds the RNG states
+    else:
+        critic.load_hf(m.hf_checkpoint)
+    return critic
+
+
+def save_critic(critic: MegatronCritic | None, root: str, step: int, keep_last: int) -> None:
+    """Collective. Call before saving the actor (see the module docstring); a no-op without a critic."""
+    if critic is not None:
+        checkpoint.save(Path(root) / CRITIC_DIR, step, critic, {}, keep_last=keep_last)
+
+
+def value_loss_fn(clip: float):
+    """The critic's `loss_fn(values, micro_batch) -> (loss sum, token count, metrics)`."""
+
+    def loss_fn(values: torch.Tensor, mb: dict):
+        n = mb["_real_rows"]
+        values, mask = values[:n], mb["loss_mask"][:n]
+        per_token, m = value_loss_clipped(values, mb["old_values"][:n], mb["returns"][:n], mask, clip)
+        num, den = per_token.sum(), mask.sum()
+        return num, den, {"value_loss_num": num.detach(), "value_tokens": den.detach(), "value_clipped": m["clipped"]}
+
+    return loss_fn
+
+
+def gae_advantages_and_critic_update(critic: MegatronCritic, rollout: RolloutBatch, batch: dict, cfg: Config,
+                                     info: ParallelInfo) -> dict[str, float]:
+    """Write GAE advantages [B, S - 1] into `batch["advantages"]`, then train the critic on this batch.
+
+    Collective (every rank calls it). Values, and so advantages, exist on the last pipeline stage, the only
+    place the actor's loss reads them; other stages get zeros. Returns the step's critic metrics, reduced over
+    ranks, for the metrics row."""
+    a, t = cfg.algorithm, cfg.training
+    start = time.perf_counter()
+    mask = batch["loss_mask"]
+    values = critic.values(batch["tokens"], micro_batch_size=t.micro_batch_size)
+    if values is None:
+        values = advantages = returns = torch.zeros_like(mask)
+    else:
+        values = torch.where(mask.bool(), values, torch.zeros_like(values))
+        scores = torch.tensor([s.reward for s in rollout.samples], dtype=torch.float32)
+        advantages = get_advantage_fn(a.advantage_estimator)(scores, a.advantage_eps, values=values, mask=mask,
+                                                             gamma=a.gae_gamma, lam=a.gae_lambda)
+        returns = gae_returns(advantages, values, mask)
+    contributes = info.is_last_stage
+    if a.gae_whiten:
+        # Over the global batch: each DP rank's tokens are counted once per TP rank of the last stage, the same
+        # factor for every sample, so mean and variance are those of the global batch.
+        moments = masked_moments(advantages, mask) if contributes else torch.zeros(3, dtype=torch.float64)
+        dist.all_reduce(moments)
+        mean, var = mean_var(moments)
+        advantages = whiten(advantages, mask, mean, var)
+    batch["advantages"] = advantages.float()
+
+    critic_batch = {"tokens": batch["tokens"], "loss_mask": mask, "returns": returns.float(), "old_values": values}
+    k = t.updates_per_rollout
+    size = mask.shape[0] // k
+    totals: dict[str, float] = {}
+    for i in range(k):
+        mini = {key: v[i * size : (i + 1) * size] for key, v in critic_batch.items()}
+        out = critic.train_step(mini, value_loss_fn(a.value_clip), micro_batch_size=t.micro_batch_size)
+        for key, v in out.items():
+            totals[key] = totals.get(key, 0.0) + v
+
+    local: dict[str, float] = {}
+    if contributes and info.tp_rank == 0:
+        m = mask.bool()
+        v, r = values[m].double(), returns[m].double()
+        local = {k: totals.get(k, 0.0) for k in ("value_loss_num", "value_tokens", "value_clipped")}
+        local.update(n=float(m.sum()), v_sum=float(v.sum()), r_sum=float(r.sum()), r_sq=float(r.square().sum()),
+                     e_sum=float((r - v).sum()), e_sq=float((r - v).square().sum()))
+    g = reduce_over_ranks(local, _SUM_KEYS)
+    n, tok = max(g["n"], 1.0), max(g["value_tokens"], 1.0)
+    var_r = g["r_sq"] / n - (g["r_sum"] / n) ** 2
+    var_e = g["e_sq"] / n - (g["e_sum"] / n) ** 2
+    return {
+        "value_loss": g["value_loss_num"] / tok, "value_clip_frac": g["value_clipped"] / tok,
+        "value_mean": g["v_sum"] / n, "return_mean": g["r_sum"] / n,
+        # 1 - Var(R - V) / Var(R) of the values that produced this step's advantages: 1 is a perfect critic,
+        # 0 no better than a constant, negative worse than one.
+        "explained_variance": 1.0 - var_e / var_r if var_r > 1e-12 else 0.0,
+        "critic_grad_norm": totals.get("grad_norm", float("nan")) / k, "critic_lr": out["lr"],
+        "t_critic": time.perf_counter() - start,
+    }
