@@ -1,0 +1,194 @@
+"""Weight sync, actor -> rollout engine: size-bounded flat buckets, one version per sync, and a check.
+
+The actor's export gathers its TP/PP shards into full Hugging Face-named tensors on each model-parallel leader
+(`megarl.mcore.convert.export_hf_weights`). This module packs them into buckets and hands the buckets to the
+engine:
+
+- A bucket is one flat byte tensor plus, per tensor, its name, shape, dtype and byte range: the layout of SGLang's
+  `FlattenedTensorBucket`, so the SGLang adapter passes a bucket on as `load_format="flattened_bucket"` (in
+  colocated mode as CUDA IPC handles: the bytes never leave the GPU). Buckets are bounded by `bucket_bytes`, so a
+  sync needs one bucket of extra memory, not a second copy of the model, on the engine's side.
+- A bucket holds one dtype. Every tensor then starts at an offset aligned for its dtype with no padding, and the
+  bytes handed over are exactly the parameter bytes; `push` refuses a name sent twice, so a sync moves each
+  parameter once (`SyncStats.bytes == model_parameter_count(shape) * itemsize`, checked by the tests).
+- Every sync carries a weight version, which the engine stamps on the completions it generates afterwards.
+
+Engines that take buckets implement `load_weight_buckets(buckets, version)`; any other `RolloutEngine` receives a
+bucket's tensors (views into the bucket, no copy) through `update_weights`. Nothing here knows Megatron.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Iterable, Iterator
+
+import torch
+
+from megarl.model_shape import ModelShape
+
+DEFAULT_BUCKET_BYTES = 512 << 20
+
+
+class WeightSyncError(RuntimeError):
+    """A sync that did not deliver the actor's weights (duplicate names, wrong version, log-prob mismatch)."""
+
+
+@dataclass(frozen=True)
+class TensorSlot:
+    """Where one tensor lives in a bucket: bytes [start, end) of the flat tensor."""
+
+    name: str
+    shape: tuple[int, ...]
+    dtype: torch.dtype
+    start: int
+    end: int
+
+    @property
+    def numel(self) -> int:
+        n = 1
+        for d in self.shape:
+            n *= d
+        return n
+
+
+@dataclass
+class WeightBucket:
+    """Tensors of one dtype and device, flattened into one uint8 tensor."""
+
+    flat: torch.Tensor  # uint8 [nbytes]
+    slots: list[TensorSlot]
+
+    @property
+    def nbytes(self) -> int:
+        return self.flat.numel()
+
+    def tensors(self) -> list[tuple[str, torch.Tensor]]:
+        """(name, view) pairs: views into `flat`, no copy."""
+        return [(s.name, self.flat[s.start : s.end].view(s.dtype).view(s.shape)) for s in self.slots]
+
+
+def pack_buckets(named_tensors: Iterable[tuple[str, torch.Tensor]], bucket_bytes: int = DEFAULT_BUCKET_BYTES
+                 ) -> Iterator[WeightBucket]:
+    """Group consecutive tensors into buckets of at most `bucket_bytes` (a larger tensor gets a bucket of its own)
+    and of one dtype and device; each bucket is built when it is full, so at most one is alive here at a time."""
+    if bucket_bytes < 1:
+        raise ValueError(f"bucket_bytes must be >= 1, got {bucket_bytes}")
+    pending: list[tuple[str, torch.Tensor]] = []
+    size = 0
+    for name, tensor in named_tensors:
+        nbytes = tensor.numel() * tensor.element_size()
+        if pending and (size + nbytes > bucket_bytes or tensor.dtype != pending[0][1].dtype
+                        or tensor.device != pending[0][1].device):
+            yield _flatten(pending)
+            pending, size = [], 0
+        pending.append((name, tensor))
+        size += nbytes
+    if pending:
+        yield _flatten(pending)
+
+
+@torch.no_grad()
+def _flatten(named: list[tuple[str, torch.Tensor]]) -> WeightBucket:
+    total = sum(t.numel() * t.element_size() for _, t in named)
+    flat = torch.empty(total, dtype=torch.uint8, device=named[0][1].device)
+    slots, offset = [], 0
+    for name, tensor in named:
+        nbytes = tensor.numel() * tensor.element_size()
+        if nbytes:
+            flat[offset : offset + nbytes].copy_(tensor.detach().contiguous().view(-1).view(torch.uint8))
+        slots.append(TensorSlot(name, tuple(tensor.shape), tensor.dtype, offset, offset + nbytes))
+        offset += nbytes
+    return WeightBucket(flat, slots)
+
+
+@dataclass
+class SyncStats:
+    """What one sync moved, and how long it took (on the model-parallel leader that ran the engine)."""
+
+    version: int
+    tensors: int = 0
+    buckets: int = 0
+    bytes: int = 0
+    seconds: float = 0.0
+    peak_gpu_bytes: int = 0  # CUDA peak allocated during the sync; 0 on CPU
+    names: list[str] = field(default_factory=list, repr=False)
+
+    def metrics(self) -> dict[str, float]:
+        return {"weight_version": self.version, "sync_bytes": self.bytes, "sync_buckets": self.buckets,
+                "sync_seconds": self.seconds, "sync_gb_per_s": self.bytes / max(self.seconds, 1e-9) / 1e9,
+                "sync_peak_gpu_mib": self.peak_gpu_bytes / 2**20}
+
+
+def push(engine, named_tensors: Iterable[tuple[str, torch.Tensor]], version: int,
+         bucket_bytes: int = DEFAULT_BUCKET_BYTES) -> SyncStats:
+    """Hand `named_tensors` to `engine` in buckets and stamp `version`; returns what moved."""
+    stats = SyncStats(version=version)
+    cuda = torch.cuda.is_available()
+    if cuda:
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+    start = time.perf_counter()
+    buckets = _counted(pack_buckets(named_tensors, bucket_bytes), stats)
+    if hasattr(engine, "load_weight_buckets"):
+        engine.load_weight_buckets(buckets, version)
+    else:
+        for bucket in buckets:
+            engine.update_weights(bucket.tensors(), version=version)
+    if getattr(engine, "weight_version", version) != version:
+        raise WeightSyncError(f"after the sync the engine reports weight version {engine.weight_version}, "
+                              f"expected {version}")
+    if cuda:
+        torch.cuda.synchronize()
+        stats.peak_gpu_bytes = torch.cuda.max_memory_allocated()
+    stats.seconds = time.perf_counter() - start
+    return stats
+
+
+def _counted(buckets: Iterator[WeightBucket], stats: SyncStats) -> Iterator[WeightBucket]:
+    seen: set[str] = set()
+    for bucket in buckets:
+        for slot in bucket.slots:
+            if slot.name in seen:
+                raise WeightSyncError(f"{slot.name!r} was sent twice in one sync: each parameter moves once")
+            seen.add(slot.name)
+            stats.names.append(slot.name)
+        stats.tensors += len(bucket.slots)
+        stats.buckets += 1
+        stats.bytes += bucket.nbytes
+        yield bucket
+
+
+def model_parameter_count(shape: ModelShape) -> int:
+    """Parameters of the Hugging Face model `shape` describes, tied embeddings counted once: the number of
+    elements one full sync must move."""
+    h, f, v = shape.hidden_size, shape.ffn_hidden_size, shape.vocab_size
+    q, kv = shape.num_attention_heads * shape.head_dim, shape.num_kv_heads * shape.head_dim
+    attention = h * (q + 2 * kv) + q * h + ((q + 2 * kv) if shape.qkv_bias else 0)
+    layer = 2 * h + attention + 3 * h * f
+    return v * h * (1 if shape.tie_word_embeddings else 2) + shape.num_layers * layer + h
+
+
+# -- verification ------------------------------------------------------------------------------------------------
+
+
+def probe_sequence(vocab_size: int, length: int = 32, seed: int = 0) -> list[int]:
+    """A fixed pseudo-random token sequence on which actor and engine log-probs are compared after a sync."""
+    g = torch.Generator().manual_seed(seed)
+    return torch.randint(0, vocab_size, (length,), generator=g).tolist()
+
+
+def check_probe(actor_logp: torch.Tensor, engine_logp: torch.Tensor, tolerance: float) -> dict[str, float]:
+    """Compare the actor's and the engine's log-probs of the probe's tokens; raise when the mean absolute
+    difference exceeds `tolerance` (the engine then holds other weights than the actor: a broken sync)."""
+    actor_logp, engine_logp = actor_logp.float().flatten().cpu(), engine_logp.float().flatten().cpu()
+    if actor_logp.shape != engine_logp.shape:
+        raise WeightSyncError(f"probe: actor gave {actor_logp.numel()} log-probs, engine {engine_logp.numel()}")
+    diff = (actor_logp - engine_logp).abs()
+    out = {"sync_probe_absdiff_mean": float(diff.mean()), "sync_probe_absdiff_max": float(diff.max())}
+    if not out["sync_probe_absdiff_mean"] <= tolerance:  # also catches NaN
+        raise WeightSyncError(
+            f"weight sync check failed: the engine's log-probs on the probe sequence differ from the actor's by "
+            f"{out['sync_probe_absdiff_mean']:.3g} on average (max {out['sync_probe_absdiff_max']:.3g}), more than "
+            f"--verify-sync-tolerance {tolerance:g}")
+    return out
