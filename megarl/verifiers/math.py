@@ -1,0 +1,95 @@
+"""Verifier for math answers: extract the final answer, normalise LaTeX and text, decide equivalence with sympy.
+
+    MathVerifier().verify(r"... so the area is $\\boxed{\\frac{9}{4}\\pi}$.", r"\\frac94\\pi")  # correct
+
+Outcomes: `correct` (score 1), `incorrect`, `no_answer` (nothing extractable), `parse_error` (an answer was found
+but neither it nor a plain string comparison could be judged), `timeout` (the check ran out of its wall-clock
+budget: huge exponent towers, deep nesting, giant sums...). Only `correct` scores.
+
+Steps, cheapest first (see `_extract`, `_normalize`, `_parse`, `_equiv` for the rules):
+1. extraction (`strategy`: "lenient" by default, "strict" = the last `\\boxed{}` only);
+2. normalisation of both sides; identical strings are correct without any parsing;
+3. parsing into a small tree (numbers, expressions, relations, assignments, tuples and intervals, sets and
+   lists, matrices, text); equivalence structure first, values second; sympy only for the values.
+
+The whole check runs in a helper process under a wall-clock budget (`megarl.verifiers._budget.Guard`), so it
+behaves the same from the main thread, a worker thread or a subprocess, and it can always be stopped. Inside a
+reward-pool worker, which is itself killed when it overruns, `verify_unguarded` skips the extra hop.
+This module imports neither sympy, torch nor megatron: the helper does the heavy lifting.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+from megarl.verifiers.base import VerifyResult, register_verifier
+
+DEFAULT_BUDGET_S = 5.0
+_JUDGE = "megarl.verifiers.math:judge"
+
+
+@register_verifier("math")
+class MathVerifier:
+    name = "math"
+
+    def __init__(self, strategy: str = "lenient", budget_s: float = DEFAULT_BUDGET_S):
+        if strategy not in ("lenient", "strict"):
+            raise ValueError(f"math verifier strategy must be 'lenient' or 'strict', got {strategy!r}")
+        from megarl.verifiers._budget import Guard
+
+        self.strategy, self.budget_s = strategy, budget_s
+        self._guard = Guard(preload=("megarl.verifiers._equiv",))
+
+    def verify(self, response: str, ground_truth: Any) -> VerifyResult:
+        from megarl.verifiers._budget import BudgetExceeded, HelperFailed
+
+        start = time.perf_counter()
+        try:
+            fields = self._guard.call(_JUDGE, (response, ground_truth, self.strategy), self.budget_s)
+            result = VerifyResult(*fields)
+        except BudgetExceeded:
+            result = VerifyResult(0.0, "timeout")
+        except (HelperFailed, MemoryError) as e:
+            result = VerifyResult(0.0, "parse_error", normalized=f"verifier failed: {e}")
+        result.seconds = time.perf_counter() - start
+        return result
+
+    def verify_unguarded(self, response: str, ground_truth: Any) -> VerifyResult:
+        """The same judgement in this process, with no budget: only for callers that enforce one themselves."""
+        start = time.perf_counter()
+        result = VerifyResult(*judge(response, ground_truth, self.strategy))
+        result.seconds = time.perf_counter() - start
+        return result
+
+    def close(self) -> None:
+        self._guard.close()
+
+
+def judge(response: str, ground_truth: Any, strategy: str = "lenient") -> tuple:
+    """(score, outcome, extracted, normalized) for one response; runs wherever it is called (no budget here)."""
+    from megarl.verifiers._equiv import equivalent
+    from megarl.verifiers._extract import final_answer
+    from megarl.verifiers._normalize import normalize
+    from megarl.verifiers._parse import ParseError, Seq, parse_answer
+
+    extracted = final_answer(str(response), strategy)
+    if extracted is None:
+        return 0.0, "no_answer", None, None
+    pred = normalize(extracted)
+    if not pred:
+        return 0.0, "no_answer", extracted, pred
+    gold = normalize(str(ground_truth))
+    if pred.replace(" ", "") == gold.replace(" ", ""):
+        return 1.0, "correct", extracted, pred
+    try:
+        gold_tree = parse_answer(gold)
+    except (ParseError, TypeError, ValueError, ZeroDivisionError, RecursionError, AttributeError):
+        gold_tree = None
+    try:
+        pred_tree = parse_answer(pred, list_hint=isinstance(gold_tree, Seq) and gold_tree.kind == "list")
+    except (ParseError, TypeError, ValueError, ZeroDivisionError, RecursionError, AttributeError):
+        return 0.0, "parse_error", extracted, pred
+    if gold_tree is not None and equivalent(gold_tree, pred_tree):
+        return 1.0, "correct", extracted, pred
+    return 0.0, "incorrect", extracted, pred

@@ -1,0 +1,147 @@
+"""Reward pool: score a batch of samples in worker processes, each sample under a wall-clock limit.
+
+    with RewardPool(workers=8, timeout_s=10) as pool:
+        results, health = pool.score([("math", response, gold), ...], group_size=8)
+
+- Each sample names its verifier (the data row's `verifier` field, looked up in the registry), so one batch can
+  mix math, code and anything registered.
+- Workers are helper processes (`megarl.verifiers._budget.Guard`); one feeder thread per worker sends it one
+  sample at a time. A sample that overruns `timeout_s` gets outcome `timeout`; its worker is killed and
+  replaced. A worker that dies (a crash, `os._exit`, the OOM killer) is replaced too and its sample gets
+  `parse_error` with the reason in `normalized`. Either way every sample gets exactly one result, in input order.
+- Inside a worker a verifier's own budget hop is skipped (`verify_unguarded` when it has one): the pool's kill
+  already bounds it.
+
+`batch_health` turns a batch of results into the per-step metrics train.py logs: outcome counts, timeout rate,
+extraction-failure (no answer) rate, share of groups whose rewards are all equal, p50/p99 latency.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+import time
+from typing import Any, Sequence
+
+from megarl.verifiers._budget import BudgetExceeded, Guard, HelperFailed
+from megarl.verifiers.base import VerifyResult
+
+OUTCOMES = ("correct", "incorrect", "no_answer", "parse_error", "timeout")
+Request = tuple[str, str, Any]  # (verifier name, response, ground truth)
+
+
+def default_workers() -> int:
+    """One per CPU this process may use, at most 16 (rewards are rarely the bottleneck beyond that)."""
+    try:
+        cpus = len(os.sched_getaffinity(0))
+    except AttributeError:  # not Linux
+        cpus = os.cpu_count() or 1
+    return max(1, min(16, cpus))
+
+
+class RewardPool:
+    def __init__(self, workers: int = 0, timeout_s: float = 10.0, preload: tuple[str, ...] = (),
+                 memory_mib: int = 4096):
+        """`workers` 0 = `default_workers()`. `preload`: modules each worker imports at start (e.g. ones that
+        register extra verifiers)."""
+        if timeout_s <= 0:
+            raise ValueError(f"timeout_s must be > 0, got {timeout_s}")
+        self.size = workers or default_workers()
+        self.timeout_s = timeout_s
+        modules = ("megarl.verifiers.pool",) + tuple(preload)
+        self._guards = [Guard(preload=modules, memory_mib=memory_mib) for _ in range(self.size)]
+        self.restarts = 0  # workers replaced so far (hung or died)
+        self._lock = threading.Lock()
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
+
+    def close(self) -> None:
+        for g in self._guards:
+            g.close()
+
+    def score(self, requests: Sequence[Request], group_size: int | None = None) -> tuple[list[VerifyResult], dict]:
+        """One result per request, in order, and the batch's health metrics."""
+        start = time.perf_counter()
+        results: list[VerifyResult | None] = [None] * len(requests)
+        restarts_before = self.restarts
+        cursor = iter(range(len(requests)))
+
+        def feed(guard: Guard) -> None:
+            while True:
+                with self._lock:
+                    i = next(cursor, None)
+                if i is None:
+                    return
+                results[i] = self._score_one(guard, requests[i])
+
+        threads = [threading.Thread(target=feed, args=(g,), daemon=True)
+                   for g in self._guards[: max(1, min(self.size, len(requests)))]]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        health = batch_health(results, group_size)
+        health["reward_worker_restarts"] = self.restarts - restarts_before
+        health["reward_pool_seconds"] = time.perf_counter() - start
+        return results, health
+
+    def _score_one(self, guard: Guard, request: Request) -> VerifyResult:
+        t0 = time.perf_counter()
+        try:
+            result = VerifyResult(*guard.call("megarl.verifiers.pool:_verify_here", tuple(request), self.timeout_s))
+        except BudgetExceeded:
+            self._count_restart()
+            result = VerifyResult(0.0, "timeout")
+        except HelperFailed as e:
+            self._count_restart()
+            result = VerifyResult(0.0, "parse_error", normalized=f"reward worker died: {e}")
+        except Exception as e:  # noqa: BLE001 - the verifier raised: this sample scores 0, the batch goes on
+            result = VerifyResult(0.0, "parse_error", normalized=f"verifier raised {type(e).__name__}: {e}")
+        result.seconds = time.perf_counter() - t0
+        return result
+
+    def _count_restart(self) -> None:
+        with self._lock:
+            self.restarts += 1
+
+
+_INSTANCES: dict = {}
+
+
+def _verify_here(name: str, response: str, ground_truth: Any) -> tuple:
+    """Runs inside a worker: one verifier instance per name, reused."""
+    from megarl.verifiers import get_verifier
+
+    verifier = _INSTANCES.get(name)
+    if verifier is None:
+        verifier = _INSTANCES[name] = get_verifier(name)
+    r = getattr(verifier, "verify_unguarded", verifier.verify)(response, ground_truth)
+    return float(r.score), r.outcome, r.extracted, r.normalized, r.seconds
+
+
+def batch_health(results: Sequence[VerifyResult], group_size: int | None = None) -> dict:
+    """Outcome counts and rates, p50/p99 latency, and (given the group size) the share of groups whose rewards
+    are all equal - groups that give GRPO no signal."""
+    n = len(results)
+    out: dict = {f"reward_n_{o}": sum(r.outcome == o for r in results) for o in OUTCOMES}
+    out["reward_n"] = n
+    out["reward_timeout_rate"] = out["reward_n_timeout"] / n if n else 0.0
+    out["reward_no_answer_rate"] = out["reward_n_no_answer"] / n if n else 0.0
+    out["reward_parse_error_rate"] = out["reward_n_parse_error"] / n if n else 0.0
+    seconds = sorted(r.seconds for r in results)
+    out["reward_latency_p50"] = _quantile(seconds, 0.50)
+    out["reward_latency_p99"] = _quantile(seconds, 0.99)
+    if group_size and n and n % group_size == 0:
+        groups = [results[i : i + group_size] for i in range(0, n, group_size)]
+        out["reward_uniform_group_frac"] = sum(len({r.score for r in g}) == 1 for g in groups) / len(groups)
+    return out
+
+
+def _quantile(sorted_values: Sequence[float], q: float) -> float:
+    if not sorted_values:
+        return 0.0
+    return float(sorted_values[min(len(sorted_values) - 1, int(q * len(sorted_values)))])
