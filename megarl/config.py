@@ -81,14 +81,18 @@ class RolloutConfig:
 
 @dataclass
 class DataConfig:
-    prompt_data: str = _f("", "training prompts, jsonl: one object per line with the prompt, the label and the verifier")
+    prompt_data: str = _f("", "training prompts: a .parquet file, or jsonl (one object per line); each row holds the "
+                          "prompt, the label and the verifier")
     eval_data: str = _f("", "held-out prompts (same format) for before/after evaluation; empty = no evaluation")
-    input_key: str = _f("prompt", "field of a data row that holds the prompt text")
+    input_key: str = _f("prompt", "field of a data row that holds the prompt: a string, used as it is, or a chat "
+                        "(a list of {role, content} messages, e.g. --input-key messages) rendered through the "
+                        "tokenizer's chat template with the assistant turn opened")
+    apply_chat_template: bool = _f(False, "render string prompts too through the chat template, as one user message")
     label_key: str = _f("answer", "field of a data row that holds the ground truth given to the verifier")
     verifier_key: str = _f("verifier", "field of a data row that names its verifier")
     default_verifier: str = _f("", "verifier for rows without a verifier field; empty = such rows are an error")
     rollout_batch_size: int = _f(8, "prompts per step, over all data-parallel ranks")
-    shuffle: bool = _f(True, "shuffle prompts each epoch (seeded by --seed)")
+    shuffle: bool = _f(True, "shuffle prompts each epoch (seeded by --seed; a new order every epoch)")
 
     def __post_init__(self):
         _positive(self, "rollout_batch_size")

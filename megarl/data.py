@@ -1,4 +1,10 @@
-"""Prompt datasets (jsonl) and the seeded, resumable order in which prompts are drawn."""
+"""Prompt datasets (jsonl or parquet) and the seeded, resumable order in which prompts are drawn.
+
+A row holds the prompt, the verifier's ground truth and (optionally) the verifier's name. The prompt field is
+either a string, tokenized as it is, or a chat: a list of `{"role", "content"}` messages rendered through the
+tokenizer's chat template with the assistant turn opened (`add_generation_prompt=True`), as the model will see
+it at generation time. With `--apply-chat-template` a string prompt becomes a one-message user chat.
+"""
 
 from __future__ import annotations
 
@@ -6,7 +12,7 @@ import json
 import random
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Iterator
 
 from megarl.config import ConfigError
 
@@ -14,15 +20,17 @@ from megarl.config import ConfigError
 @dataclass
 class PromptRecord:
     index: int  # row number in the file (0-based)
-    prompt: str
+    prompt: str  # the text the model sees: a chat is stored rendered through the chat template
     prompt_ids: list[int]
     label: Any  # the verifier's ground truth
     verifier: str
 
 
 def load_prompts(path: str, tokenizer, *, input_key: str, label_key: str, verifier_key: str,
-                 default_verifier: str = "", flag: str = "--prompt-data") -> list[PromptRecord]:
-    """Read and validate every row before training starts; errors name the file and line."""
+                 default_verifier: str = "", apply_chat_template: bool = False,
+                 flag: str = "--prompt-data") -> list[PromptRecord]:
+    """Read and validate every row before training starts; errors name the file and line (jsonl) or row
+    (parquet). A `.parquet` path is read as parquet, any other as jsonl."""
     from megarl.verifiers import verifier_names
 
     p = Path(path)
@@ -32,32 +40,75 @@ def load_prompts(path: str, tokenizer, *, input_key: str, label_key: str, verifi
         raise ConfigError(f"{flag} {path}: no such file")
     known = set(verifier_names())
     records = []
-    with p.open() as fh:
+    rows = _parquet_rows(p, flag) if p.suffix == ".parquet" else _jsonl_rows(p)
+    for where, row in rows:
+        if not isinstance(row, dict):
+            raise ConfigError(f"{where}: expected a JSON object, got {type(row).__name__}")
+        for key in (input_key, label_key):
+            if key not in row:
+                hint = "; for chat data pass --input-key messages" if key == input_key and "messages" in row else ""
+                raise ConfigError(f"{where}: missing field {key!r} (fields: {', '.join(row) or 'none'}){hint}")
+        verifier = row.get(verifier_key) or default_verifier
+        if not verifier:
+            raise ConfigError(f"{where}: no {verifier_key!r} field and no --default-verifier")
+        if verifier not in known:
+            raise ConfigError(f"{where}: unknown verifier {verifier!r}; registered: {', '.join(sorted(known))}")
+        text, ids = _render_prompt(row[input_key], tokenizer, apply_chat_template, f"{where}: field {input_key!r}")
+        records.append(PromptRecord(len(records), text, ids, row[label_key], verifier))
+    if not records:
+        raise ConfigError(f"{flag} {path}: the file has no rows")
+    return records
+
+
+def _jsonl_rows(path: Path) -> Iterator[tuple[str, Any]]:
+    with path.open() as fh:
         for lineno, line in enumerate(fh, start=1):
             if not line.strip():
                 continue
             where = f"{path}:{lineno}"
             try:
-                row = json.loads(line)
+                yield where, json.loads(line)
             except json.JSONDecodeError as e:
                 raise ConfigError(f"{where}: not valid JSON ({e.msg})") from None
-            if not isinstance(row, dict):
-                raise ConfigError(f"{where}: expected a JSON object, got {type(row).__name__}")
-            for key in (input_key, label_key):
-                if key not in row:
-                    raise ConfigError(f"{where}: missing field {key!r} (fields: {', '.join(row) or 'none'})")
-            if not isinstance(row[input_key], str) or not row[input_key]:
-                raise ConfigError(f"{where}: field {input_key!r} must be a non-empty string")
-            verifier = row.get(verifier_key) or default_verifier
-            if not verifier:
-                raise ConfigError(f"{where}: no {verifier_key!r} field and no --default-verifier")
-            if verifier not in known:
-                raise ConfigError(f"{where}: unknown verifier {verifier!r}; registered: {', '.join(sorted(known))}")
-            ids = tokenizer.encode(row[input_key])
-            records.append(PromptRecord(len(records), row[input_key], ids, row[label_key], verifier))
-    if not records:
-        raise ConfigError(f"{flag} {path}: the file has no rows")
-    return records
+
+
+def _parquet_rows(path: Path, flag: str) -> Iterator[tuple[str, Any]]:
+    """Rows as plain Python values (a list<struct> column of messages becomes a list of dicts), in batches so a
+    large file is never held as Python objects all at once."""
+    try:
+        import pyarrow.parquet as pq
+    except ImportError:
+        raise ConfigError(f"{flag} {path}: reading parquet needs pyarrow (pip install pyarrow)") from None
+    try:
+        reader = pq.ParquetFile(path)
+    except Exception as e:  # pyarrow raises ArrowInvalid and friends for a file that is not parquet
+        raise ConfigError(f"{flag} {path}: not a readable parquet file ({e})") from None
+    index = 0
+    for batch in reader.iter_batches(batch_size=4096):
+        for row in batch.to_pylist():
+            yield f"{path}: row {index}", row
+            index += 1
+
+
+def _render_prompt(value: Any, tokenizer, apply_chat_template: bool, where: str) -> tuple[str, list[int]]:
+    """(text, token ids) of a prompt field: a string, or a chat rendered with the opened assistant turn."""
+    if isinstance(value, str) and value and not apply_chat_template:
+        return value, tokenizer.encode(value)
+    if isinstance(value, str) and value:
+        value = [{"role": "user", "content": value}]
+    elif not isinstance(value, (list, tuple)) or not value:
+        raise ConfigError(f"{where} must be a non-empty string or a list of chat messages ({{role, content}})")
+    messages = []
+    for i, m in enumerate(value):
+        if not isinstance(m, dict) or not isinstance(m.get("role"), str) or not isinstance(m.get("content"), str):
+            raise ConfigError(f"{where}: message {i} must be an object with string 'role' and 'content', got {m!r}")
+        messages.append({k: v for k, v in m.items() if v is not None})  # parquet fills absent struct fields with None
+    if not getattr(tokenizer, "chat_template", None):
+        raise ConfigError(f"{where} is a chat, but the tokenizer has no chat template: give plain-text prompts "
+                          "or a checkpoint whose tokenizer_config.json (or chat_template.jinja) defines one")
+    text = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+    # The template already wrote any BOS / special tokens it wants: adding them again would double them.
+    return text, tokenizer.encode(text, add_special_tokens=False)
 
 
 class PromptSampler:

@@ -96,7 +96,8 @@ def run(cfg: Config) -> int:
         raise ConfigError(f"--rollout-batch-size {d.rollout_batch_size} is not divisible by the data-parallel size {info.dp_size}")
 
     tokenizer = AutoTokenizer.from_pretrained(m.hf_checkpoint)
-    keys = dict(input_key=d.input_key, label_key=d.label_key, verifier_key=d.verifier_key, default_verifier=d.default_verifier)
+    keys = dict(input_key=d.input_key, label_key=d.label_key, verifier_key=d.verifier_key,
+                default_verifier=d.default_verifier, apply_chat_template=d.apply_chat_template)
     prompts = load_prompts(d.prompt_data, tokenizer, **keys)
     eval_prompts = load_prompts(d.eval_data, tokenizer, flag="--eval-data", **keys) if d.eval_data else []
     if lg.eval_max_prompts:
