@@ -1,0 +1,263 @@
+"""The SGLang adapters against recording fakes of SGLang's API (no GPU, no sglang needed), and SGLang's own
+serializer / bucket classes on CPU tensors when `sglang` is importable.
+
+The colocation cycle's order is the point: release (kv cache, weights) -> train -> resume weights -> push buckets
+-> resume kv cache -> flush cache -> generate. Pushing into released weights, or generating with a released or
+stale KV cache, fails on a GPU only, and only sometimes; here it fails every time.
+"""
+
+from __future__ import annotations
+
+import json
+import threading
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+import pytest
+import torch
+
+from megarl.config import build_config
+from megarl.rollout.base import SamplingParams
+from megarl.rollout.sglang_engine import SGLangEngine, SGLangServers, serialize_bucket, sglang_available
+from megarl.rollout.weight_sync import WeightSyncError, pack_buckets
+
+
+def _output(prompt, n_new, finish="length", seed=0):
+    ids = [(sum(prompt) + seed + k) % 50 for k in range(n_new)]
+    return {"output_ids": ids, "meta_info": {
+        "finish_reason": {"type": finish}, "weight_version": "default",
+        "output_token_logprobs": [(-0.5 - 0.01 * k, t, None) for k, t in enumerate(ids)],
+        "input_token_logprobs": [(None, prompt[0], None)] + [(-1.0 - k, t, None) for k, t in enumerate(prompt[1:])]}}
+
+
+class RecordingEngine:
+    """The slice of `sglang.Engine` megarl calls, recording each call."""
+
+    def __init__(self, log, fail_update=False):
+        self.log, self.fail_update = log, fail_update
+        self.requests = []
+
+    def generate(self, input_ids, sampling_params, return_logprob=False, logprob_start_len=None):
+        self.log.append("generate")
+        self.requests.append((input_ids, sampling_params, logprob_start_len))
+        sp = sampling_params if isinstance(sampling_params, list) else [sampling_params] * len(input_ids)
+        return [_output(p, s["max_new_tokens"], seed=s.get("sampling_seed") or 0) for p, s in zip(input_ids, sp)]
+
+    def release_memory_occupation(self, tags=None):
+        self.log.append(("release", tuple(tags)))
+
+    def resume_memory_occupation(self, tags=None):
+        self.log.append(("resume", tuple(tags)))
+
+    def update_weights_from_tensor(self, named_tensors, load_format=None, flush_cache=True):
+        self.log.append(("update", load_format, flush_cache, len(named_tensors)))
+        return (False, "boom") if self.fail_update else (True, "Success")
+
+    def flush_cache(self):
+        self.log.append("flush_cache")
+
+
+class RecordingSessionEngine(RecordingEngine):
+    """SGLang >= 0.5.23: weight updates run inside a session."""
+
+    def begin_weight_update(self, selector="all"):
+        self.log.append("begin_weight_update")
+        return True, "ok"
+
+    def end_weight_update(self):
+        self.log.append("end_weight_update")
+        return True, "ok"
+
+
+class FakeActor:
+    """What the cycle needs of `MegatronPolicy`: export and offload."""
+
+    def __init__(self, log):
+        self.log = log
+        self.weights = [(f"model.layers.{i}.mlp.down_proj.weight", torch.full((8, 8), float(i))) for i in range(3)]
+
+    def export_hf(self):
+        self.log.append("export")
+        return list(self.weights)
+
+    def offload(self, *, params, optimizer):
+        self.log.append(("offload", params, optimizer))
+
+    def onload(self):
+        self.log.append("onload")
+
+
+def _engine(log, sessions=True, **kw):
+    fake = (RecordingSessionEngine if sessions else RecordingEngine)(log, **kw)
+    return SGLangEngine(fake, tp_size=2, serialize=lambda bucket, tp: [bucket] * tp)
+
+
+def test_colocation_cycle_order():
+    from megarl import steps
+
+    log = []
+    engine, actor = _engine(log), FakeActor(log)
+    cfg = build_config({"offload_optimizer": True, "offload_params": True, "sync_bucket_mb": 1})
+    params = SamplingParams(n=2, max_new_tokens=3)
+    for step in range(2):
+        steps.enter_rollout(actor, engine, cfg)
+        engine.generate([[1, 2, 3]], params)
+        steps.enter_training(actor, engine, cfg)
+        log.append("train")
+        metrics = steps.sync_weights(actor, engine, version=step + 1, cfg=cfg)
+        assert metrics["weight_version"] == step + 1 and metrics["sync_bytes"] == 3 * 8 * 8 * 4
+    steps.enter_rollout(actor, engine, cfg)
+    one_step = [("offload", True, True), ("resume", ("kv_cache",)), "flush_cache", "generate",
+                ("release", ("kv_cache", "weights")), "onload", "train", "export",
+                ("resume", ("weights",)), "begin_weight_update", ("update", "flattened_bucket", False, 2),
+                "end_weight_update"]
+    first = [("offload", True, True), "flush_cache"] + one_step[3:]  # nothing released before the first rollout
+    assert log == first + one_step + [("offload", True, True), ("resume", ("kv_cache",)), "flush_cache"]
+    assert engine.weight_version == 2
+    assert engine.generate([[4, 5]], params)[0][0].weight_version == 2
+
+
+def test_buckets_are_pushed_one_call_each_without_flushing():
+    log = []
+    engine = _engine(log)
+    named = [(f"w{i}", torch.ones(1024)) for i in range(5)]  # 4 KiB each
+    engine.load_weight_buckets(pack_buckets(named, 8 << 10), version=3)
+    updates = [e for e in log if e[0] == "update"]
+    assert len(updates) == 3 and all(u[1:3] == ("flattened_bucket", False) for u in updates)
+    assert log[0] == "begin_weight_update" and log[-1] == "end_weight_update" and "flush_cache" not in log
+
+
+def test_failed_update_raises_and_closes_the_session():
+    log = []
+    engine = _engine(log, fail_update=True)
+    with pytest.raises(WeightSyncError, match="boom"):
+        engine.load_weight_buckets(pack_buckets([("w", torch.ones(4))]), version=1)
+    assert log[-1] == "end_weight_update" and engine.weight_version == 0
+
+
+def test_older_sglang_without_sessions():
+    log = []
+    engine = _engine(log, sessions=False)
+    engine.load_weight_buckets(pack_buckets([("w", torch.ones(4))]), version=1)
+    assert log == [("update", "flattened_bucket", False, 2)]
+
+
+def test_not_colocated_releases_nothing():
+    log = []
+    engine = SGLangEngine(RecordingEngine(log), colocated=False, serialize=lambda b, tp: [b])
+    engine.release_memory()
+    engine.resume_memory()
+    assert log == ["flush_cache"]
+
+
+def test_generate_groups_seeds_and_maps_outputs():
+    log = []
+    engine = _engine(log)
+    params = SamplingParams(n=3, max_new_tokens=4, temperature=0.7, top_p=0.9, top_k=20, stop_token_ids=(7,), seed=10)
+    groups = engine.generate([[1, 2], [3, 4, 5]], params)
+    ids, sampling, _ = engine.engine.requests[0]
+    assert ids == [[1, 2]] * 3 + [[3, 4, 5]] * 3, "each prompt's samples are consecutive"
+    assert [s["sampling_seed"] for s in sampling] == list(range(10, 16))
+    assert sampling[0] == {"max_new_tokens": 4, "temperature": 0.7, "top_p": 0.9, "top_k": 20, "stop_token_ids": [7],
+                           "sampling_seed": 10}
+    assert [len(g) for g in groups] == [3, 3]
+    c = groups[1][2]
+    assert c.token_ids == _output([3, 4, 5], 4, seed=15)["output_ids"]
+    assert c.logprobs == pytest.approx([-0.5, -0.51, -0.52, -0.53]) and c.finish_reason == "length"
+
+
+def test_score_reads_input_logprobs_after_the_prompt():
+    log = []
+    engine = _engine(log)
+    assert engine.score([[9, 8, 7, 6]], [2]) == [[-2.0, -3.0]]
+    assert engine.engine.requests[0][2] == 0, "logprob_start_len=0: every input token is scored"
+
+
+# -- disaggregated: a fake SGLang HTTP server --------------------------------------------------------------------
+
+
+class _FakeServer:
+    def __init__(self):
+        self.calls = []
+        outer = self
+
+        class Handler(BaseHTTPRequestHandler):
+            def do_POST(self):
+                body = json.loads(self.rfile.read(int(self.headers["Content-Length"])) or b"{}")
+                outer.calls.append((self.path, body))
+                if self.path == "/generate":
+                    sp = body["sampling_params"]
+                    sp = sp if isinstance(sp, list) else [sp] * len(body["input_ids"])
+                    answer = [_output(p, s["max_new_tokens"], finish="stop", seed=s.get("sampling_seed") or 0)
+                              for p, s in zip(body["input_ids"], sp)]
+                else:
+                    answer = {"success": True, "message": "ok"}
+                data = json.dumps(answer).encode()
+                self.send_response(200)
+                self.send_header("Content-Length", str(len(data)))
+                self.end_headers()
+                self.wfile.write(data)
+
+            def log_message(self, *a):
+                pass
+
+        self.httpd = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.url = f"127.0.0.1:{self.httpd.server_address[1]}"
+        threading.Thread(target=self.httpd.serve_forever, daemon=True).start()
+
+
+@pytest.fixture
+def servers():
+    fakes = [_FakeServer(), _FakeServer()]
+    yield fakes
+    for f in fakes:
+        f.httpd.shutdown()
+
+
+def test_servers_split_prompts_and_keep_order(servers):
+    client = SGLangServers([s.url for s in servers])
+    prompts = [[1, 2], [3], [4, 5, 6]]
+    groups = client.generate(prompts, SamplingParams(n=2, max_new_tokens=2, seed=0))
+    assert [len(g) for g in groups] == [2, 2, 2]
+    sent = [body["input_ids"] for s in servers for path, body in s.calls if path == "/generate"]
+    assert sent == [[[1, 2]] * 2 + [[3]] * 2, [[4, 5, 6]] * 2], "whole groups, contiguous blocks, in order"
+    assert groups[2][1].token_ids == _output([4, 5, 6], 2, seed=5)["output_ids"]
+    assert groups[0][0].finish_reason == "stop"
+
+
+def test_servers_weight_calls(servers):
+    client = SGLangServers([s.url for s in servers])
+    client.update_weights_from_disk("/shared/ckpt/step5", version=5)
+    client.resume_memory()
+    assert client.weight_version == 5
+    for s in servers:
+        assert s.calls == [("/update_weights_from_disk", {"model_path": "/shared/ckpt/step5"}), ("/flush_cache", {})]
+    with pytest.raises(WeightSyncError, match="connect"):
+        client.load_weight_buckets(pack_buckets([("w", torch.ones(2))]), version=6)
+    passive = SGLangServers([s.url for s in servers], push=False)
+    passive.load_weight_buckets(pack_buckets([("w", torch.ones(2))]), version=6)
+    assert passive.weight_version == 6
+
+
+# -- SGLang's own classes -----------------------------------------------------------------------------------------
+
+_SGLANG, _WHY = sglang_available()
+
+
+@pytest.mark.skipif(not _SGLANG, reason=f"{_WHY}; the adapter's contract is tested above with fakes")
+def test_sglang_serializer_and_flattened_bucket_round_trip():
+    from sglang.srt.utils import MultiprocessingSerializer
+    from sglang.srt.weight_sync.tensor_bucket import FlattenedTensorBucket
+
+    named = [("a", torch.randn(3, 4)), ("b", torch.randn(5)), ("c", torch.randn(2, 2, dtype=torch.float64)),
+             ("d", torch.arange(7, dtype=torch.bfloat16))]
+    for bucket in pack_buckets(named, 1 << 20):
+        payloads = serialize_bucket(bucket, tp_size=2)
+        assert len(payloads) == 2 and isinstance(payloads[0], str)
+        data = MultiprocessingSerializer.deserialize(payloads[1])
+        rebuilt = FlattenedTensorBucket(flattened_tensor=data["flattened_tensor"], metadata=data["metadata"])
+        for (name, got), (want_name, want) in zip(rebuilt.reconstruct_tensors(), bucket.tensors()):
+            assert name == want_name and got.dtype == want.dtype and torch.equal(got, want)
+        # SGLang's receiver allocates from (names, dtypes, shapes) alone: our offsets must be the ones it computes
+        empty = FlattenedTensorBucket.empty([s.name for s in bucket.slots], [s.dtype for s in bucket.slots],
+                                            [s.shape for s in bucket.slots], "cpu")
+        assert [(m.start_idx, m.end_idx) for m in empty.get_metadata()] == [(s.start, s.end) for s in bucket.slots]
