@@ -37,7 +37,13 @@ megarl_hostnames() {
 megarl_show() {  # one command on one line, each word shell-quoted where it needs to be
   local w out=()
   for w in "$@"; do
-    if [[ $w =~ ^[][A-Za-z0-9_@%+=:,./-]+$ ]]; then out+=("$w"); else out+=("$(printf '%q' "$w")"); fi
+    if [[ $w =~ ^[][A-Za-z0-9_@%+=:,./-]+$ ]]; then
+      out+=("$w")
+    elif [[ $w != *"'"* ]]; then
+      out+=("'$w'")
+    else
+      out+=("$(printf '%q' "$w")")
+    fi
   done
   echo "${out[*]}"
 }
@@ -55,14 +61,14 @@ megarl_check() {
   echo "megarl: TP=$TP x PP=$PP x DP=$DP = $world GPUs; checkpoints in ${SAVE_DIR:-<none>}"
 }
 
-# srun flags for one step on the given hosts: one task per node, the container when CONTAINER_IMAGE is set.
+# srun flags for one step: a name for its logs, tasks per node, the hosts; the container when CONTAINER_IMAGE is set.
 megarl_srun_args() {
-  local name=$1
-  shift
+  local name=$1 per_node=$2
+  shift 2
   local hosts=("$@")
   local IFS=,
-  SRUN_ARGS=(srun --nodes="${#hosts[@]}" --ntasks-per-node=1 --nodelist="${hosts[*]}" --kill-on-bad-exit=1
-             --output="$LOG_DIR/$JOB_ID-r$RESTART-$name-%n.log")
+  SRUN_ARGS=(srun --nodes="${#hosts[@]}" --ntasks-per-node="$per_node" --nodelist="${hosts[*]}" --kill-on-bad-exit=1
+             --output="$LOG_DIR/$JOB_ID-r$RESTART-$name-%t.log")
   if [[ -n ${CONTAINER_IMAGE:-} ]]; then
     SRUN_ARGS+=(--container-image="$CONTAINER_IMAGE" --container-workdir="$MEGARL_ROOT"
                 --container-mounts="$MEGARL_ROOT:$MEGARL_ROOT${CONTAINER_MOUNTS:+,$CONTAINER_MOUNTS}")

@@ -89,14 +89,19 @@ def test_disaggregated_splits_training_and_server_nodes(tmp_path):
     proc = render.dry_run(script, [RECIPE], nodes=3, env={"ROLLOUT_NODES": "1", "SGLANG_TP": "2"})
     assert proc.returncode == 0, proc.stderr
     server, train = commands(proc.stdout)
-    assert option(server, "--nodelist") == "node003"
-    assert option(server, "--tp-size") == "2" and option(server, "--dp-size") == "4"
-    assert option(server, "--model-path") == "/models/Qwen2.5-Math-1.5B"
+    assert option(server, "--nodelist") == "node003" and option(server, "--ntasks-per-node") == "4"
+    assert option(server, "--tp-size") == "2" and option(server, "--model-path") == "/models/Qwen2.5-Math-1.5B"
+    # Each of the node's 4 tasks serves its own pair of GPUs on its own port: run the task's command as task 3.
+    task = server[server.index("bash"):]
+    task[task.index("python")] = "echo"
+    out = subprocess.run(task, env={**os.environ, "SLURM_LOCALID": "3"}, capture_output=True, text=True).stdout
+    assert out.split()[-4:] == ["--base-gpu-id", "6", "--port", "30003"]
     assert option(train, "--nodelist") == "node001,node002"
     torchrun = train[train.index("torchrun"):]
     assert world_of(torchrun) == 16  # the training nodes only
     cfg = parse_args(recipe_argv_of(torchrun))
-    assert cfg.rollout.rollout_servers == "node003:30000"
+    assert cfg.rollout.rollout_servers == ",".join(f"node003:{30000 + i}" for i in range(4))
+    assert cfg.rollout.sglang_tp_size == 2
     assert render.check_parallel(cfg, 16).dp == 8
 
 
