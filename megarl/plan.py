@@ -339,11 +339,13 @@ def plan(s: ModelShape, r: Run, cluster: Cluster) -> Plan:
 
 
 def best_split(s: ModelShape, r: Run, cluster: Cluster) -> Plan:
-    """The disaggregated split (rollout GPUs in whole engines) with the shortest step among those that fit."""
+    """The disaggregated split with the shortest step among those that fit: whole nodes for the rollout, as
+    launch/slurm/disaggregated.sbatch splits them, or whole engines within a single node."""
     unit = r.tp * r.pp
     etp = _engine_tp(s, replace(r, mode="disaggregated"), cluster)
+    step = cluster.gpus_per_node if cluster.gpus > cluster.gpus_per_node else etp
     best = None
-    for rollout_gpus in range(etp, cluster.gpus, etp):
+    for rollout_gpus in range(step, cluster.gpus, step):
         if (cluster.gpus - rollout_gpus) % unit:
             continue
         cand = replace(r, mode="disaggregated", rollout_gpus=rollout_gpus, engine_tp=etp)

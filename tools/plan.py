@@ -77,7 +77,7 @@ def _gb(x: float) -> str:
     return f"{x / GB:7.1f}"
 
 
-def format_plan(p: Plan, title: str) -> str:
+def format_plan(p: Plan, title: str, gpus_per_node: int = 8) -> str:
     r = p.run
     lines = [f"== {title}"]
     for m in p.memory:
@@ -97,6 +97,10 @@ def format_plan(p: Plan, title: str) -> str:
                  f"weight sync {t.weight_sync:.1f} s")
     if r.mode == "disaggregated":
         lines.append(f"  split: {r.rollout_gpus} rollout GPUs (engine TP {r.engine_tp}), the rest train")
+        nodes, rem = divmod(r.rollout_gpus, gpus_per_node)
+        if not rem and p.memory[0].gpus:
+            lines.append(f"  launch: ROLLOUT_NODES={nodes} SGLANG_TP={r.engine_tp} sbatch --nodes "
+                         f"{(r.rollout_gpus + p.memory[0].gpus) // gpus_per_node} launch/slurm/disaggregated.sbatch <recipe>")
     return "\n".join(lines)
 
 
@@ -139,11 +143,11 @@ def main(argv: list[str] | None = None) -> int:
         choice, why, colo, dis = recommend(shape, run, cluster)
         print(format_plan(colo, "colocated"))
         if dis is not colo:
-            print(format_plan(dis, "disaggregated (best split)"))
+            print(format_plan(dis, "disaggregated (best split)", cluster.gpus_per_node))
         print(f"recommendation: {choice}: {why}")
         return 0 if choice != "neither" else 1
     p = plan(shape, replace(run, mode=args.mode, rollout_gpus=args.rollout_gpus), cluster)
-    print(format_plan(p, args.mode))
+    print(format_plan(p, args.mode, cluster.gpus_per_node))
     return 0 if p.fits else 1
 
 
