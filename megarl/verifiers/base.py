@@ -52,4 +52,5 @@ def get_verifier(name: str) -> Verifier:
 def _import_builtin():
     # Importing the modules registers them; done lazily so that base stays import-cycle free.
     from megarl.verifiers import arithmetic  # noqa: F401
+    from megarl.verifiers import code  # noqa: F401
     from megarl.verifiers import math  # noqa: F401

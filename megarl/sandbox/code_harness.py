@@ -1,0 +1,470 @@
+"""Trusted test harness for `megarl/verifiers/code.py`: run inside the sandbox as the job's program.
+
+Standard library only; the verifier sends this file's source as the job, with `solution.py` (the untrusted
+program) and `spec.json` (the tests) as job files and a per-run secret as stdin.
+
+Why it cannot be fooled by the program:
+- The program never runs in this process. It runs in forked children whose fds are only /dev/null (or their own
+  stdin/stdout pipes) and a request/answer pipe pair; this process is made non-dumpable first, so a child can
+  neither ptrace it nor open /proc/<pid>/fd/*, and its stdout - the verdict channel - is never in a child.
+- Test code (`check(candidate)`, asserts) runs here; `candidate` and any other name the tests take from the
+  program are proxies that call into the child. Values cross back pickled and are unpickled with no class
+  but a few builtins allowed: an object whose `__eq__` always returns True, an int subclass, anything not plain
+  data is refused, so the comparisons the tests make are between plain values.
+- The secret is read from stdin only after the last test, so it was never in any child's memory; the verdict
+  line carries it. `sys.exit(0)`, `os._exit`, `atexit` hooks, killing this process or its pipes, printing a
+  fake verdict: each leaves either a failed test or no verdict line with the secret, and no line means no reward.
+Stdin/stdout tests: each input in a fresh child (stdin a memfd, stdout a capped pipe, its own process group,
+killed at the per-test deadline); the comparison is done here, never by the program.
+"""
+
+import ast
+import builtins
+import io
+import json
+import os
+import pickle
+import select
+import signal
+import struct
+import sys
+import time
+import traceback
+
+DONE = "@@megarl-code-done"
+_MAX_FRAME = 64 << 20
+_PLAIN_CLASSES = {"complex", "set", "frozenset", "bytearray"}
+
+
+def main():
+    _nondumpable()
+    spec = json.load(open("spec.json"))
+    source = open("solution.py", encoding="utf-8").read()
+    try:
+        code = compile(source, "solution.py", "exec")
+    except (SyntaxError, ValueError) as e:
+        finish({"compile_error": f"{type(e).__name__}: {e}", "results": []})
+        return
+    mode = spec["mode"]
+    if mode == "function":
+        results = run_function_tests(spec, code)
+    elif mode == "io":
+        results = run_io_tests(spec, code)
+    elif mode == "call":
+        results = run_call_tests(spec, code)
+    else:
+        raise ValueError(f"unknown mode {mode!r}")
+    finish({"results": results})
+
+
+def finish(payload):
+    secret = sys.stdin.read().strip()  # only now: never in the memory of a child that ran the program
+    sys.stdout.flush()
+    os.write(1, ("\n" + DONE + " " + secret + " " + json.dumps(payload) + "\n").encode())
+
+
+def _nondumpable():
+    import ctypes
+
+    if ctypes.CDLL(None, use_errno=True).prctl(4, 0, 0, 0, 0) != 0:  # PR_SET_DUMPABLE, 0
+        raise OSError("cannot make the harness non-dumpable")
+
+
+# ---- function-style tests: check(candidate) or top-level asserts ----------------------------------------------
+
+def run_function_tests(spec, code):
+    """HumanEval (`def check(candidate)`, one test) or MBPP-style top-level asserts (one test each)."""
+    tree = ast.parse(spec["test"], "test.py")
+    program = Program(code, spec["time_s"])
+    try:
+        if any(isinstance(n, ast.FunctionDef) and n.name == "check" for n in tree.body):
+            return [_check_style(spec, tree, program)]
+        return _assert_style(spec, tree, program)
+    finally:
+        program.kill()
+
+
+def _check_style(spec, tree, program):
+    if program.load_error:
+        return _fail("program", program.load_error)
+    env = RemoteGlobals(program)
+    try:
+        exec(compile(tree, "test.py", "exec"), env)
+        env["check"](env.proxy(spec["entry_point"]))
+    except BaseException as e:  # noqa: BLE001 - whatever the tests raise is a failure
+        timed_out = isinstance(e, CandidateError) and str(e).startswith("no answer within")
+        return _fail("timeout" if timed_out else "check", _describe(e))
+    return {"ok": True}
+
+
+def _assert_style(spec, tree, program):
+    env = RemoteGlobals(program)
+    results = []
+    total = sum(isinstance(n, ast.Assert) for n in tree.body)
+    for node in tree.body:
+        stop = spec.get("early_stop") and results and not results[-1]["ok"]
+        if isinstance(node, ast.Assert) and (stop or program.load_error):
+            results.append(_fail("skipped" if stop else "program", program.load_error or "early stop"))
+            continue
+        try:
+            exec(compile(ast.Module([node], []), "test.py", "exec"), env)
+            if isinstance(node, ast.Assert):
+                results.append({"ok": True})
+        except BaseException as e:  # noqa: BLE001
+            if isinstance(node, ast.Assert):
+                results.append(_fail("assert", _describe(e)))
+            else:  # setup code failed: every assert left fails
+                results += [_fail("setup", _describe(e))] * (total - len(results))
+                break
+        if program.dead:  # a timeout or a crash took the program down: the next test gets a fresh one
+            program.kill()
+            program.__init__(program.code, program.time_s)
+            env.clear()
+    return results
+
+
+class RemoteGlobals(dict):
+    """Globals of the test code: a name the tests do not define comes from the program, as a proxy."""
+
+    def __init__(self, program):
+        super().__init__()
+        self.program = program
+
+    def __missing__(self, name):
+        if name.startswith("__") or hasattr(builtins, name):
+            raise KeyError(name)  # let the interpreter look in builtins
+        kind, value = self.program.request(("lookup", name))
+        if kind == "callable":
+            value = self.proxy(name)
+        elif kind != "value":
+            raise KeyError(name)
+        self[name] = value
+        return value
+
+    def proxy(self, name):
+        program = self.program
+
+        def call(*args, **kwargs):
+            kind, value = program.request(("call", name, args, kwargs))
+            if kind != "ok":
+                raise CandidateError(value)
+            return value
+
+        call.__name__ = name
+        return call
+
+
+class CandidateError(Exception):
+    pass
+
+
+class Program:
+    """The untrusted program, loaded in a forked child that answers lookups and calls over a pipe pair."""
+
+    def __init__(self, code, time_s):
+        self.code, self.time_s = code, time_s
+        self.dead = False
+        req_r, self.req_w = os.pipe()
+        self.resp_r, resp_w = os.pipe()
+        sys.stdout.flush()
+        self.pid = os.fork()
+        if self.pid == 0:
+            try:
+                _program_child(code, req_r, resp_w)
+            finally:
+                os._exit(0)
+        os.close(req_r)
+        os.close(resp_w)
+        kind, value = self._receive(max(time_s, 1.0))
+        self.load_error = None if kind == "ready" else value
+
+    def request(self, message):
+        if self.dead:
+            return "dead", "the program is no longer running"
+        try:
+            _send(self.req_w, pickle.dumps(message))
+        except (OSError, pickle.PicklingError, TypeError, AttributeError) as e:
+            self.dead = True
+            return "dead", f"cannot send to the program: {type(e).__name__}"
+        return self._receive(self.time_s)
+
+    def _receive(self, timeout):
+        try:
+            return _PlainUnpickler(io.BytesIO(_receive(self.resp_r, timeout))).load()
+        except TimeoutError:
+            self.dead = True
+            return "timeout", f"no answer within {self.time_s} s"
+        except EOFError:
+            self.dead = True
+            return "dead", "the program exited"
+        except Exception as e:  # noqa: BLE001 - anything but plain data in the answer
+            self.dead = True
+            return "bad_value", f"not plain data: {e}"
+
+    def kill(self):
+        for kill in (os.killpg, os.kill):
+            try:
+                kill(self.pid, signal.SIGKILL)
+            except (ProcessLookupError, PermissionError):
+                pass
+        try:
+            os.waitpid(self.pid, 0)
+        except ChildProcessError:
+            pass
+        for fd in (self.req_w, self.resp_r):
+            try:
+                os.close(fd)
+            except OSError:
+                pass
+
+
+class _PlainUnpickler(pickle.Unpickler):
+    def find_class(self, module, name):
+        if module == "builtins" and name in _PLAIN_CLASSES:
+            return getattr(builtins, name)
+        raise pickle.UnpicklingError(f"{module}.{name}")
+
+
+def _program_child(code, req_r, resp_w):
+    _isolate_child(keep=(req_r, resp_w), stdin=None, stdout=None)
+    env = {"__name__": "solution", "__builtins__": builtins}
+    try:
+        exec(code, env)
+        _send(resp_w, pickle.dumps(("ready", None)))
+    except BaseException as e:  # noqa: BLE001
+        _send(resp_w, pickle.dumps(("error", _describe(e))))
+        return
+    while True:
+        message = pickle.loads(_receive(req_r, None))
+        try:
+            answer = _serve(env, message)
+        except BaseException as e:  # noqa: BLE001 - SystemExit included: the test fails, the server goes on
+            answer = ("raise", _describe(e))
+        try:
+            data = pickle.dumps(answer)
+        except Exception:  # noqa: BLE001
+            data = pickle.dumps(("raise", f"unserializable value of type {type(answer[1]).__name__}"))
+        _send(resp_w, data)
+
+
+def _serve(env, message):
+    op, name = message[0], message[1]
+    if op == "lookup":
+        if name not in env:
+            return "missing", None
+        value = env[name]
+        return ("callable", None) if callable(value) else ("value", _plain(value))
+    fn = env.get(name)
+    if fn is None and isinstance(env.get("Solution"), type):  # LeetCode-style `class Solution`
+        fn = getattr(env["Solution"](), name)
+    return "ok", _plain(fn(*message[2], **message[3]))
+
+
+def _plain(value):
+    if type(value).__module__ == "numpy" and hasattr(value, "tolist"):
+        return value.tolist()
+    return value
+
+
+# ---- stdin/stdout and call-based tests (APPS / CodeContests) --------------------------------------------------
+
+def run_io_tests(spec, code):
+    results = []
+    for inp, expected in zip(spec["inputs"], spec["outputs"]):
+        if spec.get("early_stop") and results and not results[-1]["ok"]:
+            results.append(_fail("skipped", "early stop"))
+            continue
+        cap = max(1 << 16, 4 * len(expected))
+        status, out = _run_stdio(code, inp, spec["time_s"], cap)
+        if status != "ok":
+            results.append(_fail(status, ""))
+        elif same_output(out, expected):
+            results.append({"ok": True})
+        else:
+            results.append(_fail("wrong_answer", out[:200]))
+    return results
+
+
+def run_call_tests(spec, code):
+    program = Program(code, spec["time_s"])
+    results = []
+    try:
+        for args, expected in zip(spec["inputs"], spec["outputs"]):
+            if spec.get("early_stop") and results and not results[-1]["ok"]:
+                results.append(_fail("skipped", "early stop"))
+                continue
+            if program.load_error:
+                results.append(_fail("program", program.load_error))
+                continue
+            kind, value = program.request(("call", spec["fn_name"], list(args) if isinstance(args, list)
+                                           else [args], {}))
+            if kind != "ok":
+                results.append(_fail(kind, str(value)[:200]))
+            elif _same_value(value, expected):
+                results.append({"ok": True})
+            else:
+                results.append(_fail("wrong_answer", repr(value)[:200]))
+            if program.dead:
+                program.kill()
+                program.__init__(code, spec["time_s"])
+    finally:
+        program.kill()
+    return results
+
+
+def _same_value(value, expected):
+    value = _lists(value)
+    if value == expected:
+        return True
+    return isinstance(expected, list) and len(expected) == 1 and value == expected[0]  # APPS wraps outputs
+
+
+def _lists(v):
+    if isinstance(v, (list, tuple)):
+        return [_lists(x) for x in v]
+    if isinstance(v, dict):
+        return {k: _lists(x) for k, x in v.items()}
+    return v
+
+
+def same_output(got, expected):
+    """Whitespace-tolerant: equal line by line with trailing blanks ignored, or equal as whitespace-split tokens."""
+    def lines(text):
+        out = [line.rstrip() for line in text.strip("\n").split("\n")]
+        while out and not out[-1]:
+            out.pop()
+        return out
+
+    return lines(got) == lines(expected) or got.split() == expected.split()
+
+
+def _run_stdio(code, stdin_text, time_s, cap):
+    stdin_fd = os.memfd_create("stdin")
+    data = stdin_text.encode()
+    while data:
+        data = data[os.write(stdin_fd, data):]
+    os.lseek(stdin_fd, 0, os.SEEK_SET)
+    out_r, out_w = os.pipe()
+    sys.stdout.flush()
+    pid = os.fork()
+    if pid == 0:
+        try:
+            _stdio_child(code, stdin_fd, out_w)
+        finally:
+            os._exit(70)
+    os.close(stdin_fd)
+    os.close(out_w)
+    buf, status = bytearray(), None
+    deadline = time.monotonic() + time_s
+    pidfd = os.pidfd_open(pid)
+    eof = exited = False
+    while not (eof and exited) and status is None:
+        left = deadline - time.monotonic()
+        if left <= 0:
+            status = "timeout"
+            break
+        ready, _, _ = select.select([pidfd] + ([] if eof else [out_r]), [], [], left)
+        if pidfd in ready:
+            exited = True
+        if out_r in ready:
+            chunk = os.read(out_r, 1 << 16)
+            eof = not chunk
+            buf += chunk
+            if len(buf) > cap:
+                status = "output_limit"
+        if exited and not eof and out_r not in ready:
+            break  # exited, and something it left behind still holds the pipe: take what is there
+    for kill in (os.killpg, os.kill):
+        try:
+            kill(pid, signal.SIGKILL)
+        except (ProcessLookupError, PermissionError):
+            pass
+    _, wstatus = os.waitpid(pid, 0)
+    os.close(pidfd)
+    os.close(out_r)
+    if status is None:
+        status = "ok" if os.WIFEXITED(wstatus) and os.WEXITSTATUS(wstatus) == 0 else "runtime_error"
+    return status, buf.decode("utf-8", "replace")
+
+
+def _stdio_child(code, stdin_fd, out_w):
+    _isolate_child(keep=(), stdin=stdin_fd, stdout=out_w)
+    status = 0
+    try:
+        exec(code, {"__name__": "__main__", "__builtins__": builtins})
+    except SystemExit as e:
+        status = 0 if e.code is None else e.code if isinstance(e.code, int) else 1
+    except BaseException:  # noqa: BLE001
+        status = 1
+    try:
+        sys.stdout.flush()
+    except BaseException:  # noqa: BLE001
+        status = status or 1
+    os._exit(status & 0xFF)
+
+
+def _isolate_child(keep, stdin, stdout):
+    """In a child that will run the program: its own process group, fds 0-2 and `keep` only."""
+    os.setpgid(0, 0)
+    null = os.open(os.devnull, os.O_RDWR)
+    os.dup2(stdin if stdin is not None else null, 0)
+    os.dup2(stdout if stdout is not None else null, 1)
+    os.dup2(null, 2)
+    keep = set(keep) | {0, 1, 2}
+    try:
+        fds = [int(fd) for fd in os.listdir("/proc/self/fd")]
+    except OSError:  # no /proc (Landlock): close by range around the fds kept
+        fds = [fd for fd in range(3, 1024) if fd not in keep]
+    for fd in fds:
+        if fd not in keep:
+            try:
+                os.close(fd)
+            except OSError:
+                pass
+    sys.stdin = io.TextIOWrapper(io.BufferedReader(io.FileIO(0, "r", closefd=False)), encoding="utf-8")
+    sys.stdout = io.TextIOWrapper(io.BufferedWriter(io.FileIO(1, "w", closefd=False)), encoding="utf-8")
+    sys.stderr = io.TextIOWrapper(io.BufferedWriter(io.FileIO(2, "w", closefd=False)), encoding="utf-8")
+
+
+# ---- framing and helpers ----------------------------------------------------------------------------------------
+
+def _send(fd, data):
+    data = struct.pack("<I", len(data)) + data
+    while data:
+        data = data[os.write(fd, data):]
+
+
+def _receive(fd, timeout):
+    header = _read_exact(fd, 4, timeout)
+    (size,) = struct.unpack("<I", header)
+    if size > _MAX_FRAME:
+        raise ValueError("oversized answer")
+    return _read_exact(fd, size, timeout)
+
+
+def _read_exact(fd, n, timeout):
+    deadline = None if timeout is None else time.monotonic() + timeout
+    buf = bytearray()
+    while len(buf) < n:
+        if deadline is not None:
+            left = deadline - time.monotonic()
+            if left <= 0 or not select.select([fd], [], [], left)[0]:
+                raise TimeoutError
+        chunk = os.read(fd, n - len(buf))
+        if not chunk:
+            raise EOFError
+        buf += chunk
+    return bytes(buf)
+
+
+def _fail(kind, detail):
+    return {"ok": False, "why": kind, "detail": str(detail)[:300]}
+
+
+def _describe(e):
+    text = "".join(traceback.format_exception_only(type(e), e)).strip()
+    return text[:300]
+
+
+if __name__ == "__main__":
+    main()

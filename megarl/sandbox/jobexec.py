@@ -1,0 +1,347 @@
+"""Run one job in a forked child and supervise it: the part every backend shares.
+
+Standard library only and no megarl imports: the Docker backend ships this file's source into its containers
+(`python3 -c <source>`), where `main()` is the container's pid 1 (see `megarl/sandbox/docker.py`).
+
+The job's program is exec'd as `__main__` inside a fork of the calling (pre-warmed) interpreter, so imports the
+caller already did cost nothing. Its stdin is a memfd (no writer to deadlock), stdout and stderr are pipes read
+here with a byte cap, and the wall-clock deadline is enforced here with SIGKILL of the whole process group.
+"""
+
+from __future__ import annotations
+
+import builtins
+import io
+import json
+import os
+import resource
+import select
+import signal
+import sys
+import time
+import traceback
+
+MEMORY_EXIT = 107  # exit status of a program that died of MemoryError (its stderr says so too)
+_OPEN_MAX = 1 << 16
+
+
+def run_program(job: dict, workdir: str, confine=None, cleanup=None) -> dict:
+    """Fork the job's program, supervise it to its end, then call `cleanup()` (kill what it left behind).
+
+    `confine()` runs in the child after the standard fds, cwd and rlimits are set; it must close every fd above 2.
+    Returns the wire form of `RunResult`.
+    """
+    lim = job["limits"]
+    stdin_fd = os.memfd_create("stdin", os.MFD_CLOEXEC)
+    _write_all(stdin_fd, job.get("stdin", "").encode())
+    os.lseek(stdin_fd, 0, os.SEEK_SET)
+    out_r, out_w = os.pipe2(os.O_CLOEXEC)
+    err_r, err_w = os.pipe2(os.O_CLOEXEC)
+    vsize = _vsize_bytes()
+    for stream in (sys.stdout, sys.stderr):
+        stream.flush()
+    start = time.monotonic()
+    pid = os.fork()
+    if pid == 0:  # the program; never returns
+        try:
+            _child(job["source"], lim, workdir, stdin_fd, out_w, err_w, vsize, confine)
+        finally:
+            os._exit(70)
+    for fd in (stdin_fd, out_w, err_w):
+        os.close(fd)
+    try:
+        result = _supervise(pid, out_r, err_r, lim, start)
+    finally:
+        if cleanup is not None:
+            cleanup()
+    for fd in (out_r, err_r):
+        os.close(fd)
+    return result
+
+
+def _child(source, lim, workdir, stdin_fd, out_w, err_w, vsize, confine):
+    os.setsid()  # own session and process group: one killpg reaches everything it forks without setsid
+    os.dup2(stdin_fd, 0)
+    os.dup2(out_w, 1)
+    os.dup2(err_w, 2)
+    os.chdir(workdir)
+    set_rlimits(lim, vsize)
+    signal.signal(signal.SIGPIPE, signal.SIG_DFL)
+    for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGCHLD):
+        signal.signal(sig, signal.SIG_DFL)
+    if confine is not None:
+        confine()
+    else:
+        close_fds_from(3)
+    sys.stdin = io.TextIOWrapper(io.BufferedReader(io.FileIO(0, "r", closefd=False)), encoding="utf-8",
+                                 errors="replace")
+    sys.stdout = io.TextIOWrapper(io.BufferedWriter(io.FileIO(1, "w", closefd=False)), encoding="utf-8",
+                                  errors="backslashreplace")
+    sys.stderr = io.TextIOWrapper(io.BufferedWriter(io.FileIO(2, "w", closefd=False)), encoding="utf-8",
+                                  errors="backslashreplace", line_buffering=True)
+    sys.argv = ["main.py"]
+    status = 0
+    try:
+        code = compile(source, "main.py", "exec")
+        exec(code, {"__name__": "__main__", "__file__": "main.py", "__builtins__": builtins})
+    except SystemExit as e:
+        status = _exit_status(e.code)
+    except MemoryError:
+        status = MEMORY_EXIT
+        os.write(2, b"\nMemoryError\n")
+    except BaseException as e:  # noqa: BLE001 - report like the interpreter would, without this frame
+        try:
+            traceback.print_exception(type(e), e, e.__traceback__.tb_next)
+        except BaseException:  # noqa: BLE001
+            pass
+        status = 1
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            stream.flush()
+        except BaseException:  # noqa: BLE001
+            pass
+    os._exit(status)
+
+
+def close_fds_from(low: int) -> None:
+    """Close every fd >= low. Lists /proc/self/fd: where close_range is filtered (Docker's seccomp profile on
+    older engines) `os.closerange` falls back to one close() per number, ~35 ms for 65536."""
+    try:
+        fds = [int(fd) for fd in os.listdir("/proc/self/fd")]
+    except OSError:
+        os.closerange(low, _OPEN_MAX)
+        return
+    for fd in fds:
+        if fd >= low:
+            try:
+                os.close(fd)
+            except OSError:
+                pass
+
+
+def _exit_status(code) -> int:
+    if code is None:
+        return 0
+    if isinstance(code, int):
+        return code & 0xFF
+    try:
+        print(code, file=sys.stderr)
+    except BaseException:  # noqa: BLE001
+        pass
+    return 1
+
+
+def set_rlimits(lim: dict, vsize: int) -> None:
+    cpu = max(1, int(-(-lim["cpu_s"] // 1)))
+    resource.setrlimit(resource.RLIMIT_CPU, (cpu, cpu + 1))
+    # Address space: what the forked interpreter already maps plus the job's allowance.
+    address = vsize + lim["memory_mb"] * (1 << 20)
+    resource.setrlimit(resource.RLIMIT_AS, (address, address))
+    fsize = lim["file_mb"] * (1 << 20)
+    resource.setrlimit(resource.RLIMIT_FSIZE, (fsize, fsize))
+    resource.setrlimit(resource.RLIMIT_NOFILE, (lim["open_files"], lim["open_files"]))
+    resource.setrlimit(resource.RLIMIT_CORE, (0, 0))
+    if "nproc" in lim:  # set by the backend only where it is per job (a dedicated uid)
+        resource.setrlimit(resource.RLIMIT_NPROC, (lim["nproc"], lim["nproc"]))
+
+
+def _supervise(pid: int, out_r: int, err_r: int, lim: dict, start: float) -> dict:
+    pidfd = os.pidfd_open(pid)
+    poller = select.poll()
+    for fd in (out_r, err_r, pidfd):
+        poller.register(fd, select.POLLIN)
+    bufs = {out_r: bytearray(), err_r: bytearray()}
+    cap = lim["output_bytes"]
+    deadline = start + lim["wall_s"]
+    reason = None
+    exited = False
+    while not exited and reason is None:
+        left = deadline - time.monotonic()
+        if left <= 0:
+            reason = "timeout"
+            break
+        for fd, _ in poller.poll(max(1, int(left * 1000))):
+            if fd == pidfd:
+                exited = True
+                continue
+            chunk = os.read(fd, 1 << 16)
+            if not chunk:
+                poller.unregister(fd)
+            else:
+                bufs[fd] += chunk
+                if len(bufs[fd]) > cap:
+                    reason = "output_limit"
+    if reason is not None:
+        _kill(pid)
+    _, wstatus, ru = os.wait4(pid, 0)
+    wall = time.monotonic() - start
+    os.close(pidfd)
+    _kill(pid)  # the process group: children it forked without leaving it
+    for fd in (out_r, err_r):  # what is already in the pipes; never wait for a writer that may outlive the job
+        _drain(fd, bufs[fd], cap)
+    stdout, stderr = bytes(bufs[out_r][:cap]), bytes(bufs[err_r][:cap])
+    cpu = ru.ru_utime + ru.ru_stime
+    peak_mb = ru.ru_maxrss / 1024
+    result = {"exit_code": None, "signal": None, "wall_s": round(wall, 4), "cpu_s": round(cpu, 4),
+              "peak_mb": round(peak_mb, 1), "stdout": stdout.decode("utf-8", "replace"),
+              "stderr": stderr.decode("utf-8", "replace"), "detail": ""}
+    if os.WIFSIGNALED(wstatus):
+        result["signal"] = os.WTERMSIG(wstatus)
+    else:
+        result["exit_code"] = os.WEXITSTATUS(wstatus)
+    result["status"], result["detail"] = classify(reason, result, lim, stderr)
+    return result
+
+
+def classify(reason, r: dict, lim: dict, stderr: bytes) -> tuple[str, str]:
+    if reason == "timeout":
+        return "timeout", f"wall-clock limit of {lim['wall_s']} s"
+    if reason == "output_limit":
+        return "output_limit", f"more than {lim['output_bytes']} bytes of output"
+    sig = r["signal"]
+    if sig is not None:
+        if sig == signal.SIGXCPU or (sig == signal.SIGKILL and r["cpu_s"] >= lim["cpu_s"] - 0.05):
+            return "timeout", f"CPU limit of {lim['cpu_s']} s"
+        if sig == signal.SIGXFSZ:
+            return "output_limit", f"a file larger than {lim['file_mb']} MB"
+        if sig == signal.SIGKILL and r["peak_mb"] >= 0.9 * lim["memory_mb"]:
+            return "memory_limit", "killed near the memory limit (out of memory)"
+        return "killed", f"killed by signal {sig}"
+    if r["exit_code"] == MEMORY_EXIT and b"MemoryError" in stderr[-4096:]:
+        return "memory_limit", f"MemoryError under a limit of {lim['memory_mb']} MB"
+    if r["exit_code"] == 0:
+        return "ok", ""
+    return "nonzero_exit", ""
+
+
+def _kill(pid: int) -> None:
+    for kill in (os.killpg, os.kill):
+        try:
+            kill(pid, signal.SIGKILL)
+        except (ProcessLookupError, PermissionError):
+            pass
+
+
+def _drain(fd: int, buf: bytearray, cap: int) -> None:
+    os.set_blocking(fd, False)
+    while len(buf) <= cap:
+        try:
+            chunk = os.read(fd, 1 << 16)
+        except (BlockingIOError, OSError):
+            return
+        if not chunk:
+            return
+        buf += chunk
+
+
+def _write_all(fd: int, data: bytes) -> None:
+    view = memoryview(data)
+    while view:
+        view = view[os.write(fd, view):]
+
+
+def _vsize_bytes() -> int:
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[0]) * os.sysconf("SC_PAGE_SIZE")
+
+
+def write_files(workdir: str, files: dict) -> None:
+    """Write the job's files under `workdir`; a path that leaves it is an error."""
+    root = os.path.realpath(workdir)
+    for rel, text in files.items():
+        path = os.path.realpath(os.path.join(root, rel))
+        if not path.startswith(root + os.sep):
+            raise ValueError(f"job file {rel!r} is outside the job directory")
+        os.makedirs(os.path.dirname(path), exist_ok=True)
+        with open(path, "w", encoding="utf-8") as f:
+            f.write(text)
+
+
+def remove_tree(path: str) -> None:
+    """`shutil.rmtree` without importing shutil into pid 1; tolerant of what a job did to permissions."""
+    import shutil
+
+    def _retry(func, p, _exc):
+        try:
+            os.chmod(os.path.dirname(p), 0o700)
+            func(p)
+        except OSError:
+            pass
+
+    shutil.rmtree(path, onerror=_retry)
+
+
+# ---- the Docker container's pid 1 --------------------------------------------------------------------------
+
+def _kill_all_but_me() -> None:
+    """As the container's pid 1: SIGKILL every other process and reap them all, orphans included."""
+    if os.getpid() != 1:
+        raise RuntimeError("refusing kill(-1) outside a container's pid 1")
+    try:
+        os.kill(-1, signal.SIGKILL)  # every process we may signal but ourselves
+    except ProcessLookupError:
+        pass
+    while True:
+        try:
+            os.waitpid(-1, 0)
+        except ChildProcessError:
+            return
+
+
+def main() -> None:
+    """Container pid 1: read jobs as JSON lines on stdin, answer results as JSON lines on stdout."""
+    if os.getpid() != 1:  # it SIGKILLs every process it may signal after each job: only ever as a container's init
+        sys.exit("jobexec.main runs only as pid 1 of a container (it kills every other process it can signal)")
+    _set_nondumpable()  # so a job (same uid) can neither ptrace us nor open /proc/1/fd/*
+    stdin, stdout = sys.stdin.buffer, sys.stdout.buffer
+    base = os.environ.get("MEGARL_JOB_ROOT", "/tmp")
+    for name in os.environ.get("MEGARL_PREIMPORTS", "").split():  # imports done once, shared by every fork
+        try:
+            __import__(name)
+        except ImportError:
+            pass
+    stdout.write(json.dumps({"ready": True, "python": sys.version.split()[0]}).encode() + b"\n")
+    stdout.flush()
+    for n, line in enumerate(iter(stdin.readline, b"")):
+        workdir = os.path.join(base, f"job{n}")
+        try:
+            job = json.loads(line)
+            os.mkdir(workdir, 0o700)
+            write_files(workdir, job.get("files", {}))
+            result = run_program(job, workdir, cleanup=_kill_all_but_me)
+        except Exception as e:  # noqa: BLE001 - one bad job must not take the runner down
+            result = {"status": "sandbox_error", "detail": f"runner: {type(e).__name__}: {e}"}
+        _kill_all_but_me()
+        for scratch in (base, "/dev/shm"):  # the container's only writable places: leave nothing for the next job
+            for entry in _listdir(scratch):
+                remove_tree(os.path.join(scratch, entry)) if os.path.isdir(os.path.join(scratch, entry)) \
+                    else _unlink(os.path.join(scratch, entry))
+        stdout.write(json.dumps(result).encode() + b"\n")
+        stdout.flush()
+
+
+def _listdir(path: str) -> list[str]:
+    try:
+        return os.listdir(path)
+    except OSError:
+        return []
+
+
+def _unlink(path: str) -> None:
+    try:
+        os.unlink(path)
+    except OSError:
+        pass
+
+
+def _set_nondumpable() -> None:
+    try:
+        import ctypes
+
+        ctypes.CDLL(None, use_errno=True).prctl(4, 0, 0, 0, 0)  # PR_SET_DUMPABLE = 4
+    except Exception:  # noqa: BLE001 - an image without ctypes: the runner still works, less hardened
+        pass
+
+
+if __name__ == "__main__":
+    main()

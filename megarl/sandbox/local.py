@@ -1,0 +1,364 @@
+"""The local backend: pre-forked worker processes that fork a confined child per job.
+
+Per worker (once, at start): a network namespace (with a user namespace first when not root), the preimports,
+O_PATH handles of the read-only roots. Per job: worker -> R (unshares a pid namespace) -> I (pid 1 there, the
+supervisor, trusted) -> P (the program: unprivileged uid or no capabilities, rlimits, Landlock, seccomp, fresh
+cwd). When I exits the kernel kills whatever P left in the namespace, detached or not.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import queue
+import select
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+import warnings
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import asdict
+from pathlib import Path
+from typing import Sequence
+
+from megarl.sandbox import isolation as iso_mod
+from megarl.sandbox.base import Job, Limits, RunResult
+from megarl.sandbox.jobexec import remove_tree, run_program, write_files
+
+log = logging.getLogger(__name__)
+
+PREIMPORTS = ("abc ast array bisect cmath collections contextlib copy ctypes dataclasses datetime decimal enum fractions "
+              "functools hashlib heapq io itertools json math numbers operator pickle queue random re select "
+              "signal statistics string struct textwrap time traceback typing unicodedata")
+UID_BASE = 1_600_000_000  # per-worker job uids: far above any account, so a job's files belong to nobody real
+_START_TIMEOUT_S = 30.0
+_WARNED: set[str] = set()
+
+
+class LocalSandbox:
+    """`workers` pre-forked workers; jobs beyond that queue. Starts lazily; `close()` (or exit) stops it."""
+
+    name = "local"
+
+    def __init__(self, workers: int = 2, limits: Limits | None = None, preimports: str = PREIMPORTS,
+                 uid_base: int = UID_BASE):
+        self.workers = workers
+        self.limits = limits or Limits()
+        self.preimports = preimports
+        self.uid_base = uid_base
+        self._idle: queue.Queue[_Worker] | None = None
+        self._all: list[_Worker] = []
+        self._root: str | None = None
+        self._lock = threading.Lock()
+        self.isolation: iso_mod.HostIsolation | None = None
+
+    def __getstate__(self):  # picklable into reward workers: configuration only, started again there
+        return {"workers": self.workers, "limits": self.limits, "preimports": self.preimports,
+                "uid_base": self.uid_base}
+
+    def __setstate__(self, state):
+        self.__init__(**state)
+
+    def start(self) -> "LocalSandbox":
+        with self._lock:
+            if self._idle is not None:
+                return self
+            self._root = tempfile.mkdtemp(prefix="megarl-sandbox-")
+            os.chmod(self._root, 0o711)
+            self._idle = queue.Queue()
+            for i in range(self.workers):
+                worker = self._spawn(i)
+                self._all.append(worker)
+                self._idle.put(worker)
+            self.isolation = iso_mod.HostIsolation(**self._all[0].isolation)
+            _warn_once(self.isolation)
+        return self
+
+    def _spawn(self, index: int) -> "_Worker":
+        cfg = {"index": index, "root": self._root, "uid": self.uid_base + index, "preimports": self.preimports}
+        return _Worker(cfg)
+
+    def run(self, job: Job) -> RunResult:
+        self.start()
+        wire = job.to_wire(self.limits)
+        worker = self._idle.get()
+        try:
+            result = worker.run(wire, timeout=wire["limits"]["wall_s"] + 30)
+        except Exception as e:  # noqa: BLE001 - a worker died or hung: replace it, report the job as lost
+            log.warning("sandbox worker %d failed (%s); restarting it", worker.cfg["index"], e)
+            worker.kill()
+            replacement = self._spawn(worker.cfg["index"])
+            self._all[self._all.index(worker)] = replacement
+            worker = replacement
+            result = RunResult.error(f"worker failed: {e}")
+        finally:
+            self._idle.put(worker)
+        return result
+
+    def run_many(self, jobs: Sequence[Job]) -> list[RunResult]:
+        self.start()
+        with ThreadPoolExecutor(self.workers) as pool:
+            return list(pool.map(self.run, jobs))
+
+    def describe(self) -> str:
+        self.start()
+        return f"local, {self.workers} workers: {self.isolation.describe()}"
+
+    def close(self) -> None:
+        with self._lock:
+            for worker in self._all:
+                worker.close()
+            self._all, self._idle = [], None
+            if self._root:
+                remove_tree(self._root)
+                self._root = None
+
+    def __del__(self):
+        try:
+            self.close()
+        except Exception:  # noqa: BLE001 - interpreter shutdown
+            pass
+
+
+def _warn_once(isolation: iso_mod.HostIsolation) -> None:
+    for message in isolation.warnings:
+        if message not in _WARNED:
+            _WARNED.add(message)
+            warnings.warn(f"megarl sandbox (local backend): {message}", RuntimeWarning, stacklevel=3)
+
+
+class _Worker:
+    """The parent's handle on one worker process: one JSON line per job each way."""
+
+    def __init__(self, cfg: dict):
+        self.cfg = cfg
+        env = dict(os.environ, PYTHONPATH=os.pathsep.join(
+            [str(Path(__file__).resolve().parents[2])] + os.environ.get("PYTHONPATH", "").split(os.pathsep)))
+        self.proc = subprocess.Popen(
+            [sys.executable, "-c", "from megarl.sandbox.local import worker_main; worker_main()", json.dumps(cfg)],
+            stdin=subprocess.PIPE, stdout=subprocess.PIPE, env=env, close_fds=True)
+        self._buf = b""
+        hello = json.loads(self._readline(_START_TIMEOUT_S))
+        self.isolation = hello["isolation"]
+
+    def run(self, wire: dict, timeout: float) -> RunResult:
+        self.proc.stdin.write(json.dumps(wire).encode() + b"\n")
+        self.proc.stdin.flush()
+        return RunResult.from_wire(json.loads(self._readline(timeout)))
+
+    def _readline(self, timeout: float) -> bytes:
+        deadline = time.monotonic() + timeout
+        fd = self.proc.stdout.fileno()
+        while b"\n" not in self._buf:
+            left = deadline - time.monotonic()
+            if left <= 0 or not select.select([fd], [], [], left)[0]:
+                raise TimeoutError(f"no answer in {timeout:.0f} s")
+            chunk = os.read(fd, 1 << 20)
+            if not chunk:
+                raise EOFError(f"worker exited with status {self.proc.wait()}")
+            self._buf += chunk
+        line, self._buf = self._buf.split(b"\n", 1)
+        return line
+
+    def close(self) -> None:
+        try:
+            self.proc.stdin.close()
+            self.proc.wait(timeout=10)
+        except Exception:  # noqa: BLE001
+            self.kill()
+
+    def kill(self) -> None:
+        self.proc.kill()
+        self.proc.wait()
+
+
+# ---- the worker process -------------------------------------------------------------------------------------
+
+def worker_main() -> None:
+    cfg = json.loads(sys.argv[1])
+    proto_in = os.fdopen(os.dup(0), "rb")
+    proto_out = os.fdopen(os.dup(1), "wb")
+    null = os.open(os.devnull, os.O_RDWR)
+    os.dup2(null, 0)
+    os.dup2(null, 1)
+    os.close(null)
+    worker = _WorkerSide(cfg)
+    proto_out.write(json.dumps({"isolation": asdict(worker.iso)}).encode() + b"\n")
+    proto_out.flush()
+    try:
+        for line in iter(proto_in.readline, b""):
+            proto_out.write(json.dumps(worker.run(json.loads(line))).encode() + b"\n")
+            proto_out.flush()
+    finally:
+        remove_tree(worker.dir)
+
+
+class _WorkerSide:
+    def __init__(self, cfg: dict):
+        self.iso = iso = probe_and_enter(cfg["uid"])
+        self.dir = tempfile.mkdtemp(prefix=f"w{cfg['index']}-", dir=cfg["root"])  # a restarted worker: a new one
+        os.chmod(self.dir, 0o711)
+        self.jobs = 0
+        for name in cfg["preimports"].split():
+            try:
+                __import__(name)
+            except ImportError:
+                pass
+        # Opened once: the read-only roots and /dev/null (writable), for each job's Landlock ruleset.
+        self.read_fds = [(os.open(p, os.O_PATH | os.O_CLOEXEC), os.path.isdir(p)) for p in iso_mod.read_roots()]
+        self.devnull_fd = os.open(os.devnull, os.O_PATH | os.O_CLOEXEC)
+        self.seccomp = iso_mod.seccomp_program() if iso.seccomp else None
+
+    def run(self, job: dict) -> dict:
+        self.jobs += 1
+        workdir = os.path.join(self.dir, f"j{self.jobs}")
+        try:
+            os.mkdir(workdir, 0o700)
+            write_files(workdir, job.get("files", {}))
+            if self.iso.uid is not None:
+                job["limits"]["nproc"] = job["limits"]["processes"]  # the uid is this worker's alone
+                for base, dirs, files in os.walk(workdir):
+                    for name in [base] + [os.path.join(base, n) for n in dirs + files]:
+                        os.chown(name, self.iso.uid, self.iso.uid)
+            return self._fork_job(job, workdir)
+        except Exception as e:  # noqa: BLE001 - report, keep serving
+            return {"status": "sandbox_error", "detail": f"worker: {type(e).__name__}: {e}"}
+        finally:
+            remove_tree(workdir)
+
+    def _fork_job(self, job: dict, workdir: str) -> dict:
+        r, w = os.pipe2(os.O_CLOEXEC)
+        pid = os.fork()
+        if pid == 0:  # R
+            code = 1
+            try:
+                os.close(r)
+                code = self._r_main(job, workdir, w)
+            finally:
+                os._exit(code)
+        os.close(w)
+        data = b""
+        while chunk := os.read(r, 1 << 20):
+            data += chunk
+        os.close(r)
+        os.waitpid(pid, 0)
+        if not data:
+            return {"status": "sandbox_error", "detail": "the job's supervisor died without a result"}
+        return json.loads(data)
+
+    def _r_main(self, job: dict, workdir: str, w: int) -> int:
+        if self.iso.pid_ns:
+            iso_mod.unshare(iso_mod.CLONE_NEWPID)
+        pid = os.fork()
+        if pid == 0:  # I: pid 1 of the new namespace, supervises P
+            code = 1
+            try:
+                cleanup = None if self.iso.pid_ns else self._kill_uid
+                result = run_program(job, workdir, confine=lambda: self._confine(workdir), cleanup=cleanup)
+                os.write(w, json.dumps(result).encode())
+                code = 0
+            finally:
+                os._exit(code)
+        os.close(w)
+        deadline = job["limits"]["wall_s"] + 10  # I enforces the real limit; this only guards against I hanging
+        pidfd = os.pidfd_open(pid)
+        if not select.select([pidfd], [], [], deadline)[0]:
+            os.kill(pid, 9)
+        os.waitpid(pid, 0)
+        return 0
+
+    def _confine(self, workdir: str) -> None:
+        """In P, after fork: drop privileges, then Landlock, close every fd above 2, then seccomp."""
+        iso = self.iso
+        if iso.uid is not None:
+            os.setgroups([])
+            os.setresgid(iso.uid, iso.uid, iso.uid)
+            if iso.keep_dac_read_search:
+                iso_mod.prctl(iso_mod.PR_SET_KEEPCAPS, 1)
+            os.setresuid(iso.uid, iso.uid, iso.uid)
+            iso_mod.set_capabilities(1 << iso_mod.CAP_DAC_READ_SEARCH if iso.keep_dac_read_search else 0)
+        elif os.geteuid() == 0:  # root inside a user namespace (non-root host user): keep no capability
+            iso_mod.set_capabilities(0)
+        iso_mod.prctl(iso_mod.PR_SET_NO_NEW_PRIVS, 1)
+        if iso.landlock_abi:
+            job_fd = os.open(workdir, os.O_PATH | os.O_CLOEXEC)
+            iso_mod.landlock_restrict(iso.landlock_abi, self.read_fds, [(job_fd, True), (self.devnull_fd, False)])
+        os.closerange(3, 1 << 16)
+        if self.seccomp is not None:
+            iso_mod.seccomp_install(self.seccomp)
+        if "random" in sys.modules:  # a fork shares the worker's generator state: reseed from the kernel
+            sys.modules["random"].seed()
+
+    def _kill_uid(self) -> None:
+        """Without a pid namespace: SIGKILL every process of the job's uid (kill(-1) as that uid)."""
+        if not self.iso.uid:  # never as root: kill(-1) as root would reach every process on the host
+            return
+        pid = os.fork()
+        if pid == 0:
+            try:
+                os.setresuid(self.iso.uid, self.iso.uid, self.iso.uid)
+                if os.getuid() == self.iso.uid != 0:
+                    os.kill(-1, 9)
+            finally:
+                os._exit(0)
+        os.waitpid(pid, 0)
+
+
+def probe_and_enter(uid: int) -> iso_mod.HostIsolation:
+    """Enter the worker's namespaces and find out what jobs can get; every gap becomes a warning."""
+    iso = iso_mod.HostIsolation(root=os.geteuid() == 0)
+    if iso.root:
+        try:
+            iso_mod.unshare(iso_mod.CLONE_NEWNET)
+            iso.net_ns = True
+        except OSError as e:
+            iso.warnings.append(f"no network namespace ({e}): jobs share the host's network")
+    else:
+        real_uid, real_gid = os.getuid(), os.getgid()
+        try:
+            iso_mod.unshare(iso_mod.CLONE_NEWUSER | iso_mod.CLONE_NEWNET)
+            for path, text in (("uid_map", f"0 {real_uid} 1"), ("setgroups", "deny"), ("gid_map", f"0 {real_gid} 1")):
+                with open(f"/proc/self/{path}", "w") as f:
+                    f.write(text)
+            iso.user_ns = iso.net_ns = True
+        except OSError as e:
+            iso.warnings.append(f"no user namespaces ({e}): no network or pid namespace; jobs share the host's "
+                                "network and a process a job detaches can outlive it")
+    iso.pid_ns = _forked_ok(lambda: iso_mod.unshare(iso_mod.CLONE_NEWPID))
+    if not iso.pid_ns and iso.net_ns:
+        iso.warnings.append("no pid namespace: processes a job detaches are killed by uid/process group only")
+    if iso.root:
+        iso.uid = uid
+    iso.landlock_abi = iso_mod.landlock_abi()
+    if iso.landlock_abi == 0:
+        iso.warnings.append("no Landlock: a job can read and write wherever its uid can (host temp dirs included)")
+    elif iso.landlock_abi < 4 and not iso.net_ns:
+        iso.warnings.append(f"Landlock ABI {iso.landlock_abi} has no TCP rule and there is no network namespace: "
+                            "only the seccomp socket filter keeps jobs off the network")
+    if iso.root and not iso_mod.python_install_world_readable():
+        if iso.landlock_abi:
+            iso.keep_dac_read_search = True
+        else:
+            iso.warnings.append("the Python install is not readable by the jobs' uid and there is no Landlock to "
+                                "confine a read capability: jobs can import only the preimported modules")
+    iso.seccomp = iso_mod.seccomp_supported() and _forked_ok(
+        lambda: (iso_mod.prctl(iso_mod.PR_SET_NO_NEW_PRIVS, 1), iso_mod.seccomp_install(iso_mod.seccomp_program())))
+    if not iso.seccomp:
+        iso.warnings.append("no seccomp filter on this host/architecture")
+    return iso
+
+
+def _forked_ok(fn) -> bool:
+    """Whether `fn` succeeds, tried in a throwaway child so the worker itself is unchanged."""
+    pid = os.fork()
+    if pid == 0:
+        code = 1
+        try:
+            fn()
+            code = 0
+        finally:
+            os._exit(code)
+    return os.waitstatus_to_exitcode(os.waitpid(pid, 0)[1]) == 0

@@ -1,0 +1,190 @@
+"""Code verifier: run the response's program against the row's tests in the sandbox (`megarl/sandbox`).
+
+Ground truth (the row's gold field, a dict or its JSON text), in the two layouts public datasets use:
+- function style (HumanEval / MBPP): `{"test": "<code>", "entry_point": "<function name>"}`. A `test` defining
+  `check(candidate)` is one test, called with the program's `entry_point`; otherwise each top-level `assert` of
+  `test` is one test (MBPP's `test_list` joined by newlines). Names the tests use but do not define (helpers of
+  the prompt such as HumanEval's `poly`) come from the program.
+- stdin/stdout style (APPS / CodeContests): `{"inputs": ["..."], "outputs": ["..."]}`, one test per pair,
+  compared whitespace-tolerantly; with `"fn_name"` the tests are calls instead (`inputs[i]` the argument list,
+  `outputs[i]` the value, APPS' one-element wrapping accepted; a LeetCode-style `class Solution` works).
+- optional per row: `time_s` (per test; default 5 s), `memory_mb` (default 1024).
+
+The response is the whole program, bare or in a markdown code block (`extract`: the last ```python block, else
+the last ``` block, else the whole text; `first` takes the first block; `none` takes the text as it is).
+
+Reward (`reward`): `all` (default) 1.0 only if every test passed; `fraction` the share of tests passed. A
+`check(candidate)` counts as one test. Outcomes: `correct` (all passed), `incorrect`, `no_answer` (no code),
+`parse_error` (the program does not compile), `timeout` (the first failure was a time limit, or the run as a
+whole timed out).
+
+Reward hacking: the verdict comes only from a line carrying a per-run secret, written by the trusted harness
+(`megarl/sandbox/code_harness.py`) after the last test, on a channel the program has no access to; the program
+runs in other processes and only plain data crosses back. Exit codes are never read.
+
+Settings come from the constructor or, for the registry's no-argument construction, the environment:
+MEGARL_CODE_REWARD (all|fraction), MEGARL_CODE_EARLY_STOP (0|1), MEGARL_SANDBOX (local|docker),
+MEGARL_SANDBOX_WORKERS (default 1: one job at a time per verifying process; `verify_many` uses them all),
+MEGARL_SANDBOX_IMAGE (docker). The sandbox is started lazily, once per process and configuration, so the
+verifier pickles into reward-pool workers and each starts its own there.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import secrets
+import threading
+import time
+from pathlib import Path
+from typing import Any, Literal, Sequence
+
+from megarl.sandbox import Job, Limits, Sandbox, make_sandbox
+from megarl.verifiers.base import VerifyResult, register_verifier
+
+_HARNESS = (Path(__file__).resolve().parents[1] / "sandbox" / "code_harness.py").read_text()
+_DONE = "@@megarl-code-done"
+_FENCE = re.compile(r"```([\w+-]*)[ \t]*\n(.*?)```", re.S)
+_SANDBOXES: dict[tuple, Sandbox] = {}
+_SANDBOXES_LOCK = threading.Lock()
+
+
+@register_verifier("code")
+class CodeVerifier:
+    name = "code"
+
+    def __init__(self, reward: Literal["all", "fraction"] | None = None, early_stop: bool | None = None,
+                 extract: Literal["last", "first", "none"] = "last", backend: str | None = None,
+                 workers: int | None = None, time_s: float = 5.0, memory_mb: int = 1024, image: str | None = None):
+        env = os.environ
+        self.reward = reward or env.get("MEGARL_CODE_REWARD", "all")
+        if self.reward not in ("all", "fraction"):
+            raise ValueError(f"code verifier: reward must be 'all' or 'fraction', got {self.reward!r}")
+        self.early_stop = bool(int(env.get("MEGARL_CODE_EARLY_STOP", "0"))) if early_stop is None else early_stop
+        if extract not in ("last", "first", "none"):
+            raise ValueError(f"code verifier: extract must be 'last', 'first' or 'none', got {extract!r}")
+        self.extract = extract
+        self.backend = backend or env.get("MEGARL_SANDBOX", "local")
+        self.workers = workers or int(env.get("MEGARL_SANDBOX_WORKERS", "1"))
+        self.time_s, self.memory_mb = time_s, memory_mb
+        self.image = image or env.get("MEGARL_SANDBOX_IMAGE")
+
+    @property
+    def sandbox(self) -> Sandbox:
+        key = (os.getpid(), self.backend, self.workers, self.image)
+        with _SANDBOXES_LOCK:
+            if key not in _SANDBOXES:
+                kwargs = {"workers": self.workers, "limits": Limits(memory_mb=self.memory_mb)}
+                if self.backend == "docker" and self.image:
+                    kwargs["image"] = self.image
+                _SANDBOXES[key] = make_sandbox(self.backend, **kwargs)
+            return _SANDBOXES[key]
+
+    def verify(self, response: str, ground_truth: Any) -> VerifyResult:
+        return self.verify_many([(response, ground_truth)])[0]
+
+    def verify_many(self, pairs: Sequence[tuple[str, Any]]) -> list[VerifyResult]:
+        """Verify several responses at once, using every sandbox worker."""
+        start = time.perf_counter()
+        prepared = [self._prepare(response, gold) for response, gold in pairs]
+        jobs = [p[0] for p in prepared if isinstance(p, tuple)]
+        runs = iter(self.sandbox.run_many(jobs) if jobs else [])
+        results = []
+        for p in prepared:
+            result = self._judge(p, next(runs)) if isinstance(p, tuple) else p
+            result.seconds = time.perf_counter() - start
+            results.append(result)
+        return results
+
+    def _prepare(self, response: str, gold: Any):
+        code = extract_code(response, self.extract)
+        if not code.strip():
+            return VerifyResult(score=0.0, outcome="no_answer", extracted=None, normalized="no code")
+        spec, n_tests = parse_gold(gold, self.time_s, self.early_stop)
+        secret = secrets.token_hex(16)
+        wall = min(600.0, 5.0 + spec["time_s"] * (2 if spec["mode"] == "function" else 1) * max(1, n_tests))
+        limits = self.sandbox.limits.replace(wall_s=wall, cpu_s=wall,
+                                             memory_mb=int(spec.pop("memory_mb", self.memory_mb)))
+        job = Job(source=_HARNESS, stdin=secret, limits=limits,
+                  files={"solution.py": code, "spec.json": json.dumps(spec)})
+        return job, secret, code, n_tests
+
+    def _judge(self, prepared, run) -> VerifyResult:
+        _, secret, code, n_tests = prepared
+        verdict = parse_verdict(run.stdout, secret)
+        if verdict is None:
+            outcome = "timeout" if run.status == "timeout" else "incorrect"
+            return VerifyResult(0.0, outcome, extracted=code,
+                                normalized=f"no completion proof (sandbox: {run.status} {run.detail})".strip())
+        if "compile_error" in verdict:
+            return VerifyResult(0.0, "parse_error", extracted=code, normalized=verdict["compile_error"])
+        results = verdict["results"]
+        passed = sum(bool(r.get("ok")) for r in results)
+        total = max(n_tests if n_tests else len(results), len(results), 1)
+        score = passed / total if self.reward == "fraction" else float(passed == total)
+        failures = [r for r in results if not r.get("ok")]
+        outcome = "correct" if passed == total else "timeout" if failures and failures[0].get("why") == "timeout" \
+            else "incorrect"
+        summary = f"{passed}/{total} tests passed"
+        if failures:
+            summary += f"; first failure: {failures[0].get('why')} {failures[0].get('detail', '')}".rstrip()
+        return VerifyResult(score, outcome, extracted=code, normalized=summary)
+
+
+def extract_code(response: str, how: str = "last") -> str:
+    """The program in a response: a fenced block (python-tagged blocks first), or the text itself."""
+    if how == "none":
+        return response
+    blocks = _FENCE.findall(response)
+    if not blocks:
+        return response if "```" not in response else response.split("```", 1)[0]
+    python = [body for lang, body in blocks if lang.lower() in ("python", "py", "python3")]
+    chosen = python or [body for _, body in blocks]
+    return chosen[-1] if how == "last" else chosen[0]
+
+
+def parse_gold(gold: Any, time_s: float, early_stop: bool) -> tuple[dict, int]:
+    """The harness's spec and the number of tests (0 when it is only known by running, for `check`)."""
+    if isinstance(gold, str):
+        try:
+            gold = json.loads(gold)
+        except json.JSONDecodeError as e:
+            raise ValueError(f"code verifier: ground truth is not JSON ({e})") from None
+    if not isinstance(gold, dict):
+        raise ValueError(f"code verifier: ground truth must be an object, got {type(gold).__name__}")
+    spec = {"time_s": float(gold.get("time_s", time_s)), "early_stop": early_stop}
+    if "memory_mb" in gold:
+        spec["memory_mb"] = int(gold["memory_mb"])
+    if "test" in gold:
+        import ast
+
+        tree = ast.parse(gold["test"])
+        is_check = any(isinstance(n, ast.FunctionDef) and n.name == "check" for n in tree.body)
+        if is_check and not gold.get("entry_point"):
+            raise ValueError("code verifier: a `check(candidate)` test needs `entry_point`")
+        spec.update(mode="function", test=gold["test"], entry_point=gold.get("entry_point", ""))
+        return spec, 1 if is_check else sum(isinstance(n, ast.Assert) for n in tree.body)
+    if "inputs" in gold and "outputs" in gold:
+        inputs, outputs = list(gold["inputs"]), list(gold["outputs"])
+        if len(inputs) != len(outputs) or not inputs:
+            raise ValueError(f"code verifier: {len(inputs)} inputs for {len(outputs)} outputs")
+        if gold.get("fn_name"):
+            spec.update(mode="call", fn_name=gold["fn_name"], inputs=inputs, outputs=outputs)
+        else:
+            spec.update(mode="io", inputs=[str(x) for x in inputs], outputs=[str(x) for x in outputs])
+        return spec, len(inputs)
+    raise ValueError("code verifier: ground truth needs {'test', 'entry_point'} or {'inputs', 'outputs'}, got keys "
+                     + ", ".join(sorted(gold)))
+
+
+def parse_verdict(stdout: str, secret: str) -> dict | None:
+    """The harness's verdict: the last line that starts with the marker and this run's secret."""
+    prefix = f"{_DONE} {secret} "
+    for line in reversed(stdout.splitlines()):
+        if line.startswith(prefix):
+            try:
+                return json.loads(line[len(prefix):])
+            except json.JSONDecodeError:
+                return None
+    return None

@@ -1,0 +1,179 @@
+"""The local sandbox backend: statuses, limits, the containment suite, nothing left behind, root and non-root."""
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import uuid
+from pathlib import Path
+
+import pytest
+
+from megarl.sandbox import Job, Limits, RunResult, Sandbox, make_sandbox
+from megarl.sandbox.local import UID_BASE, LocalSandbox
+from sandbox_cases import Listener, attacks, check_attack, make_secret, target_paths
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+@pytest.fixture(scope="module")
+def sandbox():
+    sb = LocalSandbox(workers=2, limits=Limits(wall_s=5, cpu_s=5))
+    yield sb
+    sb.close()
+
+
+def _job_processes() -> list[int]:
+    """Host pids running as one of the sandbox's job uids."""
+    found = []
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            uid = os.stat(f"/proc/{pid}").st_uid
+        except FileNotFoundError:
+            continue
+        if UID_BASE <= uid < UID_BASE + 64:
+            found.append(int(pid))
+    return found
+
+
+def test_protocol_and_basic_statuses(sandbox):
+    assert isinstance(sandbox, Sandbox)
+    r = sandbox.run(Job("import sys\nname = open('data.txt').read()\nprint(input() + name)\nprint('e', file=sys.stderr)",
+                        stdin="hello ", files={"data.txt": "world"}))
+    assert (r.status, r.exit_code, r.stdout, r.stderr) == ("ok", 0, "hello world\n", "e\n")
+    assert r.wall_s > 0 and r.peak_mb > 0
+    r = sandbox.run(Job("raise SystemExit(3)"))
+    assert (r.status, r.exit_code) == ("nonzero_exit", 3)
+    r = sandbox.run(Job("1/0"))
+    assert r.status == "nonzero_exit" and "ZeroDivisionError" in r.stderr and "jobexec" not in r.stderr
+    r = sandbox.run(Job("import os, signal\nos.kill(os.getpid(), signal.SIGSEGV)"))
+    assert (r.status, r.signal) == ("killed", 11)
+
+
+def test_limits_per_job(sandbox):
+    r = sandbox.run(Job("import time\ntime.sleep(5)", limits=Limits(wall_s=0.5)))
+    assert r.status == "timeout" and r.wall_s < 2
+    r = sandbox.run(Job("print('x' * 5000)", limits=Limits(output_bytes=1000)))
+    assert r.status == "output_limit" and len(r.stdout) == 1000
+    r = sandbox.run(Job("open('big', 'w').write('x' * (3 << 20))", limits=Limits(file_mb=1)))
+    assert r.status in ("output_limit", "nonzero_exit")  # SIGXFSZ, or EFBIG where the signal is ignored
+    r = sandbox.run(Job("x = bytearray(300 << 20)", limits=Limits(memory_mb=200)))
+    assert r.status == "memory_limit"
+    r = sandbox.run(Job("x = bytearray(100 << 20)\nprint(len(x))", limits=Limits(memory_mb=200)))
+    assert r.status == "ok"
+
+
+def test_jobs_are_independent(sandbox):
+    sandbox.run(Job("open('left-behind', 'w').write('x')"))
+    r = sandbox.run(Job("import os\nprint(sorted(os.listdir('.')))"))
+    assert r.stdout == "[]\n"
+    draws = {sandbox.run(Job("import random\nprint(random.random())")).stdout for _ in range(4)}
+    assert len(draws) == 4  # each fork reseeds
+
+
+def test_isolation_is_detected_and_reported(sandbox):
+    text = sandbox.describe()
+    iso = sandbox.isolation
+    assert "rlimits" in text
+    if os.geteuid() == 0:
+        assert iso.net_ns and iso.pid_ns and iso.uid is not None
+    if iso.landlock_abi:
+        assert f"Landlock ABI {iso.landlock_abi}" in text
+    # Whatever is missing is a warning, never silent.
+    if not (iso.net_ns and iso.pid_ns and iso.landlock_abi and iso.seccomp):
+        assert iso.warnings
+
+
+@pytest.fixture(scope="module")
+def host(tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("host")
+    listener = Listener()
+    yield make_secret(tmp), listener
+    listener.close()
+
+
+@pytest.mark.parametrize("index", range(11))
+def test_containment_suite(sandbox, host, index):
+    secret, listener = host
+    token = uuid.uuid4().hex
+    suite = attacks(secret, listener.port, token)
+    attack = suite[index]
+    check_attack(sandbox, attack, target_paths(secret, token), listener)
+    assert _job_processes() == [], f"{attack.name} left processes behind"
+
+
+def test_nothing_left_after_close():
+    sb = LocalSandbox(workers=1)
+    sb.run(Job("print(1)"))
+    root, pids = sb._root, [w.proc.pid for w in sb._all]
+    sb.close()
+    assert not os.path.exists(root)
+    for pid in pids:
+        assert not os.path.exists(f"/proc/{pid}") or open(f"/proc/{pid}/stat").read().split()[2] == "Z"
+
+
+def test_pickles_and_restarts_a_dead_worker():
+    import pickle
+
+    sb = LocalSandbox(workers=1)
+    sb.run(Job("print(1)"))
+    clone = pickle.loads(pickle.dumps(sb))
+    assert clone._idle is None and clone.workers == 1
+    sb._all[0].proc.kill()
+    assert sb.run(Job("print(1)")).status == "sandbox_error"
+    assert sb.run(Job("print(2)")).stdout == "2\n"  # the replacement works
+    sb.close()
+
+
+def test_make_sandbox_names_the_backends():
+    with pytest.raises(ValueError, match="docker, local"):
+        make_sandbox("nope")
+
+
+def test_result_from_wire_ignores_unknown_fields():
+    assert RunResult.from_wire({"status": "ok", "extra": 1}).status == "ok"
+
+
+@pytest.mark.skipif(os.geteuid() != 0 or not shutil.which("setpriv") or not os.path.exists("/usr/bin/python3"),
+                    reason="needs root (to become an unprivileged user), setpriv and /usr/bin/python3")
+def test_works_as_a_non_root_user():
+    """As uid 65534: a user namespace gives the net/pid namespaces; attacks stay contained."""
+    if any(not os.stat(p).st_mode & 0o005 for p in [REPO, *REPO.parents] if str(p) != "/"):
+        pytest.skip("the checkout is not world-readable")
+    tmp_path = Path(tempfile.mkdtemp(prefix="megarl-nonroot-"))  # pytest's tmp dirs are private to root
+    try:
+        _run_as_nobody(tmp_path)
+    finally:
+        shutil.rmtree(tmp_path)
+
+
+def _run_as_nobody(tmp_path):
+    script = tmp_path / "nonroot.py"
+    script.write_text(
+        "import json, sys\n"
+        f"sys.path.insert(0, {str(REPO)!r})\n"
+        "from megarl.sandbox.local import LocalSandbox\n"
+        "from megarl.sandbox import Job, Limits\n"
+        "sb = LocalSandbox(workers=1, limits=Limits(wall_s=2, cpu_s=2))\n"
+        "out = {'describe': sb.describe(), 'warnings': sb.isolation.warnings}\n"
+        "out['ok'] = sb.run(Job('print(6 * 7)')).stdout\n"
+        "out['loop'] = sb.run(Job('while True: pass')).status\n"
+        "out['tcp'] = sb.run(Job('import socket\\ntry:\\n    socket.create_connection((\"127.0.0.1\", 22), 1)\\n"
+        "    print(\"CONNECTED\")\\nexcept OSError:\\n    print(\"refused\")')).stdout\n"
+        "out['detached'] = sb.run(Job('import os, time\\nif os.fork() == 0:\\n    os.setsid()\\n    time.sleep(30)\\n"
+        "print(1)')).status\n"
+        "sb.close()\n"
+        "print(json.dumps(out))\n")
+    script.chmod(0o644)
+    tmp_path.chmod(0o755)
+    proc = subprocess.run(["setpriv", "--reuid=65534", "--regid=65534", "--clear-groups", "/usr/bin/python3",
+                           str(script)], capture_output=True, text=True, timeout=120, cwd="/")
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    out = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert out["ok"] == "42\n" and out["loop"] == "timeout" and out["tcp"] == "refused\n"
+    assert out["detached"] == "ok"
+    assert "net ns per worker" in out["describe"] or out["warnings"]
+    leftover = subprocess.run(["pgrep", "-u", "65534", "-f", "time.sleep"], capture_output=True, text=True).stdout
+    assert leftover.strip() == ""

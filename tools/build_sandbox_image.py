@@ -1,0 +1,132 @@
+"""Build the Docker sandbox image without a registry: copy this host's Python into an image with `docker import`.
+
+    python tools/build_sandbox_image.py [--tag megarl-sandbox:latest] [--python /usr/bin/python3.11]
+
+The image holds the interpreter, its standard library (tests, idle, tkinter and ensurepip left out), the shared
+libraries `ldd` lists for it and for its extension modules, the dynamic loader, `/usr/bin/python3` and an
+/etc/passwd with `nobody`: nothing else (no shell, no package manager). The tar stream goes straight into
+`docker import`; paths are kept as on the host, with every directory world-readable so that uid 65534 can use them.
+
+Another image works too: `DockerSandbox(image=..., python=...)` needs only a `python3` (>= 3.9, with ctypes)
+in it. Debian's route, slower and bigger (~99 s, 154 MB, see shared/notes/sandbox.md):
+`debootstrap --variant=minbase --include=python3-minimal,libpython3.11-stdlib bookworm ROOT &&
+tar -C ROOT -c . | docker import - TAG`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import io
+import os
+import re
+import subprocess
+import sys
+import sysconfig
+import tarfile
+import time
+
+DEFAULT_TAG = "megarl-sandbox:latest"
+_SKIP_DIRS = {"test", "tests", "idlelib", "tkinter", "turtledemo", "ensurepip", "site-packages", "dist-packages",
+              "lib2to3", "__phello__", "config-3.11-x86_64-linux-gnu"}
+_PASSWD = "root:x:0:0:root:/root:/nonexistent\nnobody:x:65534:65534:nobody:/nonexistent:/nonexistent\n"
+_GROUP = "root:x:0:\nnogroup:x:65534:\n"
+
+
+def _ldd(paths: list[str]) -> set[str]:
+    libs: set[str] = set()
+    for path in paths:
+        out = subprocess.run(["ldd", path], capture_output=True, text=True).stdout
+        for line in out.splitlines():
+            m = re.search(r"(?:=>\s*)?(/\S+)\s+\(0x", line)
+            if m:
+                libs.add(m.group(1))
+    return libs
+
+
+def collect(python: str) -> tuple[str, list[str], list[str]]:
+    """(the interpreter's real path, directories to copy whole, single files to copy)."""
+    real = os.path.realpath(python)
+    paths = subprocess.run([real, "-c", "import sysconfig, json; print(json.dumps(sysconfig.get_paths()))"],
+                           capture_output=True, text=True, check=True).stdout
+    import json
+
+    stdlib = json.loads(paths)["stdlib"]
+    dynload = os.path.join(stdlib, "lib-dynload")
+    extensions = [os.path.join(dynload, f) for f in os.listdir(dynload) if f.endswith(".so")] \
+        if os.path.isdir(dynload) else []
+    files = sorted(_ldd([real] + extensions))
+    return real, [stdlib], files
+
+
+def _entries(real_python: str, dirs: list[str], files: list[str]):
+    yield real_python, real_python
+    for f in files:
+        yield f, f
+    for top in dirs:
+        for base, subdirs, names in os.walk(top):
+            subdirs[:] = [d for d in subdirs if d not in _SKIP_DIRS]
+            for name in names:
+                path = os.path.join(base, name)
+                if not os.path.islink(path) or os.path.exists(path):
+                    yield path, path
+
+
+def write_tar(out, real_python: str, dirs: list[str], files: list[str]) -> int:
+    """Write the image's root filesystem as a tar stream; returns the bytes of file content."""
+    total = 0
+    seen_dirs: set[str] = set()
+    with tarfile.open(fileobj=out, mode="w|") as tar:
+        def add_dir(path):
+            parts = path.strip("/").split("/")
+            for i in range(1, len(parts) + 1):
+                d = "/".join(parts[:i])
+                if d and d not in seen_dirs:
+                    seen_dirs.add(d)
+                    info = tarfile.TarInfo(d)
+                    info.type, info.mode = tarfile.DIRTYPE, 0o1777 if d == "tmp" else 0o755
+                    tar.addfile(info)
+
+        def add_bytes(name, data, mode=0o644):
+            add_dir(os.path.dirname(name))
+            info = tarfile.TarInfo(name.lstrip("/"))
+            info.size, info.mode = len(data), mode
+            tar.addfile(info, io.BytesIO(data))
+
+        for src, dst in _entries(real_python, dirs, files):
+            with open(src, "rb") as f:  # follows symlinks: the image gets the real content under the asked name
+                data = f.read()
+            add_bytes(dst, data, 0o755 if os.access(src, os.X_OK) else 0o644)
+            total += len(data)
+        add_bytes("/etc/passwd", _PASSWD.encode())
+        add_bytes("/etc/group", _GROUP.encode())
+        for d in ("/tmp", "/usr/bin", "/proc", "/dev", "/sys"):  # /tmp 1777: Docker's tmpfs copies its mode
+            add_dir(d)
+        link = tarfile.TarInfo("usr/bin/python3")
+        link.type, link.linkname = tarfile.SYMTYPE, real_python
+        tar.addfile(link)
+    return total
+
+
+def build(tag: str = DEFAULT_TAG, python: str | None = None, docker: str = "docker") -> None:
+    real, dirs, files = collect(python or getattr(sys, "_base_executable", sys.executable))
+    start = time.time()
+    proc = subprocess.Popen([docker, "import", "--change", "USER 65534:65534", "-", tag], stdin=subprocess.PIPE,
+                            stdout=subprocess.DEVNULL)
+    size = write_tar(proc.stdin, real, dirs, files)
+    proc.stdin.close()
+    if proc.wait() != 0:
+        raise SystemExit(f"docker import failed with status {proc.returncode}")
+    print(f"built {tag}: {real} with {len(files)} shared libraries, {size / 1e6:.0f} MB, {time.time() - start:.1f} s")
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--tag", default=DEFAULT_TAG, help="image name to create")
+    parser.add_argument("--python", default=None, help="interpreter to copy (default: the one running this)")
+    parser.add_argument("--docker", default="docker", help="docker CLI to use")
+    args = parser.parse_args(argv)
+    build(args.tag, args.python, args.docker)
+
+
+if __name__ == "__main__":
+    main()
