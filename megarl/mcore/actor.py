@@ -62,6 +62,49 @@ def _micro_batches(batch: dict[str, torch.Tensor], micro_batch_size: int) -> lis
     return out
 
 
+def _budget_micro_batches(batch: dict[str, torch.Tensor], max_tokens: int) -> list[dict[str, torch.Tensor]]:
+    """Dynamic batching: micro-batches of whole rows holding at most `max_tokens` tokens each, padding included.
+
+    Rows are taken longest first (so rows of similar length share a micro-batch: balanced padding) and each
+    micro-batch is cut to its own longest row, so a few long responses do not pad every short one. Row lengths
+    come from `batch["lengths"]` (the full row width when absent). Each micro-batch records the batch rows it
+    holds in `_rows`, so per-row outputs can be put back in order. Per-token tensors are [B, S] or [B, S - 1].
+    """
+    tokens = batch["tokens"]
+    rows, width = tokens.shape
+    lengths = batch["lengths"].tolist() if "lengths" in batch else [width] * rows
+    groups: list[list[int]] = []
+    current: list[int] = []
+    longest = 0
+    for i in sorted(range(rows), key=lambda r: (-lengths[r], r)):
+        if lengths[i] > max_tokens:
+            raise ValueError(f"a sequence of {lengths[i]} tokens does not fit in --max-tokens-per-micro-batch "
+                             f"{max_tokens}; raise it to at least the longest prompt + response")
+        if current and max(longest, lengths[i]) * (len(current) + 1) > max_tokens:
+            groups.append(current)
+            current, longest = [], 0
+        current.append(i)
+        longest = max(longest, lengths[i])
+    if current:
+        groups.append(current)
+    out = []
+    for idx in groups:
+        w = max(2, max(lengths[i] for i in idx))
+        index = torch.tensor(idx, device=tokens.device)
+        mb = {}
+        for k, v in batch.items():
+            v = v.index_select(0, index)
+            if v.dim() >= 2 and v.shape[1] == width:
+                v = v[:, :w]
+            elif v.dim() >= 2 and v.shape[1] == width - 1:
+                v = v[:, : w - 1]
+            mb[k] = v
+        mb["_real_rows"] = len(idx)
+        mb["_rows"] = index
+        out.append(mb)
+    return out
+
+
 def token_logprobs(logits: torch.Tensor, tokens: torch.Tensor, temperature: float) -> torch.Tensor:
     """log p(tokens[:, 1:]) from vocab-parallel logits [b, s, v/tp] (differentiable)."""
     from megatron.core import tensor_parallel
@@ -186,18 +229,28 @@ class MegatronPolicy:
     # -- compute -------------------------------------------------------------------------------------------
 
     def _run(self, batch: dict[str, torch.Tensor], loss_fn: LossFn | None, micro_batch_size: int,
-             temperature: float, forward_only: bool) -> list[dict]:
+             temperature: float, forward_only: bool, max_tokens: int = 0) -> list[dict]:
         from megatron.core.pipeline_parallel import get_forward_backward_func
 
         device = parallel.device()
-        micro = _micro_batches({k: v.to(device) for k, v in batch.items()}, micro_batch_size)
+        batch = {k: v.to(device) for k, v in batch.items()}
+        if max_tokens > 0:
+            if self.config.pipeline_model_parallel_size > 1:
+                raise ValueError("--max-tokens-per-micro-batch needs --pipeline-model-parallel-size 1: pipeline "
+                                 "stages exchange fixed-shape micro-batches")
+            micro = _budget_micro_batches(batch, max_tokens)
+        else:
+            micro = _micro_batches(batch, micro_batch_size)
         seq_len = batch["tokens"].shape[1]
 
         def loss_func(mb, output):
             logp = self._per_token(output, mb["tokens"], temperature)
             if loss_fn is None:
                 zero = logp.sum() * 0.0
-                return zero, torch.tensor(1, dtype=torch.int), {"logprobs": logp.detach()[: mb["_real_rows"]]}
+                out = {"logprobs": logp.detach()[: mb["_real_rows"]]}
+                if "_rows" in mb:
+                    out["_rows"] = mb["_rows"]
+                return zero, torch.tensor(1, dtype=torch.int), out
             if getattr(loss_fn, "needs_entropy", False):
                 with torch.set_grad_enabled(torch.is_grad_enabled() and getattr(loss_fn, "entropy_grad", True)):
                     mb = {**mb, "entropy": token_entropy(output, temperature)}
@@ -223,22 +276,33 @@ class MegatronPolicy:
             )
 
     @torch.no_grad()
-    def logprobs(self, tokens: torch.Tensor, *, micro_batch_size: int, temperature: float = 1.0) -> torch.Tensor | None:
-        """Per-token log-probs [B, S - 1] on the last pipeline stage, None on the others."""
+    def logprobs(self, tokens: torch.Tensor, *, micro_batch_size: int, temperature: float = 1.0,
+                 lengths: torch.Tensor | None = None, max_tokens_per_micro_batch: int = 0) -> torch.Tensor | None:
+        """Per-token log-probs [B, S - 1] on the last pipeline stage, None on the others. With a token budget,
+        micro-batches follow `_budget_micro_batches` (positions past a row's length come back as 0)."""
         self.model.eval()
-        outputs = self._run({"tokens": tokens}, None, micro_batch_size, temperature, forward_only=True)
+        batch = {"tokens": tokens} if lengths is None else {"tokens": tokens, "lengths": lengths}
+        outputs = self._run(batch, None, micro_batch_size, temperature, forward_only=True,
+                            max_tokens=max_tokens_per_micro_batch)
         if not outputs:
             return None
-        return torch.cat([o["logprobs"] for o in outputs], dim=0)
+        if "_rows" not in outputs[0]:
+            return torch.cat([o["logprobs"] for o in outputs], dim=0)
+        full = torch.zeros(tokens.shape[0], tokens.shape[1] - 1, dtype=outputs[0]["logprobs"].dtype)
+        for o in outputs:
+            lp = o["logprobs"].cpu()
+            full[o["_rows"].cpu(), : lp.shape[1]] = lp
+        return full
 
     def train_step(self, batch: dict[str, torch.Tensor], loss_fn: LossFn, *, micro_batch_size: int,
-                   temperature: float = 1.0) -> dict[str, float]:
+                   temperature: float = 1.0, max_tokens_per_micro_batch: int = 0) -> dict[str, float]:
         """One optimizer step over `batch` (this DP rank's share of the global batch)."""
         assert self.trainable, "the reference model is frozen"
         self.model.train()
         self.model.zero_grad_buffer()
         self.optimizer.zero_grad()
-        outputs = self._run(batch, loss_fn, micro_batch_size, temperature, forward_only=False)
+        outputs = self._run(batch, loss_fn, micro_batch_size, temperature, forward_only=False,
+                            max_tokens=max_tokens_per_micro_batch)
         with cpu_compat.megatron_scope():
             ok, grad_norm, _ = self.optimizer.step()
         self.scheduler.step(increment=1)

@@ -123,8 +123,135 @@ def scenario_ckpt_load(args, info):
     return {"logprobs": actor.logprobs(_fixed_tokens(shape.vocab_size), micro_batch_size=2), "step": state["step"]}
 
 
+def scenario_dynbatch(args, info):
+    """One update with fixed micro-batches and one with a token budget, from the same weights; log-probs both ways."""
+    from megarl import steps as train_steps
+    from megarl.config import build_config
+    from megarl.mcore.actor import MegatronPolicy, OptimConfig
+    from megarl.model_shape import ModelShape
+
+    shape = ModelShape.from_pretrained(args.hf)
+    batch = _synthetic_batch(shape.vocab_size)
+    seq = batch["tokens"].shape[1]
+    batch["lengths"] = torch.tensor([seq - b % 3 for b in range(batch["tokens"].shape[0])])
+    out = {}
+    for name, budget in (("fixed", 0), ("budget", 30)):
+        actor = MegatronPolicy(shape, tp=args.tp, pp=args.pp, trainable=True, optim=OptimConfig(lr=1e-2, adam_eps=1e-4))
+        actor.load_hf(args.hf)
+        logp = actor.logprobs(batch["tokens"], micro_batch_size=2, lengths=batch["lengths"],
+                              max_tokens_per_micro_batch=budget)
+        inside = torch.arange(seq - 1)[None, :] < (batch["lengths"][:, None] - 1)
+        out[f"logprobs_{name}"] = torch.where(inside, logp, torch.zeros_like(logp))  # past a row's end: not defined
+        stats = actor.train_step(batch, train_steps.make_loss_fn(build_config({})), micro_batch_size=2,
+                                 max_tokens_per_micro_batch=budget)
+        out[f"loss_{name}"] = stats["loss_num"] / stats["loss_den"]
+        out[f"exported_{name}"] = dict(actor.export_hf())
+    return out
+
+
+def scenario_entropy(args, info):
+    """Vocab-parallel entropy against the entropy of the full (TP-gathered) distribution."""
+    from megatron.core import tensor_parallel
+
+    from megarl.mcore import cpu_compat
+    from megarl.mcore.actor import MegatronPolicy, token_entropy
+    from megarl.model_shape import ModelShape
+
+    shape = ModelShape.from_pretrained(args.hf)
+    policy = MegatronPolicy(shape, tp=args.tp, pp=args.pp, trainable=False)
+    policy.load_hf(args.hf)
+    tokens = _fixed_tokens(shape.vocab_size).to(parallel_device())
+    with cpu_compat.megatron_scope(), torch.no_grad():
+        logits = policy.model(tokens, torch.arange(tokens.shape[1], device=tokens.device).expand_as(tokens), None)
+        entropy = token_entropy(logits, 0.7)
+        full = tensor_parallel.gather_from_tensor_model_parallel_region(logits)
+    reference = torch.distributions.Categorical(logits=full[:, :-1].float() / 0.7).entropy()
+    return {"entropy": entropy.cpu(), "reference": reference.cpu()}
+
+
+def scenario_trl_parity(args, info):
+    """One batch through megarl's loss (Megatron actor, TP=1) and through TRL's `GRPOTrainer.compute_loss` on the
+    same HF weights: loss values and HF-named gradients, for each TRL loss type and its megarl aggregation."""
+    import tempfile
+
+    from datasets import Dataset
+    from transformers import AutoModelForCausalLM
+    from trl import GRPOConfig, GRPOTrainer
+
+    from megarl import steps as train_steps
+    from megarl.config import build_config
+    from megarl.mcore.actor import MegatronPolicy
+    from megarl.model_shape import ModelShape
+    from megarl.tasks.arithmetic import build_tokenizer
+
+    shape = ModelShape.from_pretrained(args.hf)
+    g = torch.Generator().manual_seed(7)
+    rows, plen, clen, temperature = 6, 4, 5, 0.7
+    prompt_ids = torch.randint(2, 79, (rows, plen), generator=g)
+    completion_ids = torch.randint(2, 79, (rows, clen), generator=g)
+    completion_mask = torch.ones(rows, clen)
+    for b, n in enumerate([5, 3, 1, 4, 5, 2]):
+        completion_mask[b, n:] = 0
+        completion_ids[b, n:] = 1  # padding
+    advantages = torch.randn(rows, generator=g)
+    hf = AutoModelForCausalLM.from_pretrained(args.hf).float()
+    tokens = torch.cat([prompt_ids, completion_ids], dim=1)
+    with torch.no_grad():
+        logits = hf(tokens).logits[:, plen - 1 : -1] / temperature
+    current = torch.log_softmax(logits, -1).gather(-1, completion_ids[..., None])[..., 0]
+    old = current + 0.3 * torch.randn(rows, clen, generator=g)  # ratios away from 1: clipping is exercised
+    ref = current + 0.5 * torch.randn(rows, clen, generator=g)
+
+    def padded(x):  # completion-aligned [rows, clen] -> megarl's [rows, plen + clen - 1]
+        out = torch.zeros(rows, plen + clen - 1)
+        out[:, plen - 1 :] = x
+        return out
+
+    batch = {"tokens": tokens, "loss_mask": padded(completion_mask), "old_logp": padded(old), "ref_logp": padded(ref),
+             "rollout_logp": padded(old), "advantages": advantages}
+    results = {}
+    for trl_type, ours in (("grpo", "seq-mean-token-mean"), ("dapo", "token-mean"), ("dr_grpo", "seq-mean-token-sum-norm")):
+        cfg = build_config({"kl_coef": 0.04, "kl_estimator": "k3", "eps_clip": 0.2, "eps_clip_high": 0.28,
+                            "loss_aggregation": ours, "rollout_temperature": temperature, "max_response_len": clen})
+        actor = MegatronPolicy(shape, tp=1, pp=1, trainable=True)
+        actor.load_hf(args.hf)
+        actor.model.train()
+        actor.model.zero_grad_buffer()
+        outputs = actor._run(batch, train_steps.make_loss_fn(cfg), 4, temperature, forward_only=False)  # 2 micro-batches
+        loss = sum(float(o["loss_num"]) for o in outputs) / sum(float(o["loss_den"]) for o in outputs)
+        params = list(actor.model.parameters())
+        saved = [p.data for p in params]
+        for p in params:  # export the gradients through the same HF name/reshape table as the weights
+            p.data = p.main_grad.to(p.dtype)
+        ours_grads = dict(actor.export_hf())
+        for p, d in zip(params, saved):
+            p.data = d
+
+        with tempfile.TemporaryDirectory() as tmp:
+            tcfg = GRPOConfig(output_dir=tmp, per_device_train_batch_size=rows, num_generations=2,
+                              max_completion_length=clen, temperature=temperature, beta=0.04, loss_type=trl_type,
+                              epsilon=0.2, epsilon_high=0.28, use_bias_correction_kl=False, bf16=False,
+                              gradient_checkpointing=False, use_cpu=True, report_to="none")
+            model = AutoModelForCausalLM.from_pretrained(args.hf).float()
+            trainer = GRPOTrainer(model=model, reward_funcs=lambda completions, **kw: [0.0] * len(completions),
+                                  args=tcfg, train_dataset=Dataset.from_list([{"prompt": "1+1="}] * rows),
+                                  processing_class=build_tokenizer())
+            trainer.model.train()
+            trainer.current_gradient_accumulation_steps = 1
+            inputs = {"prompt_ids": prompt_ids, "prompt_mask": torch.ones_like(prompt_ids),
+                      "completion_ids": completion_ids, "completion_mask": completion_mask.long(),
+                      "advantages": advantages, "old_per_token_logps": old, "ref_per_token_logps": ref,
+                      "num_items_in_batch": completion_mask.sum()}
+            trl_loss = trainer.compute_loss(trainer.model, inputs)
+            trl_loss.backward()
+            trl_grads = {n: p.grad.detach().clone() for n, p in trainer.model.named_parameters()}
+        results[trl_type] = {"loss": loss, "trl_loss": float(trl_loss), "grads": ours_grads, "trl_grads": trl_grads}
+    return results
+
+
 SCENARIOS = {"forward": scenario_forward, "dp_step": scenario_dp_step, "sync": scenario_sync,
-             "ckpt_save": scenario_ckpt_save, "ckpt_load": scenario_ckpt_load}
+             "ckpt_save": scenario_ckpt_save, "ckpt_load": scenario_ckpt_load, "dynbatch": scenario_dynbatch,
+             "entropy": scenario_entropy, "trl_parity": scenario_trl_parity}
 
 
 def main():
