@@ -70,7 +70,7 @@ def check_main(world_size: int, recipe_argv: list[str]) -> int:
     return 0
 
 
-def sbatch_header(kind: str, *, nodes: int, gpus_per_node: int = 8, job_name: str | None = None,
+def sbatch_header(*, nodes: int, gpus_per_node: int = 8, job_name: str | None = None,
                   time: str | None = None, account: str | None = None, partition: str | None = None,
                   log_dir: str | None = None) -> dict[str, str]:
     """The `#SBATCH` options to set (the rest of the file's header stays)."""
@@ -141,7 +141,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--out", help="write the rendered script here")
     p.add_argument("--submit", action="store_true", help="sbatch the rendered script (needs --out)")
     args = p.parse_args(own)
-    header = sbatch_header(args.kind, nodes=args.nodes, gpus_per_node=args.gpus_per_node, job_name=args.job_name,
+    header = sbatch_header(nodes=args.nodes, gpus_per_node=args.gpus_per_node, job_name=args.job_name,
                            time=args.time, account=args.account, partition=args.partition, log_dir=args.log_dir)
     script = render(args.kind, header)
     env = {k: v for k, v in (("CONTAINER_IMAGE", args.container_image), ("CONTAINER_MOUNTS", args.container_mounts),

@@ -60,7 +60,7 @@ def recipe_argv_of(cmd: list[str]) -> list[str]:
 
 
 def test_colocated_2x8_renders_and_matches_the_recipe(tmp_path):
-    script = render.render("colocated", render.sbatch_header("colocated", nodes=2, gpus_per_node=8, account="acct",
+    script = render.render("colocated", render.sbatch_header(nodes=2, gpus_per_node=8, account="acct",
                                                              partition="batch", time="02:00:00"))
     bash_n(script, tmp_path, "colocated.sbatch")
     for line in ("#SBATCH --nodes=2", "#SBATCH --gpus-per-node=8", "#SBATCH --account=acct", "#SBATCH --requeue",
@@ -84,7 +84,7 @@ def test_colocated_2x8_renders_and_matches_the_recipe(tmp_path):
 
 
 def test_disaggregated_splits_training_and_server_nodes(tmp_path):
-    script = render.render("disaggregated", render.sbatch_header("disaggregated", nodes=3))
+    script = render.render("disaggregated", render.sbatch_header(nodes=3))
     bash_n(script, tmp_path, "disaggregated.sbatch")
     proc = render.dry_run(script, [RECIPE], nodes=3, env={"ROLLOUT_NODES": "1", "SGLANG_TP": "2"})
     assert proc.returncode == 0, proc.stderr
@@ -111,7 +111,7 @@ def test_disaggregated_splits_training_and_server_nodes(tmp_path):
     ("disaggregated", 2, ["--rollout-backend", "builtin"], "--rollout-servers needs --rollout-backend sglang"),
 ])
 def test_a_launch_that_does_not_fit_the_recipe_starts_nothing(kind, nodes, flags, message):
-    proc = render.dry_run(render.render(kind, render.sbatch_header(kind, nodes=nodes)), [RECIPE, *flags], nodes=nodes)
+    proc = render.dry_run(render.render(kind, render.sbatch_header(nodes=nodes)), [RECIPE, *flags], nodes=nodes)
     assert proc.returncode == 2
     assert message in proc.stderr and "nothing was started" in proc.stderr
     assert not commands(proc.stdout)
