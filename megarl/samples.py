@@ -11,6 +11,7 @@ import torch
 from megarl.data import PromptRecord
 from megarl.rollout.base import RolloutEngine, SamplingParams
 from megarl.verifiers import get_verifier
+from megarl.verifiers.pool import RewardPool, batch_health
 
 
 @dataclass
@@ -54,17 +55,34 @@ def generate(engine: RolloutEngine, prompts: Sequence[PromptRecord], params: Sam
     return RolloutBatch(samples, params.n, generate_seconds=time.perf_counter() - start)
 
 
-def score(batch: RolloutBatch, prompts: Sequence[PromptRecord], tokenizer) -> None:
-    """Decode each response and let the verifier its data row names set its reward."""
+def score(batch: RolloutBatch, prompts: Sequence[PromptRecord], tokenizer, pool: RewardPool | None = None) -> None:
+    """Decode each response and let the verifier its data row names set its reward: in `pool`'s worker processes
+    when given, else here. The batch's reward-health metrics (`batch_health`) go to `batch.metrics`."""
     start = time.perf_counter()
-    verifiers = {}
+    requests = []
     for s in batch.samples:
         record = prompts[s.group]
-        verifier = verifiers.setdefault(record.verifier, get_verifier(record.verifier))
         s.response_text = tokenizer.decode(s.response_ids, skip_special_tokens=True)
-        result = verifier.verify(s.response_text, record.label)
+        requests.append((record.verifier, s.response_text, record.label))
+    if pool is not None:
+        results, health = pool.score(requests, group_size=batch.group_size)
+    else:
+        results = [_local_verifier(name).verify(response, label) for name, response, label in requests]
+        health = batch_health(results, batch.group_size)
+    for s, result in zip(batch.samples, results):
         s.reward, s.outcome = float(result.score), result.outcome
+    batch.metrics.update(health)
     batch.reward_seconds = time.perf_counter() - start
+
+
+_LOCAL_VERIFIERS: dict = {}
+
+
+def _local_verifier(name: str):
+    # One instance per name for the process: a verifier may hold a helper process (the math verifier's budget).
+    if name not in _LOCAL_VERIFIERS:
+        _LOCAL_VERIFIERS[name] = get_verifier(name)
+    return _LOCAL_VERIFIERS[name]
 
 
 def to_train_batch(samples: Sequence[Sample], pad_id: int) -> dict[str, torch.Tensor]:

@@ -122,7 +122,8 @@ def _label(value):
     return None
 
 
-def summarize(rows: list[dict], results: list, args, compare: list | None, out=sys.stdout) -> None:
+def summarize(rows: list[dict], results: list, args, compare: list | None, out=None) -> None:
+    out = out or sys.stdout
     n = len(results)
     say = lambda s="": print(s, file=out)  # noqa: E731
     say(f"megarl-verify: {n} rows scored with verifier {args.verifier!r}")

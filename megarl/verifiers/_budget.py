@@ -47,6 +47,7 @@ class Guard:
         self._proc: subprocess.Popen | None = None
         self._pid = None  # the process that started the helper: a forked copy of this object must not share it
         self._ready = False
+        self.last_seconds = 0.0  # how long the last call's work took (its wait for a starting helper excluded)
 
     def __getstate__(self):
         return {"preload": self.preload, "memory_mib": self.memory_mib, "startup_timeout": self.startup_timeout}
@@ -59,11 +60,14 @@ class Guard:
         An exception raised by the function is re-raised here."""
         with self._lock:
             proc = self._ensure()
-            deadline = time.monotonic() + timeout
+            start = time.monotonic()
+            deadline = start + timeout
             try:
                 _write_frame(proc.stdin, pickle.dumps((target, args), protocol=pickle.HIGHEST_PROTOCOL))
                 ok, value = pickle.loads(_read_frame(proc.stdout.fileno(), deadline))
+                self.last_seconds = time.monotonic() - start
             except BudgetExceeded:
+                self.last_seconds = time.monotonic() - start
                 self._restart()
                 raise
             except (OSError, EOFError, pickle.UnpicklingError, HelperFailed) as e:

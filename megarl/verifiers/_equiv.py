@@ -100,29 +100,33 @@ def values_equal(a, b, decimal: bool) -> bool:
             return True
         if a.has(sympy.oo, -sympy.oo, sympy.zoo, sympy.nan) or b.has(sympy.oo, -sympy.oo, sympy.zoo, sympy.nan):
             return False
+        if a.has(sympy.Sum, sympy.Product, AppliedUndef) or b.has(sympy.Sum, sympy.Product, AppliedUndef):
+            return False  # nothing to evaluate (symbolic bounds, unknown functions): sympy's canonical form decided
         free = a.free_symbols | b.free_symbols
         if not free:
             if a.is_Rational and b.is_Rational and not decimal:
                 return False
-            return _close(a, b, 1e-9 if decimal else 1e-12)
+            return _close(a, b, decimal)
         verdict = _agree_at_points(a, b, sorted(free, key=str))
         if verdict is not None:
             return verdict
-        if a.has(sympy.Sum, sympy.Product, AppliedUndef):  # no numbers to try: sympy's canonical form decided
-            return False
         return sympy.simplify(a - b) == 0
     except (TypeError, ValueError, AttributeError, ZeroDivisionError, OverflowError, RecursionError):
         return False
 
 
-def _close(a, b, tol: float) -> bool:
+def _close(a, b, decimal: bool) -> bool:
+    """Constants: a decimal side within a relative 1e-9; exact sides must differ by (almost) nothing, measured on
+    the symbolic difference (sympy cancels equal terms and evalf raises its precision against cancellation), so
+    `2^{3^{4^{5}}}+1` is not `2^{3^{4^{5}}}` however close their ratio."""
+    diff = (a - b).evalf(30)
     va, vb = a.evalf(30), b.evalf(30)
-    if not (va.is_number and vb.is_number) or va.has(sympy.nan, sympy.zoo) or vb.has(sympy.nan, sympy.zoo):
+    if not all(v.is_number for v in (diff, va, vb)) or any(v.has(sympy.nan, sympy.zoo) for v in (diff, va, vb)):
         return False
-    d, scale = abs(va - vb).evalf(30), sympy.Max(abs(va), abs(vb)).evalf(30)
-    if not d.is_number or not scale.is_number:
-        return False
-    return bool(d <= tol * scale) or bool(d < 1e-30)
+    scale = sympy.Max(abs(va), abs(vb)).evalf(30)
+    if decimal:
+        return bool(abs(diff) <= 1e-9 * scale) or bool(abs(diff) < 1e-30)
+    return bool(abs(diff) <= 1e-12 * sympy.Min(1, scale)) or bool(diff == 0)
 
 
 def _agree_at_points(a, b, symbols) -> bool | None:
@@ -140,8 +144,8 @@ def _agree_at_points(a, b, symbols) -> bool | None:
 
 
 def _complex(expr, subs) -> complex | None:
-    try:
-        v = complex(expr.evalf(20, subs=subs))
+    try:  # substituting Floats evaluates as it goes: several times faster than evalf(subs=...)
+        v = complex(expr.xreplace({k: sympy.Float(x, 20) for k, x in subs.items()}))
     except (TypeError, ValueError, OverflowError, ZeroDivisionError, AttributeError):
         return None
     if v != v or abs(v) == float("inf"):

@@ -43,8 +43,8 @@ def final_answer(response: str, strategy: str = "lenient") -> str | None:
     if boxed:
         return _join_adjacent_boxes(text, boxed)
     plain = text.strip()
-    if plain and len(plain) < 200 and not _is_prose(plain):  # the whole response is the answer
-        return plain
+    if plain and len(plain) < 200 and not _is_prose(plain) and (len(plain.split()) <= 2 or re.search(r"[\d\\=^]", plain)):
+        return plain  # the whole response is the answer: a formula or a word or two, not "I give up"
     return _last_math_or_number(text)
 
 

@@ -43,6 +43,8 @@ _FRAC_SHORT = [
 _UNIT_TAIL = re.compile(r"^(.*?[\d})\]])\s*((?:[A-Za-z]{2,}|[A-Za-z](?=\s*(?:\^|[²³])))(?:\s+[A-Za-z]{2,})*)"
                         r"\s*(?:\^\s*\{?\d\}?|[²³])?$")
 _NOT_UNITS = {"and", "or", "sin", "cos", "tan", "log", "ln", "exp", "pi", "sqrt", "mod", "pmod", "i", "e"}
+_SCIENTIFIC = re.compile(r"(?<![\w.])(\d+(?:\.\d+)?|\.\d+)[eE]([+-]?\d+)(?![\w.])")  # 2.5e-3
+_MIXED = re.compile(r"(?<![\w.}^_{])(\d+)\s*\\frac\{(\d+)\}\{(\d+)\}")  # 2\frac{1}{2}: two and a half
 _PERCENT_WORDS = re.compile(r"\s*\b(?:percentage|percent|pct)\b\s*$", re.I)
 _IN_SET = re.compile(r"^\s*[A-Za-z](?:_\{?\w+\}?)?\s*\\in(?![a-zA-Z])\s*")
 _THOUSANDS = re.compile(r"^-?\d{1,3}(?:,\d{3})+(?:\.\d+)?$")
@@ -61,6 +63,8 @@ def normalize(s: str) -> str:
     s = _TEXT_CMD.sub(lambda m: " " + m.group(1).strip() + " ", s)  # nested once
     for pattern, repl in _FRAC_SHORT:
         s = pattern.sub(repl, s)
+    s = _SCIENTIFIC.sub(r"\1*10^{\2}", s)
+    s = _MIXED.sub(r"(\1+\\frac{\2}{\3})", s)
     s = _PERCENT_WORDS.sub("", s)
     s = _IN_SET.sub("", s)
     s = re.sub(r"\s+", " ", s).strip()
@@ -73,9 +77,11 @@ def normalize(s: str) -> str:
 
 
 def strip_units(item: str) -> str:
-    """`125 miles` -> `125`, `15 cm^2` -> `15`, `1000.99m²` -> `1000.99`; formulas are left alone."""
+    """`125 miles` -> `125`, `15 cm^2` -> `15`, `1000.99m²` -> `1000.99`; only after a number (no variables), so
+    formulas (`\\sum_{k=1}^{n} k^2`, `2 ab`) are left alone."""
     m = _UNIT_TAIL.match(item)
-    if m and re.search(r"\d", m.group(1)) and not (set(m.group(2).lower().split()) & _NOT_UNITS):
+    if m and re.search(r"\d", m.group(1)) and not re.search(r"[A-Za-z]", re.sub(r"\\[a-zA-Z]+", "", m.group(1))) \
+            and not (set(m.group(2).lower().split()) & _NOT_UNITS):
         return m.group(1).strip()
     return item
 

@@ -462,7 +462,9 @@ class Parser:
         body = self.power()
         while self._starts_atom(self.peek()):
             body = body * self.power()
-        return (sympy.Sum if name == "sum" else sympy.Product)(body, (var, lo, hi))
+        value = (sympy.Sum if name == "sum" else sympy.Product)(body, (var, lo, hi))
+        # numeric bounds: evaluate (closed forms for polynomials; a huge range otherwise runs into the budget)
+        return value.doit() if lo.is_number and hi.is_number else value
 
 
 def _div(a, b):

@@ -42,7 +42,7 @@ class MathVerifier:
         self._guard = Guard(preload=("megarl.verifiers._equiv",))
 
     def verify(self, response: str, ground_truth: Any) -> VerifyResult:
-        from megarl.verifiers._budget import BudgetExceeded, HelperFailed
+        from megarl.verifiers._budget import BudgetExceeded
 
         start = time.perf_counter()
         try:
@@ -50,8 +50,8 @@ class MathVerifier:
             result = VerifyResult(*fields)
         except BudgetExceeded:
             result = VerifyResult(0.0, "timeout")
-        except (HelperFailed, MemoryError) as e:
-            result = VerifyResult(0.0, "parse_error", normalized=f"verifier failed: {e}")
+        except Exception as e:  # noqa: BLE001 - the helper died or sympy raised something unforeseen
+            result = VerifyResult(0.0, "parse_error", normalized=f"verifier failed: {type(e).__name__}: {e}")
         result.seconds = time.perf_counter() - start
         return result
 
@@ -90,6 +90,8 @@ def judge(response: str, ground_truth: Any, strategy: str = "lenient") -> tuple:
         pred_tree = parse_answer(pred, list_hint=isinstance(gold_tree, Seq) and gold_tree.kind == "list")
     except (ParseError, TypeError, ValueError, ZeroDivisionError, RecursionError, AttributeError):
         return 0.0, "parse_error", extracted, pred
-    if gold_tree is not None and equivalent(gold_tree, pred_tree):
-        return 1.0, "correct", extracted, pred
-    return 0.0, "incorrect", extracted, pred
+    try:
+        same = gold_tree is not None and equivalent(gold_tree, pred_tree)
+    except (ArithmeticError, TypeError, ValueError, AttributeError, RecursionError, NotImplementedError):
+        return 0.0, "parse_error", extracted, pred  # sympy gave up on a comparison
+    return (1.0, "correct", extracted, pred) if same else (0.0, "incorrect", extracted, pred)

@@ -90,7 +90,7 @@ class RewardPool:
         return results, health
 
     def _score_one(self, guard: Guard, request: Request) -> VerifyResult:
-        t0 = time.perf_counter()
+        guard.last_seconds = 0.0
         try:
             result = VerifyResult(*guard.call("megarl.verifiers.pool:_verify_here", tuple(request), self.timeout_s))
         except BudgetExceeded:
@@ -101,12 +101,29 @@ class RewardPool:
             result = VerifyResult(0.0, "parse_error", normalized=f"reward worker died: {e}")
         except Exception as e:  # noqa: BLE001 - the verifier raised: this sample scores 0, the batch goes on
             result = VerifyResult(0.0, "parse_error", normalized=f"verifier raised {type(e).__name__}: {e}")
-        result.seconds = time.perf_counter() - t0
+        result.seconds = guard.last_seconds  # the sample's own time, not a replacement worker's start-up
         return result
 
     def _count_restart(self) -> None:
         with self._lock:
             self.restarts += 1
+
+
+_SHARED: dict = {}
+
+
+def shared_pool(workers: int, timeout_s: float) -> RewardPool | None:
+    """The process's pool for these settings, made on first use and closed at exit; None for `workers == 0`
+    (score in process). The trainer scores every step, so its workers live as long as it does."""
+    if workers == 0:
+        return None
+    key = (workers, timeout_s)
+    if key not in _SHARED:
+        import atexit
+
+        pool = _SHARED[key] = RewardPool(workers=0 if workers < 0 else workers, timeout_s=timeout_s)
+        atexit.register(pool.close)
+    return _SHARED[key]
 
 
 _INSTANCES: dict = {}

@@ -114,8 +114,8 @@ def test_unknown_verifier_lists_registered_ones(tmp_path, tokenizer):
 
 def test_unknown_default_verifier_is_an_error(tmp_path, tokenizer):
     path = write_lines(tmp_path, [row("1+1=", "2", verifier=None)])
-    with pytest.raises(ConfigError, match=r":1: unknown verifier 'math'"):
-        load(path, tokenizer, default_verifier="math")
+    with pytest.raises(ConfigError, match=r":1: unknown verifier 'geometry'"):
+        load(path, tokenizer, default_verifier="geometry")
 
 
 def test_missing_file(tmp_path, tokenizer):

@@ -1,0 +1,114 @@
+"""The reward pool: every sample gets exactly one result, in input order, even when the verifier hangs, raises, or
+kills its worker; the batch's health metrics; scoring a rollout batch through the pool or in process."""
+
+from __future__ import annotations
+
+import pytest
+
+from megarl.verifiers.base import VerifyResult
+from megarl.verifiers.pool import RewardPool, batch_health, default_workers, shared_pool
+
+N = 10_000
+TIMEOUT_S = 0.5
+
+
+def action(i: int) -> str:
+    if i % 1000 == 999:
+        return "hang"
+    if i % 1500 == 7:
+        return "exit"
+    if i % 2500 == 11:
+        return "kill"
+    if i % 97 == 5:
+        return "crash"
+    return "ok"
+
+
+def test_ten_thousand_samples_with_hangs_crashes_and_dying_workers():
+    requests = [("flaky", f"{action(i)}:{i}", i if i % 3 else -1) for i in range(N)]
+    with RewardPool(workers=2, timeout_s=TIMEOUT_S, preload=("pool_flaky_verifier",)) as pool:
+        results, health = pool.score(requests, group_size=4)
+        again, _ = pool.score([("flaky", "ok:5", 5), ("flaky", "ok:6", 7)])  # replaced workers still serve
+
+    assert len(results) == N and all(isinstance(r, VerifyResult) for r in results)
+    expected = {"hang": 0, "exit": 0, "kill": 0, "crash": 0, "ok": 0}
+    for i, r in enumerate(results):
+        a = action(i)
+        expected[a] += 1
+        if a == "ok":  # the extracted value is the sample's own index: results are in input order
+            assert (r.outcome, r.extracted, r.score) == (("correct", str(i), 1.0) if i % 3 else ("incorrect", str(i), 0.0))
+        elif a == "hang":
+            assert r.outcome == "timeout" and r.score == 0.0 and TIMEOUT_S <= r.seconds < TIMEOUT_S + 5
+        elif a == "crash":
+            assert r.outcome == "parse_error" and "RuntimeError" in r.normalized
+        else:
+            assert r.outcome == "parse_error" and "worker died" in r.normalized
+    assert min(expected.values()) > 0, expected
+    assert health["reward_n"] == N
+    assert health["reward_n_timeout"] == expected["hang"]
+    assert health["reward_n_parse_error"] == expected["crash"] + expected["exit"] + expected["kill"]
+    assert health["reward_worker_restarts"] == expected["hang"] + expected["exit"] + expected["kill"]
+    assert health["reward_timeout_rate"] == pytest.approx(expected["hang"] / N)
+    assert [r.outcome for r in again] == ["correct", "incorrect"]
+
+
+def test_batch_health_by_hand():
+    def r(score, outcome, seconds):
+        return VerifyResult(score, outcome, seconds=seconds)
+
+    results = [r(1.0, "correct", 0.1), r(0.0, "incorrect", 0.2),  # group 0: mixed
+               r(0.0, "no_answer", 0.3), r(0.0, "timeout", 5.0),  # group 1: all 0
+               r(1.0, "correct", 0.4), r(1.0, "correct", 0.5)]  # group 2: all 1
+    h = batch_health(results, group_size=2)
+    assert h["reward_n"] == 6 and h["reward_n_correct"] == 3 and h["reward_n_timeout"] == 1
+    assert h["reward_timeout_rate"] == pytest.approx(1 / 6)
+    assert h["reward_no_answer_rate"] == pytest.approx(1 / 6)
+    assert h["reward_uniform_group_frac"] == pytest.approx(2 / 3)
+    assert h["reward_latency_p50"] == pytest.approx(0.4)  # sorted: .1 .2 .3 .4 .5 5.0 -> index 3
+    assert h["reward_latency_p99"] == pytest.approx(5.0)
+    assert batch_health([], group_size=2)["reward_n"] == 0
+
+
+def test_mixed_verifiers_in_one_batch_and_errors_from_the_verifier():
+    requests = [("arithmetic", "19", 19), ("math", "so $\\boxed{\\frac12}$", "0.5"), ("arithmetic", "x", 3),
+                ("nope", "1", 1)]
+    with RewardPool(workers=2, timeout_s=30) as pool:
+        results, _ = pool.score(requests)
+    assert [r.outcome for r in results] == ["correct", "correct", "no_answer", "parse_error"]
+    assert "unknown verifier 'nope'" in results[3].normalized
+
+
+def test_pool_settings():
+    assert shared_pool(0, 10.0) is None
+    assert 1 <= default_workers() <= 16
+    with pytest.raises(ValueError, match="timeout_s"):
+        RewardPool(workers=1, timeout_s=0)
+
+
+class _Tokenizer:
+    def decode(self, ids, skip_special_tokens=True):
+        return "".join(chr(i) for i in ids)
+
+
+def test_score_a_rollout_batch_through_the_pool_and_in_process():
+    from megarl.data import PromptRecord
+    from megarl.samples import RolloutBatch, Sample, score
+
+    prompts = [PromptRecord(0, "1+1=", [1], "2", "arithmetic"), PromptRecord(1, "half?", [2], "1/2", "math")]
+    answers = [["2", "3"], ["$\\boxed{0.5}$", "$\\boxed{2}$"]]
+
+    def batch():
+        samples = [Sample(group=g, prompt_index=g, prompt_ids=[1], response_ids=[ord(c) for c in text],
+                          rollout_logprobs=[0.0] * len(text), finish_reason="stop")
+                   for g, group in enumerate(answers) for text in group]
+        return RolloutBatch(samples, group_size=2)
+
+    here, pooled = batch(), batch()
+    score(here, prompts, _Tokenizer())
+    with RewardPool(workers=2, timeout_s=30) as pool:
+        score(pooled, prompts, _Tokenizer(), pool=pool)
+    for b in (here, pooled):
+        assert [(s.reward, s.outcome) for s in b.samples] == [(1.0, "correct"), (0.0, "incorrect"),
+                                                               (1.0, "correct"), (0.0, "incorrect")]
+        assert b.metrics["reward_n"] == 4 and b.metrics["reward_uniform_group_frac"] == 0.0
+        assert b.samples[2].response_text == "$\\boxed{0.5}$"
