@@ -91,11 +91,18 @@ class DataConfig:
     label_key: str = _f("answer", "field of a data row that holds the ground truth given to the verifier")
     verifier_key: str = _f("verifier", "field of a data row that names its verifier")
     default_verifier: str = _f("", "verifier for rows without a verifier field; empty = such rows are an error")
+    reward_workers: int = _f(0, "reward worker processes scoring each batch (-1 = one per CPU, at most 16); 0 = "
+                             "score in the trainer process, each verifier under its own time budget")
+    reward_timeout: float = _f(10.0, "seconds one sample may take in a reward worker before it scores 0 as a timeout")
     rollout_batch_size: int = _f(8, "prompts per step, over all data-parallel ranks")
     shuffle: bool = _f(True, "shuffle prompts each epoch (seeded by --seed; a new order every epoch)")
 
     def __post_init__(self):
         _positive(self, "rollout_batch_size")
+        if self.reward_workers < -1:
+            raise ConfigError(f"--reward-workers must be -1 (one per CPU), 0 (in process) or more, got {self.reward_workers}")
+        if self.reward_timeout <= 0:
+            raise ConfigError(f"--reward-timeout must be > 0 seconds, got {self.reward_timeout}")
 
 
 @dataclass

@@ -17,6 +17,7 @@ from megarl.mcore.actor import MegatronPolicy, OptimConfig
 from megarl.mcore.parallel import ParallelInfo
 from megarl.rollout.base import SamplingParams
 from megarl.samples import RolloutBatch, Sample, generate, score, to_train_batch
+from megarl.verifiers.pool import shared_pool
 
 # -- set-up ----------------------------------------------------------------------------------------------------
 
@@ -162,7 +163,7 @@ def generate_and_score(engine, batch_prompts, tokenizer, cfg: Config, step: int,
     rollout = None
     if info.is_mp_leader:
         rollout = generate(engine, batch_prompts, sampling_params(cfg, tokenizer, seed=_rollout_seed(cfg, step, info.dp_rank)))
-        score(rollout, batch_prompts, tokenizer)
+        score(rollout, batch_prompts, tokenizer, pool=shared_pool(cfg.data.reward_workers, cfg.data.reward_timeout))
     if info.tp_size * info.pp_size > 1:
         rollout = _broadcast_in_mp_group(rollout)
     return rollout
@@ -377,6 +378,9 @@ _SUM_KEYS = ["n_samples", "reward_sum", "correct", "response_tokens", "truncated
              "mismatch_abs_max", "mismatch_kl_sum", "is_weight_sum", "is_weight_max", "is_weight_negmin_max",
              "tis_weight_sum", "tis_clip_sum"]
 _DS_KEYS = ["ds_prompts_drawn", "ds_groups_dropped", "ds_rounds", "ds_groups_filled"]
+# reward health (`megarl.verifiers.pool.batch_health`): counts add up over ranks, latencies take the worst rank
+_REWARD_KEYS = ["reward_n_timeout", "reward_n_no_answer", "reward_n_parse_error", "reward_worker_restarts",
+                "reward_latency_p50_max", "reward_latency_p99_max"]
 
 
 def step_metrics(step: int, rollout: RolloutBatch, update: dict, timings: dict, seconds: float,
@@ -392,16 +396,20 @@ def step_metrics(step: int, rollout: RolloutBatch, update: dict, timings: dict, 
             truncated=sum(s.finish_reason == "length" for s in rollout.samples),
             groups=rewards.shape[0], uniform_groups=int((rewards.max(1).values == rewards.min(1).values).sum()),
             **{k: rollout.metrics.get(k, 0.0) for k in _DS_KEYS},
+            **{k: rollout.metrics.get(k.removesuffix("_max"), 0.0) for k in _REWARD_KEYS},
         )
     if info.is_last_stage and info.tp_rank == 0:
         local.update({k: update.get(k, 0.0) for k in _SUM_KEYS if k in update})
-    g = parallel_reduce(local, _SUM_KEYS + _DS_KEYS)
+    g = parallel_reduce(local, _SUM_KEYS + _DS_KEYS + _REWARD_KEYS)
     n, tok = max(g["n_samples"], 1), max(g["tokens"], 1)
     return {
         "step": step,
         "reward_mean": g["reward_sum"] / n, "accuracy": g["correct"] / n,
         "response_len": g["response_tokens"] / n, "truncated_frac": g["truncated"] / n,
         "uniform_group_frac": g["uniform_groups"] / max(g["groups"], 1),
+        "reward_timeout_rate": g["reward_n_timeout"] / n, "reward_no_answer_rate": g["reward_n_no_answer"] / n,
+        "reward_parse_error_rate": g["reward_n_parse_error"] / n, "reward_worker_restarts": g["reward_worker_restarts"],
+        "reward_latency_p50": g["reward_latency_p50_max"], "reward_latency_p99": g["reward_latency_p99_max"],
         "loss": g["loss_num"] / max(g["loss_den"], 1e-12), "kl": g["kl_sum"] / tok,
         "clip_frac": g["clip_frac_sum"] / tok, "grad_norm": update["grad_norm"], "lr": update["lr"],
         "entropy": g["entropy_sum"] / tok,
