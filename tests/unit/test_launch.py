@@ -233,3 +233,27 @@ def test_nemo_run_cli_rejects_a_bad_layout_before_importing_nemo_run(capsys):
 
     assert nr.main(["slurm", "--nodes", "1", "--gpus-per-node", "3", "--dryrun", RECIPE]) == 2
     assert "not divisible by --tensor-model-parallel-size 2" in capsys.readouterr().err
+
+
+# ------------------------------------------------------------------------- the shipped recipes and model files
+
+MODELS = sorted(p.stem for p in (REPO / "recipes/models").glob("*.sh") if "MODEL_SHAPE" in p.read_text())
+
+
+@pytest.mark.parametrize("recipe", ["r1_math", "r1_code"])
+@pytest.mark.parametrize("model", MODELS)
+def test_real_recipes_fit_their_launches(monkeypatch, recipe, model):
+    """Each GPU recipe with each real model file: TP within a node and dividing the heads, and a whole number of
+    replicas on 2 nodes x 8 GPUs (on two replicas' worth of GPUs for a model larger than that)."""
+    sys.path.insert(0, str(REPO / "tools"))
+    from plan import shape_from_bash
+
+    monkeypatch.setenv("RECIPE_MODEL", model)
+    cfg = parse_args([str(REPO / f"recipes/{recipe}.sh")])
+    shape = shape_from_bash(REPO / f"recipes/models/{model}.sh")
+    tp, pp = cfg.model.tensor_model_parallel_size, cfg.model.pipeline_model_parallel_size
+    assert tp <= 8 and shape.num_attention_heads % tp == 0 and shape.num_kv_heads % min(tp, shape.num_kv_heads) == 0
+    assert shape.num_layers % pp == 0
+    world = max(16, 2 * tp * pp)
+    layout = render.check_parallel(cfg, world)
+    assert layout.tp * layout.pp * layout.dp == world
