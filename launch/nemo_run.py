@@ -18,7 +18,6 @@ import argparse
 import contextlib
 import os
 import sys
-import tempfile
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -130,19 +129,17 @@ def main(argv: list[str] | None = None) -> int:
     try:
         layout = check(run_argv, world)
         print(f"megarl: TP={layout.tp} x PP={layout.pp} x DP={layout.dp} = {world} GPUs", file=sys.stderr)
-        with tempfile.TemporaryDirectory(prefix="megarl-nemo-") as scratch:  # a dry run leaves nothing behind
-            if args.where == "slurm":
-                mounts = [m for m in args.container_mounts.split(",") if m]
-                executor = slurm_executor(
-                    nodes=args.nodes, gpus_per_node=args.gpus_per_node, account=args.account,
-                    partition=args.partition, time=args.time, container_image=args.container_image,
-                    container_mounts=mounts, job_dir=scratch if args.dryrun else args.job_dir, retries=args.retries)
-            else:
-                executor = local_executor(gpus=args.gpus)
-            if args.dryrun:
-                print(dryrun(task(run_argv), executor, args.name), end="")
-            else:
-                launch(task(run_argv), executor, args.name)
+        if args.where == "slurm":
+            mounts = [m for m in args.container_mounts.split(",") if m]
+            executor = slurm_executor(nodes=args.nodes, gpus_per_node=args.gpus_per_node, account=args.account,
+                                      partition=args.partition, time=args.time, container_image=args.container_image,
+                                      container_mounts=mounts, job_dir=args.job_dir, retries=args.retries)
+        else:
+            executor = local_executor(gpus=args.gpus)
+        if args.dryrun:  # writes nothing under --job-dir
+            print(dryrun(task(run_argv), executor, args.name), end="")
+        else:
+            launch(task(run_argv), executor, args.name)
     except (ConfigError, LaunchError) as e:
         print(f"megarl: {e}", file=sys.stderr)
         return 2
