@@ -62,8 +62,8 @@ def slurm_executor(*, nodes: int, gpus_per_node: int = 8, account: str = "", par
     mounts = [f"{ROOT}:{ROOT}", *container_mounts] if container_image else []
     return run.SlurmExecutor(
         account=account, partition=partition, nodes=nodes, ntasks_per_node=gpus_per_node, gpus_per_node=gpus_per_node,
-        time=time, exclusive=True, container_image=container_image, container_mounts=mounts, retries=retries,
-        launcher="torchrun",
+        time=time, exclusive=True, job_name_prefix="megarl-", container_image=container_image,
+        container_mounts=mounts, retries=retries, launcher="torchrun",
         # The checkout is on the shared filesystem: the job's code/ directory is a link to it, not a copy.
         packager=run.Packager(symlink_from_remote_dir=str(ROOT)),
         tunnel=run.LocalTunnel(job_dir=job_dir), env_vars=dict(env_vars or {}),
