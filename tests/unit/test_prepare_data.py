@@ -126,3 +126,40 @@ def test_output_reads_back_through_megarl_loader_and_cli_limit(tmp_path, capsys)
     recs = load_prompts(str(tmp_path / "out.jsonl"), Chars(), input_key="prompt", label_key="answer",
                         verifier_key="no-such-field", default_verifier="arithmetic")
     assert [r.label for r in recs] == ["0", "1", "2"]
+
+
+def _verifier(name):
+    from megarl.verifiers import get_verifier, verifier_names
+
+    if name not in verifier_names():
+        pytest.skip(f"no {name!r} verifier registered in this checkout")
+    return get_verifier(name)
+
+
+def test_converted_code_rows_are_what_the_code_verifier_grades(tmp_path):
+    """The gold layouts written here are the ones megarl's `code` verifier runs: a right program passes, a wrong
+    one does not, for stdin/stdout, call-based and check(candidate) rows."""
+    code = _verifier("code")
+    cc = write_jsonl(tmp_path / "cc.jsonl", [{"description": "Print a+b.", "public_tests": {"input": ["1 2\n"],
+                                                                                          "output": ["3\n"]}}])
+    apps_src = write_jsonl(tmp_path / "apps.jsonl", [{"question": "Add.", "input_output": json.dumps(
+        {"inputs": [[1, 2], [5, 5]], "outputs": [3, 10], "fn_name": "add"})}])
+    he = write_jsonl(tmp_path / "he.jsonl", [{"prompt": "def inc(x):\n", "entry_point": "inc",
+                                               "test": "def check(candidate):\n    assert candidate(1) == 2\n"}])
+    cases = [("code-contests", cc, "a, b = map(int, input().split())\nprint(a + b)", "print(0)"),
+             ("apps", apps_src, "def add(a, b):\n    return a + b", "def add(a, b):\n    return a"),
+             ("humaneval", he, "def inc(x):\n    return x + 1", "def inc(x):\n    return x")]
+    for layout, src, right, wrong in cases:
+        convert(layout, src, tmp_path / f"{layout}.out.jsonl")
+        [row] = rows(tmp_path / f"{layout}.out.jsonl")
+        assert code.verify(f"```python\n{right}\n```", row["answer"]).score == 1.0, layout
+        assert code.verify(f"```python\n{wrong}\n```", row["answer"]).score == 0.0, layout
+
+
+def test_converted_math_rows_are_what_the_math_verifier_grades(tmp_path):
+    math = _verifier("math")
+    src = write_jsonl(tmp_path / "g.jsonl", [{"question": "1,000 + 200?", "answer": "#### 1,200"}])
+    convert("gsm8k", src, tmp_path / "out.jsonl")
+    [row] = rows(tmp_path / "out.jsonl")
+    assert math.verify("So the total is \\boxed{1200}.", row["answer"]).score == 1.0
+    assert math.verify("So the total is \\boxed{1100}.", row["answer"]).score == 0.0
