@@ -6,9 +6,10 @@ command line. Memory, in bytes, for P parameters held by one GPU (its TP shard o
 - actor weights 2P (bf16); gradients 4P (megarl's DDP reduces gradients in fp32); optimizer 12P (fp32 main
   params + Adam m and v), divided by DP with --use-distributed-optimizer. So a 70B actor is 140 GB of weights
   and 18 bytes/param = 1.26 TB of training state before activations (Adam's fp32 m and v alone are 560 GB).
-- activations per token and layer (bf16, flash attention, no recomputation, sequence-parallel sharding over TP):
-  2 x (4h + 2 q + 2 kv) + 6 f bytes, with q = heads x head_dim, kv = kv_heads x head_dim, f = the MLP width
-  (norm inputs, QKV, attention output, SwiGLU's two inputs and output); a PP stage keeps min(PP, micro-batches)
+- activations per token and layer (bf16, flash attention, no recomputation): 2 x (4h + 2 q + 2 kv) + 6 f bytes,
+  with q = heads x head_dim, kv = kv_heads x head_dim, f = the MLP width (norm inputs and outputs, QKV, attention
+  output, SwiGLU's two inputs and output). All of it is sharded over TP with --sequence-parallel; without it the
+  8h bytes of the norms' inputs and outputs are whole on every TP rank. A PP stage keeps min(PP, micro-batches)
   micro-batches in flight (1F1B). The last stage adds the logits: bf16 + fp32 scaled copy + fp32 softmax = 10 bytes
   per vocabulary entry per token, sharded over TP.
 - KV cache per token: 2 (K and V) x layers x kv_heads x head_dim x 2 bytes, sharded over the engine's TP.
@@ -82,6 +83,7 @@ class Run:
     micro_batch_size: int = 4
     updates_per_rollout: int = 1
     kl: bool = False  # a reference model is loaded (--kl-coef > 0)
+    sequence_parallel: bool = False
     distributed_optimizer: bool = False
     offload_optimizer: bool = False
     offload_params: bool = False
@@ -99,6 +101,7 @@ class Run:
                    kl=cfg.algorithm.kl_coef > 0, distributed_optimizer=t.use_distributed_optimizer,
                    offload_optimizer=getattr(t, "offload_optimizer", False),
                    offload_params=getattr(t, "offload_params", False),
+                   sequence_parallel=getattr(m, "sequence_parallel", False),
                    engine_mem_fraction=getattr(r, "sglang_mem_fraction", 0.5),
                    mode="disaggregated" if getattr(r, "rollout_servers", "") else "colocated", **planner)
 
@@ -203,7 +206,9 @@ def _train_phase(s: ModelShape, r: Run, dp: int) -> dict[str, float]:
     micro_batches = max(1, math.ceil(samples_per_rank / r.micro_batch_size))
     tokens = r.micro_batch_size * _sequence_len(r)
     in_flight = min(r.pp, micro_batches)
-    layers = math.ceil(s.num_layers / r.pp) * activation_bytes_per_token_layer(s) * tokens * in_flight / r.tp
+    whole = 8 * s.hidden_size  # the norms' inputs and outputs: TP-sharded only with sequence parallelism
+    per_token = (activation_bytes_per_token_layer(s) - whole) / r.tp + whole / (r.tp if r.sequence_parallel else 1)
+    layers = math.ceil(s.num_layers / r.pp) * per_token * tokens * in_flight
     logits = 10 * s.vocab_size * tokens / r.tp
     return {"actor weights": weights_bytes(p), "gradients (fp32)": 4 * p,
             "optimizer (fp32 main + Adam)": adam_state_bytes(p, dp if r.distributed_optimizer else 1),
@@ -363,7 +368,8 @@ def best_split(s: ModelShape, r: Run, cluster: Cluster) -> Plan:
 def fixes(s: ModelShape, r: Run, cluster: Cluster) -> list[str]:
     """Single changes of megarl flags that make a colocated run fit."""
     out = []
-    tries = [("--use-distributed-optimizer", dict(distributed_optimizer=True)),
+    tries = [("--sequence-parallel", dict(sequence_parallel=True))] if r.tp > 1 and not r.sequence_parallel else []
+    tries += [("--use-distributed-optimizer", dict(distributed_optimizer=True)),
              ("--offload-optimizer", dict(offload_optimizer=True)),
              ("--offload-optimizer --offload-params", dict(offload_optimizer=True, offload_params=True)),
              (f"--micro-batch-size {max(1, r.micro_batch_size // 2)}", dict(micro_batch_size=max(1, r.micro_batch_size // 2))),
