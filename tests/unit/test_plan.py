@@ -109,3 +109,22 @@ def test_cli_without_a_shape_says_what_to_give():
     proc = subprocess.run([sys.executable, str(REPO / "tools/plan.py"), "--gpus", "8"], capture_output=True,
                           text=True, cwd=REPO)
     assert proc.returncode == 2 and "no model shape: give --model" in proc.stderr
+
+
+@pytest.mark.parametrize("model,gpus,extra,verdict", [
+    ("qwen2.5-math-1.5b", 1, ["--tensor-model-parallel-size", "1"], "recommendation: neither"),
+    ("qwen2.5-math-1.5b", 1, ["--tensor-model-parallel-size", "1", "--micro-batch-size", "2"],
+     "recommendation: colocated"),
+    ("qwen2.5-math-7b", 8, [], "recommendation: colocated"),
+    ("llama-3.1-70b", 64, [], "recommendation: colocated"),
+])
+def test_the_r1_math_recipe_on_three_cluster_sizes(monkeypatch, capsys, model, gpus, extra, verdict):
+    """The three configurations of the issue's acceptance list, with r1_math's batch (128 prompts x 8 samples,
+    responses up to 4096 tokens) on H100s. On one GPU, micro-batches of 4 sequences put the activations and
+    logits past the GPU; the planner names the fix."""
+    monkeypatch.setenv("RECIPE_MODEL", model)
+    rc = plan_main([str(REPO / "recipes/r1_math.sh"), "--gpus", str(gpus), "--", *extra])
+    out = capsys.readouterr().out
+    assert verdict in out and rc == (1 if "neither" in verdict else 0)
+    if "neither" in verdict:
+        assert "--micro-batch-size 2" in out
