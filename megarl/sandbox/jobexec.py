@@ -32,6 +32,7 @@ def run_program(job: dict, workdir: str, confine=None, cleanup=None) -> dict:
     Returns the wire form of `RunResult`.
     """
     lim = job["limits"]
+    code = compiled(job["source"])
     stdin_fd = os.memfd_create("stdin", os.MFD_CLOEXEC)
     _write_all(stdin_fd, job.get("stdin", "").encode())
     os.lseek(stdin_fd, 0, os.SEEK_SET)
@@ -44,7 +45,8 @@ def run_program(job: dict, workdir: str, confine=None, cleanup=None) -> dict:
     pid = os.fork()
     if pid == 0:  # the program; never returns
         try:
-            _child(job["source"], lim, workdir, stdin_fd, out_w, err_w, vsize, confine)
+            _child(code if code is not None else job["source"], lim, workdir, stdin_fd, out_w, err_w, vsize,
+                   confine)
         finally:
             os._exit(70)
     for fd in (stdin_fd, out_w, err_w):
@@ -82,7 +84,7 @@ def _child(source, lim, workdir, stdin_fd, out_w, err_w, vsize, confine):
     sys.argv = ["main.py"]
     status = 0
     try:
-        code = compile(source, "main.py", "exec")
+        code = source if not isinstance(source, str) else compile(source, "main.py", "exec")
         exec(code, {"__name__": "__main__", "__file__": "main.py", "__builtins__": builtins})
     except SystemExit as e:
         status = _exit_status(e.code)
@@ -117,6 +119,27 @@ def close_fds_from(low: int) -> None:
                 os.close(fd)
             except OSError:
                 pass
+
+
+_COMPILED: dict[str, object] = {}
+
+
+def compiled(source: str):
+    """The code object of a source this process ran before (e.g. the code verifier's harness), else None.
+
+    Call it in the long-lived process (worker, container runner) before forking: the fork inherits the cache.
+    A source seen for the first time is compiled and kept only if it is large (small programs are cheap to
+    compile and rarely repeat); one that does not compile is left to the child, which reports the error.
+    """
+    code = _COMPILED.get(source)
+    if code is None and len(source) > 4096:
+        try:
+            code = _COMPILED[source] = compile(source, "main.py", "exec")
+        except (SyntaxError, ValueError):
+            return None
+        if len(_COMPILED) > 64:
+            _COMPILED.pop(next(iter(_COMPILED)))
+    return code
 
 
 def _exit_status(code) -> int:

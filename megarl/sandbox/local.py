@@ -8,6 +8,7 @@ cwd). When I exits the kernel kills whatever P left in the namespace, detached o
 
 from __future__ import annotations
 
+import atexit
 import json
 import logging
 import os
@@ -26,7 +27,7 @@ from typing import Sequence
 
 from megarl.sandbox import isolation as iso_mod
 from megarl.sandbox.base import Job, Limits, RunResult
-from megarl.sandbox.jobexec import remove_tree, run_program, write_files
+from megarl.sandbox.jobexec import compiled, remove_tree, run_program, write_files
 
 log = logging.getLogger(__name__)
 
@@ -66,7 +67,9 @@ class LocalSandbox:
         with self._lock:
             if self._idle is not None:
                 return self
-            self._root = tempfile.mkdtemp(prefix="megarl-sandbox-")
+            # Job directories on tmpfs where there is one: creating and removing them per job is then cheap.
+            shm = "/dev/shm" if os.access("/dev/shm", os.W_OK) else None
+            self._root = tempfile.mkdtemp(prefix="megarl-sandbox-", dir=shm)
             os.chmod(self._root, 0o711)
             self._idle = queue.Queue()
             for i in range(self.workers):
@@ -75,6 +78,7 @@ class LocalSandbox:
                 self._idle.put(worker)
             self.isolation = iso_mod.HostIsolation(**self._all[0].isolation)
             _warn_once(self.isolation)
+            atexit.register(self.close)
         return self
 
     def _spawn(self, index: int) -> "_Worker":
@@ -211,6 +215,11 @@ class _WorkerSide:
         self.read_fds = [(os.open(p, os.O_PATH | os.O_CLOEXEC), os.path.isdir(p)) for p in iso_mod.read_roots()]
         self.devnull_fd = os.open(os.devnull, os.O_PATH | os.O_CLOEXEC)
         self.seccomp = iso_mod.seccomp_program() if iso.seccomp else None
+        self.pidns_fd = None
+        if iso.pid_ns and iso.root:
+            fd = os.open("/proc/self/ns/pid", os.O_RDONLY | os.O_CLOEXEC)
+            if _forked_ok(lambda: _unshare_fork_setns(fd)):
+                self.pidns_fd = fd
 
     def run(self, job: dict) -> dict:
         self.jobs += 1
@@ -223,6 +232,7 @@ class _WorkerSide:
                 for base, dirs, files in os.walk(workdir):
                     for name in [base] + [os.path.join(base, n) for n in dirs + files]:
                         os.chown(name, self.iso.uid, self.iso.uid)
+            compiled(job["source"])  # here, before the fork: the next jobs with the same source reuse it
             return self._fork_job(job, workdir)
         except Exception as e:  # noqa: BLE001 - report, keep serving
             return {"status": "sandbox_error", "detail": f"worker: {type(e).__name__}: {e}"}
@@ -231,44 +241,61 @@ class _WorkerSide:
 
     def _fork_job(self, job: dict, workdir: str) -> dict:
         r, w = os.pipe2(os.O_CLOEXEC)
-        pid = os.fork()
-        if pid == 0:  # R
-            code = 1
+        if self.pidns_fd is not None:  # root: I is our own child, one fork less than through R
+            iso_mod.unshare(iso_mod.CLONE_NEWPID)
             try:
-                os.close(r)
-                code = self._r_main(job, workdir, w)
+                pid = os.fork()
+                if pid == 0:
+                    self._i_main(job, workdir, w)
             finally:
-                os._exit(code)
+                iso_mod.setns(self.pidns_fd, iso_mod.CLONE_NEWPID)  # our next child is in our own pid ns again
+        else:
+            pid = os.fork()
+            if pid == 0:  # R: the process that unshares, so that its child I is pid 1 of a new namespace
+                code = 1
+                try:
+                    if self.iso.pid_ns:
+                        iso_mod.unshare(iso_mod.CLONE_NEWPID)
+                    if os.fork() == 0:
+                        self._i_main(job, workdir, w)
+                    os.close(w)
+                    os.wait()
+                    code = 0
+                finally:
+                    os._exit(code)
         os.close(w)
-        data = b""
-        while chunk := os.read(r, 1 << 20):
-            data += chunk
+        data = self._read_result(r, pid, job["limits"]["wall_s"] + 10)
         os.close(r)
         os.waitpid(pid, 0)
         if not data:
             return {"status": "sandbox_error", "detail": "the job's supervisor died without a result"}
         return json.loads(data)
 
-    def _r_main(self, job: dict, workdir: str, w: int) -> int:
-        if self.iso.pid_ns:
-            iso_mod.unshare(iso_mod.CLONE_NEWPID)
-        pid = os.fork()
-        if pid == 0:  # I: pid 1 of the new namespace, supervises P
-            code = 1
-            try:
-                cleanup = None if self.iso.pid_ns else self._kill_uid
-                result = run_program(job, workdir, confine=lambda: self._confine(workdir), cleanup=cleanup)
-                os.write(w, json.dumps(result).encode())
-                code = 0
-            finally:
-                os._exit(code)
-        os.close(w)
-        deadline = job["limits"]["wall_s"] + 10  # I enforces the real limit; this only guards against I hanging
-        pidfd = os.pidfd_open(pid)
-        if not select.select([pidfd], [], [], deadline)[0]:
-            os.kill(pid, 9)
-        os.waitpid(pid, 0)
-        return 0
+    def _i_main(self, job: dict, workdir: str, w: int):
+        """I: pid 1 of the job's namespace; supervises P, writes the result to `w`, exits (the kernel then kills
+        whatever P left in the namespace). Never returns."""
+        code = 1
+        try:
+            cleanup = None if self.iso.pid_ns else self._kill_uid
+            result = run_program(job, workdir, confine=lambda: self._confine(workdir), cleanup=cleanup)
+            os.write(w, json.dumps(result).encode())
+            code = 0
+        finally:
+            os._exit(code)
+
+    @staticmethod
+    def _read_result(r: int, pid: int, guard_s: float) -> bytes:
+        """I enforces the job's limits; this deadline only guards against I itself hanging."""
+        data, deadline = b"", time.monotonic() + guard_s
+        while True:
+            left = deadline - time.monotonic()
+            if left <= 0 or not select.select([r], [], [], left)[0]:
+                os.kill(pid, 9)
+                return b""
+            chunk = os.read(r, 1 << 20)
+            if not chunk:
+                return data
+            data += chunk
 
     def _confine(self, workdir: str) -> None:
         """In P, after fork: drop privileges, then Landlock, close every fd above 2, then seccomp."""
@@ -349,6 +376,20 @@ def probe_and_enter(uid: int) -> iso_mod.HostIsolation:
     if not iso.seccomp:
         iso.warnings.append("no seccomp filter on this host/architecture")
     return iso
+
+
+def _unshare_fork_setns(fd: int) -> None:
+    iso_mod.unshare(iso_mod.CLONE_NEWPID)
+    pid = os.fork()
+    if pid == 0:
+        os._exit(0)
+    os.waitpid(pid, 0)
+    iso_mod.setns(fd, iso_mod.CLONE_NEWPID)
+    pid = os.fork()
+    if pid == 0:
+        os._exit(0 if os.getpid() != 1 else 1)
+    if os.waitstatus_to_exitcode(os.waitpid(pid, 0)[1]) != 0:
+        raise OSError("setns did not return to the worker's pid namespace")
 
 
 def _forked_ok(fn) -> bool:

@@ -1,0 +1,80 @@
+"""The Docker backend against the same containment suite as the local one, plus pool hygiene and HumanEval."""
+
+import json
+import subprocess
+import uuid
+
+import pytest
+
+from megarl.sandbox import Job, Limits
+from megarl.sandbox.docker import LABEL, DockerSandbox
+from megarl.verifiers.code import CodeVerifier
+from sandbox_cases import (Listener, attacks, check_attack, humaneval_hacks, humaneval_problems, make_secret,
+                           target_paths)
+
+from conftest import IMAGE
+
+
+def _containers() -> list[str]:
+    out = subprocess.run(["docker", "ps", "-aq", "--filter", f"label={LABEL}"], capture_output=True, text=True)
+    return out.stdout.split()
+
+
+@pytest.fixture(scope="module")
+def sandbox():
+    sb = DockerSandbox(workers=2, image=IMAGE, limits=Limits(wall_s=5, cpu_s=5))
+    yield sb
+    sb.close()
+    assert _containers() == [], "the pool left containers behind"
+
+
+@pytest.fixture(scope="module")
+def host(tmp_path_factory):
+    listener = Listener()
+    yield make_secret(tmp_path_factory.mktemp("host")), listener
+    listener.close()
+
+
+def test_basic_statuses(sandbox):
+    r = sandbox.run(Job("print(input() + open('f').read())", stdin="a", files={"f": "b"}))
+    assert (r.status, r.stdout) == ("ok", "ab\n")
+    assert sandbox.run(Job("raise SystemExit(4)")).exit_code == 4
+    assert sandbox.run(Job("import time\ntime.sleep(9)", limits=Limits(wall_s=0.5))).status == "timeout"
+
+
+@pytest.mark.parametrize("index", range(11))
+def test_containment_suite(sandbox, host, index):
+    secret, listener = host
+    token = uuid.uuid4().hex
+    attack = attacks(secret, listener.port, token)[index]
+    check_attack(sandbox, attack, target_paths(secret, token), listener)
+    # Nothing of the attack is left in the container that ran it, nor in the other one.
+    for _ in range(2):
+        r = sandbox.run(Job("import json, os\nprint(json.dumps([[p for p in os.listdir('/proc') if p.isdigit()], "
+                            "os.listdir('/tmp'), os.listdir('/dev/shm')]))"))
+        pids, tmp, shm = json.loads(r.stdout)
+        assert len(pids) == 2 and len(tmp) == 1 and shm == [], r.stdout  # pid 1 and this job; its own dir
+
+
+def test_recycles_after_timeouts_and_n_jobs():
+    sb = DockerSandbox(workers=1, image=IMAGE, jobs_per_container=3, limits=Limits(wall_s=1, cpu_s=1))
+    try:
+        for _ in range(4):
+            assert sb.run(Job("print(1)")).stdout == "1\n"
+        assert sb.recycled == 1
+        assert sb.run(Job("while True: pass")).status == "timeout"
+        assert sb.recycled == 2 and sb.run(Job("print(2)")).stdout == "2\n"
+    finally:
+        sb.close()
+
+
+def test_humaneval_subset_through_docker():
+    verifier = CodeVerifier(backend="docker", image=IMAGE, workers=2, time_s=3.0)
+    problems = humaneval_problems()[3::16]
+    gold = [{"test": p["test"], "entry_point": p["entry_point"]} for p in problems]
+    good = verifier.verify_many([(p["prompt"] + p["canonical_solution"], g) for p, g in zip(problems, gold)])
+    assert [r.outcome for r in good] == ["correct"] * len(problems), [r.normalized for r in good]
+    bad = verifier.verify_many([(p["prompt"] + "    return None\n", g) for p, g in zip(problems, gold)])
+    assert all(r.score == 0.0 for r in bad)
+    assert all(r.score == 0.0 for r in verifier.verify_many([(h, gold[0]) for h in humaneval_hacks(problems[0])]))
+    verifier.sandbox.close()

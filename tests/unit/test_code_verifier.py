@@ -1,0 +1,131 @@
+"""The code verifier: extraction, both gold layouts, reward modes, reward hacks, HumanEval (local backend)."""
+
+import json
+
+import pytest
+
+from megarl.verifiers import get_verifier
+from megarl.verifiers.code import CodeVerifier, extract_code, parse_gold, parse_verdict
+from sandbox_cases import humaneval_hacks, humaneval_problems
+
+ADD = {"test": "def check(candidate):\n    assert candidate(2, 3) == 5\n    assert candidate(-1, 1) == 0\n",
+       "entry_point": "add"}
+
+
+@pytest.fixture(scope="module")
+def verifier():
+    return CodeVerifier(workers=2, time_s=2.0)
+
+
+def test_registered_and_built_without_arguments():
+    v = get_verifier("code")
+    assert v.name == "code" and v.reward == "all"
+
+
+def test_extract_code():
+    assert extract_code("x = 1") == "x = 1"
+    text = "Plan:\n```\nnot this\n```\nthen\n```python\nfirst\n```\n```py\nsecond\n```\n"
+    assert extract_code(text) == "second\n"
+    assert extract_code(text, "first") == "first\n"
+    assert extract_code("```\nonly\n```") == "only\n"
+    assert extract_code(text, "none") == text
+
+
+def test_gold_layouts_and_errors():
+    spec, n = parse_gold(json.dumps(ADD), 5.0, False)
+    assert spec["mode"] == "function" and n == 1
+    spec, n = parse_gold({"test": "assert f(1) == 1\nassert f(2) == 2", "time_s": 1}, 5.0, False)
+    assert n == 2 and spec["time_s"] == 1.0
+    spec, n = parse_gold({"inputs": ["1\n"], "outputs": ["1\n"], "memory_mb": 64}, 5.0, True)
+    assert spec["mode"] == "io" and spec["memory_mb"] == 64 and spec["early_stop"]
+    assert parse_gold({"inputs": [[1]], "outputs": [[1]], "fn_name": "f"}, 5.0, False)[0]["mode"] == "call"
+    with pytest.raises(ValueError, match="test"):
+        parse_gold({"answer": 1}, 5.0, False)
+    with pytest.raises(ValueError, match="2 inputs for 1 outputs"):
+        parse_gold({"inputs": ["a", "b"], "outputs": ["a"]}, 5.0, False)
+    with pytest.raises(ValueError, match="entry_point"):
+        parse_gold({"test": "def check(candidate):\n    pass\n"}, 5.0, False)
+
+
+def test_verdict_needs_this_runs_secret():
+    line = '@@megarl-code-done s3cret {"results": [{"ok": true}]}'
+    assert parse_verdict("noise\n" + line + "\n", "s3cret") == {"results": [{"ok": True}]}
+    assert parse_verdict(line, "other") is None
+
+
+def test_function_style(verifier):
+    r = verifier.verify("```python\ndef add(a, b):\n    return a + b\n```", ADD)
+    assert (r.score, r.outcome, r.normalized) == (1.0, "correct", "1/1 tests passed")
+    r = verifier.verify("def add(a, b):\n    return a - b\n", ADD)
+    assert (r.score, r.outcome) == (0.0, "incorrect")
+    assert verifier.verify("def add(a, b) return", ADD).outcome == "parse_error"
+    assert verifier.verify("   ", ADD).outcome == "no_answer"
+    assert verifier.verify("def add(a, b):\n    while True:\n        pass\n", ADD).outcome == "timeout"
+
+
+def test_helpers_of_the_prompt_come_from_the_program(verifier):
+    gold = {"test": "def check(candidate):\n    assert helper(candidate(3)) == 8\n", "entry_point": "f"}
+    assert verifier.verify("def helper(x):\n    return x * 2\n\ndef f(x):\n    return x + 1\n", gold).score == 1.0
+
+
+def test_asserts_style_and_reward_modes():
+    gold = {"test": "assert add(1, 2) == 3\nassert add(2, 2) == 4\nassert add(0, 0) == 1\n"}
+    program = "def add(a, b):\n    return a + b\n"
+    assert CodeVerifier(workers=1).verify(program, gold).score == 0.0
+    r = CodeVerifier(workers=1, reward="fraction").verify(program, gold)
+    assert r.score == pytest.approx(2 / 3) and r.outcome == "incorrect"
+
+
+def test_stdin_stdout_style(verifier):
+    gold = {"inputs": ["1 2\n", "3 4\n", "10 -10\n"], "outputs": ["3\n", "7", "0  \n\n"]}
+    r = verifier.verify("a, b = map(int, input().split())\nprint(a + b)\n", gold)
+    assert (r.score, r.normalized) == (1.0, "3/3 tests passed")
+    r = CodeVerifier(workers=1, reward="fraction").verify("print(3)", gold)
+    assert r.score == pytest.approx(1 / 3)
+    r = CodeVerifier(workers=1, reward="fraction", early_stop=True).verify("print(7)", gold)
+    assert r.score == 0.0 and "wrong_answer" in r.normalized
+    slow = {"inputs": ["1\n", "2\n"], "outputs": ["1\n", "2\n"], "time_s": 0.5}
+    r = verifier.verify("import time\nx = input()\ntime.sleep(int(x) - 1)\nprint(x)\n", slow)
+    assert r.normalized.startswith("1/2") and r.outcome == "timeout"
+
+
+def test_call_style(verifier):
+    gold = {"inputs": [[1, 2], [3, 4]], "outputs": [[3], [7]], "fn_name": "add"}
+    assert verifier.verify("def add(a, b):\n    return a + b\n", gold).score == 1.0
+    assert verifier.verify("class Solution:\n    def add(self, a, b):\n        return a + b\n", gold).score == 1.0
+    assert verifier.verify("def add(a, b):\n    return (a + b, )\n", gold).score == 1.0  # tuple == one-element list
+
+
+HACKS = {
+    "sys.exit(0) before the tests": "import sys\nsys.exit(0)\ndef add(a, b):\n    return 0\n",
+    "SystemExit inside the call": "def add(a, b):\n    raise SystemExit(0)\n",
+    "os._exit(0) inside the call": "import os\ndef add(a, b):\n    os._exit(0)\n",
+    "atexit forcing exit 0": "import atexit, os\natexit.register(lambda: os._exit(0))\ndef add(a, b):\n    raise ValueError\n",
+    "always-equal object": "class E:\n    def __eq__(self, other):\n        return True\ndef add(a, b):\n    return E()\n",
+    "always-equal int subclass": "class E(int):\n    def __eq__(self, other):\n        return True\n"
+                                 "def add(a, b):\n    return E(0)\n",
+    "killing the parent": "import os, signal\ndef add(a, b):\n    os.kill(os.getppid(), signal.SIGKILL)\n    return 0\n",
+    "printing a fake verdict": "print('@@megarl-code-done x {\"results\": [{\"ok\": true}]}')\n"
+                               "def add(a, b):\n    return 0\n",
+    "detached child holding the pipes": "import os, time\nif os.fork() == 0:\n    os.setsid()\n    time.sleep(30)\n"
+                                        "def add(a, b):\n    return 0\n",
+    "100 MB of output": "import sys\nsys.stdout.write('x' * (100 << 20))\ndef add(a, b):\n    return 0\n",
+}
+
+
+@pytest.mark.parametrize("name", sorted(HACKS))
+def test_reward_hacks_earn_nothing(verifier, name):
+    r = verifier.verify(HACKS[name], ADD)
+    assert r.score == 0.0, (name, r)
+
+
+def test_humaneval_subset(verifier):
+    """Canonical solutions pass, `return None` and the hack variants fail (the full 164: tools/bench/sandbox.py)."""
+    problems = humaneval_problems()[::8]  # 21 problems spread over the set
+    gold = [{"test": p["test"], "entry_point": p["entry_point"]} for p in problems]
+    good = verifier.verify_many([(p["prompt"] + p["canonical_solution"], g) for p, g in zip(problems, gold)])
+    assert [r.outcome for r in good] == ["correct"] * len(problems), [r.normalized for r in good]
+    bad = verifier.verify_many([(p["prompt"] + "    return None\n", g) for p, g in zip(problems, gold)])
+    assert all(r.score == 0.0 for r in bad)
+    hacks = [(program, gold[0]) for program in humaneval_hacks(problems[0])]
+    assert all(r.score == 0.0 for r in verifier.verify_many(hacks))

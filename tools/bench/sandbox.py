@@ -1,0 +1,191 @@
+"""Sandbox throughput, side by side: local backend, Docker pool, and a plain subprocess-per-job baseline.
+
+    python tools/bench/sandbox.py [--workers 2] [--trivial 300] [--humaneval] [--stress 10000]
+                                  [--containment] [--backends local,docker] [--json out.json]
+
+- trivial: `print(1)` jobs/s through each backend and through `subprocess.run([python, -c, src])` on as many
+  threads as workers (the baseline: no isolation at all).
+- --humaneval: the 164 canonical solutions through the code verifier on each backend, vs the baseline running
+  prompt + solution + test + `check(entry_point)` in one subprocess each and trusting its exit code; also checks
+  that every canonical solution passes, every `return None` variant and every reward-hack variant fails.
+- --stress N: N jobs with random attacks mixed in (~5%): every job must get a result; prints the statuses.
+- --containment: the containment suite of tests/sandbox_cases.py, one row per attack and backend.
+Docker needs a running engine and `make sandbox-image`; without them its column is skipped with the reason.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import random
+import subprocess
+import sys
+import tempfile
+import time
+import uuid
+from collections import Counter
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[2]
+sys.path[:0] = [str(REPO), str(REPO / "tests")]
+
+from megarl.sandbox import Job, Limits, make_sandbox  # noqa: E402
+from megarl.sandbox.docker import docker_status  # noqa: E402
+from megarl.verifiers.code import CodeVerifier  # noqa: E402
+
+
+def baseline_run(source: str, timeout: float = 10.0) -> bool:
+    try:
+        return subprocess.run([sys.executable, "-c", source], capture_output=True, timeout=timeout).returncode == 0
+    except subprocess.TimeoutExpired:
+        return False
+
+
+def rate(n: int, fn) -> tuple[float, object]:
+    start = time.perf_counter()
+    out = fn()
+    return n / (time.perf_counter() - start), out
+
+
+def bench_trivial(backends, workers, n) -> dict:
+    figures = {}
+    with ThreadPoolExecutor(workers) as pool:
+        figures["subprocess baseline"], _ = rate(n, lambda: list(pool.map(baseline_run, ["print(1)"] * n)))
+    for name, sb in backends.items():
+        sb.run(Job("print(1)"))  # warm
+        figures[name], results = rate(n, lambda: sb.run_many([Job("print(1)")] * n))
+        assert all(r.stdout == "1\n" for r in results), Counter(r.status for r in results)
+    return figures
+
+
+def bench_humaneval(backends, workers) -> dict:
+    from sandbox_cases import humaneval_hacks, humaneval_problems
+
+    problems = humaneval_problems()
+    gold = [{"test": p["test"], "entry_point": p["entry_point"]} for p in problems]
+    programs = [p["prompt"] + p["canonical_solution"] for p in problems]
+    sources = [prog + "\n" + p["test"] + f"\ncheck({p['entry_point']})\n" for prog, p in zip(programs, problems)]
+    figures = {}
+    with ThreadPoolExecutor(workers) as pool:
+        figures["subprocess baseline"], ok = rate(len(sources), lambda: list(pool.map(baseline_run, sources)))
+    figures["subprocess baseline passed"] = sum(ok)
+    for name, sb in backends.items():
+        verifier = CodeVerifier(backend=name, workers=workers)
+        verifier_sandbox = verifier.sandbox
+        verifier_sandbox.run(Job("print(1)"))
+        figures[name], good = rate(len(programs), lambda: verifier.verify_many(list(zip(programs, gold))))
+        figures[f"{name} canonical passed"] = sum(r.outcome == "correct" for r in good)
+        bad = verifier.verify_many([(p["prompt"] + "    return None\n", g) for p, g in zip(problems, gold)])
+        figures[f"{name} return-None failed"] = sum(r.score == 0.0 for r in bad)
+        hacks = [(h, g) for p, g in zip(problems[::8], gold[::8]) for h in humaneval_hacks(p)]
+        figures[f"{name} hacks failed"] = f"{sum(r.score == 0.0 for r in verifier.verify_many(hacks))}/{len(hacks)}"
+        failures = [(p["task_id"], r.normalized) for p, r in zip(problems, good) if r.outcome != "correct"]
+        if failures:
+            figures[f"{name} canonical failures"] = failures
+        verifier_sandbox.close()
+    return figures
+
+
+STRESS_ATTACKS = [
+    "while True:\n    pass\n",
+    "import os\nwhile True:\n    try:\n        os.fork()\n    except OSError:\n        pass\n",
+    "x = []\nwhile True:\n    x.append(bytearray(10 ** 7))\n",
+    "import sys\nsys.stdout.write('x' * (20 << 20))\n",
+    "import os, time\nif os.fork() == 0:\n    os.setsid()\n    time.sleep(60)\nprint(1)\n",
+    "import os, signal\nos.kill(os.getppid(), signal.SIGKILL)\nprint(1)\n",
+    "import signal, time\nsignal.signal(signal.SIGTERM, signal.SIG_IGN)\ntime.sleep(60)\n",
+    "open('/etc/pwned', 'w')\n",
+]
+
+
+def bench_stress(backends, n, seed=0) -> dict:
+    rng = random.Random(seed)
+    jobs, kinds = [], []
+    for i in range(n):
+        if rng.random() < 0.05:
+            jobs.append(Job(rng.choice(STRESS_ATTACKS), limits=Limits(wall_s=1.0, cpu_s=1.0, memory_mb=256)))
+            kinds.append("attack")
+        else:
+            jobs.append(Job(f"print({i} * 2)"))
+            kinds.append(i)
+    figures = {}
+    for name, sb in backends.items():
+        start = time.perf_counter()
+        results = sb.run_many(jobs)
+        seconds = time.perf_counter() - start
+        wrong = sum(1 for k, r in zip(kinds, results) if k != "attack" and r.stdout != f"{k * 2}\n")
+        figures[name] = {"jobs": n, "results": len(results), "seconds": round(seconds, 1),
+                         "attacks": kinds.count("attack"), "wrong benign results": wrong,
+                         "statuses": dict(Counter(r.status for r in results)),
+                         "max job wall_s": max(r.wall_s for r in results)}
+    return figures
+
+
+def bench_containment(backends) -> dict:
+    from sandbox_cases import Listener, attacks, check_attack, make_secret, target_paths
+
+    rows = {}
+    with tempfile.TemporaryDirectory() as tmp:
+        secret = make_secret(Path(tmp))
+        listener = Listener()
+        for name, sb in backends.items():
+            for attack in attacks(secret, listener.port, "x"):
+                token = uuid.uuid4().hex
+                attack = next(a for a in attacks(secret, listener.port, token) if a.name == attack.name)
+                try:
+                    row = check_attack(sb, attack, target_paths(secret, token), listener)
+                    rows[f"{name} {attack.name}"] = f"contained: {row['status']} ({row['wall_s']:.2f} s)"
+                except AssertionError as e:
+                    rows[f"{name} {attack.name}"] = f"NOT CONTAINED: {e}"
+        listener.close()
+    return rows
+
+
+def main(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--workers", type=int, default=2)
+    parser.add_argument("--trivial", type=int, default=300, help="trivial jobs per backend (0: skip)")
+    parser.add_argument("--humaneval", action="store_true")
+    parser.add_argument("--stress", type=int, default=0, help="jobs in the stress run (0: skip)")
+    parser.add_argument("--containment", action="store_true")
+    parser.add_argument("--backends", default="local,docker")
+    parser.add_argument("--json", help="also write the figures here")
+    args = parser.parse_args(argv)
+
+    backends = {}
+    for name in args.backends.split(","):
+        if name == "docker" and (reason := docker_status()):
+            print(f"docker: skipped ({reason})")
+            continue
+        backends[name] = make_sandbox(name, workers=args.workers, limits=Limits(wall_s=10, cpu_s=10))
+        print(f"{name}: {backends[name].describe()}")
+    report = {}
+    try:
+        if args.trivial:
+            report["trivial jobs/s"] = bench_trivial(backends, args.workers, args.trivial)
+        if args.humaneval:
+            report["humaneval cases/s"] = bench_humaneval(backends, args.workers)
+        if args.containment:
+            report["containment"] = bench_containment(backends)
+        if args.stress:
+            report["stress"] = bench_stress(backends, args.stress)
+    finally:
+        for sb in backends.values():
+            sb.close()
+    for section, figures in report.items():
+        print(f"\n== {section}")
+        for key, value in figures.items():
+            print(f"  {key:40s} {value:.1f}" if isinstance(value, float) else f"  {key:40s} {value}")
+    for section, key in (("trivial jobs/s", None), ("humaneval cases/s", None)):
+        figures = report.get(section, {})
+        base = figures.get("subprocess baseline")
+        for name in backends:
+            if base and name in figures:
+                print(f"{section}: {name} / baseline = {figures[name] / base:.1f}x")
+    if args.json:
+        Path(args.json).write_text(json.dumps(report, indent=1, default=str))
+
+
+if __name__ == "__main__":
+    main()
