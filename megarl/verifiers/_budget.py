@@ -163,10 +163,10 @@ def serve(preload: tuple[str, ...], memory_mib: int) -> None:
             resource.setrlimit(resource.RLIMIT_AS, (limit, limit))
         except (ValueError, OSError):
             pass
+    stdin, stdout = sys.stdin.buffer, sys.stdout.buffer
+    sys.stdout = sys.stderr  # stray prints (from imports too) must not corrupt the channel
     for name in preload:
         importlib.import_module(name)
-    stdin, stdout = sys.stdin.buffer, sys.stdout.buffer
-    sys.stdout = sys.stderr  # stray prints must not corrupt the channel
     stdout.write(_READY)
     stdout.flush()
     while True:

@@ -19,7 +19,9 @@ _BOX = re.compile(r"\\(?:boxed|fbox)\b")
 _MARKER = re.compile(r"(?<![A-Za-z])(?:final\s+answer|answer)\b\s*(?:\*\*)?\s*(?:is\b|:|=)?\s*(?:\*\*)?\s*:?", re.I)
 # $$..$$ | $..$ (not \$) | \[..\] | \(..\)
 _MATH = re.compile(r"\$\$(.+?)\$\$|(?<!\\)\$((?:[^$\\]|\\.)+?)(?<!\\)\$|\\\[(.+?)\\\]|\\\((.+?)\\\)", re.S)
-_NUMBER = re.compile(r"(?<![\w.,\\])-?(?:\d{1,3}(?:,\d{3})+(?:\.\d+)?|\d+(?:\.\d+)?|\.\d+)(?:\s*/\s*\d+)?(?:\s*%)?(?!\d)")
+# a number standing on its own (not inside a word such as `AZYUK2A`): 1,000.5  .4  2/3  100%
+_NUMBER = re.compile(r"(?<![\w.,\\])-?(?:\d{1,3}(?:,\d{3})+(?:\.\d+)?|\d+(?:\.\d+)?|\.\d+)"
+                     r"(?:\s*/\s*\d+)?(?:\s*%)?(?!\d)")
 _PROSE_WORD = re.compile(r"(?<![\\A-Za-z])[A-Za-z]{3,}(?![A-Za-z(])")
 _SEPARATOR_WORDS = {"and", "or", "pct", "percent", "percentage"}
 _BOX_GAP = re.compile(r"^(?:\s|\$|\\[()\[\]]|\\q?quad|\\text\{[^{}]{0,30}\}|\*\*[^*]{0,20}\*\*|[,;.]|and|or"
@@ -43,7 +45,8 @@ def final_answer(response: str, strategy: str = "lenient") -> str | None:
     if boxed:
         return _join_adjacent_boxes(text, boxed)
     plain = text.strip()
-    if plain and len(plain) < 200 and not _is_prose(plain) and (len(plain.split()) <= 2 or re.search(r"[\d\\=^]", plain)):
+    short = len(plain.split()) <= 2 or re.search(r"[\d\\=^]", plain)
+    if plain and len(plain) < 200 and short and not _is_prose(plain):
         return plain  # the whole response is the answer: a formula or a word or two, not "I give up"
     return _last_math_or_number(text)
 

@@ -37,7 +37,8 @@ def boxed(answer: str) -> str:
 NUMBERS = [
     ("42", "42", True), ("42.0", "42", True), ("-7", "-7", True), ("7", "-7", False),
     ("1,234,567", "1234567", True), ("12{,}345", "12345", True), ("1\\,000", "1000", True),
-    (".5", "0.5", True), ("0.50", "\\frac{1}{2}", True), ("2.5e3", "2500", True), ("1.5\\times 10^{-3}", "0.0015", True),
+    (".5", "0.5", True), ("0.50", "\\frac{1}{2}", True), ("2.5e3", "2500", True),
+    ("1.5\\times 10^{-3}", "0.0015", True),
     ("2.5e3", "250", False), ("007", "7", True), ("17", "71", False),
 ]
 FRACTIONS = [
@@ -54,8 +55,9 @@ CONSTANTS_AND_RADICALS = [
 ]
 EXPRESSIONS = [
     ("(x+1)^2", "x^2+2x+1", True), ("(x+1)^2", "x^2+1", False), ("\\sin^2 x+\\cos^2 x", "1", True),
-    ("2\\sin x\\cos x", "\\sin(2x)", True), ("2\\sin x\\cos x", "\\sin(3x)", False), ("\\frac{x}{2}+\\frac{1}{2}", "\\frac{x+1}{2}", True),
-    ("x+x", "3x", False), ("3+4i", "4i+3", True), ("3+4i", "3+5i", False), ("\\frac{n(n+1)}{2}", "\\frac{n^2+n}{2}", True),
+    ("2\\sin x\\cos x", "\\sin(2x)", True), ("2\\sin x\\cos x", "\\sin(3x)", False),
+    ("\\frac{x}{2}+\\frac{1}{2}", "\\frac{x+1}{2}", True), ("x+x", "3x", False), ("3+4i", "4i+3", True),
+    ("3+4i", "3+5i", False), ("\\frac{n(n+1)}{2}", "\\frac{n^2+n}{2}", True),
 ]
 RELATIONS = [
     ("y=2x+1", "2x-y+1=0", True), ("y=2x+1", "y=2x-1", False), ("x>3", "3<x", True), ("x\\ge 3", "x>3", False),
