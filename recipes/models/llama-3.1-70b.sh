@@ -13,6 +13,7 @@ MODEL_ARGS=(
   --tensor-model-parallel-size 8
   --pipeline-model-parallel-size 4
   --transformer-impl transformer_engine
+  --sequence-parallel           # shard the norms' activations over TP too
   --bf16
   --use-distributed-optimizer
 )

@@ -11,5 +11,6 @@ MODEL_ARGS=(
   --tensor-model-parallel-size 4
   --pipeline-model-parallel-size 1
   --transformer-impl transformer_engine
+  --sequence-parallel           # shard the norms' activations over TP too
   --bf16
 )

@@ -111,10 +111,12 @@ def test_cli_without_a_shape_says_what_to_give():
     assert proc.returncode == 2 and "no model shape: give --model" in proc.stderr
 
 
+ONE_GPU = ["--tensor-model-parallel-size", "1", "--no-sequence-parallel"]
+
+
 @pytest.mark.parametrize("model,gpus,extra,verdict", [
-    ("qwen2.5-math-1.5b", 1, ["--tensor-model-parallel-size", "1"], "recommendation: neither"),
-    ("qwen2.5-math-1.5b", 1, ["--tensor-model-parallel-size", "1", "--micro-batch-size", "2"],
-     "recommendation: colocated"),
+    ("qwen2.5-math-1.5b", 1, ONE_GPU, "recommendation: neither"),
+    ("qwen2.5-math-1.5b", 1, [*ONE_GPU, "--micro-batch-size", "2"], "recommendation: colocated"),
     ("qwen2.5-math-7b", 8, [], "recommendation: colocated"),
     ("llama-3.1-70b", 64, [], "recommendation: colocated"),
 ])
