@@ -406,6 +406,7 @@ def recommend(s: ModelShape, r: Run, cluster: Cluster) -> tuple[str, str, Plan, 
                    f"SGLang and {cluster.gpus - dis.run.rollout_gpus} for training it does")
         return "disaggregated", why, colo, dis
     fix = fixes(s, replace(r, mode="colocated", rollout_gpus=0), cluster)
-    why = "neither layout fits: " + (colo.memory[0].problems or ["?"])[0]
+    why = ("neither layout fits: " if dis is not None else "it does not fit (one GPU: colocated only): ")
+    why += (colo.memory[0].problems or ["?"])[0]
     why += f"; each of these makes colocated fit: {'; '.join(fix)}" if fix else "; it needs more GPUs or a smaller model"
     return "neither", why, colo, dis or colo
