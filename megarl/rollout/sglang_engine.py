@@ -124,9 +124,10 @@ class SGLangEngine:
 
     `engine` is an `sglang.Engine` or anything with its methods (the tests pass a recording fake)."""
 
-    def __init__(self, engine, *, tp_size: int = 1, colocated: bool = True,
+    def __init__(self, engine, *, tp_size: int = 1, colocated: bool = True, dtype: torch.dtype | None = None,
                  serialize: Callable[[WeightBucket, int], list] = serialize_bucket):
         self.engine = engine
+        self.dtype = dtype  # weights are sent in this dtype (None: as the actor holds them)
         self.tp_size = tp_size
         self.colocated = colocated
         self.serialize = serialize
@@ -146,7 +147,8 @@ class SGLangEngine:
                                mem_fraction_static=mem_fraction, dtype=dtype, random_seed=seed,
                                enable_memory_saver=colocated, skip_tokenizer_init=True, log_level="error",
                                **server_args)
-        return cls(engine, tp_size=tp_size, colocated=colocated)
+        return cls(engine, tp_size=tp_size, colocated=colocated,
+                   dtype=getattr(torch, dtype) if dtype in ("bfloat16", "float16", "float32") else None)
 
     # -- rollout ---------------------------------------------------------------------------------------------
 

@@ -10,7 +10,9 @@ engine:
   sync needs one bucket of extra memory, not a second copy of the model, on the engine's side.
 - A bucket holds one dtype. Every tensor then starts at an offset aligned for its dtype with no padding, and the
   bytes handed over are exactly the parameter bytes; `push` refuses a name sent twice, so a sync moves each
-  parameter once (`SyncStats.bytes == model_parameter_count(shape) * itemsize`, checked by the tests).
+  parameter once (`SyncStats.bytes == model_parameter_count(shape) * itemsize`, checked by the tests). Floating
+  tensors travel in the engine's dtype (a bf16 engine gets Megatron's fp32 norm weights as bf16): the engine
+  would round them on load anyway.
 - Every sync carries a weight version, which the engine stamps on the completions it generates afterwards.
 
 Engines that take buckets implement `load_weight_buckets(buckets, version)`; any other `RolloutEngine` receives a
@@ -68,36 +70,37 @@ class WeightBucket:
         return [(s.name, self.flat[s.start : s.end].view(s.dtype).view(s.shape)) for s in self.slots]
 
 
-def pack_buckets(named_tensors: Iterable[tuple[str, torch.Tensor]], bucket_bytes: int = DEFAULT_BUCKET_BYTES
-                 ) -> Iterator[WeightBucket]:
-    """Group consecutive tensors into buckets of at most `bucket_bytes` (a larger tensor gets a bucket of its own)
-    and of one dtype and device; each bucket is built when it is full, so at most one is alive here at a time."""
+def pack_buckets(named_tensors: Iterable[tuple[str, torch.Tensor]], bucket_bytes: int = DEFAULT_BUCKET_BYTES,
+                 dtype: torch.dtype | None = None) -> Iterator[WeightBucket]:
+    """Group tensors into buckets of at most `bucket_bytes` (a larger tensor gets a bucket of its own), one per
+    dtype and device; a bucket is built when it is full, so at most one per dtype is pending at a time. Floating
+    tensors are cast to `dtype` when given (the engine's dtype: what it stores is what moves)."""
     if bucket_bytes < 1:
         raise ValueError(f"bucket_bytes must be >= 1, got {bucket_bytes}")
-    pending: list[tuple[str, torch.Tensor]] = []
-    size = 0
+    pending: dict[tuple, tuple[list[tuple[str, torch.Tensor]], int]] = {}
     for name, tensor in named_tensors:
-        nbytes = tensor.numel() * tensor.element_size()
-        if pending and (size + nbytes > bucket_bytes or tensor.dtype != pending[0][1].dtype
-                        or tensor.device != pending[0][1].device):
-            yield _flatten(pending)
-            pending, size = [], 0
-        pending.append((name, tensor))
-        size += nbytes
-    if pending:
-        yield _flatten(pending)
+        target = dtype if dtype is not None and tensor.is_floating_point() else tensor.dtype
+        nbytes = tensor.numel() * target.itemsize
+        key = (target, tensor.device)
+        group, size = pending.get(key, ([], 0))
+        if group and size + nbytes > bucket_bytes:
+            yield _flatten(group, target)
+            group, size = [], 0
+        pending[key] = (group + [(name, tensor)], size + nbytes)
+    for (target, _), (group, _) in pending.items():
+        yield _flatten(group, target)
 
 
 @torch.no_grad()
-def _flatten(named: list[tuple[str, torch.Tensor]]) -> WeightBucket:
-    total = sum(t.numel() * t.element_size() for _, t in named)
+def _flatten(named: list[tuple[str, torch.Tensor]], dtype: torch.dtype) -> WeightBucket:
+    total = sum(t.numel() for _, t in named) * dtype.itemsize
     flat = torch.empty(total, dtype=torch.uint8, device=named[0][1].device)
     slots, offset = [], 0
     for name, tensor in named:
-        nbytes = tensor.numel() * tensor.element_size()
+        nbytes = tensor.numel() * dtype.itemsize
         if nbytes:
-            flat[offset : offset + nbytes].copy_(tensor.detach().contiguous().view(-1).view(torch.uint8))
-        slots.append(TensorSlot(name, tuple(tensor.shape), tensor.dtype, offset, offset + nbytes))
+            flat[offset : offset + nbytes].view(dtype).copy_(tensor.detach().reshape(-1))  # copy_ casts
+        slots.append(TensorSlot(name, tuple(tensor.shape), dtype, offset, offset + nbytes))
         offset += nbytes
     return WeightBucket(flat, slots)
 
@@ -122,14 +125,15 @@ class SyncStats:
 
 def push(engine, named_tensors: Iterable[tuple[str, torch.Tensor]], version: int,
          bucket_bytes: int = DEFAULT_BUCKET_BYTES) -> SyncStats:
-    """Hand `named_tensors` to `engine` in buckets and stamp `version`; returns what moved."""
+    """Hand `named_tensors` to `engine` in buckets, cast to the engine's `dtype` attribute when it has one, and
+    stamp `version`; returns what moved."""
     stats = SyncStats(version=version)
     cuda = torch.cuda.is_available()
     if cuda:
         torch.cuda.synchronize()
         torch.cuda.reset_peak_memory_stats()
     start = time.perf_counter()
-    buckets = _counted(pack_buckets(named_tensors, bucket_bytes), stats)
+    buckets = _counted(pack_buckets(named_tensors, bucket_bytes, getattr(engine, "dtype", None)), stats)
     if hasattr(engine, "load_weight_buckets"):
         engine.load_weight_buckets(buckets, version)
     else:

@@ -261,3 +261,52 @@ def test_sglang_serializer_and_flattened_bucket_round_trip():
         empty = FlattenedTensorBucket.empty([s.name for s in bucket.slots], [s.dtype for s in bucket.slots],
                                             [s.shape for s in bucket.slots], "cpu")
         assert [(m.start_idx, m.end_idx) for m in empty.get_metadata()] == [(s.start, s.end) for s in bucket.slots]
+
+
+def _sglang_receiver(port, queue, buckets):
+    """SGLang's side of the weight-update group, with SGLang's own rendezvous and receive bucket."""
+    import torch.distributed as dist
+    from sglang.srt.utils import init_custom_process_group
+    from sglang.srt.weight_sync.tensor_bucket import FlattenedTensorBucket
+
+    pg = init_custom_process_group(backend="gloo", init_method=f"tcp://127.0.0.1:{port}", world_size=2, rank=1,
+                                   group_name="megarl_weights")
+    for _ in range(buckets):
+        names, dtypes, shapes = queue.get()
+        bucket = FlattenedTensorBucket.empty(names, dtypes, shapes, "cpu")
+        dist.broadcast(bucket.get_flattened_tensor(), src=0, group=pg)
+        queue.put([(n, t.clone()) for n, t in bucket.reconstruct_tensors()])
+
+
+@pytest.mark.skipif(not _SGLANG, reason=f"{_WHY}; the adapter's contract is tested above with fakes")
+def test_weight_update_group_joins_sglang_and_broadcasts_a_bucket():
+    """Disaggregated push over gloo: our group rendezvous meets SGLang's `init_custom_process_group`, and the
+    broadcast flat bucket is what SGLang's receiver rebuilds from (names, dtypes, shapes) alone."""
+    import multiprocessing as mp
+    import socket
+
+    import torch.distributed as dist
+
+    from megarl.rollout.sglang_engine import init_weights_update_group
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    named = [("a", torch.randn(3, 4)), ("b", torch.randn(5)), ("c", torch.randn(2, 3).to(torch.bfloat16))]
+    buckets = list(pack_buckets(named, 1 << 20))  # fp32 and bf16
+    ctx = mp.get_context("spawn")
+    queue = ctx.Queue()
+    child = ctx.Process(target=_sglang_receiver, args=(port, queue, len(buckets)))
+    child.start()
+    try:
+        pg = init_weights_update_group("gloo", "127.0.0.1", port, 0, 2, "megarl_weights", timeout_s=60)
+        for bucket in buckets:
+            queue.put(([s.name for s in bucket.slots], [str(s.dtype).removeprefix("torch.") for s in bucket.slots],
+                       [list(s.shape) for s in bucket.slots]))
+            dist.broadcast(bucket.flat, src=0, group=pg)
+            got = dict(queue.get(timeout=60))
+            assert all(torch.equal(got[n], t) for n, t in bucket.tensors())
+    finally:
+        child.join(timeout=30)
+        if child.is_alive():
+            child.kill()

@@ -33,15 +33,27 @@ def _mixed_tensors():
 def test_buckets_round_trip_exactly_and_respect_the_bound(bucket_bytes):
     named = _mixed_tensors()
     buckets = list(pack_buckets(named, bucket_bytes))
-    out = [pair for b in buckets for pair in b.tensors()]
-    assert [n for n, _ in out] == [n for n, _ in named], "order and names are kept"
-    for (_, want), (_, got) in zip(named, out):
+    out = dict(pair for b in buckets for pair in b.tensors())
+    assert sorted(out) == sorted(n for n, _ in named)
+    for name, want in named:
+        got = out[name]
         assert got.dtype == want.dtype and got.shape == want.shape and torch.equal(got, want)
     for b in buckets:
         assert len({s.dtype for s in b.slots}) == 1, "one dtype per bucket: offsets need no padding"
         assert b.nbytes <= bucket_bytes or len(b.slots) == 1, "only a single oversized tensor exceeds the bound"
         assert b.flat.dtype == torch.uint8 and b.nbytes == sum(s.end - s.start for s in b.slots)
     assert sum(b.nbytes for b in buckets) == sum(t.numel() * t.element_size() for _, t in named)
+
+
+def test_alternating_dtypes_share_buckets_and_cast_to_the_engine_dtype():
+    named = [(f"w{i}", torch.randn(4)) if i % 2 else (f"w{i}", torch.randn(4).to(torch.bfloat16)) for i in range(8)]
+    assert len(list(pack_buckets(named, 1 << 20))) == 2, "one pending bucket per dtype, not one per dtype change"
+    (bucket,) = pack_buckets(named, 1 << 20, dtype=torch.bfloat16)
+    assert bucket.nbytes == 8 * 4 * 2
+    for (name, want), (_, got) in zip(named, bucket.tensors()):
+        assert got.dtype == torch.bfloat16 and torch.equal(got, want.to(torch.bfloat16)), name
+    ids = list(pack_buckets([("ids", torch.arange(3))], 1 << 20, dtype=torch.bfloat16))[0].tensors()[0][1]
+    assert ids.dtype == torch.int64, "only floating tensors are cast"
 
 
 def test_unpacked_tensors_are_views_of_the_bucket():

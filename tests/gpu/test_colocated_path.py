@@ -1,0 +1,92 @@
+"""The colocated GPU path: CUDA IPC of a weight bucket, offload that really frees GPU memory, and
+`tools/gpu_check.py`'s parts (tiny and 0.5B GRPO with verified syncs; the TE spec and the SGLang colocated cycle
+when those import). Skipped without CUDA (tests/gpu/conftest.py)."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+
+import pytest
+import torch
+from helpers import REPO, env
+
+from megarl.rollout.weight_sync import pack_buckets
+
+
+def _child_checksums(queue_in, queue_out):
+    flat, slots = queue_in.get()  # a CUDA tensor arrives as an IPC handle onto the parent's memory
+    sums = [float(flat[s.start : s.end].view(s.dtype).double().sum()) for s in slots]
+    queue_out.put((flat.device.type, sums))
+
+
+def test_cuda_bucket_crosses_processes_by_ipc():
+    import torch.multiprocessing as mp
+
+    named = [(f"w{i}", torch.randn(256, 64, device="cuda", dtype=torch.bfloat16)) for i in range(4)]
+    (bucket,) = pack_buckets(named, 1 << 30)
+    ctx = mp.get_context("spawn")
+    q_in, q_out = ctx.Queue(), ctx.Queue()
+    child = ctx.Process(target=_child_checksums, args=(q_in, q_out))
+    child.start()
+    q_in.put((bucket.flat, bucket.slots))
+    device, sums = q_out.get(timeout=120)
+    child.join(timeout=60)
+    assert device == "cuda"
+    assert sums == [float(t.double().sum()) for _, t in named]
+
+
+def test_offload_frees_gpu_memory_and_restores_it():
+    from megarl.mcore.offload import Offloader
+
+    model = torch.nn.Sequential(*[torch.nn.Linear(1024, 1024) for _ in range(8)]).cuda()
+    opt = torch.optim.Adam(model.parameters())
+    model(torch.randn(4, 1024, device="cuda")).sum().backward()
+    opt.step()
+    before = [p.detach().clone() for p in model.parameters()]
+    torch.cuda.synchronize()
+    allocated = torch.cuda.memory_allocated()
+    off = Offloader(model, opt)
+    freed = off.offload()
+    assert allocated - torch.cuda.memory_allocated() >= freed * 0.99
+    assert freed >= 4 * sum(p.numel() for p in model.parameters()) * 4 * 0.99  # params, grads, two Adam moments
+    off.onload()
+    assert all(torch.equal(a, b) for a, b in zip(before, model.parameters()))
+
+
+def _gpu_check(tmp_path, parts: str, timeout: int = 470) -> dict:
+    proc = subprocess.run([str(REPO / "tools/gpu_check.sh"), "--parts", parts, "--out", str(tmp_path)], cwd=REPO,
+                          env=env(), capture_output=True, text=True, timeout=timeout)
+    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
+    return json.loads((tmp_path / "results.json").read_text())
+
+
+def _assert_ran(part: dict):
+    assert part["status"] == "ran", part
+    assert part["sync_bytes_equal_parameter_bytes"], "each sync moves the parameter bytes once"
+    assert all(r["weight_version"] == r["step"] for r in part["steps"])
+    assert part["summary"]["rollout_tokens_per_s"] > 0 and part["peak_gpu_mib"] > 0
+
+
+def test_gpu_check_tiny_and_05b(tmp_path):
+    results = _gpu_check(tmp_path, "tiny,0.5b")
+    _assert_ran(results["tiny"])
+    _assert_ran(results["0.5b"])
+    assert results["0.5b"]["parameters"] > 4e8
+
+
+def test_gpu_check_transformer_engine_spec(tmp_path):
+    from megarl.mcore.parallel import transformer_engine_available
+
+    if not transformer_engine_available():
+        pytest.skip("transformer_engine does not import")
+    _assert_ran(_gpu_check(tmp_path, "te")["te"])
+
+
+def test_gpu_check_sglang_colocated_cycle(tmp_path):
+    from megarl.rollout.sglang_engine import sglang_available
+
+    ok, why = sglang_available()
+    if not ok:
+        pytest.skip(why)
+    _assert_ran(_gpu_check(tmp_path, "sglang")["sglang"])

@@ -1,0 +1,330 @@
+"""One pass over megarl's GPU path on a single GPU, with figures; run through `tools/gpu_check.sh`.
+
+Needs only torch, megatron-core (and the small packages it imports at run time) and this repository: models are
+random and built here (no hub, no transformers, no tokenizer), prompts are random token ids, and the reward is a
+synthetic one the policy can learn (the share of even token ids in a response). Parts, each timed and each
+reported as ran / skipped (with why) / failed (with the error):
+
+  tiny      megatron-core on NCCL, fp32, the built-in engine on the GPU: a few GRPO steps, every sync verified
+  0.5b      a Qwen2.5-0.5B-shaped model in bf16 with fp32 main params, the colocation cycle with optimizer and
+            weight offload, every sync verified
+  te        the 0.5b part with the Transformer Engine layer spec (only when `transformer_engine` imports)
+  sglang    the SGLang colocated cycle: release, train, resume weights, push buckets over CUDA IPC, resume KV
+            cache, flush, verify (only when `sglang` imports and a checkpoint can be written with safetensors)
+  dynamic   Megatron's dynamic inference engine as a rollout backend: not implemented in megarl yet, reported
+
+`--cpu-smoke` runs the same code on CPU (gloo) with small shapes, to check this script itself before a GPU run.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import os
+import sys
+import tempfile
+import time
+import traceback
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import torch  # noqa: E402
+
+QWEN25_05B = dict(model_type="qwen2", num_hidden_layers=24, hidden_size=896, num_attention_heads=14,
+                  num_key_value_heads=2, intermediate_size=4864, vocab_size=151936, max_position_embeddings=4096,
+                  rope_theta=1000000.0, rms_norm_eps=1e-6, tie_word_embeddings=True, hidden_act="silu")
+TINY = dict(QWEN25_05B, num_hidden_layers=2, hidden_size=64, num_attention_heads=4, num_key_value_heads=2,
+            intermediate_size=128, vocab_size=256, tie_word_embeddings=False)
+SMALL = dict(TINY, num_hidden_layers=4, hidden_size=128, intermediate_size=256, vocab_size=1024)
+
+
+def log(msg: str) -> None:
+    print(msg, flush=True)
+
+
+class Budget:
+    def __init__(self, seconds: float):
+        self.end = time.perf_counter() + seconds
+
+    def left(self) -> float:
+        return self.end - time.perf_counter()
+
+
+def environment() -> dict:
+    env = {"python": sys.version.split()[0], "torch": torch.__version__, "cuda": torch.version.cuda,
+           "gpu": torch.cuda.get_device_name(0) if torch.cuda.is_available() else None}
+    for name, module in (("megatron_core", "megatron.core"), ("einops", "einops"), ("transformer_engine", "transformer_engine.pytorch"),
+                         ("sglang", "sglang"), ("flash_attn", "flash_attn"), ("safetensors", "safetensors"),
+                         ("transformers", "transformers")):
+        try:
+            mod = __import__(module, fromlist=["_"])
+            env[name] = getattr(mod, "__version__", None) or getattr(sys.modules[module.split(".")[0]], "__version__", "yes")
+        except Exception as e:  # a missing package or a CUDA kernel that fails to load
+            env[name] = f"unavailable ({type(e).__name__}: {str(e).splitlines()[0][:120] if str(e) else ''})"
+    return env
+
+
+def _config(args, **flags):
+    from megarl.config import build_config
+
+    return build_config({"n_samples_per_prompt": args.samples, "max_response_len": args.response_len,
+                         "rollout_batch_size": args.prompts, "micro_batch_size": args.micro_batch, "lr": 1e-5,
+                         "weight_decay": 0.01, "verify_weight_sync": True, "sync_bucket_mb": args.bucket_mb, **flags})
+
+
+def _prompts(vocab: int, count: int, step: int):
+    from megarl.data import PromptRecord
+
+    g = torch.Generator().manual_seed(1000 + step)
+    out = []
+    for i in range(count):
+        ids = torch.randint(2, vocab, (int(torch.randint(8, 24, (1,), generator=g)),), generator=g).tolist()
+        out.append(PromptRecord(index=i, prompt="", prompt_ids=ids, label=None, verifier=""))
+    return out
+
+
+def _sync(steps, actor, engine, version, cfg) -> dict:
+    t = time.perf_counter()
+    m = steps.sync_weights(actor, engine, version=version, cfg=cfg)
+    m["sync_total_seconds"] = time.perf_counter() - t  # export (gather + convert) + push + probe check
+    return m
+
+
+def grpo_part(args, hf_config: dict, *, bf16: bool, offload: bool, use_te: bool | None, engine=None,
+              steps_count: int | None = None) -> dict:
+    """A few GRPO steps through megarl's own step functions and the colocation cycle; returns the figures."""
+    from megarl import steps
+    from megarl.mcore.actor import MegatronPolicy
+    from megarl.model_shape import ModelShape
+    from megarl.rollout.builtin import BuiltinEngine
+    from megarl.samples import generate, to_train_batch
+
+    cuda = torch.cuda.is_available()
+    if cuda:
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats()
+    shape = ModelShape.from_hf_config(hf_config)
+    cfg = _config(args, bf16=bf16, offload_optimizer=offload, offload_params=offload,
+                  verify_sync_tolerance=0.05 if bf16 else 1e-3)
+    t0 = time.perf_counter()
+    actor = MegatronPolicy(shape, tp=1, pp=1, trainable=True, bf16=bf16, optim=steps.optim_config(cfg.training),
+                           use_transformer_engine=use_te)
+    if engine is None:
+        engine = BuiltinEngine(hf_config, device="cuda" if cuda else "cpu",
+                               dtype=torch.bfloat16 if bf16 and cuda else torch.float32)
+    build_s = time.perf_counter() - t0
+    out = {"parameters": sum(p.numel() for p in actor.model.parameters()), "build_seconds": build_s, "steps": []}
+    out["initial_sync"] = _sync(steps, actor, engine, 0, cfg)
+    from megarl.rollout.base import SamplingParams
+
+    for step in range(steps_count or args.steps):
+        row = {}
+        t_step = time.perf_counter()
+        mem0 = torch.cuda.memory_allocated() if cuda else 0
+        steps.enter_rollout(actor, engine, cfg)
+        row["offload_freed_mib"] = ((mem0 - torch.cuda.memory_allocated()) / 2**20) if cuda else 0.0
+        prompts = _prompts(shape.vocab_size, args.prompts, step)
+        sp = SamplingParams(n=args.samples, temperature=1.0, max_new_tokens=args.response_len, seed=step)
+        t = time.perf_counter()
+        rollout = generate(engine, prompts, sp)
+        if cuda:
+            torch.cuda.synchronize()
+        gen_s = time.perf_counter() - t
+        tokens = sum(len(s.response_ids) for s in rollout.samples)
+        for s in rollout.samples:  # synthetic verifiable reward: the share of even token ids
+            s.reward = sum(1 for x in s.response_ids if x % 2 == 0) / max(len(s.response_ids), 1)
+        steps.compute_advantages(rollout, cfg.algorithm)
+        steps.enter_training(actor, engine, cfg)
+        batch = to_train_batch(rollout.samples, pad_id=0)
+        t = time.perf_counter()
+        update = steps.update(actor, batch, cfg)
+        if cuda:
+            torch.cuda.synchronize()
+        train_s = time.perf_counter() - t
+        sync = _sync(steps, actor, engine, step + 1, cfg)
+        row.update(step=step + 1, reward=float(rollout.rewards().mean()), rollout_tokens=tokens,
+                   rollout_seconds=gen_s, rollout_tokens_per_s=tokens / max(gen_s, 1e-9), train_seconds=train_s,
+                   grad_norm=update.get("grad_norm"), step_seconds=time.perf_counter() - t_step, **sync)
+        out["steps"].append(row)
+        log(f"    step {row['step']}: {row['step_seconds']:.2f} s | rollout {tokens} tok in {gen_s:.2f} s "
+            f"({row['rollout_tokens_per_s']:.0f} tok/s) | train {train_s:.2f} s | sync {sync['sync_seconds']:.3f} s "
+            f"push, {sync['sync_total_seconds']:.3f} s total, {sync['sync_bytes'] / 2**20:.1f} MiB in "
+            f"{sync['sync_buckets']} buckets | probe |dlogp| {sync['sync_probe_absdiff_mean']:.2e} | "
+            f"reward {row['reward']:.3f}")
+    steps.enter_rollout(actor, engine, cfg)
+    out["peak_gpu_mib"] = torch.cuda.max_memory_allocated() / 2**20 if cuda else None
+    from megarl.rollout.weight_sync import model_parameter_count
+
+    expected = model_parameter_count(shape) * (engine.dtype.itemsize if getattr(engine, "dtype", None) else 4)
+    out["sync_bytes_equal_parameter_bytes"] = all(r["sync_bytes"] == expected for r in out["steps"])
+    out["parameter_bytes"] = expected
+    out["engine"] = engine
+    del actor
+    gc.collect()
+    return out
+
+
+def summarize(rows: list[dict]) -> dict:
+    last = rows[1:] or rows  # the first step pays for warm-up
+    mean = lambda k: sum(r[k] for r in last) / len(last)  # noqa: E731
+    return {"rollout_tokens_per_s": mean("rollout_tokens_per_s"), "sync_seconds": mean("sync_seconds"),
+            "sync_total_seconds": mean("sync_total_seconds"), "step_seconds": mean("step_seconds"),
+            "train_seconds": mean("train_seconds")}
+
+
+def sglang_part(args, budget: Budget, workdir: Path) -> dict:
+    from megarl.rollout.sglang_engine import SGLangEngine, sglang_available
+
+    ok, why = sglang_available()
+    if not ok:
+        return {"status": "skipped", "why": why}
+    if not torch.cuda.is_available():
+        return {"status": "skipped", "why": "SGLang runs models on CUDA only"}
+    if budget.left() < 240:
+        return {"status": "skipped", "why": f"only {budget.left():.0f} s left of the time budget"}
+    try:
+        from safetensors.torch import save_file
+    except ImportError:
+        return {"status": "skipped", "why": "safetensors is not importable: SGLang needs a checkpoint on disk"}
+    # SGLang loads a checkpoint from disk; write a random one of the 0.5B shape (the sync overwrites it anyway).
+    ckpt = workdir / "qwen2_05b_random"
+    ckpt.mkdir(parents=True, exist_ok=True)
+    cfg = dict(QWEN25_05B, architectures=["Qwen2ForCausalLM"], torch_dtype="bfloat16")
+    (ckpt / "config.json").write_text(json.dumps(cfg))
+    from megarl.rollout.builtin import BuiltinEngine
+
+    shell = BuiltinEngine(QWEN25_05B, device="cpu", dtype=torch.bfloat16)
+    tensors = {n: torch.randn_like(t) * 0.02 for n, t in shell._hf_views().items() if n != "lm_head.weight"}
+    save_file({n: t.contiguous() for n, t in tensors.items()}, str(ckpt / "model.safetensors"))
+    del shell, tensors
+    t = time.perf_counter()
+    engine = SGLangEngine.launch(str(ckpt), tp_size=1, base_gpu_id=torch.cuda.current_device(),
+                                 mem_fraction=args.sglang_mem_fraction, dtype="bfloat16", seed=0)
+    launch_s = time.perf_counter() - t
+    try:
+        out = grpo_part(args, QWEN25_05B, bf16=True, offload=True, use_te=None, engine=engine, steps_count=2)
+        out["launch_seconds"] = launch_s
+        return out
+    finally:
+        engine.shutdown()
+
+
+def skip(results: dict, name: str, title: str, why: str) -> None:
+    results[name] = {"status": "skipped", "why": why, "title": title}
+    log(f"\n== {name}: {title}\n   skipped: {why}")
+
+
+def run_part(name: str, title: str, fn, results: dict, budget: Budget, need_s: float) -> None:
+    log(f"\n== {name}: {title}")
+    if budget.left() < need_s:
+        results[name] = {"status": "skipped", "why": f"only {budget.left():.0f} s left of the time budget"}
+        log(f"   skipped: {results[name]['why']}")
+        return
+    t = time.perf_counter()
+    try:
+        out = fn()
+    except Exception as e:  # report and go on: one broken part must not hide the others' figures
+        out = {"status": "failed", "error": f"{type(e).__name__}: {e}", "trace": traceback.format_exc()[-3000:]}
+        log(out["trace"])
+    out.pop("engine", None)
+    out.setdefault("status", "ran")
+    out["title"] = title
+    out["seconds"] = time.perf_counter() - t
+    if out["status"] == "ran" and out.get("steps"):
+        out["summary"] = summarize(out["steps"])
+    results[name] = out
+    log(f"   {out['status']}" + (f": {out.get('why') or out.get('error')}" if out["status"] != "ran" else
+                                 f" in {out['seconds']:.1f} s"))
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--cpu-smoke", action="store_true", help="run on CPU with small shapes (checks this script)")
+    p.add_argument("--out", default=os.environ.get("OUT") or "runs/gpu_check", help="where results.json goes")
+    p.add_argument("--budget-seconds", type=float, default=420.0, help="parts that would not fit are skipped")
+    p.add_argument("--steps", type=int, default=3)
+    p.add_argument("--prompts", type=int, default=8)
+    p.add_argument("--samples", type=int, default=8)
+    p.add_argument("--response-len", type=int, default=128)
+    p.add_argument("--micro-batch", type=int, default=16)
+    p.add_argument("--bucket-mb", type=int, default=256)
+    p.add_argument("--sglang-mem-fraction", type=float, default=0.3)
+    p.add_argument("--parts", default="tiny,0.5b,te,sglang,dynamic", help="comma-separated subset of the parts")
+    args = p.parse_args(argv)
+    parts = set(args.parts.split(","))
+    unknown = parts - {"tiny", "0.5b", "te", "sglang", "dynamic"}
+    if unknown:
+        p.error(f"--parts: unknown {sorted(unknown)}; choose from tiny, 0.5b, te, sglang, dynamic")
+    budget = Budget(args.budget_seconds)
+    if args.cpu_smoke:
+        args.steps, args.prompts, args.samples, args.response_len, args.micro_batch = 2, 2, 4, 8, 8
+        args.bucket_mb = 1
+    elif not torch.cuda.is_available():
+        log("gpu_check: torch sees no CUDA GPU; use --cpu-smoke to check the script on CPU")
+        return 2
+    out_dir = Path(args.out)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    results: dict = {"environment": environment(), "mode": "cpu-smoke" if args.cpu_smoke else "gpu"}
+    log("gpu_check: " + json.dumps(results["environment"]))
+    missing = [n for n in ("megatron_core", "einops") if str(results["environment"][n]).startswith("unavailable")]
+    if missing:
+        log(f"gpu_check: {', '.join(missing)} required (carry the wheels: see tools/gpu_check.sh)")
+        return 2
+
+    from megarl.mcore import parallel
+
+    if "MASTER_PORT" not in os.environ:  # a single process: any free port
+        import socket
+
+        with socket.socket() as sock:
+            sock.bind(("127.0.0.1", 0))
+            os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(sock.getsockname()[1]))
+    info = parallel.init_distributed(1, 1, timeout_s=300, seed=0)
+    log(f"gpu_check: torch.distributed backend {parallel.default_backend()}, world size {info.world_size}")
+    te_ok = parallel.transformer_engine_available()
+    big = SMALL if args.cpu_smoke else QWEN25_05B
+    big_name = "small (cpu smoke)" if args.cpu_smoke else "0.5b"
+    workdir = Path(tempfile.mkdtemp(prefix="megarl_gpu_check_"))
+
+    backend = parallel.default_backend()
+    if "tiny" in parts:
+        run_part("tiny", f"fp32, {backend}, built-in engine, verified syncs", lambda: grpo_part(
+            args, TINY, bf16=False, offload=False, use_te=False), results, budget, 20)
+    if "0.5b" in parts:
+        run_part("0.5b", f"{big_name}: bf16 + fp32 main params, offload, built-in engine, verified syncs",
+                 lambda: grpo_part(args, big, bf16=True, offload=True, use_te=False), results, budget, 60)
+    if "te" in parts:
+        if te_ok:
+            run_part("te", f"{big_name}: Transformer Engine layer spec", lambda: grpo_part(
+                args, big, bf16=True, offload=True, use_te=True, steps_count=2), results, budget, 60)
+        else:
+            skip(results, "te", "Transformer Engine layer spec", "transformer_engine is not importable (or no CUDA)")
+    if "sglang" in parts:
+        run_part("sglang", "SGLang colocated cycle", lambda: sglang_part(args, budget, workdir), results, budget, 0)
+    if "dynamic" in parts:
+        skip(results, "dynamic", "Megatron dynamic inference engine", "megarl has no rollout backend over "
+             "Megatron's dynamic inference engine yet (it needs flash-attn >= 2.7.3 on GPU)")
+    parallel.destroy()
+
+    (out_dir / "results.json").write_text(json.dumps(results, indent=2, default=str))
+    log("\n== summary")
+    for name, r in results.items():
+        if name in ("environment", "mode"):
+            continue
+        if r.get("status") != "ran":
+            log(f"  {name:<7} {r.get('status')}: {r.get('why') or r.get('error')}")
+            continue
+        s = r.get("summary", {})
+        log(f"  {name:<7} params {r['parameters'] / 1e6:.1f} M | rollout {s['rollout_tokens_per_s']:.0f} tok/s "
+            f"| sync {s['sync_seconds']:.3f} s push / {s['sync_total_seconds']:.3f} s total | step "
+            f"{s['step_seconds']:.2f} s | peak GPU {r['peak_gpu_mib'] or 0:.0f} MiB | sync bytes == parameter "
+            f"bytes: {r['sync_bytes_equal_parameter_bytes']}")
+    log(f"results: {out_dir / 'results.json'}")
+    failed = [n for n, r in results.items() if isinstance(r, dict) and r.get("status") == "failed"]
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,32 @@
+#!/usr/bin/env bash
+# megarl's GPU path on one GPU, with figures: rollout tokens/s, weight-sync seconds, step time, peak GPU memory,
+# and which parts were skipped and why (see tools/gpu_check.py for the parts).
+#
+#   tools/gpu_check.sh [--cpu-smoke] [--parts tiny,0.5b,te,sglang,dynamic] [--out DIR] [--budget-seconds S]
+#
+# Needs torch (CUDA), megatron-core and the small packages megatron-core imports at run time (einops; numpy,
+# packaging). A bare GPU machine without network: put the wheels in $WHEELS (default shared/wheels, e.g.
+# megatron_core-0.16.1-*.whl and einops-*.whl); they are installed without index or dependencies into a
+# temporary directory first. Transformer Engine and SGLang are used when they import, reported as skipped if not.
+# Finishes in under 8 minutes: parts that would not fit the budget are skipped, and a hard timeout stops the rest.
+# `--cpu-smoke` runs the same code on CPU with small shapes (about two minutes on 2 cores) to check the script.
+set -euo pipefail
+cd "$(dirname "${BASH_SOURCE[0]}")/.."
+
+PY=${PYTHON:-}
+if [[ -z $PY ]]; then
+  if [[ -x .venv/bin/python ]]; then PY=.venv/bin/python; else PY=$(command -v python3); fi
+fi
+WHEELS=${WHEELS:-shared/wheels}
+if ! "$PY" -c 'import megatron.core, einops' >/dev/null 2>&1; then
+  if compgen -G "$WHEELS/*.whl" >/dev/null; then
+    DEPS=$(mktemp -d "${TMPDIR:-/tmp}/megarl_gpu_check_deps.XXXXXX")
+    echo "== megatron-core or einops missing: installing the wheels in $WHEELS into $DEPS"
+    "$PY" -m pip install --quiet --no-index --no-deps --target "$DEPS" "$WHEELS"/*.whl
+    export PYTHONPATH=$DEPS${PYTHONPATH:+:$PYTHONPATH}
+  else
+    echo "== warning: megatron-core or einops does not import and $WHEELS has no wheels; gpu_check.py will say what is missing"
+  fi
+fi
+export PYTHONWARNINGS=${PYTHONWARNINGS:-ignore} OMP_NUM_THREADS=${OMP_NUM_THREADS:-4}
+exec timeout --kill-after=15 "${GPU_CHECK_TIMEOUT:-465}" "$PY" tools/gpu_check.py "$@"
