@@ -31,12 +31,14 @@ Request = tuple[str, str, Any]  # (verifier name, response, ground truth)
 
 
 def default_workers() -> int:
-    """One per CPU this process may use, at most 16 (rewards are rarely the bottleneck beyond that)."""
+    """This process's share of the CPUs it may use (torchrun's ranks on the node split them), at most 16: rewards
+    are rarely the bottleneck beyond that."""
     try:
         cpus = len(os.sched_getaffinity(0))
     except AttributeError:  # not Linux
         cpus = os.cpu_count() or 1
-    return max(1, min(16, cpus))
+    ranks_here = max(1, int(os.environ.get("LOCAL_WORLD_SIZE", "1") or 1))
+    return max(1, min(16, cpus // ranks_here))
 
 
 class RewardPool:
