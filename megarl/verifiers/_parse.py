@@ -238,7 +238,7 @@ def _closes_early(s: str) -> bool:
 def _stash_matrix(body: str, matrices: list) -> str:
     rows = [r for r in re.split(r"\\\\", body) if r.strip()]
     matrices.append([[Parser(cell.strip(), []).parse() for cell in row.split("&")] for row in rows])
-    return " \\MAT "
+    return f" \\MAT{{{len(matrices) - 1}}} "
 
 
 # -- expressions ------------------------------------------------------------------------------------------------
@@ -257,7 +257,7 @@ class Parser:
     def __init__(self, s: str, matrices: list):
         self.tokens = self._tokenize(s)
         self.i = 0
-        self.matrices = list(matrices)
+        self.matrices = matrices  # the answer's matrices; `\MAT{i}` stands for the i-th
         self.abs_depth = 0
 
     @staticmethod
@@ -427,9 +427,12 @@ class Parser:
         if name in ("sum", "prod"):
             return self.big_operator(name)
         if name == "MAT":
-            if not self.matrices:
-                raise ParseError("matrix placeholder without a matrix")
-            return sympy.Matrix(self.matrices.pop(0))
+            self.take("{")
+            index = self.take()
+            self.take("}")
+            if not index.isdigit() or int(index) >= len(self.matrices):
+                raise ParseError("\\MAT outside a matrix placeholder")
+            return sympy.Matrix(self.matrices[int(index)])
         raise ParseError(f"unsupported command \\{name}")
 
     def function(self, name: str):

@@ -71,7 +71,7 @@ def judge(response: str, ground_truth: Any, strategy: str = "lenient") -> tuple:
     from megarl.verifiers._equiv import equivalent
     from megarl.verifiers._extract import final_answer
     from megarl.verifiers._normalize import normalize
-    from megarl.verifiers._parse import ParseError, Seq, parse_answer
+    from megarl.verifiers._parse import Seq, parse_answer
 
     extracted = final_answer(str(response), strategy)
     if extracted is None:
@@ -82,16 +82,18 @@ def judge(response: str, ground_truth: Any, strategy: str = "lenient") -> tuple:
     gold = normalize(str(ground_truth))
     if pred.replace(" ", "") == gold.replace(" ", ""):
         return 1.0, "correct", extracted, pred
+    # Past this point any exception means "could not be judged": our parser's ParseError, sympy's many error types
+    # (PolynomialError, NotImplementedError, ...), RecursionError on deep nesting. None of them may escape.
     try:
         gold_tree = parse_answer(gold)
-    except (ParseError, TypeError, ValueError, ZeroDivisionError, RecursionError, AttributeError):
+    except Exception:  # noqa: BLE001
         gold_tree = None
     try:
         pred_tree = parse_answer(pred, list_hint=isinstance(gold_tree, Seq) and gold_tree.kind == "list")
-    except (ParseError, TypeError, ValueError, ZeroDivisionError, RecursionError, AttributeError):
+    except Exception:  # noqa: BLE001
         return 0.0, "parse_error", extracted, pred
     try:
         same = gold_tree is not None and equivalent(gold_tree, pred_tree)
-    except (ArithmeticError, TypeError, ValueError, AttributeError, RecursionError, NotImplementedError):
-        return 0.0, "parse_error", extracted, pred  # sympy gave up on a comparison
+    except Exception:  # noqa: BLE001
+        return 0.0, "parse_error", extracted, pred
     return (1.0, "correct", extracted, pred) if same else (0.0, "incorrect", extracted, pred)

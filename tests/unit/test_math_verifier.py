@@ -89,6 +89,10 @@ MATRICES = [
     ("\\begin{pmatrix} \\frac{1}{2} \\\\ 0.25 \\end{pmatrix}", "\\begin{pmatrix}0.5\\\\\\frac14\\end{pmatrix}", True),
     ("\\begin{pmatrix} 1 & 0 \\\\ 0 & 1 \\end{pmatrix} + \\begin{pmatrix} 1 & 0 \\\\ 0 & 1 \\end{pmatrix}",
      "\\begin{pmatrix}2&0\\\\0&2\\end{pmatrix}", True),
+    ("\\begin{pmatrix}1\\end{pmatrix}, \\begin{pmatrix}2\\end{pmatrix}",
+     "\\begin{pmatrix}2\\end{pmatrix}, \\begin{pmatrix}1\\end{pmatrix}", True),
+    ("\\begin{pmatrix}1\\end{pmatrix}, \\begin{pmatrix}1\\end{pmatrix}",
+     "\\begin{pmatrix}2\\end{pmatrix}, \\begin{pmatrix}1\\end{pmatrix}", False),
 ]
 TEXT_AND_CHOICES = [
     ("\\text{Evelyn}", "\\text{Evelyn}", True), ("Evelyn", "\\text{Evelyn}", True), ("\\text{(B)}", "B", True),
