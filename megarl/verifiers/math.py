@@ -79,6 +79,8 @@ def judge(response: str, ground_truth: Any, strategy: str = "lenient") -> tuple:
     pred = normalize(extracted)
     if not pred:
         return 0.0, "no_answer", extracted, pred
+    if isinstance(ground_truth, (list, tuple)):  # several accepted answers in the data row: a list answer
+        ground_truth = ", ".join(map(str, ground_truth))
     gold = normalize(str(ground_truth))
     if pred.replace(" ", "") == gold.replace(" ", ""):
         return 1.0, "correct", extracted, pred
