@@ -11,6 +11,9 @@ from dataclasses import dataclass
 from pathlib import Path
 
 SUPPORTED_FAMILIES = ("llama", "qwen2")
+# Llama-3.1's RoPE scaling constants; Megatron's GPTModel (`rope_scaling=True`) hard-codes these three and takes
+# only the factor, so a checkpoint with other values is refused rather than silently computed differently.
+LLAMA3_ROPE = {"low_freq_factor": 1.0, "high_freq_factor": 4.0, "original_max_position_embeddings": 8192}
 
 
 @dataclass(frozen=True)
@@ -28,6 +31,26 @@ class ModelShape:
     norm_eps: float
     tie_word_embeddings: bool
     qkv_bias: bool
+    rope_scaling_factor: float = 0.0  # Llama-3.1 ("llama3") RoPE frequency scaling; 0 = none
+
+    def rope_inv_freq(self):
+        """RoPE inverse frequencies [head_dim / 2] (float32), with Llama-3.1's scaling when the model has it:
+        wavelengths shorter than 8192 / 4 keep their frequency, longer than 8192 / 1 are slowed by the factor, and
+        the band between is interpolated smoothly (Meta's reference; the constants Megatron's GPTModel uses)."""
+        import math
+
+        import torch
+
+        inv = 1.0 / (self.rope_theta ** (torch.arange(0, self.head_dim, 2, dtype=torch.float32) / self.head_dim))
+        if not self.rope_scaling_factor:
+            return inv
+        low, high, old_ctx = LLAMA3_ROPE["low_freq_factor"], LLAMA3_ROPE["high_freq_factor"], \
+            LLAMA3_ROPE["original_max_position_embeddings"]
+        wavelen = 2 * math.pi / inv
+        smooth = ((old_ctx / wavelen - low) / (high - low)).clamp(0.0, 1.0)
+        scaled = (1 - smooth) * inv / self.rope_scaling_factor + smooth * inv
+        return torch.where(wavelen < old_ctx / high, inv, torch.where(wavelen > old_ctx / low,
+                                                                      inv / self.rope_scaling_factor, scaled))
 
     @classmethod
     def from_hf_config(cls, cfg: dict, source: str = "config.json") -> "ModelShape":
@@ -54,6 +77,7 @@ class ModelShape:
             vocab_size=cfg["vocab_size"],
             max_position_embeddings=cfg.get("max_position_embeddings", 4096),
             rope_theta=_rope_theta(cfg, source),
+            rope_scaling_factor=_rope_scaling_factor(cfg, source),
             norm_eps=cfg.get("rms_norm_eps", 1e-6),
             tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
             qkv_bias=family == "qwen2",  # Qwen2 always has q/k/v biases
@@ -67,10 +91,28 @@ class ModelShape:
         return cls.from_hf_config(json.loads(config_path.read_text()), source=str(config_path))
 
 
-def _rope_theta(cfg: dict, source: str) -> float:
+def _rope_settings(cfg: dict) -> dict:
     """transformers >= 5 nests RoPE settings in `rope_parameters`; 4.x has `rope_theta` and `rope_scaling`."""
-    rope = cfg.get("rope_parameters") or cfg.get("rope_scaling") or {}
-    rope_type = rope.get("rope_type", rope.get("type", "default"))
-    if rope_type != "default":
-        raise ValueError(f"{source}: rope type {rope_type!r} is not supported yet; supported: default")
-    return float(rope.get("rope_theta", cfg.get("rope_theta", 10000.0)))
+    return cfg.get("rope_parameters") or cfg.get("rope_scaling") or {}
+
+
+def _rope_type(cfg: dict) -> str:
+    rope = _rope_settings(cfg)
+    return rope.get("rope_type", rope.get("type", "default"))
+
+
+def _rope_theta(cfg: dict, source: str) -> float:
+    if _rope_type(cfg) not in ("default", "llama3"):
+        raise ValueError(f"{source}: rope type {_rope_type(cfg)!r} is not supported yet; supported: default, llama3")
+    return float(_rope_settings(cfg).get("rope_theta", cfg.get("rope_theta", 10000.0)))
+
+
+def _rope_scaling_factor(cfg: dict, source: str) -> float:
+    if _rope_type(cfg) != "llama3":
+        return 0.0
+    rope = _rope_settings(cfg)
+    for key, expected in LLAMA3_ROPE.items():
+        if float(rope.get(key, expected)) != expected:
+            raise ValueError(f"{source}: llama3 rope scaling with {key}={rope[key]} is not supported; Megatron's "
+                             f"GPTModel computes it with {key}={expected:g}")
+    return float(rope.get("factor", 8.0))

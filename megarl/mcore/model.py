@@ -73,6 +73,8 @@ def build_gpt_model(shape: ModelShape, config, *, use_transformer_engine: bool |
         share_embeddings_and_output_weights=shape.tie_word_embeddings,
         position_embedding_type="rope",
         rotary_base=int(shape.rope_theta) if float(shape.rope_theta).is_integer() else shape.rope_theta,
+        rope_scaling=bool(shape.rope_scaling_factor),
+        rope_scaling_factor=shape.rope_scaling_factor or 8.0,
     )
     if torch.cuda.is_available():
         model.cuda(torch.cuda.current_device())

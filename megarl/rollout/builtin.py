@@ -219,7 +219,7 @@ class BuiltinEngine:
             return
         length = max(length, 2 * len(self._rope), 256)  # grow geometrically: few rebuilds over a run
         s = self.shape
-        inv_freq = 1.0 / (s.rope_theta ** (torch.arange(0, s.head_dim, 2, dtype=torch.float32) / s.head_dim))
+        inv_freq = s.rope_inv_freq()
         freqs = torch.outer(torch.arange(length, dtype=torch.float32), inv_freq)
         cos, sin = freqs.cos(), freqs.sin()
         table = torch.stack([torch.cat([cos, cos], dim=-1), torch.cat([-sin, sin], dim=-1)], dim=1)
