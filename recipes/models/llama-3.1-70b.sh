@@ -1,7 +1,7 @@
 # Llama-3.1-70B / -Instruct (Llama architecture, 80 layers, GQA with 8 KV heads). TP=8 within a node and PP=4
 # across nodes: 32 GPUs per model replica, so 64 GPUs give DP=2 (see tools/plan.py for whether a setting fits).
-# The shape below (HF config.json keys) is for tools/plan.py. The real checkpoint asks for "llama3" RoPE
-# scaling, which megarl's ModelShape does not support yet (it stops at load and says so).
+# The shape below (HF config.json keys) is for tools/plan.py. The real checkpoint's "llama3" RoPE scaling is read
+# from its config.json.
 MODEL_DIR=${MODEL_DIR:-/models/Llama-3.1-70B-Instruct}
 declare -A MODEL_SHAPE=(
   [model_type]=llama [num_hidden_layers]=80 [hidden_size]=8192 [num_attention_heads]=64 [num_key_value_heads]=8

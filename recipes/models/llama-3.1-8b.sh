@@ -1,6 +1,6 @@
 # Llama-3.1-8B / -Instruct (Llama architecture, GQA with 8 KV heads, untied embeddings). The shape below (HF
-# config.json keys) is for tools/plan.py. The real checkpoint's config.json asks for "llama3" RoPE scaling,
-# which megarl's ModelShape does not support yet (it stops at load and says so); Llama-3-8B (no scaling) loads.
+# config.json keys) is for tools/plan.py. The real checkpoint's "llama3" RoPE scaling is read from its config.json
+# (megarl/model_shape.py; the same frequencies in Megatron and the built-in engine).
 MODEL_DIR=${MODEL_DIR:-/models/Llama-3.1-8B-Instruct}
 declare -A MODEL_SHAPE=(
   [model_type]=llama [num_hidden_layers]=32 [hidden_size]=4096 [num_attention_heads]=32 [num_key_value_heads]=8
