@@ -20,7 +20,7 @@ import torch.distributed as dist
 
 # Per-phase seconds that train.py records in each row, in loop order, with the names the console line uses.
 PHASES: tuple[tuple[str, str], ...] = (("t_generate", "rollout"), ("t_reward", "reward"), ("t_logprobs", "logp"),
-                                       ("t_update", "update"), ("t_sync", "sync"))
+                                       ("t_critic", "critic"), ("t_update", "update"), ("t_sync", "sync"))
 
 
 def reduce_over_ranks(values: dict[str, float], keys: list[str]) -> dict[str, float]:
@@ -217,7 +217,8 @@ def format_step(row: dict, num_steps: int, eta: float | None = None) -> str:
     if eta is not None:
         parts.append(f"eta {_duration(eta)}")
     fields = (("reward_mean", "reward", "{:.3f}"), ("accuracy", "acc", "{:.1%}"), ("kl", "kl", "{:.4f}"),
-              ("clip_frac", "clip", "{:.3f}"), ("entropy", "ent", "{:.3f}"), ("response_len", "len", "{:.1f}"))
+              ("clip_frac", "clip", "{:.3f}"), ("entropy", "ent", "{:.3f}"), ("response_len", "len", "{:.1f}"),
+              ("value_loss", "vloss", "{:.4f}"), ("explained_variance", "ev", "{:.2f}"))  # the last two: PPO
     parts += [f"{label} {fmt.format(row[k])}" for k, label, fmt in fields if k in row]
     if "step_seconds" in row:
         phases = " ".join(f"{label} {row[k]:.2f}" for k, label in PHASES if k in row)
