@@ -156,16 +156,24 @@ def _exit_status(code) -> int:
 
 def set_rlimits(lim: dict, vsize: int) -> None:
     cpu = max(1, int(-(-lim["cpu_s"] // 1)))
-    resource.setrlimit(resource.RLIMIT_CPU, (cpu, cpu + 1))
+    _limit(resource.RLIMIT_CPU, cpu, cpu + 1)
     # Address space: what the forked interpreter already maps plus the job's allowance.
     address = vsize + lim["memory_mb"] * (1 << 20)
-    resource.setrlimit(resource.RLIMIT_AS, (address, address))
+    _limit(resource.RLIMIT_AS, address, address)
     fsize = lim["file_mb"] * (1 << 20)
-    resource.setrlimit(resource.RLIMIT_FSIZE, (fsize, fsize))
-    resource.setrlimit(resource.RLIMIT_NOFILE, (lim["open_files"], lim["open_files"]))
-    resource.setrlimit(resource.RLIMIT_CORE, (0, 0))
+    _limit(resource.RLIMIT_FSIZE, fsize, fsize)
+    _limit(resource.RLIMIT_NOFILE, lim["open_files"], lim["open_files"])
+    _limit(resource.RLIMIT_CORE, 0, 0)
     if "nproc" in lim:  # set by the backend only where it is per job (a dedicated uid)
-        resource.setrlimit(resource.RLIMIT_NPROC, (lim["nproc"], lim["nproc"]))
+        _limit(resource.RLIMIT_NPROC, lim["nproc"], lim["nproc"])
+
+
+def _limit(which: int, soft: int, hard: int) -> None:
+    """Lower a limit; never above a hard limit the caller already has (raising one needs CAP_SYS_RESOURCE)."""
+    _, current = resource.getrlimit(which)
+    if current != resource.RLIM_INFINITY:
+        soft, hard = min(soft, current), min(hard, current)
+    resource.setrlimit(which, (soft, hard))
 
 
 def _supervise(pid: int, out_r: int, err_r: int, lim: dict, start: float) -> dict:

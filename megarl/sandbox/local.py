@@ -34,7 +34,7 @@ log = logging.getLogger(__name__)
 PREIMPORTS = ("abc ast array bisect cmath collections contextlib copy ctypes dataclasses datetime decimal enum fractions "
               "functools hashlib heapq io itertools json math numbers operator pickle queue random re select "
               "signal statistics string struct textwrap time traceback typing unicodedata")
-UID_BASE = 1_600_000_000  # per-worker job uids: far above any account, so a job's files belong to nobody real
+UID_BASE = 1_600_000_000  # job uids from here: far above any account, so a job's files belong to nobody real
 _START_TIMEOUT_S = 30.0
 _WARNED: set[str] = set()
 
@@ -82,8 +82,14 @@ class LocalSandbox:
         return self
 
     def _spawn(self, index: int) -> "_Worker":
-        cfg = {"index": index, "root": self._root, "uid": self.uid_base + index, "preimports": self.preimports}
+        cfg = {"index": index, "root": self._root, "uid": self.uids()[index], "preimports": self.preimports}
         return _Worker(cfg)
+
+    def uids(self) -> list[int]:
+        """The job uids of this sandbox's workers (root hosts): one per worker, distinct between the sandboxes
+        of different processes, so RLIMIT_NPROC and the uid sweep never count or reach another's jobs."""
+        base = self.uid_base + (os.getpid() % 1_000_000) * 256
+        return [base + i for i in range(self.workers)]
 
     def run(self, job: Job) -> RunResult:
         self.start()

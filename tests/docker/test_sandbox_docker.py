@@ -1,18 +1,19 @@
 """The Docker backend against the same containment suite as the local one, plus pool hygiene and HumanEval."""
 
 import json
+import os
 import subprocess
 import uuid
 
 import pytest
 
 from megarl.sandbox import Job, Limits
-from megarl.sandbox.docker import LABEL, DockerSandbox
+from megarl.sandbox.docker import DEFAULT_IMAGE, LABEL, DockerSandbox
 from megarl.verifiers.code import CodeVerifier
 from sandbox_cases import (Listener, attacks, check_attack, humaneval_hacks, humaneval_problems, make_secret,
                            target_paths)
 
-from conftest import IMAGE
+IMAGE = os.environ.get("MEGARL_SANDBOX_IMAGE", DEFAULT_IMAGE)
 
 
 def _containers() -> list[str]:

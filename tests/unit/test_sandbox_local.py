@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 from megarl.sandbox import Job, Limits, RunResult, Sandbox, make_sandbox
-from megarl.sandbox.local import UID_BASE, LocalSandbox
+from megarl.sandbox.local import LocalSandbox
 from sandbox_cases import Listener, attacks, check_attack, make_secret, target_paths
 
 REPO = Path(__file__).resolve().parents[2]
@@ -25,15 +25,15 @@ def sandbox():
     sb.close()
 
 
-def _job_processes() -> list[int]:
+def _job_processes(sandbox) -> list[int]:
     """Host pids running as one of the sandbox's job uids."""
-    found = []
+    uids, found = set(sandbox.uids()), []
     for pid in filter(str.isdigit, os.listdir("/proc")):
         try:
             uid = os.stat(f"/proc/{pid}").st_uid
         except FileNotFoundError:
             continue
-        if UID_BASE <= uid < UID_BASE + 64:
+        if uid in uids:
             found.append(int(pid))
     return found
 
@@ -101,7 +101,7 @@ def test_containment_suite(sandbox, host, index):
     suite = attacks(secret, listener.port, token)
     attack = suite[index]
     check_attack(sandbox, attack, target_paths(secret, token), listener)
-    assert _job_processes() == [], f"{attack.name} left processes behind"
+    assert _job_processes(sandbox) == [], f"{attack.name} left processes behind"
 
 
 def test_nothing_left_after_close():
