@@ -165,6 +165,9 @@ class TrainingConfig:
     adam_beta2: float = _f(0.999, "Adam beta2")
     clip_grad: float = _f(1.0, "gradient-norm clip")
     micro_batch_size: int = _f(8, "sequences per micro-batch")
+    max_tokens_per_micro_batch: int = _f(0, "dynamic batching: micro-batches of at most this many tokens per rank "
+                                         "(rows of similar length together, each micro-batch cut to its longest "
+                                         "row); 0 = fixed --micro-batch-size rows; needs PP=1")
     updates_per_rollout: int = _f(1, "optimizer steps per rollout batch (the batch is split into this many mini-batches)")
     use_distributed_optimizer: bool = _f(False, "shard optimizer states over data-parallel ranks")
     seed: int = _f(1234, "seed for data order, sampling and initialisation")

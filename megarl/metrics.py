@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import sys
 import time
 from pathlib import Path
@@ -134,12 +135,24 @@ def _move_aside(path: Path) -> None:
         path.rename(path.with_name(f"{path.stem}.{time.strftime('%Y%m%d-%H%M%S')}{path.suffix}"))
 
 
+def _drop_rows_after(path: Path, step: int) -> None:
+    """Keep only the rows of `path` (jsonl with a "step" field) up to `step`; rewritten atomically."""
+    if not path.exists():
+        return
+    keep = [line for line in path.read_text().splitlines(keepends=True)
+            if line.strip() and json.loads(line).get("step", 0) <= step]
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text("".join(keep))
+    os.replace(tmp, path)
+
+
 class MetricsLog:
     """Rank 0 writes `<dir>/metrics.jsonl` (one row per step) and `<dir>/samples.jsonl` (rollout samples), and
     forwards both to its sinks. A resumed run appends; a fresh run moves an earlier run's files aside
     (`metrics.<time>.jsonl`) rather than mixing the two or deleting them."""
 
-    def __init__(self, output_dir: str, enabled: bool, resumed: bool = False, sinks: Sequence[Sink] = ()):
+    def __init__(self, output_dir: str, enabled: bool, resumed: bool = False, sinks: Sequence[Sink] = (),
+                 resume_step: int | None = None):
         self.enabled = enabled
         self.dir = Path(output_dir)
         self.path = self.dir / "metrics.jsonl"
@@ -151,6 +164,10 @@ class MetricsLog:
             if not resumed:
                 _move_aside(self.path)
                 _move_aside(self.samples_path)
+            elif resume_step is not None:
+                # A killed run may have logged steps after its last checkpoint; the resumed run logs them again.
+                _drop_rows_after(self.path, resume_step)
+                _drop_rows_after(self.samples_path, resume_step)
 
     def write(self, row: dict) -> None:
         if not self.enabled:

@@ -277,6 +277,7 @@ def make_train_batch(rollout: RolloutBatch, tokenizer, mask_truncated: bool = Fa
     """The actor's batch; with `mask_truncated` (DAPO) responses cut at the length limit are left out of the loss."""
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
     batch = to_train_batch(rollout.samples, pad_id=pad)
+    batch["lengths"] = torch.tensor([len(s.prompt_ids) + len(s.response_ids) for s in rollout.samples])
     if mask_truncated:
         cut = torch.tensor([s.finish_reason == "length" for s in rollout.samples])
         batch["loss_mask"] = batch["loss_mask"] * (~cut).unsqueeze(1).float()
@@ -290,7 +291,8 @@ def add_logprobs(batch: dict, actor: MegatronPolicy, reference: MegatronPolicy |
     """Reference log-probs when a KL term is on; the actor's pre-update ("old") log-probs when the rollout batch
     is used for more than one optimizer step. With a single step the old log-probs equal the current ones
     (ratio 1, as in TRL), so computing them again would be a wasted forward pass."""
-    kw = dict(micro_batch_size=cfg.training.micro_batch_size, temperature=cfg.rollout.rollout_temperature)
+    kw = dict(micro_batch_size=cfg.training.micro_batch_size, temperature=cfg.rollout.rollout_temperature,
+              lengths=batch.get("lengths"), max_tokens_per_micro_batch=cfg.training.max_tokens_per_micro_batch)
     if reference is not None:
         ref = reference.logprobs(batch["tokens"], **kw)
         if ref is not None:
@@ -363,7 +365,8 @@ def update(actor: MegatronPolicy, batch: dict, cfg: Config) -> dict[str, float]:
     for i in range(k):
         mini = {key: v[i * size : (i + 1) * size] for key, v in batch.items()}
         out = actor.train_step(mini, loss_fn, micro_batch_size=cfg.training.micro_batch_size,
-                               temperature=cfg.rollout.rollout_temperature)
+                               temperature=cfg.rollout.rollout_temperature,
+                               max_tokens_per_micro_batch=cfg.training.max_tokens_per_micro_batch)
         for key, v in out.items():
             totals[key] = max(totals.get(key, v), v) if key.endswith("_max") else totals.get(key, 0.0) + v
     totals["grad_norm"] /= k

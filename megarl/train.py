@@ -92,6 +92,9 @@ def run(cfg: Config) -> int:
     info = parallel.init_distributed(m.tensor_model_parallel_size, m.pipeline_model_parallel_size,
                                      timeout_s=t.distributed_timeout_seconds, seed=t.seed)
     say = print if info.rank == 0 else (lambda *x, **k: None)
+    if t.max_tokens_per_micro_batch and info.pp_size > 1:
+        raise ConfigError("--max-tokens-per-micro-batch needs --pipeline-model-parallel-size 1 (pipeline stages "
+                          f"exchange fixed-shape micro-batches), got {info.pp_size}")
     if d.rollout_batch_size % info.dp_size:
         raise ConfigError(f"--rollout-batch-size {d.rollout_batch_size} is not divisible by the data-parallel size {info.dp_size}")
 
@@ -130,7 +133,8 @@ def run(cfg: Config) -> int:
     steps.sync_weights(actor, engine, version=start_step, cfg=cfg)
 
     sinks = open_sinks(lg, lg.output_dir, cfg.to_dict(), resumed=start_step > 0) if info.rank == 0 else []
-    log = MetricsLog(lg.output_dir, enabled=info.rank == 0, resumed=start_step > 0, sinks=sinks)
+    log = MetricsLog(lg.output_dir, enabled=info.rank == 0, resumed=start_step > 0, sinks=sinks,
+                     resume_step=start_step if start_step > 0 else None)
     eval_before = steps.evaluate(engine, eval_prompts, tokenizer, cfg, info) if eval_prompts and start_step == 0 else None
     if eval_before:
         say(f"held-out before training: sampled {100 * eval_before['sampled']:.1f}%, greedy {100 * eval_before['greedy']:.1f}%")
