@@ -241,7 +241,10 @@ class MegatronPolicy:
             micro = _budget_micro_batches(batch, max_tokens)
         else:
             micro = _micro_batches(batch, micro_batch_size)
-        seq_len = batch["tokens"].shape[1]
+        # Sequence parallelism splits the sequence over TP ranks: widths are padded to a multiple of TP (on the
+        # right, so causal attention keeps the real positions unchanged) and the padding's logits cut off.
+        pad_to = self.config.tensor_model_parallel_size if self.config.sequence_parallel else 1
+        seq_len = -(-batch["tokens"].shape[1] // pad_to) * pad_to
 
         def loss_func(mb, output):
             logp = self._per_token(output, mb["tokens"], temperature)
@@ -260,8 +263,13 @@ class MegatronPolicy:
         def forward_step(data_iterator, model):
             mb = next(data_iterator)
             tokens = mb["tokens"]
+            width = tokens.shape[1]
+            if width % pad_to:
+                tokens = torch.nn.functional.pad(tokens, (0, pad_to - width % pad_to))
             positions = torch.arange(tokens.shape[1], device=tokens.device).unsqueeze(0).expand_as(tokens)
             output = model(tokens, positions, None)
+            if tokens.shape[1] != width and convert.unwrap(model).post_process:
+                output = output[:, :width]
             return output, partial(loss_func, mb)
 
         with cpu_compat.megatron_scope():
