@@ -55,12 +55,13 @@ class Budget:
 def environment() -> dict:
     env = {"python": sys.version.split()[0], "torch": torch.__version__, "cuda": torch.version.cuda,
            "gpu": torch.cuda.get_device_name(0) if torch.cuda.is_available() else None}
-    for name, module in (("megatron_core", "megatron.core"), ("einops", "einops"), ("transformer_engine", "transformer_engine.pytorch"),
-                         ("sglang", "sglang"), ("flash_attn", "flash_attn"), ("safetensors", "safetensors"),
-                         ("transformers", "transformers")):
+    for name, module in (("megatron_core", "megatron.core"), ("einops", "einops"),
+                         ("transformer_engine", "transformer_engine.pytorch"), ("sglang", "sglang"),
+                         ("flash_attn", "flash_attn"), ("safetensors", "safetensors"), ("transformers", "transformers")):
         try:
             mod = __import__(module, fromlist=["_"])
-            env[name] = getattr(mod, "__version__", None) or getattr(sys.modules[module.split(".")[0]], "__version__", "yes")
+            top = sys.modules[module.split(".")[0]]
+            env[name] = getattr(mod, "__version__", None) or getattr(top, "__version__", "yes")
         except Exception as e:  # a missing package or a CUDA kernel that fails to load
             env[name] = f"unavailable ({type(e).__name__}: {str(e).splitlines()[0][:120] if str(e) else ''})"
     return env

@@ -6,8 +6,9 @@
 #
 # Needs torch (CUDA), megatron-core and the small packages megatron-core imports at run time (einops; numpy,
 # packaging). A bare GPU machine without network: put the wheels in $WHEELS (default shared/wheels, e.g.
-# megatron_core-0.16.1-*.whl and einops-*.whl); they are installed without index or dependencies into a
-# temporary directory first. Transformer Engine and SGLang are used when they import, reported as skipped if not.
+# megatron_core-0.16.1-cp312-*.whl, einops, numpy, packaging); those whose package does not import are installed
+# without index or dependencies into a temporary directory first. Transformer Engine and SGLang are used when they
+# import, and reported as skipped (with the reason) when not.
 # Finishes in under 8 minutes: parts that would not fit the budget are skipped, and a hard timeout stops the rest.
 # `--cpu-smoke` runs the same code on CPU with small shapes (about two minutes on 2 cores) to check the script.
 set -euo pipefail
@@ -18,15 +19,19 @@ if [[ -z $PY ]]; then
   if [[ -x .venv/bin/python ]]; then PY=.venv/bin/python; else PY=$(command -v python3); fi
 fi
 WHEELS=${WHEELS:-shared/wheels}
-if ! "$PY" -c 'import megatron.core, einops' >/dev/null 2>&1; then
-  if compgen -G "$WHEELS/*.whl" >/dev/null; then
-    DEPS=$(mktemp -d "${TMPDIR:-/tmp}/megarl_gpu_check_deps.XXXXXX")
-    echo "== megatron-core or einops missing: installing the wheels in $WHEELS into $DEPS"
-    "$PY" -m pip install --quiet --no-index --no-deps --target "$DEPS" "$WHEELS"/*.whl
-    export PYTHONPATH=$DEPS${PYTHONPATH:+:$PYTHONPATH}
-  else
-    echo "== warning: megatron-core or einops does not import and $WHEELS has no wheels; gpu_check.py will say what is missing"
-  fi
+# Install each carried wheel whose package does not import yet (never shadow what the machine has).
+missing=()
+for whl in "$WHEELS"/*.whl; do
+  [[ -e $whl ]] || continue
+  name=$(basename "$whl"); name=${name%%-*}
+  module=${name/megatron_core/megatron.core}
+  "$PY" -c "import $module" >/dev/null 2>&1 || missing+=("$whl")
+done
+if (( ${#missing[@]} )); then
+  DEPS=$(mktemp -d "${TMPDIR:-/tmp}/megarl_gpu_check_deps.XXXXXX")
+  echo "== installing carried wheels into $DEPS: ${missing[*]##*/}"
+  "$PY" -m pip install --quiet --no-index --no-deps --target "$DEPS" "${missing[@]}"
+  export PYTHONPATH=$DEPS${PYTHONPATH:+:$PYTHONPATH}
 fi
 export PYTHONWARNINGS=${PYTHONWARNINGS:-ignore} OMP_NUM_THREADS=${OMP_NUM_THREADS:-4}
 exec timeout --kill-after=15 "${GPU_CHECK_TIMEOUT:-465}" "$PY" tools/gpu_check.py "$@"

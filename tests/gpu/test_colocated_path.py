@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import subprocess
+import sys
 
 import pytest
 import torch
@@ -56,7 +57,7 @@ def test_offload_frees_gpu_memory_and_restores_it():
 
 def _gpu_check(tmp_path, parts: str, timeout: int = 470) -> dict:
     proc = subprocess.run([str(REPO / "tools/gpu_check.sh"), "--parts", parts, "--out", str(tmp_path)], cwd=REPO,
-                          env=env(), capture_output=True, text=True, timeout=timeout)
+                          env={**env(), "PYTHON": sys.executable}, capture_output=True, text=True, timeout=timeout)
     assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
     return json.loads((tmp_path / "results.json").read_text())
 
