@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import json
 import threading
+import urllib.error
 import urllib.request
 from typing import Callable, Iterable, Sequence
 
@@ -222,6 +223,22 @@ def _post(url: str, path: str, payload: dict | None = None, timeout: float = 360
     return json.loads(body) if body.strip() else {}
 
 
+def _get(url: str, path: str, timeout: float = 60.0) -> dict:
+    with urllib.request.urlopen(url.rstrip("/") + path, timeout=timeout) as resp:
+        return json.loads(resp.read() or b"{}")
+
+
+def server_tp_size(url: str) -> int:
+    """A server's tensor-parallel size from its `/server_info` (`/get_server_info` before SGLang 0.5.2x)."""
+    for path in ("/server_info", "/get_server_info"):
+        try:
+            return int(_get(url, path).get("tp_size", 1))
+        except urllib.error.HTTPError as e:
+            if e.code != 404:
+                raise
+    raise RuntimeError(f"{url}: neither /server_info nor /get_server_info answers; pass tp_sizes explicitly")
+
+
 def _in_threads(calls: list[Callable[[], object]]) -> tuple:
     """Start calls concurrently (a server call may block until the trainer joins a collective); `_join` waits
     for them and re-raises the first error."""
@@ -271,15 +288,15 @@ def init_weights_update_group(backend: str, master_address: str, master_port: in
 class SGLangServers:
     """A `RolloutEngine` over SGLang HTTP servers (disaggregated mode; see the module docstring).
 
-    `tp_sizes[i]` is server i's tensor-parallel size: its TP ranks join the weight-update group after the
-    trainer's leader (rank 0)."""
+    `tp_sizes[i]` is server i's tensor-parallel size (asked from the server when not given): its TP ranks join
+    the weight-update group after the trainer's leader (rank 0)."""
 
     def __init__(self, urls: Sequence[str], *, tp_sizes: Sequence[int] | None = None, push: bool = True,
                  timeout_s: float = 3600.0):
         if not urls:
             raise ValueError("SGLangServers needs at least one server URL")
         self.urls = [u if u.startswith("http") else f"http://{u}" for u in urls]
-        self.tp_sizes = list(tp_sizes or [1] * len(self.urls))
+        self.tp_sizes = list(tp_sizes) if tp_sizes else None
         self.timeout_s = timeout_s
         self.push = push  # with several data-parallel leaders, one pushes the weights and the others only generate
         self.weight_version = 0
@@ -324,6 +341,8 @@ class SGLangServers:
 
     def connect(self, master_address: str, master_port: int, backend: str = "nccl") -> None:
         """Form the weight-update group: the trainer's leader is rank 0, server i's TP ranks follow."""
+        if self.tp_sizes is None:
+            self.tp_sizes = [server_tp_size(u) for u in self.urls]
         world_size = 1 + sum(self.tp_sizes)
         offsets = [1 + sum(self.tp_sizes[:i]) for i in range(len(self.urls))]
         pending = _in_threads([

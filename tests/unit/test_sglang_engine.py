@@ -197,6 +197,16 @@ class _FakeServer:
                 self.end_headers()
                 self.wfile.write(data)
 
+            def do_GET(self):
+                if self.path != "/server_info":
+                    self.send_error(404)
+                    return
+                data = json.dumps({"tp_size": 2, "model_path": "m"}).encode()
+                self.send_response(200)
+                self.send_header("Content-Length", str(len(data)))
+                self.end_headers()
+                self.wfile.write(data)
+
             def log_message(self, *a):
                 pass
 
@@ -233,6 +243,9 @@ def test_servers_weight_calls(servers):
         assert s.calls == [("/update_weights_from_disk", {"model_path": "/shared/ckpt/step5"}), ("/flush_cache", {})]
     with pytest.raises(WeightSyncError, match="connect"):
         client.load_weight_buckets(pack_buckets([("w", torch.ones(2))]), version=6)
+    from megarl.rollout.sglang_engine import server_tp_size
+
+    assert server_tp_size(f"http://{servers[0].url}") == 2, "weight-update group sizes come from /server_info"
     passive = SGLangServers([s.url for s in servers], push=False)
     passive.load_weight_buckets(pack_buckets([("w", torch.ones(2))]), version=6)
     assert passive.weight_version == 6
