@@ -86,7 +86,17 @@ def _prompts(vocab: int, count: int, step: int):
     return out
 
 
+_PEAK = [0]  # the running peak of GPU memory: weight_sync.push resets CUDA's own peak counter for its window
+
+
+def _peak() -> int:
+    if torch.cuda.is_available():
+        _PEAK[0] = max(_PEAK[0], torch.cuda.max_memory_allocated())
+    return _PEAK[0]
+
+
 def _sync(steps, actor, engine, version, cfg) -> dict:
+    _peak()
     t = time.perf_counter()
     m = steps.sync_weights(actor, engine, version=version, cfg=cfg)
     m["sync_total_seconds"] = time.perf_counter() - t  # export (gather + convert) + push + probe check
@@ -106,6 +116,7 @@ def grpo_part(args, hf_config: dict, *, bf16: bool, offload: bool, use_te: bool 
     if cuda:
         torch.cuda.empty_cache()
         torch.cuda.reset_peak_memory_stats()
+        _PEAK[0] = 0
     shape = ModelShape.from_hf_config(hf_config)
     cfg = _config(args, bf16=bf16, offload_optimizer=offload, offload_params=offload,
                   verify_sync_tolerance=0.05 if bf16 else 1e-3)
@@ -155,7 +166,7 @@ def grpo_part(args, hf_config: dict, *, bf16: bool, offload: bool, use_te: bool 
             f"{sync['sync_buckets']} buckets | probe |dlogp| {sync['sync_probe_absdiff_mean']:.2e} | "
             f"reward {row['reward']:.3f}")
     steps.enter_rollout(actor, engine, cfg)
-    out["peak_gpu_mib"] = torch.cuda.max_memory_allocated() / 2**20 if cuda else None
+    out["peak_gpu_mib"] = _peak() / 2**20 if cuda else None
     from megarl.rollout.weight_sync import model_parameter_count
 
     expected = model_parameter_count(shape) * (engine.dtype.itemsize if getattr(engine, "dtype", None) else 4)
