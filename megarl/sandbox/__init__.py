@@ -9,8 +9,9 @@ local (the default, `LocalSandbox`): pre-forked workers that fork a confined chi
   - network: a network namespace per worker (no interface but a down loopback), Landlock's TCP bind/connect
     rule (ABI >= 4) and a seccomp filter refusing every socket but AF_UNIX;
   - processes: a pid namespace per job, so everything the job spawned - detached, daemonized, SIGTERM-proof -
-    dies with it; a per-worker unprivileged uid with RLIMIT_NPROC (fork bombs); a process-group SIGKILL at the
-    wall-clock deadline; Landlock's signal scoping (ABI >= 6);
+    dies with it; fork bombs by RLIMIT_NPROC on a per-worker unprivileged uid (as root) or in the worker's own
+    user namespace (non-root, Linux >= 5.14); a SIGKILL of the job's process group at the wall-clock deadline;
+    Landlock's signal scoping (ABI >= 6). As non-root the job keeps the user's uid but no capability;
   - files: Landlock lets the job write only in its fresh working directory (and /dev/null) and read only the
     Python install, the system libraries and that directory: not /etc, /home, /root, /proc, other jobs' dirs, the
     host's temp dirs; RLIMIT_FSIZE bounds every file;

@@ -238,6 +238,8 @@ class _WorkerSide:
                 for base, dirs, files in os.walk(workdir):
                     for name in [base] + [os.path.join(base, n) for n in dirs + files]:
                         os.chown(name, self.iso.uid, self.iso.uid)
+            elif self.iso.user_ns:  # counted per user namespace (Linux >= 5.14): this worker, I and the job
+                job["limits"]["nproc"] = job["limits"]["processes"] + 3
             compiled(job["source"])  # here, before the fork: the next jobs with the same source reuse it
             return self._fork_job(job, workdir)
         except Exception as e:  # noqa: BLE001 - report, keep serving

@@ -160,6 +160,8 @@ def _run_as_nobody(tmp_path):
         "out = {'describe': sb.describe(), 'warnings': sb.isolation.warnings}\n"
         "out['ok'] = sb.run(Job('print(6 * 7)')).stdout\n"
         "out['loop'] = sb.run(Job('while True: pass')).status\n"
+        "out['fork_bomb'] = sb.run(Job('import os\\nwhile True:\\n    try:\\n        os.fork()\\n    except OSError:\\n"
+        "        pass\\n')).status\n"
         "out['tcp'] = sb.run(Job('import socket\\ntry:\\n    socket.create_connection((\"127.0.0.1\", 22), 1)\\n"
         "    print(\"CONNECTED\")\\nexcept OSError:\\n    print(\"refused\")')).stdout\n"
         "out['detached'] = sb.run(Job('import os, time\\nif os.fork() == 0:\\n    os.setsid()\\n    time.sleep(30)\\n"
@@ -173,7 +175,7 @@ def _run_as_nobody(tmp_path):
     assert proc.returncode == 0, proc.stderr[-2000:]
     out = json.loads(proc.stdout.strip().splitlines()[-1])
     assert out["ok"] == "42\n" and out["loop"] == "timeout" and out["tcp"] == "refused\n"
-    assert out["detached"] == "ok"
+    assert out["detached"] == "ok" and out["fork_bomb"] == "timeout"
     assert "net ns per worker" in out["describe"] or out["warnings"]
     leftover = subprocess.run(["pgrep", "-u", "65534", "-f", "time.sleep"], capture_output=True, text=True).stdout
     assert leftover.strip() == ""
