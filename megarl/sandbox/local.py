@@ -204,6 +204,10 @@ def worker_main() -> None:
             proto_out.flush()
     finally:
         remove_tree(worker.dir)
+        try:  # the last worker of a sandbox whose owner died without close() removes the root too
+            os.rmdir(cfg["root"])
+        except OSError:
+            pass
 
 
 class _WorkerSide:

@@ -129,3 +129,14 @@ def test_humaneval_subset(verifier):
     assert all(r.score == 0.0 for r in bad)
     hacks = [(program, gold[0]) for program in humaneval_hacks(problems[0])]
     assert all(r.score == 0.0 for r in verifier.verify_many(hacks))
+
+
+def test_through_the_reward_pool():
+    """The pool's helper processes build the verifier from the registry and start their own sandbox."""
+    from megarl.verifiers.pool import RewardPool
+
+    requests = [("code", "def add(a, b):\n    return a + b\n", ADD), ("code", "import sys\nsys.exit(0)\n", ADD),
+                ("code", "print(int(input()) * 2)", {"inputs": ["21\n"], "outputs": ["42\n"]})]
+    with RewardPool(workers=2, timeout_s=60) as pool:
+        results, _ = pool.score(requests)
+    assert [r.outcome for r in results] == ["correct", "incorrect", "correct"]
