@@ -207,6 +207,21 @@ def test_missing_wandb_and_tensorboard_warn_and_continue(tmp_path, monkeypatch, 
     assert "--tensorboard-dir needs the tensorboard package" in err
 
 
+def test_wandb_that_cannot_start_is_a_config_error(tmp_path, monkeypatch):
+    import types
+
+    from megarl.config import ConfigError
+
+    def init(**kwargs):
+        raise RuntimeError("api_key not configured (no-tty)")
+
+    monkeypatch.setitem(sys.modules, "wandb", types.SimpleNamespace(init=init))
+    cfg = LoggingConfig(output_dir=str(tmp_path), wandb_project="p", wandb_mode="online")
+    with pytest.raises(ConfigError, match=r"--wandb-project p: wandb could not start a run \(RuntimeError: api_key "
+                                          r"not configured \(no-tty\)\); run `wandb login`, or use --wandb-mode offline"):
+        open_sinks(cfg, cfg.output_dir, {}, resumed=False)
+
+
 def test_disabled_wandb_imports_nothing(tmp_path, monkeypatch):
     monkeypatch.setitem(sys.modules, "wandb", None)
     cfg = LoggingConfig(output_dir=str(tmp_path), wandb_project="p", wandb_mode="disabled")
