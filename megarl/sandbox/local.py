@@ -9,6 +9,7 @@ cwd). When I exits the kernel kills whatever P left in the namespace, detached o
 from __future__ import annotations
 
 import atexit
+import gc
 import json
 import logging
 import os
@@ -225,6 +226,7 @@ class _WorkerSide:
         self.read_fds = [(os.open(p, os.O_PATH | os.O_CLOEXEC), os.path.isdir(p)) for p in iso_mod.read_roots()]
         self.devnull_fd = os.open(os.devnull, os.O_PATH | os.O_CLOEXEC)
         self.seccomp = iso_mod.seccomp_program() if iso.seccomp else None
+        gc.freeze()  # what exists now is never scanned by a job's collector: fewer copy-on-write page copies per fork
         self.pidns_fd = None
         if iso.pid_ns and iso.root:
             fd = os.open("/proc/self/ns/pid", os.O_RDONLY | os.O_CLOEXEC)
