@@ -17,11 +17,11 @@ from __future__ import annotations
 
 import argparse
 import io
+import json
 import os
 import re
 import subprocess
 import sys
-import sysconfig
 import tarfile
 import time
 
@@ -48,8 +48,6 @@ def collect(python: str) -> tuple[str, list[str], list[str]]:
     real = os.path.realpath(python)
     paths = subprocess.run([real, "-c", "import sysconfig, json; print(json.dumps(sysconfig.get_paths()))"],
                            capture_output=True, text=True, check=True).stdout
-    import json
-
     stdlib = json.loads(paths)["stdlib"]
     dynload = os.path.join(stdlib, "lib-dynload")
     extensions = [os.path.join(dynload, f) for f in os.listdir(dynload) if f.endswith(".so")] \
