@@ -208,7 +208,7 @@ def test_config_parsing():
     assert ModelShape.from_hf_config({**base, "rope_parameters": {"rope_type": "default", "rope_theta": 7.0}}).rope_theta == 7.0
     assert ModelShape.from_hf_config(base).qkv_bias is False
     assert ModelShape.from_hf_config({**base, "model_type": "qwen2"}).qkv_bias is True
-    with pytest.raises(ValueError, match="rope type 'llama3'"):
-        ModelShape.from_hf_config({**base, "rope_parameters": {"rope_type": "llama3", "rope_theta": 7.0, "factor": 8.0}})
+    with pytest.raises(ValueError, match="rope type 'dynamic'"):
+        ModelShape.from_hf_config({**base, "rope_parameters": {"rope_type": "dynamic", "rope_theta": 7.0, "factor": 8.0}})
     with pytest.raises(ValueError, match="model_type"):
         ModelShape.from_hf_config({**base, "model_type": "gpt2"})

@@ -267,7 +267,7 @@ def test_shape_from_hf_config_fields():
     assert dataclasses.asdict(s) == dict(
         family="qwen2", num_layers=2, hidden_size=64, num_attention_heads=4, num_kv_heads=2, head_dim=16,
         ffn_hidden_size=128, vocab_size=96, max_position_embeddings=64, rope_theta=1000000.0, norm_eps=1e-5,
-        tie_word_embeddings=True, qkv_bias=True)
+        tie_word_embeddings=True, qkv_bias=True, rope_scaling_factor=0.0)
 
 
 def test_shape_is_frozen():
@@ -321,9 +321,9 @@ def test_unsupported_rope_type_is_named(rope):
         ModelShape.from_hf_config(hf_config(**rope))
 
 
-def test_llama3_rope_scaling_is_rejected():
+def test_llama3_rope_scaling_from_transformers4_rope_scaling():
     cfg = hf_config(model_type="llama", rope_theta=500000.0,
                     rope_scaling={"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
                                   "high_freq_factor": 4.0, "original_max_position_embeddings": 8192})
-    with pytest.raises(ValueError, match=r"'llama3'"):
-        ModelShape.from_hf_config(cfg)
+    s = ModelShape.from_hf_config(cfg)
+    assert s.rope_theta == 500000.0 and s.rope_scaling_factor == 8.0
