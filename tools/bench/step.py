@@ -185,6 +185,9 @@ def make_prompts(count: int, seed: int = 0) -> list[dict]:
 # -- megarl ----------------------------------------------------------------------------------------------------
 
 
+_WORLD = None  # megarl's ParallelInfo, set up by the first size and reused by the next
+
+
 class MegarlStep:
     """train.py's loop body on a world of one process."""
 
@@ -209,7 +212,9 @@ class MegarlStep:
             "--lr", str(args.lr), "--lr-decay-style", "constant", "--weight-decay", "0", "--clip-grad", "1.0",
             "--seed", str(args.seed), "--transformer-impl", "local", "--rollout-device", "cpu",
         ])
-        self.info = parallel.init_distributed(1, 1, seed=args.seed)  # gloo, world size 1
+        global _WORLD
+        _WORLD = _WORLD or parallel.init_distributed(1, 1, seed=args.seed)  # gloo, world size 1, once per process
+        self.info = _WORLD
         self.tokenizer = AutoTokenizer.from_pretrained(model_dir)
         d = self.cfg.data
         self.prompts = load_prompts(d.prompt_data, self.tokenizer, input_key=d.input_key, label_key=d.label_key,
