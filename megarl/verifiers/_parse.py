@@ -64,10 +64,13 @@ _RELOPS = ("≤", "≥", "≠", "<", ">", "=")
 _MATRIX_ENV = re.compile(r"\\begin\{([pbvBV]?matrix|array)\}(?:\{[^{}]*\})?(.*?)\\+end\{\1\}", re.S)
 _TEXTY = re.compile(r"^[A-Za-z][A-Za-z '\-]*$")
 _CHOICE = re.compile(r"^\(?([A-Ea-e])\)?$")
+_MAX_DEPTH = 100
 
 
 def parse_answer(s: str, list_hint: bool = False) -> object:
     """Parse a normalised answer. `list_hint`: the other side is a list, so `1,234` means two items."""
+    if _max_depth(s) > _MAX_DEPTH:  # refuse at once rather than recurse into the interpreter's limit
+        raise ParseError(f"brackets nested more than {_MAX_DEPTH} deep")
     matrices: list = []
     s = _MATRIX_ENV.sub(lambda m: _stash_matrix(m.group(2), matrices), s)
     if not list_hint:
@@ -79,6 +82,17 @@ def parse_answer(s: str, list_hint: bool = False) -> object:
     if len(items) > 1:
         return Seq("list", tuple(_item(i, matrices) for i in items))
     return _item(s, matrices)
+
+
+def _max_depth(s: str) -> int:
+    depth = deepest = 0
+    for c in s:
+        if c in "([{":
+            depth += 1
+            deepest = max(deepest, depth)
+        elif c in ")]}":
+            depth -= 1
+    return deepest
 
 
 def _solution(s: str, matrices) -> object:
