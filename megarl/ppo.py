@@ -89,7 +89,8 @@ def gae_advantages_and_critic_update(critic: MegatronCritic, rollout: RolloutBat
     a, t = cfg.algorithm, cfg.training
     start = time.perf_counter()
     mask = batch["loss_mask"]
-    values = critic.values(batch["tokens"], micro_batch_size=t.micro_batch_size)
+    budget = dict(micro_batch_size=t.micro_batch_size, max_tokens_per_micro_batch=t.max_tokens_per_micro_batch)
+    values = critic.values(batch["tokens"], lengths=batch.get("lengths"), **budget)
     if values is None:
         values = advantages = returns = torch.zeros_like(mask)
     else:
@@ -109,12 +110,14 @@ def gae_advantages_and_critic_update(critic: MegatronCritic, rollout: RolloutBat
     batch["advantages"] = advantages.float()
 
     critic_batch = {"tokens": batch["tokens"], "loss_mask": mask, "returns": returns.float(), "old_values": values}
+    if "lengths" in batch:
+        critic_batch["lengths"] = batch["lengths"]
     k = t.updates_per_rollout
     size = mask.shape[0] // k
     totals: dict[str, float] = {}
     for i in range(k):
         mini = {key: v[i * size : (i + 1) * size] for key, v in critic_batch.items()}
-        out = critic.train_step(mini, value_loss_fn(a.value_clip), micro_batch_size=t.micro_batch_size)
+        out = critic.train_step(mini, value_loss_fn(a.value_clip), **budget)
         for key, v in out.items():
             totals[key] = totals.get(key, 0.0) + v
 

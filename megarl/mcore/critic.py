@@ -71,7 +71,9 @@ class MegatronCritic(MegatronPolicy):
         raise NotImplementedError("the critic has no HF counterpart (its value head replaces lm_head)")
 
     @torch.no_grad()
-    def values(self, tokens: torch.Tensor, *, micro_batch_size: int) -> torch.Tensor | None:
-        """Values [B, S - 1] on the last pipeline stage, None on the others."""
-        # `logprobs` runs the forward-only pass and concatenates `_per_token`, which here is the value.
-        return self.logprobs(tokens, micro_batch_size=micro_batch_size)
+    def values(self, tokens: torch.Tensor, *, micro_batch_size: int, lengths: torch.Tensor | None = None,
+               max_tokens_per_micro_batch: int = 0) -> torch.Tensor | None:
+        """Values [B, S - 1] on the last pipeline stage, None on the others (micro-batches as for log-probs)."""
+        # `logprobs` runs the forward-only pass and collects `_per_token`, which here is the value.
+        return self.logprobs(tokens, micro_batch_size=micro_batch_size, lengths=lengths,
+                             max_tokens_per_micro_batch=max_tokens_per_micro_batch)
