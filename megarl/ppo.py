@@ -28,7 +28,7 @@ from megarl import steps
 from megarl.algorithms import get_advantage_fn
 from megarl.algorithms.gae import gae_returns, masked_moments, mean_var, value_loss_clipped, whiten
 from megarl.config import Config, ConfigError
-from megarl.mcore import checkpoint
+from megarl.mcore import checkpoint, parallel
 from megarl.mcore.critic import MegatronCritic
 from megarl.mcore.parallel import ParallelInfo
 from megarl.metrics import reduce_over_ranks
@@ -94,6 +94,7 @@ def gae_advantages_and_critic_update(critic: MegatronCritic, rollout: RolloutBat
     if values is None:
         values = advantages = returns = torch.zeros_like(mask)
     else:
+        values = values.to(mask.device)  # the model's device; the batch and GAE stay on the CPU
         values = torch.where(mask.bool(), values, torch.zeros_like(values))
         scores = torch.tensor([s.reward for s in rollout.samples], dtype=torch.float32)
         advantages = get_advantage_fn(a.advantage_estimator)(scores, a.advantage_eps, values=values, mask=mask,
@@ -104,8 +105,9 @@ def gae_advantages_and_critic_update(critic: MegatronCritic, rollout: RolloutBat
         # Over the global batch: each DP rank's tokens are counted once per TP rank of the last stage, the same
         # factor for every sample, so mean and variance are those of the global batch.
         moments = masked_moments(advantages, mask) if contributes else torch.zeros(3, dtype=torch.float64)
+        moments = moments.to(parallel.device())  # NCCL reduces device tensors only
         dist.all_reduce(moments)
-        mean, var = mean_var(moments)
+        mean, var = mean_var(moments.cpu())
         advantages = whiten(advantages, mask, mean, var)
     batch["advantages"] = advantages.float()
 
@@ -125,7 +127,7 @@ def gae_advantages_and_critic_update(critic: MegatronCritic, rollout: RolloutBat
     if contributes and info.tp_rank == 0:
         m = mask.bool()
         v, r = values[m].double(), returns[m].double()
-        local = {k: totals.get(k, 0.0) for k in ("value_loss_num", "value_tokens", "value_clipped")}
+        local = {key: totals.get(key, 0.0) for key in ("value_loss_num", "value_tokens", "value_clipped")}
         local.update(n=float(m.sum()), v_sum=float(v.sum()), r_sum=float(r.sum()), r_sq=float(r.square().sum()),
                      e_sum=float((r - v).sum()), e_sq=float((r - v).square().sum()))
     g = reduce_over_ranks(local, _SUM_KEYS)
