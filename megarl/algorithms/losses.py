@@ -99,6 +99,24 @@ def _masked_mean(values: Tensor, mask: Tensor) -> float:
     return float((values * mask).sum() / mask.sum().clamp(min=1))
 
 
+def _clipped_surrogate(ratio: Tensor, adv: Tensor, mask: Tensor, clip_low: float,
+                       clip_high: float) -> tuple[Tensor, dict[str, float]]:
+    """`-min(ratio * A, clamp(ratio, 1 - clip_low, 1 + clip_high) * A)` per token, 0 at masked positions, and the
+    clipping metrics over masked tokens (see `policy_loss_clip`). Shapes: all [B, T]; `mask` bool."""
+    clipped_ratio = ratio.clamp(1 - clip_low, 1 + clip_high)
+    pg = -torch.minimum(ratio * adv, clipped_ratio * adv)
+    with torch.no_grad():
+        clipped_low = (ratio < 1 - clip_low) & (adv < 0)
+        clipped_high = (ratio > 1 + clip_high) & (adv > 0)
+        metrics = {
+            "clip_frac": _masked_mean((clipped_low | clipped_high).float(), mask),
+            "clip_frac_low": _masked_mean(clipped_low.float(), mask),
+            "clip_frac_high": _masked_mean(clipped_high.float(), mask),
+            "ratio_mean": _masked_mean(ratio, mask),
+        }
+    return torch.where(mask, pg, torch.zeros_like(pg)), metrics
+
+
 @register_policy_loss("clip")
 def policy_loss_clip(
     logp: Tensor,
@@ -125,19 +143,7 @@ def policy_loss_clip(
     # Masking the log-ratio (not just the loss) keeps padding out of exp(): inf * 0 would be NaN in the
     # forward pass and in the gradient.
     ratio = torch.exp(torch.where(mask, logp - old_logp, torch.zeros_like(logp)))
-    clipped_ratio = ratio.clamp(1 - clip_low, 1 + clip_high)
-    pg = -torch.minimum(ratio * adv, clipped_ratio * adv)
-
-    with torch.no_grad():
-        clipped_low = (ratio < 1 - clip_low) & (adv < 0)
-        clipped_high = (ratio > 1 + clip_high) & (adv > 0)
-        metrics = {
-            "clip_frac": _masked_mean((clipped_low | clipped_high).float(), mask),
-            "clip_frac_low": _masked_mean(clipped_low.float(), mask),
-            "clip_frac_high": _masked_mean(clipped_high.float(), mask),
-            "ratio_mean": _masked_mean(ratio, mask),
-        }
-    return torch.where(mask, pg, torch.zeros_like(pg)), metrics
+    return _clipped_surrogate(ratio, adv, mask, clip_low, clip_high)
 
 
 @register_policy_loss("dual_clip")
@@ -198,18 +204,7 @@ def policy_loss_gspo(
     seq_log_ratio = (log_ratio.sum(dim=-1, keepdim=True) / counts).detach()
     ratio = torch.exp(seq_log_ratio + logp - logp.detach())
     ratio = torch.where(mask, ratio, torch.ones_like(ratio))
-    clipped_ratio = ratio.clamp(1 - clip_low, 1 + clip_high)
-    pg = -torch.minimum(ratio * adv, clipped_ratio * adv)
-    with torch.no_grad():
-        clipped_low = (ratio < 1 - clip_low) & (adv < 0)
-        clipped_high = (ratio > 1 + clip_high) & (adv > 0)
-        metrics = {
-            "clip_frac": _masked_mean((clipped_low | clipped_high).float(), mask),
-            "clip_frac_low": _masked_mean(clipped_low.float(), mask),
-            "clip_frac_high": _masked_mean(clipped_high.float(), mask),
-            "ratio_mean": _masked_mean(ratio, mask),
-        }
-    return torch.where(mask, pg, torch.zeros_like(pg)), metrics
+    return _clipped_surrogate(ratio, adv, mask, clip_low, clip_high)
 
 
 def truncated_is_weights(old_logp: Tensor, rollout_logp: Tensor, mask: Tensor, cap: float) -> tuple[Tensor, dict]:
