@@ -16,14 +16,15 @@ ALGORITHM_ARGS=(
   --loss-aggregation token-mean
 )
 
-# A step also runs the critic (values, then its update), ~2-3x a GRPO step, so fewer steps fit in the budget.
-# Measured (2 shared cores, `make demo`'s starter): 1,094 steps in 9.5 min, train reward 0.26 -> 0.36 (200-step
-# means), held-out sampled 23.6% -> 30.9%, greedy 64.0% -> 50.0%. The critic learns the mean reward but little
-# more here (explained variance ~0), so this is close to REINFORCE with a batch baseline: the tokens of every
-# wrong answer are pushed down, right first digits included, and greedy accuracy falls. The same recipe with
-# --advantage-estimator reinforce_pp (batch-whitened rewards, no critic) did the same: 888 steps in 3 min, sampled
-# 30.4%, greedy 47.0%. At --lr 1e-4 PPO's greedy fell further (40.5%, sampled 31.1%), hence a lower actor
-# learning rate than tiny_cpu.sh's; GRPO's per-prompt baseline is what keeps greedy accuracy there.
+# A step also runs the critic (values, then its update): about twice a GRPO step.
+# Measured on `make demo`'s starter, 2 shared cores:
+#   --num-steps 1000 (the learning rates fully decayed), 4.0 min: train reward 0.26 -> 0.34 (200-step means),
+#   held-out sampled 23.6% -> 31.8%, greedy 64.0% -> 50.0%;
+#   1,094 of these 2,400 steps in 9.5 min on a busier machine: sampled 23.6% -> 30.9%, greedy 64.0% -> 50.0%.
+# Held-out greedy accuracy falls. The critic learns the mean reward but little more on this task (explained
+# variance ~0), so the advantages are close to REINFORCE with a batch baseline; this recipe with
+# --advantage-estimator reinforce_pp (no critic) gave sampled 30.4%, greedy 47.0% (888 steps). GRPO's greedy also
+# falls early at a high learning rate (tiny_cpu.sh's notes); at --lr 1e-4 PPO's fell to 40.5%, hence 5e-5 here.
 TRAINING_ARGS=(
   --num-steps 2400
   --max-train-minutes 9.5
