@@ -32,8 +32,10 @@ def reduce_over_ranks(values: dict[str, float], keys: list[str]) -> dict[str, fl
     sums = torch.tensor([0.0 if k.endswith("_max") else float(values.get(k, 0.0)) for k in keys], dtype=torch.float64)
     maxes = torch.tensor([float(values.get(k, -math.inf)) if k.endswith("_max") else -math.inf for k in keys],
                          dtype=torch.float64)
-    dist.all_reduce(sums, op=dist.ReduceOp.SUM)
-    dist.all_reduce(maxes, op=dist.ReduceOp.MAX)
+    from megarl.mcore.parallel import all_reduce_host  # NCCL reduces device tensors only
+
+    sums = all_reduce_host(sums, op=dist.ReduceOp.SUM)
+    maxes = all_reduce_host(maxes, op=dist.ReduceOp.MAX)
     return {k: (maxes[i].item() if k.endswith("_max") else sums[i].item()) for i, k in enumerate(keys)}
 
 

@@ -122,8 +122,7 @@ def close_engine(engine) -> None:
 
 def agree_any(flag: bool) -> bool:
     """True on every rank if it is true on any (so all ranks take the same branch)."""
-    t = torch.tensor([1 if flag else 0], dtype=torch.int32)
-    dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    t = parallel.all_reduce_host(torch.tensor([1 if flag else 0], dtype=torch.int32), op=dist.ReduceOp.MAX)
     return bool(t.item())
 
 
@@ -439,8 +438,7 @@ def parallel_reduce(local: dict[str, float], keys: list[str]) -> dict[str, float
 
 def peak_rss_mib(info: ParallelInfo) -> float:
     kib = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
-    t = torch.tensor([kib / 1024.0], dtype=torch.float64)
-    dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    t = parallel.all_reduce_host(torch.tensor([kib / 1024.0], dtype=torch.float64), op=dist.ReduceOp.MAX)
     return float(t.item())
 
 
@@ -460,7 +458,7 @@ def evaluate(engine, eval_prompts: list[PromptRecord], tokenizer, cfg: Config, i
             score(batch, mine, tokenizer)
             counts[slot] += sum(s.outcome == "correct" for s in batch.samples)
             counts[slot + 1] += len(batch.samples)
-    dist.all_reduce(counts)
+    counts = parallel.all_reduce_host(counts)
     return {"sampled": float(counts[0] / counts[1].clamp(min=1)), "greedy": float(counts[2] / counts[3].clamp(min=1))}
 
 

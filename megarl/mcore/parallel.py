@@ -23,6 +23,20 @@ def device() -> torch.device:
     return torch.device("cpu")
 
 
+def all_reduce_host(t: torch.Tensor, op=None, group=None) -> torch.Tensor:
+    """All-reduce a small host tensor (metrics, flags, counts) and return it on the host. NCCL reduces only device
+    tensors, so under NCCL it travels through the GPU; under gloo it stays where it is."""
+    import torch.distributed as dist
+
+    op = dist.ReduceOp.SUM if op is None else op
+    if dist.get_backend(group) == "nccl":
+        on_device = t.to(device())
+        dist.all_reduce(on_device, op=op, group=group)
+        return on_device.cpu()
+    dist.all_reduce(t, op=op, group=group)
+    return t
+
+
 def layer_spec(use_transformer_engine: bool | None = None, normalization: str = "RMSNorm"):
     """Megatron's Transformer Engine spec on GPUs with TE installed, its local spec otherwise.
 
