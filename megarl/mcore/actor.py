@@ -296,10 +296,10 @@ class MegatronPolicy:
             return None
         if "_rows" not in outputs[0]:
             return torch.cat([o["logprobs"] for o in outputs], dim=0)
-        full = torch.zeros(tokens.shape[0], tokens.shape[1] - 1, dtype=outputs[0]["logprobs"].dtype)
+        first = outputs[0]["logprobs"]  # same device as the fixed-micro-batch path returns
+        full = torch.zeros(tokens.shape[0], tokens.shape[1] - 1, dtype=first.dtype, device=first.device)
         for o in outputs:
-            lp = o["logprobs"].cpu()
-            full[o["_rows"].cpu(), : lp.shape[1]] = lp
+            full[o["_rows"], : o["logprobs"].shape[1]] = o["logprobs"]
         return full
 
     def train_step(self, batch: dict[str, torch.Tensor], loss_fn: LossFn, *, micro_batch_size: int,

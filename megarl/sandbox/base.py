@@ -3,8 +3,11 @@
 from __future__ import annotations
 
 import dataclasses
+import os
+import select
+import time
 from dataclasses import dataclass, field
-from typing import Literal, Protocol, Sequence, runtime_checkable
+from typing import Callable, Literal, Protocol, Sequence, runtime_checkable
 
 Status = Literal["ok", "nonzero_exit", "timeout", "memory_limit", "output_limit", "killed", "sandbox_error"]
 STATUSES: tuple[str, ...] = ("ok", "nonzero_exit", "timeout", "memory_limit", "output_limit", "killed",
@@ -86,3 +89,26 @@ class Sandbox(Protocol):
     def describe(self) -> str: ...  # the isolation in force, one line
 
     def close(self) -> None: ...
+
+
+class LineReader:
+    """Newline-delimited reads from a pipe with a deadline: how the parent hears its workers and containers (one
+    JSON line per answer). Bytes past the newline are kept for the next line."""
+
+    def __init__(self, fd: int):
+        self.fd = fd
+        self._buf = b""
+
+    def readline(self, timeout: float, on_eof: Callable[[], str]) -> bytes:
+        """The next line without its newline; TimeoutError after `timeout` s, EOFError(on_eof()) if the pipe closes."""
+        deadline = time.monotonic() + timeout
+        while b"\n" not in self._buf:
+            left = deadline - time.monotonic()
+            if left <= 0 or not select.select([self.fd], [], [], left)[0]:
+                raise TimeoutError(f"no answer in {timeout:.0f} s")
+            chunk = os.read(self.fd, 1 << 20)
+            if not chunk:
+                raise EOFError(on_eof())
+            self._buf += chunk
+        line, self._buf = self._buf.split(b"\n", 1)
+        return line

@@ -11,9 +11,7 @@ from __future__ import annotations
 
 import atexit
 import json
-import os
 import queue
-import select
 import subprocess
 import threading
 import time
@@ -23,7 +21,7 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Sequence
 
-from megarl.sandbox.base import Job, Limits, RunResult
+from megarl.sandbox.base import Job, LineReader, Limits, RunResult
 from megarl.sandbox.local import PREIMPORTS
 
 DEFAULT_IMAGE = "megarl-sandbox:latest"
@@ -194,7 +192,7 @@ class _Container:
         self.name, self.docker, self.jobs = name, docker, 0
         self.proc = subprocess.Popen(argv, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
                                      stderr=subprocess.DEVNULL, start_new_session=True)
-        self._buf = b""
+        self._lines = LineReader(self.proc.stdout.fileno())
         try:
             json.loads(self._readline(60))
         except Exception:
@@ -217,18 +215,7 @@ class _Container:
         return RunResult.from_wire(json.loads(line))
 
     def _readline(self, timeout: float) -> bytes:
-        deadline = time.monotonic() + timeout
-        fd = self.proc.stdout.fileno()
-        while b"\n" not in self._buf:
-            left = deadline - time.monotonic()
-            if left <= 0 or not select.select([fd], [], [], left)[0]:
-                raise TimeoutError(f"no answer in {timeout:.0f} s")
-            chunk = os.read(fd, 1 << 20)
-            if not chunk:
-                raise EOFError("the container's runner exited")
-            self._buf += chunk
-        line, self._buf = self._buf.split(b"\n", 1)
-        return line
+        return self._lines.readline(timeout, lambda: "the container's runner exited")
 
     def remove(self) -> None:
         try:

@@ -27,7 +27,7 @@ from pathlib import Path
 from typing import Sequence
 
 from megarl.sandbox import isolation as iso_mod
-from megarl.sandbox.base import Job, Limits, RunResult
+from megarl.sandbox.base import Job, LineReader, Limits, RunResult
 from megarl.sandbox.jobexec import compiled, remove_tree, run_program, write_files
 
 log = logging.getLogger(__name__)
@@ -151,7 +151,7 @@ class _Worker:
         self.proc = subprocess.Popen(
             [sys.executable, "-c", "from megarl.sandbox.local import worker_main; worker_main()", json.dumps(cfg)],
             stdin=subprocess.PIPE, stdout=subprocess.PIPE, env=env, close_fds=True)
-        self._buf = b""
+        self._lines = LineReader(self.proc.stdout.fileno())
         hello = json.loads(self._readline(_START_TIMEOUT_S))
         self.isolation = hello["isolation"]
 
@@ -161,18 +161,7 @@ class _Worker:
         return RunResult.from_wire(json.loads(self._readline(timeout)))
 
     def _readline(self, timeout: float) -> bytes:
-        deadline = time.monotonic() + timeout
-        fd = self.proc.stdout.fileno()
-        while b"\n" not in self._buf:
-            left = deadline - time.monotonic()
-            if left <= 0 or not select.select([fd], [], [], left)[0]:
-                raise TimeoutError(f"no answer in {timeout:.0f} s")
-            chunk = os.read(fd, 1 << 20)
-            if not chunk:
-                raise EOFError(f"worker exited with status {self.proc.wait()}")
-            self._buf += chunk
-        line, self._buf = self._buf.split(b"\n", 1)
-        return line
+        return self._lines.readline(timeout, lambda: f"worker exited with status {self.proc.wait()}")
 
     def close(self) -> None:
         try:
