@@ -34,7 +34,7 @@ class ModelConfig:
     pipeline_model_parallel_size: int = _f(1, "pipeline-parallel size (PP)")
     transformer_impl: Literal["auto", "local", "transformer_engine"] = _f(
         "auto", "Megatron layer spec: Transformer Engine (GPU) or Megatron's local modules; auto picks TE when importable")
-    bf16: bool = _f(False, "train in bf16 with fp32 main params (GPU)")
+    bf16: bool = _f(False, "train and generate in bf16, fp32 main params (GPU, or a CPU with bf16 units)")
     sequence_parallel: bool = _f(False, "Megatron sequence parallelism: norms and dropout sharded over the sequence "
                                  "on TP ranks (GPU with Transformer Engine, TP > 1)")
 

@@ -57,7 +57,7 @@ def build_engine(hf_dir: str, device: str, cfg: Config | None = None):
 
     if device == "auto":
         device = "cuda" if torch.cuda.is_available() else "cpu"
-    dtype = torch.bfloat16 if cfg is not None and cfg.model.bf16 and device == "cuda" else torch.float32
+    dtype = torch.bfloat16 if cfg is not None and cfg.model.bf16 else torch.float32  # CPUs with bf16 units too
     # Weights come from the actor right after, through the same path as every later sync.
     config = json.loads((Path(hf_dir) / "config.json").read_text())
     return BuiltinEngine(config, device=device, dtype=dtype)

@@ -20,7 +20,7 @@ import torch
 import torch.distributed as dist
 
 from megarl.mcore import convert, cpu_compat, parallel
-from megarl.mcore.model import build_gpt_model, transformer_config
+from megarl.mcore.model import build_gpt_model, in_model_precision, transformer_config
 from megarl.model_shape import ModelShape
 
 LossFn = Callable[[torch.Tensor, dict], tuple[torch.Tensor, torch.Tensor, dict[str, torch.Tensor]]]
@@ -146,7 +146,7 @@ class MegatronPolicy:
         self.trainable = trainable
         self.config = transformer_config(shape, tp=tp, pp=pp, bf16=bf16, sequence_parallel=sequence_parallel,
                                          params_dtype=torch.bfloat16 if bf16 else torch.float32)
-        module = self._build_module(shape, use_transformer_engine)
+        module = in_model_precision(self._build_module(shape, use_transformer_engine), self.config)
         self.optimizer = self.scheduler = None
         if not trainable:
             module.eval()

@@ -79,3 +79,15 @@ def build_gpt_model(shape: ModelShape, config, *, use_transformer_engine: bool |
     if torch.cuda.is_available():
         model.cuda(torch.cuda.current_device())
     return model
+
+
+def in_model_precision(module: torch.nn.Module, config) -> torch.nn.Module:
+    """`module` as Megatron trains it in `config`'s precision: with bf16, wrapped in `Float16Module`, which casts
+    every parameter to bf16 (the local spec's torch norms are created in fp32 whatever `params_dtype` says) and
+    hands the last stage's output back in fp32. The optimizer keeps fp32 main params and DDP reduces gradients in
+    fp32; the log-prob and loss math after the model runs in fp32 (`actor.token_logprobs`)."""
+    if not config.bf16:
+        return module
+    from megatron.core.transformer.module import Float16Module
+
+    return Float16Module(config, module)
