@@ -43,10 +43,16 @@ class Job:
     stdin: str = ""
     files: dict[str, str] = field(default_factory=dict)  # relative path -> text content
     limits: Limits | None = None  # None: the sandbox's defaults
+    # The code verifier's fast path on backends with `harness_server`: {"code": program, "spec": tests} run by
+    # the worker's persistent trusted harness instead of `source`; `stdin` is then the run's secret.
+    harness: dict | None = None
 
     def to_wire(self, default: Limits) -> dict:
-        return {"source": self.source, "stdin": self.stdin, "files": dict(self.files),
+        wire = {"source": self.source, "stdin": self.stdin, "files": dict(self.files),
                 "limits": dataclasses.asdict(self.limits or default)}
+        if self.harness is not None:
+            wire["harness"] = self.harness
+        return wire
 
 
 @dataclass

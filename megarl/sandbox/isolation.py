@@ -164,6 +164,28 @@ def seccomp_install(program: bytes) -> None:
     _check(_libc.prctl(PR_SET_SECCOMP, 2, ctypes.byref(fprog), 0, 0), "seccomp")
 
 
+def confine(iso: "HostIsolation", workdir: str, read_fds: list[tuple[int, bool]], devnull_fd: int,
+            seccomp: bytes | None) -> None:
+    """Confine the calling process for good: drop to the job uid (or no capabilities), no_new_privs, Landlock
+    (read `read_fds`, write only `workdir` and /dev/null), close every fd above 2, then seccomp."""
+    if iso.uid is not None:
+        os.setgroups([])
+        os.setresgid(iso.uid, iso.uid, iso.uid)
+        if iso.keep_dac_read_search:
+            prctl(PR_SET_KEEPCAPS, 1)
+        os.setresuid(iso.uid, iso.uid, iso.uid)
+        set_capabilities(1 << CAP_DAC_READ_SEARCH if iso.keep_dac_read_search else 0)
+    elif os.geteuid() == 0:  # root inside a user namespace (non-root host user): keep no capability
+        set_capabilities(0)
+    prctl(PR_SET_NO_NEW_PRIVS, 1)
+    if iso.landlock_abi:
+        job_fd = os.open(workdir, os.O_PATH | os.O_CLOEXEC)
+        landlock_restrict(iso.landlock_abi, read_fds, [(job_fd, True), (devnull_fd, False)])
+    os.closerange(3, 1 << 16)
+    if seccomp is not None:
+        seccomp_install(seccomp)
+
+
 # ---- what this host allows ----------------------------------------------------------------------------------
 
 @dataclass

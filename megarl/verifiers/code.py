@@ -56,7 +56,8 @@ class CodeVerifier:
 
     def __init__(self, reward: Literal["all", "fraction"] | None = None, early_stop: bool | None = None,
                  extract: Literal["last", "first", "none"] = "last", backend: str | None = None,
-                 workers: int | None = None, time_s: float = 5.0, memory_mb: int = 1024, image: str | None = None):
+                 workers: int | None = None, time_s: float = 5.0, memory_mb: int = 1024, image: str | None = None,
+                 persistent_harness: bool = True):
         env = os.environ
         self.reward = reward or env.get("MEGARL_CODE_REWARD", "all")
         if self.reward not in ("all", "fraction"):
@@ -69,6 +70,7 @@ class CodeVerifier:
         self.workers = workers or int(env.get("MEGARL_SANDBOX_WORKERS", "1"))
         self.time_s, self.memory_mb = time_s, memory_mb
         self.image = image or env.get("MEGARL_SANDBOX_IMAGE")
+        self.persistent_harness = persistent_harness
 
     @property
     def sandbox(self) -> Sandbox:
@@ -106,8 +108,11 @@ class CodeVerifier:
         wall = min(600.0, 5.0 + spec["time_s"] * (2 if spec["mode"] == "function" else 1) * max(1, n_tests))
         limits = self.sandbox.limits.replace(wall_s=wall, cpu_s=wall,
                                              memory_mb=int(spec.pop("memory_mb", self.memory_mb)))
-        job = Job(source=_HARNESS, stdin=secret, limits=limits,
-                  files={"solution.py": code, "spec.json": json.dumps(spec)})
+        if self.persistent_harness and getattr(self.sandbox, "harness_server", False):
+            job = Job(source="", stdin=secret, limits=limits, harness={"code": code, "spec": spec})
+        else:
+            job = Job(source=_HARNESS, stdin=secret, limits=limits,
+                      files={"solution.py": code, "spec.json": json.dumps(spec)})
         return job, secret, code, n_tests
 
     def _judge(self, prepared, run) -> VerifyResult:

@@ -12,9 +12,11 @@ ADD = {"test": "def check(candidate):\n    assert candidate(2, 3) == 5\n    asse
        "entry_point": "add"}
 
 
-@pytest.fixture(scope="module")
-def verifier():
-    return CodeVerifier(workers=2, time_s=2.0)
+@pytest.fixture(scope="module", params=["persistent harness", "harness as a job"])
+def verifier(request):
+    """Both ways the local backend runs the trusted harness: its workers' persistent one (the default where
+    there is a pid namespace) and one sandbox job per response (the Docker backend's way)."""
+    return CodeVerifier(workers=2, time_s=2.0, persistent_harness=request.param == "persistent harness")
 
 
 def test_registered_and_built_without_arguments():

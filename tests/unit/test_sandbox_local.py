@@ -165,6 +165,11 @@ def _run_as_nobody(tmp_path):
         "    print(\"CONNECTED\")\\nexcept OSError:\\n    print(\"refused\")')).stdout\n"
         "out['detached'] = sb.run(Job('import os, time\\nif os.fork() == 0:\\n    os.setsid()\\n    time.sleep(30)\\n"
         "print(1)')).status\n"
+        "spec = {'mode': 'function', 'test': 'def check(candidate):\\n    assert candidate(2, 3) == 5\\n',"
+        " 'entry_point': 'add', 'time_s': 2.0, 'early_stop': False}\n"
+        "leaver = 'import os, time\\nif os.fork() == 0:\\n    os.setsid()\\n    time.sleep(30)\\n'\n"
+        "out['harness'] = [sb.harness_server] + [sb.run(Job('', stdin='s3', harness={'code': code + 'def add(a, b):"
+        "\\n    return a + b\\n', 'spec': spec})).stdout for code in ('', leaver)]\n"
         "sb.close()\n"
         "print(json.dumps(out))\n")
     script.chmod(0o644)
@@ -176,7 +181,11 @@ def _run_as_nobody(tmp_path):
     assert out["ok"] == "42\n" and out["loop"] == "timeout" and out["tcp"] == "refused\n"
     assert out["detached"] == "ok" and out["fork_bomb"] == "timeout"
     assert "net ns per worker" in out["describe"] or out["warnings"]
-    leftover = subprocess.run(["pgrep", "-u", "65534", "-f", "time.sleep"], capture_output=True, text=True).stdout
+    if out["harness"][0]:  # the persistent code harness runs in a user namespace too
+        assert all(v.strip().startswith('@@megarl-code-done s3 {"results": [{"ok": true}]}') for v in out["harness"][1:])
+    # what the jobs left would still carry their worker's or harness's command line
+    leftover = subprocess.run(["pgrep", "-u", "65534", "-f", "worker_main|code_harness"], capture_output=True,
+                              text=True).stdout
     assert leftover.strip() == ""
 
 
