@@ -3,7 +3,9 @@
 A `Sandbox` runs a `Job` (source, stdin, files, `Limits`) and returns a `RunResult` whose status is one of
 `ok`, `nonzero_exit`, `timeout`, `memory_limit`, `output_limit`, `killed`, `sandbox_error`. Two backends:
 
-local (the default, `LocalSandbox`): pre-forked workers that fork a confined child per job (~ms per job).
+local (the default, `LocalSandbox`): pre-forked workers that fork a confined child per job (~ms per job). For
+  the code verifier (`Job.harness`), each worker also keeps a persistent trusted harness, confined exactly like a
+  job and pid 1 of its own pid namespace, that runs case after case (see `code_harness.serve`).
   Protects against, where the host allows it (detected at start, `describe()` says what is in force, and every
   missing piece is a RuntimeWarning, never silent):
   - network: a network namespace per worker (no interface but a down loopback), Landlock's TCP bind/connect

@@ -20,7 +20,9 @@ whole timed out).
 
 Reward hacking: the verdict comes only from a line carrying a per-run secret, written by the trusted harness
 (`megarl/sandbox/code_harness.py`) after the last test, on a channel the program has no access to; the program
-runs in other processes and only plain data crosses back. Exit codes are never read.
+runs in other processes and only plain data crosses back. Exit codes are never read. On a sandbox with
+`harness_server` (the local backend where it has a pid namespace) the harness is a persistent process per worker,
+and the worker, not the harness, adds the secret to the verdict; elsewhere (Docker) the harness is the job itself.
 
 Settings come from the constructor or, for the registry's no-argument construction, the environment:
 MEGARL_CODE_REWARD (all|fraction), MEGARL_CODE_EARLY_STOP (0|1), MEGARL_SANDBOX (local|docker),

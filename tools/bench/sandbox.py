@@ -5,9 +5,11 @@
 
 - trivial: `print(1)` jobs/s through each backend and through `subprocess.run([python, -c, src])` on as many
   threads as workers (the baseline: no isolation at all).
-- --humaneval: the 164 canonical solutions through the code verifier on each backend, vs the baseline running
-  prompt + solution + test + `check(entry_point)` in one subprocess each and trusting its exit code; also checks
-  that every canonical solution passes, every `return None` variant and every reward-hack variant fails.
+- --humaneval: the 164 canonical solutions through the code verifier on each backend (the local one both with its
+  workers' persistent harness, the default, and with the harness sent as one job per case), vs the baseline
+  running prompt + solution + test + `check(entry_point)` in one subprocess each and trusting its exit code; also
+  checks that every canonical solution passes, every `return None` variant and every reward-hack variant fails.
+  `no-isolation ceiling` is the rate if checking cost nothing beyond the code's own work (see `ceiling`).
 - --stress N: N jobs with random attacks mixed in (~5%): every job must get a result; prints the statuses.
 - --containment: the containment suite of tests/sandbox_cases.py, one row per attack and backend.
 Docker needs a running engine and `make sandbox-image`; without them its column is skipped with the reason.
@@ -70,10 +72,15 @@ def bench_humaneval(backends, workers) -> dict:
     with ThreadPoolExecutor(workers) as pool:
         figures["subprocess baseline"], ok = rate(len(sources), lambda: list(pool.map(baseline_run, sources)))
     figures["subprocess baseline passed"] = sum(ok)
-    for name, sb in backends.items():
-        verifier = CodeVerifier(backend=name, workers=workers)
+    figures["no-isolation ceiling"] = ceiling(sources, workers)
+    variants = [(name, name, True) for name in backends]
+    if "local" in backends:
+        variants.append(("local, harness as a job", "local", False))
+    for name, backend, persistent in variants:
+        verifier = CodeVerifier(backend=backend, workers=workers, persistent_harness=persistent)
         verifier_sandbox = verifier.sandbox
         verifier_sandbox.run(Job("print(1)"))
+        verifier.verify_many(list(zip(programs, gold))[:2 * workers])  # starts the persistent harnesses
         figures[name], good = rate(len(programs), lambda: verifier.verify_many(list(zip(programs, gold))))
         figures[f"{name} canonical passed"] = sum(r.outcome == "correct" for r in good)
         bad = verifier.verify_many([(p["prompt"] + "    return None\n", g) for p, g in zip(problems, gold)])
@@ -83,8 +90,25 @@ def bench_humaneval(backends, workers) -> dict:
         failures = [(p["task_id"], r.normalized) for p, r in zip(problems, good) if r.outcome != "correct"]
         if failures:
             figures[f"{name} canonical failures"] = failures
-        verifier_sandbox.close()
+    for sb in {CodeVerifier(backend=b, workers=workers).sandbox for _, b, _ in variants}:
+        sb.close()
     return figures
+
+
+def ceiling(sources: list[str], workers: int) -> float:
+    """Cases/s if checking cost nothing but the programs' and tests' own work: each source exec'd in this
+    process (no isolation, no process per case; median of 3), spread over `workers` with no overhead. No
+    verifier, isolated or not, can beat it; HumanEval/75's canonical solution alone is ~0.1 s of CPU."""
+    codes = [compile(src, "case.py", "exec") for src in sources]
+    seconds = []
+    for code in codes:
+        runs = []
+        for _ in range(3):
+            start = time.perf_counter()
+            exec(code, {"__name__": "__main__"})
+            runs.append(time.perf_counter() - start)
+        seconds.append(sorted(runs)[1])
+    return len(codes) / max(sum(seconds) / workers, max(seconds))
 
 
 STRESS_ATTACKS = [
@@ -177,12 +201,12 @@ def main(argv=None):
         print(f"\n== {section}")
         for key, value in figures.items():
             print(f"  {key:40s} {value:.1f}" if isinstance(value, float) else f"  {key:40s} {value}")
-    for section, key in (("trivial jobs/s", None), ("humaneval cases/s", None)):
+    for section in ("trivial jobs/s", "humaneval cases/s"):
         figures = report.get(section, {})
         base = figures.get("subprocess baseline")
-        for name in backends:
-            if base and name in figures:
-                print(f"{section}: {name} / baseline = {figures[name] / base:.1f}x")
+        for name, value in figures.items():
+            if base and name != "subprocess baseline" and isinstance(value, float):
+                print(f"{section}: {name} / baseline = {value / base:.1f}x")
     if args.json:
         Path(args.json).write_text(json.dumps(report, indent=1, default=str))
 
