@@ -3,6 +3,7 @@ process, side by side; per-phase seconds (median over the measured steps, after 
 
     python tools/bench/step.py                          # both sizes: tiny (the demo model) and 30m
     python tools/bench/step.py --sizes 30m --steps 3 --threads 2 --json out.json
+    python tools/bench/step.py --precision fp32        # both frameworks in fp32
 
 The two sizes:
 - `tiny`: the CPU demo's model (`tools/make_starter_model.py`'s 2-layer Qwen2, ~2M parameters, random weights
@@ -22,7 +23,12 @@ shared/notes/trl-grpo-reference.md):
   `--kl-coef` against a frozen reference on both (so both compute reference log-probs); one optimizer step per
   rollout batch (TRL `num_iterations=1`, `steps_per_generation` = `gradient_accumulation_steps`: neither computes
   "old" log-probs);
-- TRL: `bf16=False`, `gradient_checkpointing=False`, `use_cpu=True`, `per_device_train_batch_size` = megarl's
+- precision (`--precision`, default bf16), the same class on both sides: megarl `--bf16` is Megatron's mixed
+  precision (bf16 weights and activations, fp32 main params in the optimizer, fp32 gradient buffers, log-probs
+  and loss in fp32) and its built-in engine generates with bf16 weights; TRL gets `bf16=True`, its own default,
+  which on CPU is accelerate's bf16 autocast around every forward of the policy (generation included) and of the
+  reference, with fp32 weights and optimizer. `--precision fp32` turns both off;
+- TRL: `gradient_checkpointing=False`, `use_cpu=True`, `per_device_train_batch_size` = megarl's
   micro-batch, `gradient_accumulation_steps` = prompts x group / micro-batch, constant learning rate, same lr,
   Adam betas, weight decay 0, grad clip 1.0;
 - the reward is the same plain function on both sides (share of digit characters in the decoded response), so
@@ -211,6 +217,7 @@ class MegarlStep:
             "--eps-clip", "0.2", "--eps-clip-high", "0.2", "--kl-coef", str(args.kl_coef), "--kl-estimator", "k3",
             "--lr", str(args.lr), "--lr-decay-style", "constant", "--weight-decay", "0", "--clip-grad", "1.0",
             "--seed", str(args.seed), "--transformer-impl", "local", "--rollout-device", "cpu",
+            *(["--bf16"] if args.precision == "bf16" else []),
         ])
         global _WORLD
         _WORLD = _WORLD or parallel.init_distributed(1, 1, seed=args.seed)  # gloo, world size 1, once per process
@@ -220,10 +227,11 @@ class MegarlStep:
         self.prompts = load_prompts(d.prompt_data, self.tokenizer, input_key=d.input_key, label_key=d.label_key,
                                     verifier_key=d.verifier_key)
         shape = ModelShape.from_pretrained(str(model_dir))
-        self.actor = MegatronPolicy(shape, tp=1, pp=1, trainable=True, bf16=False,
+        bf16 = self.cfg.model.bf16
+        self.actor = MegatronPolicy(shape, tp=1, pp=1, trainable=True, bf16=bf16,
                                     optim=steps.optim_config(self.cfg.training), use_transformer_engine=False)
         self.actor.load_hf(str(model_dir))
-        self.reference = MegatronPolicy(shape, tp=1, pp=1, trainable=False, bf16=False, use_transformer_engine=False)
+        self.reference = MegatronPolicy(shape, tp=1, pp=1, trainable=False, bf16=bf16, use_transformer_engine=False)
         self.reference.load_hf(str(model_dir))
         self.engine = steps.build_engine(str(model_dir), "cpu", self.cfg)
         steps.sync_weights(self.actor, self.engine, version=0, cfg=self.cfg)
@@ -317,8 +325,8 @@ def race_with_trl(model_dir: Path, rows: list[dict], size: Size, args, ours: Meg
 
     samples = size.prompts * size.group
     config = GRPOConfig(
-        output_dir=tempfile.mkdtemp(prefix="megarl-bench-trl-"), use_cpu=True, bf16=False, fp16=False,
-        gradient_checkpointing=False, per_device_train_batch_size=size.micro_batch,
+        output_dir=tempfile.mkdtemp(prefix="megarl-bench-trl-"), use_cpu=True, fp16=False,
+        bf16=args.precision == "bf16", gradient_checkpointing=False, per_device_train_batch_size=size.micro_batch,
         gradient_accumulation_steps=samples // size.micro_batch, num_generations=size.group,
         max_completion_length=size.response_len, generation_kwargs={"min_new_tokens": size.response_len},
         temperature=1.0, top_p=1.0, top_k=0, loss_type="dapo", scale_rewards="group", beta=args.kl_coef,
@@ -335,11 +343,12 @@ def race_with_trl(model_dir: Path, rows: list[dict], size: Size, args, ours: Meg
     # The settings that TRL 1.16 would otherwise default differently, checked on the trainer itself.
     checkpointing = getattr(trainer.model, "is_activation_checkpointing", None)
     assert not (checkpointing if checkpointing is not None else trainer.model.is_gradient_checkpointing)
-    assert not trainer.args.bf16 and next(trainer.model.parameters()).dtype == torch.float32
+    assert trainer.args.bf16 == (args.precision == "bf16") and next(trainer.model.parameters()).dtype == torch.float32
     assert trainer.loss_type == "dapo" and trainer.beta == args.kl_coef and (trainer.ref_model is not None) == (
         args.kl_coef > 0)
     assert trainer.args.steps_per_generation == trainer.args.gradient_accumulation_steps and trainer.num_iterations == 1
     assert trainer.accelerator.device.type == "cpu"
+    assert trainer.accelerator.native_amp == (args.precision == "bf16")  # autocast wraps the model's forward
     trainer.train()
     return megarl_runs, trl_runs
 
@@ -365,7 +374,7 @@ def bench_size(size: Size, args, work: Path) -> dict:
     params = sum(t.numel() for t in load_file(str(model_dir / "model.safetensors")).values())
     megarl_runs, trl_runs = megarl_runs[args.warmup :], trl_runs[args.warmup :]
     as_dicts = lambda runs: [{p: c.__dict__ for p, c in r.items()} for r in runs]  # noqa: E731
-    return {"size": size.__dict__, "parameters": params, "threads": args.threads,
+    return {"size": size.__dict__, "parameters": params, "threads": args.threads, "precision": args.precision,
             "megarl": median_phases(megarl_runs), "trl": median_phases(trl_runs),
             "megarl_runs": as_dicts(megarl_runs), "trl_runs": as_dicts(trl_runs)}
 
@@ -373,7 +382,8 @@ def bench_size(size: Size, args, work: Path) -> dict:
 def print_table(result: dict) -> None:
     s = result["size"]
     print(f"\n{s['name']}: {result['parameters'] / 1e6:.1f}M parameters, {s['prompts']} prompts x {s['group']} samples, "
-          f"{s['response_len']}-token responses, micro-batch {s['micro_batch']}, {result['threads']} thread(s); "
+          f"{s['response_len']}-token responses, micro-batch {s['micro_batch']}, {result['precision']}, "
+          f"{result['threads']} thread(s); "
           f"median of {len(result['megarl_runs'])} steps after warm-up, the two alternating step by step")
     print(f"  {'phase':<11}{'megarl wall':>12}{'TRL wall':>10}{'TRL/megarl':>11}  |{'megarl cpu':>11}{'TRL cpu':>9}"
           f"{'TRL/megarl':>11}")
@@ -393,6 +403,8 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=3, help="measured steps per framework (median reported)")
     parser.add_argument("--warmup", type=int, default=1, help="steps run first and not measured")
     parser.add_argument("--threads", type=int, default=1, help="torch CPU threads (both frameworks)")
+    parser.add_argument("--precision", choices=("bf16", "fp32"), default="bf16",
+                        help="bf16: megarl --bf16, TRL bf16=True (its default); fp32: both off")
     parser.add_argument("--lr", type=float, default=1e-5)
     parser.add_argument("--kl-coef", type=float, default=0.001, help="KL coefficient (the demo's); > 0 runs a reference")
     parser.add_argument("--seed", type=int, default=1234)
