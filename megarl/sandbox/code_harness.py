@@ -36,28 +36,43 @@ DONE = "@@megarl-code-done"
 _MAX_FRAME = 64 << 20
 _PLAIN_CLASSES = {"complex", "set", "frozenset", "bytearray"}
 _CHILD_RLIMITS = []  # (resource, value) set in each program child; only the persistent harness sets them
+_ZYGOTE = None  # the Zygote every program child is forked from (set by main / serve)
 
 
 def main():
-    """One run as a sandbox job: the program in `solution.py`, the tests in `spec.json`, the secret on stdin."""
+    """One run as a sandbox job (`python -I harness.py` in a fresh interpreter, exec'd by the job's stub: the
+    fork the job started as holds the job, tests included, in its memory): the program in `solution.py`, the
+    tests in `spec.json`, the secret on stdin."""
+    global _ZYGOTE
     _nondumpable()
+    _ZYGOTE = Zygote(reap_all=False)  # before this process reads the tests
     spec = json.load(open("spec.json"))
-    finish(run_case(open("solution.py", encoding="utf-8").read(), spec))
+    source = open("solution.py", encoding="utf-8").read()
+    for name in ("spec.json", "solution.py", "harness.py"):  # the job directory is the programs' cwd
+        try:
+            os.unlink(name)
+        except FileNotFoundError:
+            pass
+    try:
+        payload = run_case(source, spec)
+    finally:
+        _ZYGOTE.reap()
+    finish(payload)
 
 
 def run_case(source, spec):
     """The verdict payload for one program against one spec (the tests run here, the program in children)."""
     try:
-        code = compile(source, "solution.py", "exec")
+        compile(source, "solution.py", "exec")  # only to report a syntax error; each child compiles its own
     except (SyntaxError, ValueError) as e:
         return {"compile_error": f"{type(e).__name__}: {e}", "results": []}
     mode = spec["mode"]
     if mode == "function":
-        return {"results": run_function_tests(spec, code)}
+        return {"results": run_function_tests(spec, source)}
     if mode == "io":
-        return {"results": run_io_tests(spec, code)}
+        return {"results": run_io_tests(spec, source)}
     if mode == "call":
-        return {"results": run_call_tests(spec, code)}
+        return {"results": run_call_tests(spec, source)}
     raise ValueError(f"unknown mode {mode!r}")
 
 
@@ -137,7 +152,7 @@ def _assert_style(spec, tree, program):
                 break
         if program.dead:  # a timeout or a crash took the program down: the next test gets a fresh one
             program.kill()
-            program.__init__(program.code, program.time_s)
+            program.__init__(program.source, program.time_s)
             env.clear()
     return results
 
@@ -180,20 +195,16 @@ class CandidateError(Exception):
 class Program:
     """The untrusted program, loaded in a forked child that answers lookups and calls over a pipe pair."""
 
-    def __init__(self, code, time_s):
-        self.code, self.time_s = code, time_s
+    def __init__(self, source, time_s):
+        self.source, self.time_s = source, time_s
         self.dead = False
         req_r, self.req_w = os.pipe()
         self.resp_r, resp_w = os.pipe()
-        _flush_std()
-        self.pid = os.fork()
-        if self.pid == 0:
-            try:
-                _program_child(code, req_r, resp_w)
-            finally:
-                os._exit(0)
-        os.close(req_r)
-        os.close(resp_w)
+        self.pid = _ZYGOTE.spawn("server", [req_r, resp_w])
+        if self.pid < 0:
+            self.dead, self.load_error = True, "the program could not be started (process limit)"
+            return
+        _send(self.req_w, source.encode("utf-8", "surrogatepass"))
         kind, value = self._receive(max(time_s, 1.0))
         self.load_error = None if kind == "ready" else value
 
@@ -221,15 +232,7 @@ class Program:
             return "bad_value", f"not plain data: {e}"
 
     def kill(self):
-        for kill in (os.killpg, os.kill):
-            try:
-                kill(self.pid, signal.SIGKILL)
-            except (ProcessLookupError, PermissionError):
-                pass
-        try:
-            os.waitpid(self.pid, 0)
-        except ChildProcessError:
-            pass
+        _kill_group(self.pid)  # the zygote, its parent, reaps it
         _PENDING.pop(self.resp_r, None)
         for fd in (self.req_w, self.resp_r):
             try:
@@ -245,12 +248,13 @@ class _PlainUnpickler(pickle.Unpickler):
         raise pickle.UnpicklingError(f"{module}.{name}")
 
 
-def _program_child(code, req_r, resp_w):
-    _PENDING.clear()  # the harness's read-ahead, for fds whose numbers this child may reuse
+def _program_child(req_r, resp_w):
+    """A program child serving lookups and calls: its first frame is the program's source."""
     _isolate_child(keep=(req_r, resp_w), stdin=None, stdout=None)
     env = {"__name__": "solution", "__builtins__": builtins}
     try:
-        exec(code, env)
+        source = _receive(req_r, None).decode("utf-8", "surrogatepass")
+        exec(compile(source, "solution.py", "exec"), env)
         _send(resp_w, pickle.dumps(("ready", None)))
     except BaseException as e:  # noqa: BLE001
         _send(resp_w, pickle.dumps(("error", _describe(e))))
@@ -359,60 +363,71 @@ def same_output(got, expected):
     return lines(got) == lines(expected) or got.split() == expected.split()
 
 
-def _run_stdio(code, stdin_text, time_s, cap):
+def _run_stdio(source, stdin_text, time_s, cap):
     stdin_fd = os.memfd_create("stdin")
-    data = stdin_text.encode()
-    while data:
-        data = data[os.write(stdin_fd, data):]
+    _write_all(stdin_fd, stdin_text.encode())
     os.lseek(stdin_fd, 0, os.SEEK_SET)
     out_r, out_w = os.pipe()
-    _flush_std()
-    pid = os.fork()
-    if pid == 0:
+    code_r, code_w = os.pipe()
+    status_r, status_w = os.pipe()
+    pid = _ZYGOTE.spawn("stdio", [stdin_fd, out_w, code_r, status_w])
+    try:
+        if pid < 0:
+            return "runtime_error", ""
         try:
-            _stdio_child(code, stdin_fd, out_w)
-        finally:
-            os._exit(70)
-    os.close(stdin_fd)
-    os.close(out_w)
-    buf, status = bytearray(), None
-    deadline = time.monotonic() + time_s
-    pidfd = os.pidfd_open(pid)
-    eof = exited = False
-    while not (eof and exited) and status is None:
-        left = deadline - time.monotonic()
-        if left <= 0:
-            status = "timeout"
-            break
-        ready, _, _ = select.select([pidfd] + ([] if eof else [out_r]), [], [], left)
-        if pidfd in ready:
-            exited = True
-        if out_r in ready:
-            chunk = os.read(out_r, 1 << 16)
-            eof = not chunk
-            buf += chunk
-            if len(buf) > cap:
-                status = "output_limit"
-        if exited and not eof and out_r not in ready:
-            break  # exited, and something it left behind still holds the pipe: take what is there
-    for kill in (os.killpg, os.kill):
-        try:
-            kill(pid, signal.SIGKILL)
-        except (ProcessLookupError, PermissionError):
-            pass
-    _, wstatus = os.waitpid(pid, 0)
-    os.close(pidfd)
-    os.close(out_r)
-    if status is None:
-        status = "ok" if os.WIFEXITED(wstatus) and os.WEXITSTATUS(wstatus) == 0 else "runtime_error"
-    return status, buf.decode("utf-8", "replace")
+            _write_all(code_w, source.encode("utf-8", "surrogatepass"))
+        except OSError:
+            pass  # it died before reading its program: no status byte, a runtime error below
+        os.close(code_w)
+        code_w = None
+        buf, status = bytearray(), None
+        deadline = time.monotonic() + time_s
+        pidfd = os.pidfd_open(pid)  # not our child (the zygote's), but its exit is visible here all the same
+        eof = exited = False
+        while not (eof and exited) and status is None:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                status = "timeout"
+                break
+            ready, _, _ = select.select([pidfd] + ([] if eof else [out_r]), [], [], left)
+            if pidfd in ready:
+                exited = True
+            if out_r in ready:
+                chunk = os.read(out_r, 1 << 16)
+                eof = not chunk
+                buf += chunk
+                if len(buf) > cap:
+                    status = "output_limit"
+            if exited and not eof and out_r not in ready:
+                break  # exited, and something it left behind still holds the pipe: take what is there
+        _kill_group(pid)
+        os.close(pidfd)
+        if status is None:
+            os.set_blocking(status_r, False)
+            try:
+                code = os.read(status_r, 1)
+            except BlockingIOError:
+                code = b""
+            status = "ok" if code == b"\0" else "runtime_error"
+        return status, buf.decode("utf-8", "replace")
+    finally:
+        for fd in (out_r, status_r, code_w):
+            if fd is not None:
+                os.close(fd)
 
 
-def _stdio_child(code, stdin_fd, out_w):
-    _isolate_child(keep=(), stdin=stdin_fd, stdout=out_w)
+def _stdio_child(stdin_fd, out_w, code_r, status_w):
+    """A program child for one stdin/stdout test: its source comes on `code_r`, its exit status goes back as one
+    byte on `status_w` (no byte: it was killed)."""
+    _isolate_child(keep=(code_r, status_w), stdin=stdin_fd, stdout=out_w)
+    chunks = []
+    while chunk := os.read(code_r, 1 << 16):
+        chunks.append(chunk)
+    os.close(code_r)
     status = 0
     try:
-        exec(code, {"__name__": "__main__", "__builtins__": builtins})
+        exec(compile(b"".join(chunks).decode("utf-8", "surrogatepass"), "main.py", "exec"),
+             {"__name__": "__main__", "__builtins__": builtins})
     except SystemExit as e:
         status = 0 if e.code is None else e.code if isinstance(e.code, int) else 1
     except BaseException:  # noqa: BLE001
@@ -421,7 +436,140 @@ def _stdio_child(code, stdin_fd, out_w):
         sys.stdout.flush()
     except BaseException:  # noqa: BLE001
         status = status or 1
+    try:
+        os.write(status_w, bytes([status & 0xFF]))
+    except OSError:
+        pass
     os._exit(status & 0xFF)
+
+
+def _kill_group(pid):
+    for kill in (os.killpg, os.kill):
+        try:
+            kill(pid, signal.SIGKILL)
+        except (ProcessLookupError, PermissionError):
+            pass
+
+
+# ---- the zygote: where every program child comes from -------------------------------------------------------
+
+class Zygote:
+    """A child of the harness made before the harness holds any test, answer key or other response: every
+    program child is forked from it, so no program can find the tests in the memory it inherits (nor the
+    programs of other cases). Asked over a socket pair: `spawn` (the child's fds passed along), `reap`.
+
+    With `reap_all` (the persistent harness, pid 1 of its namespace) it is the subreaper of its children and
+    `reap` kills every process of the namespace but pid 1 and itself; otherwise only its children's groups."""
+
+    def __init__(self, reap_all):
+        import socket
+
+        self._socket = socket
+        self.sock, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+        _flush_std()
+        self.pid = os.fork()
+        if self.pid == 0:
+            try:
+                self.sock.close()
+                _zygote_main(theirs, reap_all)
+            finally:
+                os._exit(0)
+        theirs.close()
+        self.sock.settimeout(30)
+
+    def spawn(self, mode, fds):
+        """Fork a program child holding `fds` (closed here); its pid, or -1 when it could not be forked."""
+        try:
+            self._socket.send_fds(self.sock, [mode.encode() + b" " + json.dumps(_CHILD_RLIMITS).encode()], fds)
+        finally:
+            for fd in fds:
+                os.close(fd)
+        return int(self._ask())
+
+    def reap(self):
+        self.sock.send(b"reap")
+        self._ask()
+
+    def _ask(self):
+        reply = self.sock.recv(64)
+        if not reply:
+            raise RuntimeError("the zygote is gone (a program killed it)")
+        return reply
+
+
+def _zygote_main(sock, reap_all):
+    import socket
+
+    if reap_all:
+        import ctypes
+
+        ctypes.CDLL(None, use_errno=True).prctl(36, 1, 0, 0, 0)  # PR_SET_CHILD_SUBREAPER: orphans come here
+    children = set()
+    while True:
+        try:
+            msg, fds, _, _ = socket.recv_fds(sock, 1 << 16, 8)
+        except OSError:
+            return
+        if not msg:
+            return
+        _reap(children, block=False)
+        if msg == b"reap":
+            if reap_all:
+                _kill_all_but_init()
+            else:
+                for pid in children:
+                    _kill_group(pid)
+                _reap(children, block=True)
+            sock.send(b"ok")
+            continue
+        mode, rlimits = msg.split(b" ", 1)
+        try:
+            pid = os.fork()
+        except OSError:
+            pid = -1
+        if pid == 0:
+            code = 70
+            try:
+                sock.close()
+                _CHILD_RLIMITS[:] = json.loads(rlimits)
+                if mode == b"server":
+                    _program_child(*fds)
+                else:
+                    _stdio_child(*fds)
+                code = 0
+            finally:
+                os._exit(code)
+        for fd in fds:
+            os.close(fd)
+        if pid > 0:
+            children.add(pid)
+        sock.send(b"%d" % pid)
+
+
+def _reap(children, block):
+    """Collect exited children (all of them, waiting, when `block`)."""
+    while True:
+        try:
+            pid, _ = os.waitpid(-1, 0 if block else os.WNOHANG)
+        except ChildProcessError:
+            children.clear()
+            return
+        if pid == 0:
+            return
+        children.discard(pid)
+
+
+def _kill_all_but_init():
+    """As the subreaper inside a pid namespace: SIGKILL every process there but pid 1 and this one, reap them."""
+    while True:
+        try:
+            os.kill(-1, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+        try:
+            os.waitpid(-1, 0)
+        except ChildProcessError:
+            return
 
 
 def _flush_std():
@@ -500,11 +648,15 @@ def serve(cfg):
     Started by a local-backend worker (`megarl/sandbox/local.py`) as root in a fresh pid namespace, with its case
     pipe on fd 0 and its answer pipe on fd 1. It confines itself exactly as a job is confined (the job uid,
     Landlock writing only to `cfg["workdir"]`, seccomp, every other fd closed), becomes non-dumpable, then for
-    each case line: empties the work directory, runs the case (the program in forked children with the case's
-    rlimits), kills every other process of its namespace (as pid 1, `kill(-1)` reaches all of them and nothing
-    outside) and reaps them, and answers one JSON line. Only the worker reads the answers, and it adds the run's
-    secret itself, so no program ever sees the channel or the secret.
+    each case line: empties the work directory, runs the case (the program in children of its zygote, forked
+    before any case arrived, with the case's rlimits), has the zygote kill every other process of the namespace
+    and reap them, and answers one JSON line. Only the worker reads the answers, and it adds the run's secret
+    itself, so no program ever sees the channel or the secret. A program that kills the zygote takes this
+    harness down with it (the worker reports the case as a sandbox error and starts a new harness).
     """
+    global _ZYGOTE
+    if os.getpid() != 1:
+        raise RuntimeError("the persistent harness must be pid 1 of its own pid namespace")
     iso_mod = _load_sibling("isolation")
     workdir = cfg["workdir"]
     os.chdir(workdir)
@@ -531,15 +683,16 @@ def serve(cfg):
     os.dup2(null, 0)
     os.dup2(null, 1)
     os.close(null)
+    _ZYGOTE = Zygote(reap_all=True)
     _write_all(answer_fd, b'{"ready": true}\n')
     for line in os.fdopen(case_fd, "rb"):
         case = json.loads(line)
         _empty_dir(workdir)
-        _CHILD_RLIMITS[:] = _case_rlimits(case["limits"], vsize, cfg.get("nproc_extra", 1))
+        _CHILD_RLIMITS[:] = _case_rlimits(case["limits"], vsize, cfg.get("nproc_extra", 2))
         try:
             payload = run_case(case["code"], case["spec"])
         finally:
-            _reap_all()
+            _ZYGOTE.reap()
         sys.stdout.flush()
         _write_all(answer_fd, (json.dumps(payload) + "\n").encode())
 
@@ -554,21 +707,6 @@ def _case_rlimits(lim, vsize, nproc_extra):
         hard = resource.getrlimit(which)[1]
         clamped.append((which, value if hard == resource.RLIM_INFINITY else min(value, hard)))
     return clamped
-
-
-def _reap_all():
-    """Kill and reap every other process of this pid namespace: whatever a program left, detached or not."""
-    if os.getpid() != 1:
-        raise RuntimeError("the persistent harness must be pid 1 of its namespace")
-    while True:
-        try:
-            os.kill(-1, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
-        try:
-            os.waitpid(-1, 0)
-        except ChildProcessError:
-            return
 
 
 def _empty_dir(path):

@@ -24,6 +24,7 @@ PR_SET_DUMPABLE = 4
 PR_SET_KEEPCAPS = 8
 PR_SET_SECCOMP = 22
 PR_SET_NO_NEW_PRIVS = 38
+PR_CAP_AMBIENT, PR_CAP_AMBIENT_RAISE = 47, 2
 CAP_DAC_READ_SEARCH = 2
 NOBODY = 65534
 
@@ -57,11 +58,15 @@ class _CapData(ctypes.Structure):
     _fields_ = [("effective", ctypes.c_uint32), ("permitted", ctypes.c_uint32), ("inheritable", ctypes.c_uint32)]
 
 
-def set_capabilities(caps: int) -> None:
-    """Effective = permitted = `caps` (a bit mask of capabilities below 32), inheritable = none."""
+def set_capabilities(caps: int, ambient: bool = False) -> None:
+    """Effective = permitted = `caps` (a bit mask of capabilities below 32), inheritable = none; with `ambient`,
+    inheritable and ambient = `caps` too, so that they survive an execve by this non-root uid."""
     header = _CapHeader(0x20080522, 0)  # _LINUX_CAPABILITY_VERSION_3
-    data = (_CapData * 2)(_CapData(caps, caps, 0), _CapData(0, 0, 0))
+    data = (_CapData * 2)(_CapData(caps, caps, caps if ambient else 0), _CapData(0, 0, 0))
     _check(_libc.capset(ctypes.byref(header), data), "capset")
+    for cap in range(32) if ambient else ():
+        if caps >> cap & 1:
+            _check(_libc.prctl(PR_CAP_AMBIENT, PR_CAP_AMBIENT_RAISE, cap, 0, 0), "prctl(PR_CAP_AMBIENT)")
 
 
 # ---- Landlock -----------------------------------------------------------------------------------------------
@@ -174,7 +179,10 @@ def confine(iso: "HostIsolation", workdir: str, read_fds: list[tuple[int, bool]]
         if iso.keep_dac_read_search:
             prctl(PR_SET_KEEPCAPS, 1)
         os.setresuid(iso.uid, iso.uid, iso.uid)
-        set_capabilities(1 << CAP_DAC_READ_SEARCH if iso.keep_dac_read_search else 0)
+        # ambient: the code verifier's harness job execs a fresh interpreter, which must still reach the
+        # Python install and its job directory (Landlock confines what the capability can read either way)
+        set_capabilities(1 << CAP_DAC_READ_SEARCH if iso.keep_dac_read_search else 0,
+                         ambient=iso.keep_dac_read_search)
     elif os.geteuid() == 0:  # root inside a user namespace (non-root host user): keep no capability
         set_capabilities(0)
     prctl(PR_SET_NO_NEW_PRIVS, 1)
@@ -221,7 +229,12 @@ class HostIsolation:
 
 def python_install_world_readable() -> bool:
     """True when an unprivileged uid can read the standard library (every parent directory is world-x)."""
-    path = os.path.dirname(os.__file__)
+    return world_traversable(os.path.dirname(os.__file__))
+
+
+def world_traversable(path: str) -> bool:
+    """True when any uid can walk to `path` (it and every parent directory are world-x)."""
+    path = os.path.realpath(path)
     while path not in ("/", ""):
         if not os.stat(path).st_mode & stat.S_IXOTH:
             return False

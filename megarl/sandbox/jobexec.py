@@ -292,9 +292,16 @@ def remove_tree(path: str) -> None:
     """`shutil.rmtree` without importing shutil into pid 1; tolerant of what a job did to permissions."""
     import shutil
 
-    def _retry(func, p, _exc):
+    top = os.path.abspath(path)
+
+    def _retry(func, p, exc):
+        parent = os.path.dirname(os.path.abspath(p))
+        # A parent is made writable only inside the tree: never the directory the tree is in (e.g. /tmp, when
+        # the tree is already gone).
+        if isinstance(exc[1], FileNotFoundError) or not (parent + os.sep).startswith(top + os.sep):
+            return
         try:
-            os.chmod(os.path.dirname(p), 0o700)
+            os.chmod(parent, 0o700)
             func(p)
         except OSError:
             pass

@@ -77,7 +77,8 @@ class LocalSandbox:
             if self._idle is not None:
                 return self
             # Job directories on tmpfs where there is one: creating and removing them per job is then cheap.
-            shm = "/dev/shm" if os.access("/dev/shm", os.W_OK) else None
+            # (only where the job uid can walk there: a job's exec'd process has no capability to pass a 0700 dir)
+            shm = "/dev/shm" if os.access("/dev/shm", os.W_OK) and iso_mod.world_traversable("/dev/shm") else None
             self._root = tempfile.mkdtemp(prefix="megarl-sandbox-", dir=shm)
             os.chmod(self._root, 0o711)
             self._idle = queue.Queue()
@@ -383,7 +384,7 @@ class _Harness:
             os.chown(workdir, iso.uid, iso.uid)
         cfg = {"workdir": workdir, "read_roots": iso_mod.read_roots(), "preimports": HARNESS_PREIMPORTS,
                "isolation": {k: v for k, v in asdict(iso).items() if k != "warnings"},
-               "nproc_extra": 1 if iso.uid is not None else 3}  # the harness; in a user ns also worker and R
+               "nproc_extra": 2 if iso.uid is not None else 4}  # harness, zygote; in a user ns worker and R too
         self.dir, self.err_path = workdir, workdir + ".err"  # its stderr: what it says if it dies
         case_r, self.case_w = os.pipe2(os.O_CLOEXEC)
         ans_r, ans_w = os.pipe2(os.O_CLOEXEC)

@@ -46,6 +46,9 @@ from megarl.sandbox import Job, Limits, Sandbox, make_sandbox
 from megarl.verifiers.base import VerifyResult, register_verifier
 
 _HARNESS = (Path(__file__).resolve().parents[1] / "sandbox" / "code_harness.py").read_text()
+# The job's program when the harness is a job: a fresh interpreter for it, since the process a job starts as is a
+# fork of the backend's worker or runner and holds the job (tests included) in its memory and stack frames.
+_EXEC_HARNESS = "import os, sys\nos.execv(sys.executable, [sys.executable, '-I', 'harness.py'])\n"
 _DONE = "@@megarl-code-done"
 _FENCE = re.compile(r"```([\w+-]*)[ \t]*\n(.*?)```", re.S)
 _SANDBOXES: dict[tuple, Sandbox] = {}
@@ -113,8 +116,8 @@ class CodeVerifier:
         if self.persistent_harness and getattr(self.sandbox, "harness_server", False):
             job = Job(source="", stdin=secret, limits=limits, harness={"code": code, "spec": spec})
         else:
-            job = Job(source=_HARNESS, stdin=secret, limits=limits,
-                      files={"solution.py": code, "spec.json": json.dumps(spec)})
+            job = Job(source=_EXEC_HARNESS, stdin=secret, limits=limits,
+                      files={"harness.py": _HARNESS, "solution.py": code, "spec.json": json.dumps(spec)})
         return job, secret, code, n_tests
 
     def _judge(self, prepared, run) -> VerifyResult:

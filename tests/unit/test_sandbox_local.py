@@ -209,3 +209,17 @@ def test_mixed_stream_with_attacks_loses_nothing():
     assert len(results) == 300
     assert all(r.stdout == f"{i * 3}\n" for i, r in enumerate(results) if i % 10 != 3)
     assert all(r.status != "sandbox_error" and r.wall_s < 5 for r in results)
+
+
+def test_remove_tree_never_touches_what_holds_the_tree(tmp_path):
+    """A tree already gone (a worker removed it first) leaves its parent's mode alone: /tmp stays 1777."""
+    from megarl.sandbox.jobexec import remove_tree
+
+    os.chmod(tmp_path, 0o1777)
+    remove_tree(str(tmp_path / "gone"))
+    assert os.stat(tmp_path).st_mode & 0o7777 == 0o1777
+    (tmp_path / "t" / "d").mkdir(parents=True)
+    (tmp_path / "t" / "d" / "f").write_text("x")
+    os.chmod(tmp_path / "t" / "d", 0o500)
+    remove_tree(str(tmp_path / "t"))
+    assert not (tmp_path / "t").exists() and os.stat(tmp_path).st_mode & 0o7777 == 0o1777
