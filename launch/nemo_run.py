@@ -128,7 +128,8 @@ def main(argv: list[str] | None = None) -> int:
     world = args.nodes * args.gpus_per_node if args.where == "slurm" else args.gpus
     try:
         layout = check(run_argv, world)
-        print(f"megarl: TP={layout.tp} x PP={layout.pp} x DP={layout.dp} = {world} GPUs", file=sys.stderr)
+        cp = f" x CP={layout.cp}" if layout.cp > 1 else ""
+        print(f"megarl: TP={layout.tp} x PP={layout.pp}{cp} x DP={layout.dp} = {world} GPUs", file=sys.stderr)
         if args.where == "slurm":
             mounts = [m for m in args.container_mounts.split(",") if m]
             executor = slurm_executor(nodes=args.nodes, gpus_per_node=args.gpus_per_node, account=args.account,

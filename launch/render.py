@@ -40,19 +40,22 @@ class Layout:
     pp: int
     dp: int
     world_size: int
+    cp: int = 1  # context parallel: CP ranks share one DP rank's samples
 
 
 def check_parallel(cfg: Config, world_size: int) -> Layout:
-    """TP x PP x DP = world size, and the prompts split evenly over DP; else LaunchError naming the flags."""
+    """TP x PP x CP x DP = world size, and the prompts split evenly over DP; else LaunchError naming the flags."""
     tp, pp = cfg.model.tensor_model_parallel_size, cfg.model.pipeline_model_parallel_size
-    if world_size % (tp * pp):
+    cp = getattr(cfg.model, "context_parallel_size", 1)
+    if world_size % (tp * pp * cp):
         raise LaunchError(f"{world_size} GPUs are not divisible by --tensor-model-parallel-size {tp} x "
-                          f"--pipeline-model-parallel-size {pp}; use a node count that makes them a multiple")
-    dp = world_size // (tp * pp)
+                          f"--pipeline-model-parallel-size {pp} x --context-parallel-size {cp}; use a node count "
+                          "that makes them a multiple")
+    dp = world_size // (tp * pp * cp)
     if cfg.data.rollout_batch_size % dp:
         raise LaunchError(f"--rollout-batch-size {cfg.data.rollout_batch_size} is not divisible by the data-parallel "
-                          f"size {dp} ({world_size} GPUs / TP {tp} / PP {pp})")
-    return Layout(tp, pp, dp, world_size)
+                          f"size {dp} ({world_size} GPUs / TP {tp} / PP {pp} / CP {cp})")
+    return Layout(tp, pp, dp, world_size, cp)
 
 
 def check_main(world_size: int, recipe_argv: list[str]) -> int:
@@ -63,8 +66,8 @@ def check_main(world_size: int, recipe_argv: list[str]) -> int:
     except (ConfigError, LaunchError) as e:
         print(f"megarl: {e}", file=sys.stderr)
         return 2
-    values = {"HF_CHECKPOINT": cfg.model.hf_checkpoint, "TP": layout.tp, "PP": layout.pp, "DP": layout.dp,
-              "SAVE_DIR": cfg.checkpoint.save}
+    values = {"HF_CHECKPOINT": cfg.model.hf_checkpoint, "TP": layout.tp, "PP": layout.pp, "CP": layout.cp,
+              "DP": layout.dp, "SAVE_DIR": cfg.checkpoint.save}
     for k, v in values.items():
         print(f"{k}={shlex.quote(str(v))}")
     return 0

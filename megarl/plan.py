@@ -72,6 +72,7 @@ class Run:
 
     tp: int = 1
     pp: int = 1
+    cp: int = 1  # context parallel: each sequence split over this many ranks, which share one DP rank's samples
     mode: Literal["colocated", "disaggregated"] = "colocated"
     rollout_gpus: int = 0  # disaggregated: GPUs that run the engine (0 = the planner picks the split)
     engine_tp: int = 0  # SGLang's TP; 0 = the actor's (colocated) / the smallest that leaves room (disaggregated)
@@ -95,6 +96,7 @@ class Run:
         """From a megarl Config; flags that this checkout's config lacks keep the defaults above."""
         t, r, m = cfg.training, cfg.rollout, cfg.model
         return cls(tp=m.tensor_model_parallel_size, pp=m.pipeline_model_parallel_size,
+                   cp=getattr(m, "context_parallel_size", 1),
                    engine_tp=getattr(r, "sglang_tp_size", 0), rollout_batch_size=cfg.data.rollout_batch_size,
                    n_samples_per_prompt=r.n_samples_per_prompt, max_response_len=r.max_response_len,
                    micro_batch_size=t.micro_batch_size, updates_per_rollout=t.updates_per_rollout,
@@ -204,14 +206,14 @@ def _train_phase(s: ModelShape, r: Run, dp: int) -> dict[str, float]:
     p = stage_params(s, r.tp, r.pp)
     samples_per_rank = r.rollout_batch_size * r.n_samples_per_prompt / dp / r.updates_per_rollout
     micro_batches = max(1, math.ceil(samples_per_rank / r.micro_batch_size))
-    tokens = r.micro_batch_size * _sequence_len(r)
+    tokens = r.micro_batch_size * _sequence_len(r) / r.cp  # this rank's share of each sequence
     in_flight = min(r.pp, micro_batches)
     whole = 8 * s.hidden_size  # the norms' inputs and outputs: TP-sharded only with sequence parallelism
     per_token = (activation_bytes_per_token_layer(s) - whole) / r.tp + whole / (r.tp if r.sequence_parallel else 1)
     layers = math.ceil(s.num_layers / r.pp) * per_token * tokens * in_flight
     logits = 10 * s.vocab_size * tokens / r.tp
     return {"actor weights": weights_bytes(p), "gradients (fp32)": 4 * p,
-            "optimizer (fp32 main + Adam)": adam_state_bytes(p, dp if r.distributed_optimizer else 1),
+            "optimizer (fp32 main + Adam)": adam_state_bytes(p, dp * r.cp if r.distributed_optimizer else 1),
             "activations + logits": layers + logits,
             "reference model": weights_bytes(p) if r.kl else 0.0}
 
@@ -242,9 +244,9 @@ def memory_plan(s: ModelShape, r: Run, cluster: Cluster) -> list[MemoryPlan]:
         plans.append(MemoryPlan(pool, gpus, phases, cap, kv_needed, kv_pool, problems))
 
     problems: list[str] = []
-    dp, rem = divmod(train_gpus, r.tp * r.pp)
+    dp, rem = divmod(train_gpus, r.tp * r.pp * r.cp)
     if dp < 1 or rem:
-        problems.append(f"{train_gpus} training GPUs are not a multiple of TP {r.tp} x PP {r.pp}")
+        problems.append(f"{train_gpus} training GPUs are not a multiple of TP {r.tp} x PP {r.pp} x CP {r.cp}")
         dp = max(dp, 1)
     train = _train_phase(s, r, dp)
     train["CUDA context, NCCL, fragmentation"] = OVERHEAD_BYTES
@@ -309,7 +311,7 @@ def step_time(s: ModelShape, r: Run, cluster: Cluster, plans: list[MemoryPlan]) 
     passes = 6 + 2 + (2 if r.kl else 0)  # update fwd+bwd, the actor's log-probs, the reference's
     attention = 2 * s.num_layers * mean_ctx * s.num_attention_heads * s.head_dim  # per token, forward
     flops = tokens * (passes * total + passes / 2 * attention)
-    dp = max(1, train_gpus // (r.tp * r.pp))
+    dp = max(1, train_gpus // (r.tp * r.pp * r.cp))
     micro = max(1, math.ceil(r.rollout_batch_size * r.n_samples_per_prompt / dp / r.updates_per_rollout
                              / r.micro_batch_size))
     bubble = 1 + (r.pp - 1) / micro

@@ -49,7 +49,7 @@ megarl_show() {  # one command on one line, each word shell-quoted where it need
 }
 
 # The recipe's parallel sizes against the world size, before any GPU work. Sets HF_CHECKPOINT, TP, PP, DP,
-# SAVE_DIR. Needs a python3 with nothing but the standard library (megarl/config.py is pure Python).
+# SAVE_DIR (and CP). Needs a python3 with nothing but the standard library (megarl/config.py is pure Python).
 megarl_check() {
   local world=$1 out
   shift
@@ -58,7 +58,9 @@ megarl_check() {
     exit 2
   }
   eval "$out"
-  echo "megarl: TP=$TP x PP=$PP x DP=$DP = $world GPUs; checkpoints in ${SAVE_DIR:-<none>}"
+  local cp=""
+  if (( ${CP:-1} > 1 )); then cp=" x CP=$CP"; fi
+  echo "megarl: TP=$TP x PP=$PP$cp x DP=$DP = $world GPUs; checkpoints in ${SAVE_DIR:-<none>}"
 }
 
 # srun flags for one step: a name for its logs, tasks per node, the hosts; the container when CONTAINER_IMAGE is set.

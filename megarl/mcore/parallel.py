@@ -68,7 +68,7 @@ def transformer_engine_available() -> bool:
 
 @dataclass(frozen=True)
 class ParallelInfo:
-    """Where this rank sits in the TP x PP x DP grid."""
+    """Where this rank sits in the TP x CP x PP x DP grid. CP ranks of one DP rank hold the same samples."""
 
     rank: int
     world_size: int
@@ -78,6 +78,8 @@ class ParallelInfo:
     pp_size: int
     dp_rank: int
     dp_size: int
+    cp_rank: int = 0
+    cp_size: int = 1
 
     @property
     def is_first_stage(self) -> bool:
@@ -89,15 +91,24 @@ class ParallelInfo:
 
     @property
     def is_mp_leader(self) -> bool:
-        """The first rank of a model-parallel group: it runs the rollout engine for its DP shard."""
-        return self.tp_rank == 0 and self.pp_rank == 0
+        """The first rank of a model replica (TP x CP x PP): it runs the rollout engine for its DP shard."""
+        return self.tp_rank == 0 and self.pp_rank == 0 and self.cp_rank == 0
+
+    @property
+    def replica_size(self) -> int:
+        """Ranks that hold one model replica and share one DP rank's samples: TP x CP x PP."""
+        return self.tp_size * self.cp_size * self.pp_size
 
 
-def init_distributed(tp: int = 1, pp: int = 1, timeout_s: float = 600.0, seed: int = 0) -> ParallelInfo:
+_REPLICA_GROUP = None  # TP x CP x PP ranks of one DP rank, when CP > 1 (Megatron's model-parallel group is TP x PP)
+
+
+def init_distributed(tp: int = 1, pp: int = 1, timeout_s: float = 600.0, seed: int = 0, cp: int = 1) -> ParallelInfo:
     """Initialise torch.distributed (from torchrun's environment) and Megatron's model-parallel groups.
 
     A collective that waits longer than `timeout_s` raises instead of hanging.
     """
+    global _REPLICA_GROUP
     from megatron.core import parallel_state, tensor_parallel
 
     cpu_compat.install()
@@ -116,16 +127,19 @@ def init_distributed(tp: int = 1, pp: int = 1, timeout_s: float = 600.0, seed: i
             timeout=datetime.timedelta(seconds=timeout_s),
         )
     world_size = dist.get_world_size()
-    if world_size % (tp * pp) != 0:
+    if world_size % (tp * pp * cp) != 0:
         raise ValueError(
             f"world size {world_size} is not divisible by --tensor-model-parallel-size {tp} x "
-            f"--pipeline-model-parallel-size {pp}"
+            f"--pipeline-model-parallel-size {pp} x --context-parallel-size {cp}"
         )
     parallel_state.initialize_model_parallel(
         tensor_model_parallel_size=tp,
         pipeline_model_parallel_size=pp,
+        context_parallel_size=cp,
         distributed_timeout_minutes=max(1, int(timeout_s // 60)),
     )
+    if cp > 1:
+        _REPLICA_GROUP = _new_replica_group(tp, pp, cp, world_size // (tp * pp * cp), timeout_s)
     with cpu_compat.megatron_scope():
         tensor_parallel.model_parallel_cuda_manual_seed(seed)
     return parallel_info()
@@ -143,14 +157,35 @@ def parallel_info() -> ParallelInfo:
         pp_size=ps.get_pipeline_model_parallel_world_size(),
         dp_rank=ps.get_data_parallel_rank(),
         dp_size=ps.get_data_parallel_world_size(),
+        cp_rank=ps.get_context_parallel_rank(),
+        cp_size=ps.get_context_parallel_world_size(),
     )
 
 
-def mp_group():
-    """Ranks that hold one model replica (TP x PP)."""
+def _new_replica_group(tp: int, pp: int, cp: int, dp: int, timeout_s: float):
+    """This rank's TP x CP x PP group, in Megatron's own rank order (every rank creates every group)."""
+    from megatron.core.parallel_state import RankGenerator
+
+    mine = None
+    for ranks in RankGenerator(tp=tp, ep=1, dp=dp, pp=pp, cp=cp, order="tp-cp-ep-dp-pp").get_ranks("tp-cp-pp"):
+        group = dist.new_group(ranks, timeout=datetime.timedelta(seconds=timeout_s))
+        if dist.get_rank() in ranks:
+            mine = group
+    return mine
+
+
+def cp_group():
+    """This rank's context-parallel group (one rank when CP = 1)."""
     from megatron.core import parallel_state as ps
 
-    return ps.get_model_parallel_group()
+    return ps.get_context_parallel_group()
+
+
+def mp_group():
+    """Ranks that hold one model replica and share its samples (TP x CP x PP)."""
+    from megatron.core import parallel_state as ps
+
+    return _REPLICA_GROUP if _REPLICA_GROUP is not None else ps.get_model_parallel_group()
 
 
 def mp_leader_global_rank() -> int:
@@ -160,6 +195,8 @@ def mp_leader_global_rank() -> int:
 def destroy() -> None:
     from megatron.core import parallel_state
 
+    global _REPLICA_GROUP
+    _REPLICA_GROUP = None
     if dist.is_initialized():
         parallel_state.destroy_model_parallel()
         dist.destroy_process_group()
