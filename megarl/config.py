@@ -37,16 +37,24 @@ class ModelConfig:
     bf16: bool = _f(False, "train and generate in bf16, fp32 main params (GPU, or a CPU with bf16 units)")
     sequence_parallel: bool = _f(False, "Megatron sequence parallelism: norms and dropout sharded over the sequence "
                                  "on TP ranks (GPU with Transformer Engine, TP > 1)")
+    context_parallel_size: int = _f(1, "context-parallel size (CP): each sequence is split over this many ranks in "
+                                    "Megatron's load-balanced 2 x CP chunks; world size = TP x PP x CP x DP (GPU "
+                                    "with Transformer Engine attention)")
 
     def __post_init__(self):
-        _positive(self, "tensor_model_parallel_size", "pipeline_model_parallel_size")
+        _positive(self, "tensor_model_parallel_size", "pipeline_model_parallel_size", "context_parallel_size")
         if self.sequence_parallel and self.tensor_model_parallel_size < 2:
             raise ConfigError("--sequence-parallel needs --tensor-model-parallel-size >= 2")
+        if self.context_parallel_size > 1 and self.transformer_impl == "local":
+            raise ConfigError("--context-parallel-size > 1 needs Transformer Engine's attention: Megatron's local "
+                              "attention does not split sequences; use --transformer-impl auto or transformer_engine")
 
 
 @dataclass
 class RolloutConfig:
-    rollout_backend: Literal["builtin", "sglang"] = _f("builtin", "rollout engine: megarl's built-in PyTorch engine or SGLang (GPU)")
+    rollout_backend: Literal["builtin", "sglang", "megatron"] = _f(
+        "builtin", "rollout engine: megarl's built-in PyTorch engine, SGLang (GPU), or Megatron's dynamic inference "
+        "engine over the actor's own model (GPU with flash-attn; TP = PP = CP = 1; no weight copies)")
     n_samples_per_prompt: int = _f(8, "completions sampled per prompt (the GRPO group size)")
     rollout_temperature: float = _f(1.0, "sampling temperature; the actor's log-probs use the same temperature")
     rollout_top_p: float = _f(1.0, "nucleus sampling mass, 1 = off")

@@ -163,7 +163,7 @@ def generate_and_score(engine, batch_prompts, tokenizer, cfg: Config, step: int,
     if info.is_mp_leader:
         rollout = generate(engine, batch_prompts, sampling_params(cfg, tokenizer, seed=_rollout_seed(cfg, step, info.dp_rank)))
         score(rollout, batch_prompts, tokenizer, pool=shared_pool(cfg.data.reward_workers, cfg.data.reward_timeout))
-    if info.tp_size * info.pp_size > 1:
+    if info.replica_size > 1:
         rollout = _broadcast_in_mp_group(rollout)
     return rollout
 
@@ -400,7 +400,7 @@ def step_metrics(step: int, rollout: RolloutBatch, update: dict, timings: dict, 
             **{k: rollout.metrics.get(k, 0.0) for k in _DS_KEYS},
             **{k: rollout.metrics.get(k.removesuffix("_max"), 0.0) for k in _REWARD_KEYS},
         )
-    if info.is_last_stage and info.tp_rank == 0:
+    if info.is_last_stage and info.tp_rank == 0 and info.cp_rank == 0:  # CP ranks hold the same whole-sequence sums
         local.update({k: update.get(k, 0.0) for k in _SUM_KEYS if k in update})
     g = parallel_reduce(local, _SUM_KEYS + _DS_KEYS + _REWARD_KEYS)
     n, tok = max(g["n_samples"], 1), max(g["tokens"], 1)

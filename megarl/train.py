@@ -45,6 +45,16 @@ def preflight(cfg: Config) -> None:
 
         if not transformer_engine_available():
             raise ConfigError("--sequence-parallel needs a CUDA GPU with Transformer Engine importable")
+    if cfg.model.context_parallel_size > 1:
+        from megarl.mcore.parallel import transformer_engine_available
+
+        if not transformer_engine_available():
+            raise ConfigError(f"--context-parallel-size {cfg.model.context_parallel_size} needs Transformer Engine's "
+                              "attention on a CUDA GPU (transformer_engine importable); Megatron's local attention, "
+                              "the only one on CPU, cannot split a sequence over ranks. Use --context-parallel-size 1")
+        if cfg.algorithm.advantage_estimator == "gae":
+            raise ConfigError("--context-parallel-size > 1 is not supported with --advantage-estimator gae: the "
+                              "critic is built without context parallelism")
     if cfg.rollout.rollout_device == "cuda" and not torch.cuda.is_available():
         raise ConfigError("--rollout-device cuda: this machine has no CUDA GPU; allowed here: auto, cpu")
     if not cfg.model.hf_checkpoint:
@@ -90,7 +100,7 @@ def run(cfg: Config) -> int:
     torch.set_num_threads(t.threads_per_rank)
     torch.manual_seed(t.seed)
     info = parallel.init_distributed(m.tensor_model_parallel_size, m.pipeline_model_parallel_size,
-                                     timeout_s=t.distributed_timeout_seconds, seed=t.seed)
+                                     timeout_s=t.distributed_timeout_seconds, seed=t.seed, cp=m.context_parallel_size)
     say = print if info.rank == 0 else (lambda *x, **k: None)
     if t.max_tokens_per_micro_batch and info.pp_size > 1:
         raise ConfigError("--max-tokens-per-micro-batch needs --pipeline-model-parallel-size 1 (pipeline stages "
@@ -106,16 +116,17 @@ def run(cfg: Config) -> int:
     if lg.eval_max_prompts:
         eval_prompts = eval_prompts[: lg.eval_max_prompts]
     shape = ModelShape.from_pretrained(m.hf_checkpoint)
-    say(f"megarl: {info.world_size} ranks (TP {info.tp_size} x PP {info.pp_size} x DP {info.dp_size}), "
+    cp = f" x CP {info.cp_size}" if info.cp_size > 1 else ""
+    say(f"megarl: {info.world_size} ranks (TP {info.tp_size} x PP {info.pp_size}{cp} x DP {info.dp_size}), "
         f"{shape.family} {shape.num_layers} layers hidden {shape.hidden_size}, {len(prompts)} prompts")
 
     actor = MegatronPolicy(shape, tp=info.tp_size, pp=info.pp_size, trainable=True, bf16=m.bf16,
                            optim=steps.optim_config(t), use_transformer_engine=steps.use_te(m.transformer_impl),
-                           sequence_parallel=m.sequence_parallel)
+                           sequence_parallel=m.sequence_parallel, cp=info.cp_size)
     reference = None
     if a.kl_coef > 0:
         reference = MegatronPolicy(shape, tp=info.tp_size, pp=info.pp_size, trainable=False, bf16=m.bf16,
-                                   use_transformer_engine=steps.use_te(m.transformer_impl))
+                                   use_transformer_engine=steps.use_te(m.transformer_impl), cp=info.cp_size)
         reference.load_hf(m.ref_checkpoint or m.hf_checkpoint)
     sampler = PromptSampler(len(prompts), seed=t.seed, shuffle=d.shuffle)
     ds_buffer: list = []  # dynamic sampling's surplus groups, this rank's

@@ -19,7 +19,7 @@ from typing import Callable
 import torch
 import torch.distributed as dist
 
-from megarl.mcore import convert, cpu_compat, parallel
+from megarl.mcore import context_parallel, convert, cpu_compat, parallel
 from megarl.mcore.model import build_gpt_model, in_model_precision, transformer_config
 from megarl.model_shape import ModelShape
 
@@ -105,6 +105,16 @@ def _budget_micro_batches(batch: dict[str, torch.Tensor], max_tokens: int) -> li
     return out
 
 
+def label_logprobs(logits: torch.Tensor, labels: torch.Tensor, temperature: float) -> torch.Tensor:
+    """log p(labels[b, t]) at every position from vocab-parallel logits [b, s, v/tp]: [b, s] (differentiable).
+    Context parallelism needs this form: a rank's positions are not contiguous, so the labels come split alongside."""
+    from megatron.core import tensor_parallel
+
+    scaled = logits.float() / (temperature if temperature > 0 else 1.0)
+    # vocab_parallel_cross_entropy overwrites its input: `scaled` is a fresh tensor, never the model's logits.
+    return -tensor_parallel.vocab_parallel_cross_entropy(scaled, labels.contiguous())
+
+
 def token_logprobs(logits: torch.Tensor, tokens: torch.Tensor, temperature: float) -> torch.Tensor:
     """log p(tokens[:, 1:]) from vocab-parallel logits [b, s, v/tp] (differentiable)."""
     from megatron.core import tensor_parallel
@@ -115,8 +125,13 @@ def token_logprobs(logits: torch.Tensor, tokens: torch.Tensor, temperature: floa
 
 
 def token_entropy(logits: torch.Tensor, temperature: float) -> torch.Tensor:
-    """Entropy of the next-token distribution at each position but the last, [b, s - 1], from vocab-parallel
-    logits [b, s, v/tp] without gathering the vocabulary (differentiable).
+    """Entropy of the next-token distribution at each position but the last, [b, s - 1] (see `position_entropy`)."""
+    return position_entropy(logits[:, :-1], temperature)
+
+
+def position_entropy(logits: torch.Tensor, temperature: float) -> torch.Tensor:
+    """Entropy of the next-token distribution at every position, [b, s], from vocab-parallel logits [b, s, v/tp]
+    without gathering the vocabulary (differentiable).
 
     With x the temperature-scaled logits and m their max: H = log sum_j e^(x_j - m) + m - sum_j p_j x_j. The two
     sums over the vocabulary run over this rank's shard and are all-reduced over tensor-parallel ranks (an
@@ -124,7 +139,7 @@ def token_entropy(logits: torch.Tensor, temperature: float) -> torch.Tensor:
     from megatron.core import parallel_state
     from megatron.core.tensor_parallel.mappings import reduce_from_tensor_model_parallel_region
 
-    x = logits[:, :-1].float() / (temperature if temperature > 0 else 1.0)
+    x = logits.float() / (temperature if temperature > 0 else 1.0)
     m = x.detach().max(dim=-1, keepdim=True).values
     if parallel_state.get_tensor_model_parallel_world_size() > 1:
         dist.all_reduce(m, op=dist.ReduceOp.MAX, group=parallel_state.get_tensor_model_parallel_group())
@@ -138,14 +153,24 @@ class MegatronPolicy:
     """A GPTModel shard (actor when trainable, reference when frozen), its optimizer and scheduler."""
 
     def __init__(self, shape: ModelShape, *, tp: int, pp: int, trainable: bool, optim: OptimConfig | None = None,
-                 use_transformer_engine: bool | None = None, bf16: bool = False, sequence_parallel: bool = False):
+                 use_transformer_engine: bool | None = None, bf16: bool = False, sequence_parallel: bool = False,
+                 cp: int = 1):
+        from megatron.core import parallel_state
         from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
         from megatron.core.distributed.finalize_model_grads import finalize_model_grads
 
         self.shape = shape
         self.trainable = trainable
+        if cp != parallel_state.get_context_parallel_world_size():
+            raise ValueError(f"{type(self).__name__} built with context-parallel size {cp}, but the process groups "
+                             f"have {parallel_state.get_context_parallel_world_size()} (--context-parallel-size)")
+        if cp > 1 and not (use_transformer_engine is not False and parallel.transformer_engine_available()):
+            raise ValueError(f"--context-parallel-size {cp} needs the Transformer Engine layer spec (a CUDA GPU with "
+                             "transformer_engine importable): Megatron's local attention cannot split a sequence "
+                             "over ranks")
         self.config = transformer_config(shape, tp=tp, pp=pp, bf16=bf16, sequence_parallel=sequence_parallel,
-                                         params_dtype=torch.bfloat16 if bf16 else torch.float32)
+                                         params_dtype=torch.bfloat16 if bf16 else torch.float32,
+                                         context_parallel_size=cp)
         module = in_model_precision(self._build_module(shape, use_transformer_engine), self.config)
         self.optimizer = self.scheduler = None
         if not trainable:
@@ -175,6 +200,10 @@ class MegatronPolicy:
     def _per_token(self, output: torch.Tensor, tokens: torch.Tensor, temperature: float) -> torch.Tensor:
         """What the loss sees for each position: log-probs of the next token [b, s - 1] (the critic: values)."""
         return token_logprobs(output, tokens, temperature)
+
+    def _per_position(self, output: torch.Tensor, labels: torch.Tensor, temperature: float) -> torch.Tensor:
+        """`_per_token` for positions that come with their next token as `labels` [b, s] (context parallelism)."""
+        return label_logprobs(output, labels, temperature)
 
     @cpu_compat.in_megatron_scope
     def _build_optimizer(self, optim: OptimConfig) -> None:
@@ -230,6 +259,7 @@ class MegatronPolicy:
 
     def _run(self, batch: dict[str, torch.Tensor], loss_fn: LossFn | None, micro_batch_size: int,
              temperature: float, forward_only: bool, max_tokens: int = 0) -> list[dict]:
+        from megatron.core import parallel_state
         from megatron.core.pipeline_parallel import get_forward_backward_func
 
         device = parallel.device()
@@ -245,9 +275,22 @@ class MegatronPolicy:
         # right, so causal attention keeps the real positions unchanged) and the padding's logits cut off.
         pad_to = self.config.tensor_model_parallel_size if self.config.sequence_parallel else 1
         seq_len = -(-batch["tokens"].shape[1] // pad_to) * pad_to
+        # Context parallelism: each CP rank runs its 2 of 2 x CP chunks of every sequence (megarl/mcore/
+        # context_parallel.py); per-token results are gathered back into whole sequences before the loss.
+        cp, cp_rank, group = self.config.context_parallel_size, 0, None
+        if cp > 1:
+            cp_rank, group = parallel_state.get_context_parallel_rank(), parallel.cp_group()
+            seq_len = context_parallel.padded_width(batch["tokens"].shape[1], cp, pad_to)
 
-        def loss_func(mb, output):
-            logp = self._per_token(output, mb["tokens"], temperature)
+        def whole(local: torch.Tensor, width: int) -> torch.Tensor:
+            return context_parallel.gather_from_cp_ranks(local, group)[:, : width - 1]
+
+        def loss_func(mb, labels, output):
+            width = mb["tokens"].shape[1]
+            if cp > 1:
+                logp = whole(self._per_position(output, labels, temperature), width)
+            else:
+                logp = self._per_token(output, mb["tokens"], temperature)
             if loss_fn is None:
                 zero = logp.sum() * 0.0
                 out = {"logprobs": logp.detach()[: mb["_real_rows"]]}
@@ -256,21 +299,32 @@ class MegatronPolicy:
                 return zero, torch.tensor(1, dtype=torch.int), out
             if getattr(loss_fn, "needs_entropy", False):
                 with torch.set_grad_enabled(torch.is_grad_enabled() and getattr(loss_fn, "entropy_grad", True)):
-                    mb = {**mb, "entropy": token_entropy(output, temperature)}
+                    entropy = (whole(position_entropy(output, temperature), width) if cp > 1
+                               else token_entropy(output, temperature))
+                    mb = {**mb, "entropy": entropy}
             loss_sum, denom, metrics = loss_fn(logp, mb)
-            return loss_sum, denom.to(torch.int), metrics
+            # With CP every CP rank returns the whole sequences' loss and count, and Megatron sums gradients and
+            # counts over DP x CP ranks while each rank's gradient covers only its own positions: scaling the
+            # loss by CP makes the summed gradient over the summed count the per-token mean.
+            return loss_sum * cp if cp > 1 else loss_sum, denom.to(torch.int), metrics
 
         def forward_step(data_iterator, model):
             mb = next(data_iterator)
             tokens = mb["tokens"]
             width = tokens.shape[1]
-            if width % pad_to:
-                tokens = torch.nn.functional.pad(tokens, (0, pad_to - width % pad_to))
+            padded = context_parallel.padded_width(width, cp, pad_to)
+            if padded != width:
+                tokens = torch.nn.functional.pad(tokens, (0, padded - width))
             positions = torch.arange(tokens.shape[1], device=tokens.device).unsqueeze(0).expand_as(tokens)
+            labels = None
+            if cp > 1:  # this rank's chunks of the inputs, and of the next-token labels (0 after the last token)
+                labels = torch.nn.functional.pad(tokens[:, 1:], (0, 1))
+                tokens, positions, labels = (context_parallel.split_for_cp_rank(t, cp_rank, cp)
+                                             for t in (tokens, positions, labels))
             output = model(tokens, positions, None)
-            if tokens.shape[1] != width and convert.unwrap(model).post_process:
+            if cp == 1 and tokens.shape[1] != width and convert.unwrap(model).post_process:
                 output = output[:, :width]
-            return output, partial(loss_func, mb)
+            return output, partial(loss_func, mb, labels)
 
         with cpu_compat.megatron_scope():
             return get_forward_backward_func()(
