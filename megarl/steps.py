@@ -33,11 +33,17 @@ def use_te(impl: str) -> bool | None:
     return {"auto": None, "local": False, "transformer_engine": True}[impl]
 
 
-def build_engine(hf_dir: str, device: str, cfg: Config | None = None):
+def build_engine(hf_dir: str, device: str, cfg: Config | None = None, actor: MegatronPolicy | None = None):
     """This model-parallel leader's rollout engine: the built-in one, an in-process SGLang engine colocated on
-    this rank's GPUs, or a client of SGLang servers on other nodes (`--rollout-servers`)."""
+    this rank's GPUs, a client of SGLang servers on other nodes (`--rollout-servers`), or Megatron's dynamic
+    engine over `actor`'s own model (`--rollout-backend megatron`)."""
     import os
 
+    if cfg is not None and cfg.rollout.rollout_backend == "megatron":
+        from megarl.rollout.mcore_engine import MegatronEngine
+
+        return MegatronEngine.for_actor(actor, max_sequence_length=actor.shape.max_position_embeddings,
+                                        seed=cfg.training.seed)
     if cfg is not None and cfg.rollout.rollout_backend == "sglang":
         from megarl.rollout.sglang_engine import SGLangEngine, SGLangServers
 
@@ -90,9 +96,12 @@ def sync_weights(actor: MegatronPolicy, engine, version: int, cfg: Config | None
     from megarl.rollout import weight_sync
 
     bucket_bytes = cfg.rollout.sync_bucket_mb << 20 if cfg is not None else weight_sync.DEFAULT_BUCKET_BYTES
-    named = actor.export_hf()
-    metrics = weight_sync.push(engine, named, version, bucket_bytes).metrics() if engine is not None else {}
-    del named
+    if cfg is not None and cfg.rollout.rollout_backend == "megatron":  # the engine runs the actor's own weights
+        metrics = weight_sync.stamp(engine, version).metrics() if engine is not None else {}
+    else:
+        named = actor.export_hf()
+        metrics = weight_sync.push(engine, named, version, bucket_bytes).metrics() if engine is not None else {}
+        del named
     if cfg is not None and cfg.rollout.verify_weight_sync:
         metrics.update(verify_sync(actor, engine, version, cfg.rollout.verify_sync_tolerance))
     return metrics

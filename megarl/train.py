@@ -40,6 +40,20 @@ def preflight(cfg: Config) -> None:
         if not ok:
             raise ConfigError(f"--rollout-backend sglang: {why}; install it (pip install 'megarl[sglang]') or use "
                               "--rollout-backend builtin")
+    if cfg.rollout.rollout_backend == "megatron":
+        from megarl.rollout.mcore_engine import megatron_engine_available
+
+        m = cfg.model
+        if (m.tensor_model_parallel_size, m.pipeline_model_parallel_size, m.context_parallel_size) != (1, 1, 1):
+            raise ConfigError("--rollout-backend megatron needs --tensor-model-parallel-size 1, "
+                              "--pipeline-model-parallel-size 1 and --context-parallel-size 1 (the engine runs on "
+                              "each replica's first rank only); use --rollout-backend sglang for sharded rollout")
+        if cfg.training.offload_params:
+            raise ConfigError("--rollout-backend megatron generates with the actor's own weights: --offload-params "
+                              "would move them away (--offload-optimizer is fine)")
+        ok, why = megatron_engine_available()
+        if not ok:
+            raise ConfigError(f"--rollout-backend megatron: {why}; use --rollout-backend builtin (the CPU default)")
     if cfg.model.sequence_parallel:
         from megarl.mcore.parallel import transformer_engine_available
 
@@ -140,7 +154,7 @@ def run(cfg: Config) -> int:
     else:
         actor.load_hf(m.hf_checkpoint)
     critic = ppo.build_critic(cfg, shape, info, start_step)  # PPO's value model; None unless --advantage-estimator gae
-    engine = steps.build_engine(m.hf_checkpoint, r.rollout_device, cfg) if info.is_mp_leader else None
+    engine = steps.build_engine(m.hf_checkpoint, r.rollout_device, cfg, actor=actor) if info.is_mp_leader else None
     steps.sync_weights(actor, engine, version=start_step, cfg=cfg)
 
     sinks = open_sinks(lg, lg.output_dir, cfg.to_dict(), resumed=start_step > 0) if info.rank == 0 else []

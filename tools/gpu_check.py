@@ -11,7 +11,9 @@ reported as ran / skipped (with why) / failed (with the error):
   te        the 0.5b part with the Transformer Engine layer spec (only when `transformer_engine` imports)
   sglang    the SGLang colocated cycle: release, train, resume weights, push buckets over CUDA IPC, resume KV
             cache, flush, verify (only when `sglang` imports and a checkpoint can be written with safetensors)
-  dynamic   Megatron's dynamic inference engine as a rollout backend: not implemented in megarl yet, reported
+  dynamic   Megatron's dynamic inference engine as the rollout backend (`--rollout-backend megatron`, only when it
+            can run: CUDA and flash-attn): greedy outputs against the built-in engine on the same bf16 weights, then
+            a few GRPO steps generating with the actor's own model (each sync only stamps a version)
 
 `--cpu-smoke` runs the same code on CPU (gloo) with small shapes, to check this script itself before a GPU run.
 """
@@ -104,7 +106,7 @@ def _sync(steps, actor, engine, version, cfg) -> dict:
 
 
 def grpo_part(args, hf_config: dict, *, bf16: bool, offload: bool, use_te: bool | None, engine=None,
-              steps_count: int | None = None) -> dict:
+              steps_count: int | None = None, engine_factory=None, **flags) -> dict:
     """A few GRPO steps through megarl's own step functions and the colocation cycle; returns the figures."""
     from megarl import steps
     from megarl.mcore.actor import MegatronPolicy
@@ -119,10 +121,12 @@ def grpo_part(args, hf_config: dict, *, bf16: bool, offload: bool, use_te: bool 
         _PEAK[0] = 0
     shape = ModelShape.from_hf_config(hf_config)
     cfg = _config(args, bf16=bf16, offload_optimizer=offload, offload_params=offload,
-                  verify_sync_tolerance=0.05 if bf16 else 1e-3)
+                  verify_sync_tolerance=0.05 if bf16 else 1e-3, **flags)
     t0 = time.perf_counter()
     actor = MegatronPolicy(shape, tp=1, pp=1, trainable=True, bf16=bf16, optim=steps.optim_config(cfg.training),
                            use_transformer_engine=use_te)
+    if engine_factory is not None:
+        engine = engine_factory(actor)
     if engine is None:
         engine = BuiltinEngine(hf_config, device="cuda" if cuda else "cpu",
                                dtype=torch.bfloat16 if bf16 and cuda else torch.float32)
@@ -170,6 +174,8 @@ def grpo_part(args, hf_config: dict, *, bf16: bool, offload: bool, use_te: bool 
     from megarl.rollout.weight_sync import model_parameter_count
 
     expected = model_parameter_count(shape) * (engine.dtype.itemsize if getattr(engine, "dtype", None) else 4)
+    if getattr(engine, "shares_actor_weights", False):
+        expected = 0  # the engine generates with the actor's own parameters: a sync moves nothing
     out["sync_bytes_equal_parameter_bytes"] = all(r["sync_bytes"] == expected for r in out["steps"])
     out["parameter_bytes"] = expected
     out["engine"] = engine
@@ -221,6 +227,52 @@ def sglang_part(args, budget: Budget, workdir: Path) -> dict:
         return out
     finally:
         engine.shutdown()
+
+
+def dynamic_part(args) -> dict:
+    """Megatron's dynamic engine: greedy parity with the built-in engine on the same bf16 weights, then GRPO steps."""
+    from megarl import steps
+    from megarl.mcore.actor import MegatronPolicy
+    from megarl.model_shape import ModelShape
+    from megarl.rollout.base import SamplingParams
+    from megarl.rollout.builtin import BuiltinEngine
+    from megarl.rollout.mcore_engine import MegatronEngine, megatron_engine_available
+
+    ok, why = megatron_engine_available()
+    if not ok:
+        return {"status": "skipped", "why": why}
+    shape = ModelShape.from_hf_config(TINY)
+    cfg = _config(args, bf16=True)
+    actor = MegatronPolicy(shape, tp=1, pp=1, trainable=True, bf16=True, optim=steps.optim_config(cfg.training),
+                           use_transformer_engine=False)
+    builtin = BuiltinEngine(TINY, device="cuda", dtype=torch.bfloat16)
+    steps.sync_weights(actor, builtin, version=0, cfg=cfg)
+    engine = MegatronEngine.for_actor(actor, max_sequence_length=256, buffer_size_gb=1.0, max_requests=64)
+    prompts = [p.prompt_ids for p in _prompts(shape.vocab_size, args.prompts, 0)]
+    greedy = SamplingParams(n=1, temperature=0.0, max_new_tokens=args.response_len)
+    t = time.perf_counter()
+    ours = [g[0] for g in engine.generate(prompts, greedy)]
+    gen_s = time.perf_counter() - t
+    ref = [g[0] for g in builtin.generate(prompts, greedy)]
+    same = sum(a.token_ids == b.token_ids for a, b in zip(ours, ref))
+    diffs = []  # log-probs where both engines chose the same tokens so far
+    for a, b in zip(ours, ref):
+        for i, (x, y) in enumerate(zip(a.token_ids, b.token_ids)):
+            if x != y:
+                break
+            diffs.append(abs(a.logprobs[i] - b.logprobs[i]))
+    parity = {"greedy_identical_frac": same / len(ref), "logprob_absdiff_mean": sum(diffs) / max(len(diffs), 1),
+              "greedy_tokens_per_s": sum(len(c.token_ids) for c in ours) / max(gen_s, 1e-9)}
+    log(f"    greedy vs built-in: {same}/{len(ref)} identical, |dlogp| {parity['logprob_absdiff_mean']:.2e} on "
+        f"shared prefixes, {parity['greedy_tokens_per_s']:.0f} tok/s")
+    engine.shutdown()
+    del actor, builtin, engine
+    gc.collect()
+    out = grpo_part(args, TINY, bf16=True, offload=False, use_te=False, rollout_backend="megatron",
+                    engine_factory=lambda a: MegatronEngine.for_actor(a, max_sequence_length=256,
+                                                                      buffer_size_gb=1.0, max_requests=64))
+    out["parity"] = parity
+    return out
 
 
 def skip(results: dict, name: str, title: str, why: str) -> None:
@@ -316,8 +368,8 @@ def main(argv=None) -> int:
     if "sglang" in parts:
         run_part("sglang", "SGLang colocated cycle", lambda: sglang_part(args, budget, workdir), results, budget, 0)
     if "dynamic" in parts:
-        skip(results, "dynamic", "Megatron dynamic inference engine", "megarl has no rollout backend over "
-             "Megatron's dynamic inference engine yet (it needs flash-attn >= 2.7.3 on GPU)")
+        run_part("dynamic", "Megatron dynamic inference engine (--rollout-backend megatron)",
+                 lambda: dynamic_part(args), results, budget, 45)
     parallel.destroy()
 
     (out_dir / "results.json").write_text(json.dumps(results, indent=2, default=str))
@@ -333,6 +385,10 @@ def main(argv=None) -> int:
             f"| sync {s['sync_seconds']:.3f} s push / {s['sync_total_seconds']:.3f} s total | step "
             f"{s['step_seconds']:.2f} s | peak GPU {r['peak_gpu_mib'] or 0:.0f} MiB | sync bytes == parameter "
             f"bytes: {r['sync_bytes_equal_parameter_bytes']}")
+        if "parity" in r:
+            pr = r["parity"]
+            log(f"  {'':<7} greedy vs built-in engine: {100 * pr['greedy_identical_frac']:.0f}% identical, "
+                f"|dlogp| {pr['logprob_absdiff_mean']:.2e}")
     log(f"results: {out_dir / 'results.json'}")
     failed = [n for n, r in results.items() if isinstance(r, dict) and r.get("status") == "failed"]
     return 1 if failed else 0

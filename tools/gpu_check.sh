@@ -7,8 +7,8 @@
 # Needs torch (CUDA), megatron-core and the small packages megatron-core imports at run time (einops; numpy,
 # packaging). A bare GPU machine without network: put the wheels in $WHEELS (default shared/wheels, e.g.
 # megatron_core-0.16.1-cp312-*.whl, einops, numpy, packaging); those whose package does not import are installed
-# without index or dependencies into a temporary directory first. Transformer Engine and SGLang are used when they
-# import, and reported as skipped (with the reason) when not.
+# without index or dependencies into a temporary directory first. Transformer Engine, SGLang and Megatron's dynamic
+# inference engine (needs flash-attn) are used when they can run, and reported as skipped (with the reason) when not.
 # Finishes in under 8 minutes: parts that would not fit the budget are skipped, and a hard timeout stops the rest.
 # `--cpu-smoke` runs the same code on CPU with small shapes (about two minutes on 2 cores) to check the script.
 set -euo pipefail

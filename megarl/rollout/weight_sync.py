@@ -149,6 +149,16 @@ def push(engine, named_tensors: Iterable[tuple[str, torch.Tensor]], version: int
     return stats
 
 
+def stamp(engine, version: int) -> SyncStats:
+    """The sync of an engine that generates with the actor's own parameters (`shares_actor_weights`, e.g.
+    Megatron's dynamic engine): nothing moves, the engine only takes the new version."""
+    if not getattr(engine, "shares_actor_weights", False):
+        raise WeightSyncError(f"{type(engine).__name__} holds weights of its own: push them (weight_sync.push)")
+    start = time.perf_counter()
+    engine.update_weights((), version=version)
+    return SyncStats(version=version, seconds=time.perf_counter() - start)
+
+
 def _counted(buckets: Iterator[WeightBucket], stats: SyncStats) -> Iterator[WeightBucket]:
     seen: set[str] = set()
     for bucket in buckets:

@@ -1,6 +1,6 @@
 """The colocated GPU path: CUDA IPC of a weight bucket, offload that really frees GPU memory, and
-`tools/gpu_check.py`'s parts (tiny and 0.5B GRPO with verified syncs; the TE spec and the SGLang colocated cycle
-when those import). Skipped without CUDA (tests/gpu/conftest.py)."""
+`tools/gpu_check.py`'s parts (tiny and 0.5B GRPO with verified syncs; the TE spec, the SGLang colocated cycle and
+Megatron's dynamic engine as the rollout backend when those can run). Skipped without CUDA (tests/gpu/conftest.py)."""
 
 from __future__ import annotations
 
@@ -91,3 +91,16 @@ def test_gpu_check_sglang_colocated_cycle(tmp_path):
     if not ok:
         pytest.skip(why)
     _assert_ran(_gpu_check(tmp_path, "sglang")["sglang"])
+
+
+def test_gpu_check_megatron_dynamic_engine(tmp_path):
+    from megarl.rollout.mcore_engine import megatron_engine_available
+
+    ok, why = megatron_engine_available()
+    if not ok:
+        pytest.skip(why)
+    part = _gpu_check(tmp_path, "dynamic")["dynamic"]
+    _assert_ran(part)  # here: every sync moved 0 bytes (the engine runs the actor's own weights)
+    # Same bf16 weights, two implementations: a near-tie may flip a greedy token, rarely.
+    assert part["parity"]["greedy_identical_frac"] >= 0.75
+    assert part["parity"]["logprob_absdiff_mean"] < 0.05

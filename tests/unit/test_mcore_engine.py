@@ -1,0 +1,98 @@
+"""`--rollout-backend megatron` on CPU: what runs without a GPU (the mapping of sampling params onto Megatron's,
+finished requests to completions, the identity weight sync, the clear errors). The engine itself needs CUDA and
+flash-attn: tests/gpu/test_mcore_engine_gpu.py."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from megarl.config import ConfigError, parse_args
+from megarl.rollout import weight_sync
+from megarl.rollout.base import SamplingParams
+from megarl.rollout.mcore_engine import (
+    MegatronEngine,
+    group,
+    megatron_engine_available,
+    megatron_sampling,
+    needs_rescoring,
+    to_completion,
+)
+
+
+def test_sampling_params_map_onto_megatrons():
+    from megatron.core.inference.sampling_params import SamplingParams as MegatronSampling
+
+    sampled = megatron_sampling(SamplingParams(n=4, temperature=0.7, top_p=0.9, max_new_tokens=12,
+                                               stop_token_ids=(5, 9)))
+    assert sampled == dict(temperature=0.7, top_k=0, top_p=0.9, return_log_probs=True, skip_prompt_log_probs=True,
+                           num_tokens_to_generate=12, termination_id=5)
+    greedy = megatron_sampling(SamplingParams(temperature=0.0, top_k=50))
+    assert (greedy["top_k"], greedy["top_p"], greedy["termination_id"]) == (1, 0.0, -1)
+    assert megatron_sampling(SamplingParams(top_k=20))["top_k"] == 20
+    MegatronSampling(**sampled)  # Megatron's own class takes every key
+    with pytest.raises(ValueError, match="top-k or top-p, not both"):
+        megatron_sampling(SamplingParams(top_k=20, top_p=0.9))
+
+
+def test_completion_is_cut_after_the_first_stop_token():
+    params = SamplingParams(stop_token_ids=(5, 9))
+    c = to_completion([3, 9, 4, 5], [-1.0, -2.0, -3.0, -4.0], params, version=7)
+    assert (c.token_ids, c.logprobs, c.finish_reason, c.weight_version) == ([3, 9], [-1.0, -2.0], "stop", 7)
+    c = to_completion([3, 4], [-1.0, -2.0], params, version=0)
+    assert (c.token_ids, c.finish_reason) == ([3, 4], "length")
+    with pytest.raises(RuntimeError, match="2 tokens but 1 log-probs"):
+        to_completion([3, 4], [-1.0], params, version=0)
+    assert [len(g) for g in group([c] * 6, 3)] == [3, 3]
+
+
+def test_rescoring_only_where_megatrons_raw_logit_log_probs_differ():
+    assert not needs_rescoring(SamplingParams(temperature=1.0))
+    assert not needs_rescoring(SamplingParams(temperature=0.0))
+    assert needs_rescoring(SamplingParams(temperature=0.7))
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the CPU-only answer")
+def test_unavailable_on_cpu_with_a_reason():
+    ok, why = megatron_engine_available()
+    assert not ok and "CUDA" in why
+    with pytest.raises(RuntimeError, match="--rollout-backend megatron: .*CUDA"):
+        MegatronEngine(torch.nn.Linear(2, 2), None, max_sequence_length=8)
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the CPU-only answer")
+def test_preflight_names_what_the_megatron_backend_needs():
+    from megarl.train import preflight
+
+    assert parse_args(["--rollout-backend", "megatron"]).rollout.rollout_backend == "megatron"
+    with pytest.raises(ConfigError, match="--rollout-backend megatron: .*CUDA.*use --rollout-backend builtin"):
+        preflight(parse_args(["--rollout-backend", "megatron"]))
+    with pytest.raises(ConfigError, match="needs --tensor-model-parallel-size 1"):
+        preflight(parse_args(["--rollout-backend", "megatron", "--tensor-model-parallel-size", "2"]))
+    with pytest.raises(ConfigError, match="--offload-params"):
+        preflight(parse_args(["--rollout-backend", "megatron", "--offload-params"]))
+
+
+class _SharingEngine:
+    shares_actor_weights = True
+    weight_version = 0
+
+    def update_weights(self, named, version=None):
+        assert list(named) == []
+        self.weight_version = version
+
+
+class _NoExportActor:
+    def export_hf(self):
+        raise AssertionError("an engine that shares the actor's weights needs no export")
+
+
+def test_sync_of_a_weight_sharing_engine_moves_nothing():
+    from megarl import steps
+
+    engine = _SharingEngine()
+    metrics = steps.sync_weights(_NoExportActor(), engine, version=3, cfg=parse_args(["--rollout-backend", "megatron"]))
+    assert engine.weight_version == 3
+    assert (metrics["weight_version"], metrics["sync_bytes"], metrics["sync_buckets"]) == (3, 0, 0)
+    with pytest.raises(weight_sync.WeightSyncError, match="holds weights of its own"):
+        weight_sync.stamp(object(), 1)
