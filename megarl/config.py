@@ -63,7 +63,8 @@ class RolloutConfig:
     rollout_device: Literal["auto", "cpu", "cuda"] = _f("auto", "where the built-in engine runs")
     sglang_mem_fraction: float = _f(0.5, "share of each GPU SGLang takes for weights and KV cache "
                                     "(mem_fraction_static); the rest stays with the colocated actor")
-    sglang_tp_size: int = _f(0, "SGLang's tensor-parallel size; 0 = the actor's TP size")
+    sglang_tp_size: int = _f(0, "SGLang's tensor-parallel size; 0 = the actor's TP size (colocated) or what each "
+                             "server reports (--rollout-servers)")
     sync_bucket_mb: int = _f(512, "weight sync: the actor's weights go to the engine in flat buckets of at most "
                              "this many MiB")
     verify_weight_sync: bool = _f(False, "after each weight sync, compare the engine's and the actor's log-probs on a "

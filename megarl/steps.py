@@ -50,7 +50,11 @@ def build_engine(hf_dir: str, device: str, cfg: Config | None = None, actor: Meg
         r = cfg.rollout
         if r.rollout_servers:
             pusher = dist.get_rank() == 0  # every DP leader generates; one rank pushes weights for all
-            servers = SGLangServers(r.rollout_servers.split(","), push=pusher)
+            urls = r.rollout_servers.split(",")
+            # The servers' TP size (launch/slurm/disaggregated.sbatch passes --sglang-tp-size); 0 = ask each server.
+            # It sizes the weight-update group: one trainer rank plus every server's TP ranks.
+            servers = SGLangServers(urls, tp_sizes=[r.sglang_tp_size] * len(urls) if r.sglang_tp_size else None,
+                                    push=pusher)
             if pusher:
                 servers.connect(os.environ.get("MASTER_ADDR", "127.0.0.1"),
                                 int(os.environ.get("MEGARL_WEIGHT_SYNC_PORT", int(os.environ.get("MASTER_PORT", 29500)) + 17)),
@@ -471,19 +475,24 @@ def evaluate(engine, eval_prompts: list[PromptRecord], tokenizer, cfg: Config, i
     return {"sampled": float(counts[0] / counts[1].clamp(min=1)), "greedy": float(counts[2] / counts[3].clamp(min=1))}
 
 
-def save_hf(actor: MegatronPolicy, engine, tokenizer, src_dir: str, out_dir: str, info: ParallelInfo) -> None:
-    """Export the actor as an ordinary HF checkpoint directory (config and tokenizer copied from the source)."""
+def save_hf(actor: MegatronPolicy, engine, tokenizer, src_dir: str, out_dir: str, info: ParallelInfo,
+            shard_bytes: int = 0) -> None:
+    """Export the actor as an ordinary HF checkpoint directory (config and tokenizer copied from the source).
+    Streamed: the weights arrive one tensor at a time and go out in safetensors shards (`write_hf_shards`), so
+    rank 0 never holds a second copy of the whole model."""
     import shutil
 
-    from safetensors.torch import save_file
+    from megarl.mcore.checkpoint import write_hf_shards
 
-    named = actor.export_hf()
+    named = actor.iter_hf()
     if info.rank == 0:
         out = Path(out_dir)
-        out.mkdir(parents=True, exist_ok=True)
-        save_file({k: v.contiguous() for k, v in named}, str(out / "model.safetensors"), metadata={"format": "pt"})
+        write_hf_shards(named, out, **({"max_shard_bytes": shard_bytes} if shard_bytes else {}))
         shutil.copy(Path(src_dir) / "config.json", out / "config.json")
         tokenizer.save_pretrained(str(out))
+    else:
+        for _ in named:  # the gathers and pipeline broadcasts are collective
+            pass
     dist.barrier()
 
 

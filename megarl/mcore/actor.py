@@ -241,6 +241,10 @@ class MegatronPolicy:
         """Full HF-named weights on the model-parallel leader, [] elsewhere."""
         return convert.export_hf_weights(self.model, self.shape)
 
+    def iter_hf(self):
+        """`export_hf` one tensor at a time; every model-parallel rank must exhaust it (it runs collectives)."""
+        return convert.iter_hf_weights(self.model, self.shape)
+
     _offloader = None
 
     def offload(self, *, params: bool = True, optimizer: bool = True) -> int:

@@ -65,8 +65,18 @@ def _sharded_state_dict(policy, is_loading: bool) -> dict:
 def save(root: str | os.PathLike, step: int, policy, trainer_state: dict, keep_last: int = 2,
          rank_state: dict | None = None) -> Path:
     """Collective: every rank calls it. `trainer_state` is the same on all ranks (step, data position...);
-    `rank_state` is this rank's own (e.g. its dynamic-sampling buffer), saved next to its RNG states."""
+    `rank_state` is this rank's own (e.g. its dynamic-sampling buffer), saved next to its RNG states.
+
+    The policy must be on its device: in colocated mode the train loop saves after `enter_training` (actor
+    onloaded) and the weight sync, never between `enter_rollout` and `enter_training`, when its weights and
+    optimizer states may be offloaded (their GPU storages resized to 0 bytes) for the engine."""
     from megatron.core import dist_checkpointing
+
+    offloader = getattr(policy, "_offloader", None)
+    if offloader is not None and offloader.offloaded_bytes:
+        raise RuntimeError(f"checkpoint.save: {offloader.offloaded_bytes} bytes of the policy are offloaded for the "
+                           "rollout engine (--offload-optimizer / --offload-params); onload it (steps.enter_training) "
+                           "before saving, or the checkpoint would hold empty storages")
 
     root = Path(root)
     final = root / _iter_name(step)
@@ -129,3 +139,50 @@ def load(path: str | os.PathLike, policy, *, load_optimizer: bool = True, load_r
             _set_rng_state(mine["rng"])
         state["rank_state"] = mine.get("rank_state", {})
     return state
+
+
+HF_SHARD_BYTES = 2 << 30  # like transformers' save_pretrained default ("5GB" there; smaller shards load lazily)
+
+
+def write_hf_shards(named_tensors, out_dir: str | os.PathLike, max_shard_bytes: int = HF_SHARD_BYTES) -> list[Path]:
+    """Write HF-named tensors as safetensors shards of at most `max_shard_bytes` each (one tensor larger than
+    that gets a shard of its own), holding one shard in host memory at a time: `model.safetensors` when one shard
+    suffices, else `model-0000k-of-0000n.safetensors` plus `model.safetensors.index.json` (transformers' layout).
+    Returns the files written."""
+    import json
+
+    from safetensors.torch import save_file
+
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    parts: list[tuple[Path, list[str]]] = []
+    shard: dict[str, torch.Tensor] = {}
+    size = total = 0
+
+    def flush():
+        nonlocal shard, size
+        if shard:
+            path = out / f"model.part{len(parts):05d}.tmp"
+            save_file(shard, str(path), metadata={"format": "pt"})
+            parts.append((path, list(shard)))
+            shard, size = {}, 0
+
+    for name, tensor in named_tensors:
+        nbytes = tensor.numel() * tensor.element_size()
+        if shard and size + nbytes > max_shard_bytes:
+            flush()
+        shard[name] = tensor.detach().to("cpu").contiguous()
+        size += nbytes
+        total += nbytes
+    flush()
+    if len(parts) == 1:
+        final = [out / "model.safetensors"]
+    else:
+        final = [out / f"model-{i + 1:05d}-of-{len(parts):05d}.safetensors" for i in range(len(parts))]
+    for (tmp, _), path in zip(parts, final):
+        os.replace(tmp, path)
+    if len(parts) > 1:
+        weight_map = {name: path.name for (_, names), path in zip(parts, final) for name in names}
+        (out / "model.safetensors.index.json").write_text(
+            json.dumps({"metadata": {"total_size": total}, "weight_map": weight_map}, indent=2))
+    return final

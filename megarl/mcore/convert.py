@@ -16,7 +16,7 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Iterable, Mapping
+from typing import Iterable, Iterator, Mapping
 
 import torch
 import torch.distributed as dist
@@ -251,7 +251,17 @@ def export_hf_weights(model: torch.nn.Module, shape: ModelShape) -> list[tuple[s
     """Gather full HF-named tensors onto the model-parallel leader (TP rank 0 of PP stage 0).
 
     Every rank of the model-parallel group must call this (it runs collectives); the leader gets the full
-    list, the other ranks an empty one.
+    list, the other ranks an empty one. `iter_hf_weights` gives the same tensors one at a time.
+    """
+    return list(iter_hf_weights(model, shape))
+
+
+def iter_hf_weights(model: torch.nn.Module, shape: ModelShape) -> Iterator[tuple[str, torch.Tensor]]:
+    """`export_hf_weights` as a stream: the leader receives one full HF tensor at a time, so a consumer that
+    writes each away (a shard file, a sync bucket) never holds the whole model twice.
+
+    Every rank of the model-parallel group must run the generator to its end, in step with the others (it runs
+    TP gathers and PP broadcasts); ranks other than the leader yield nothing.
     """
     from megatron.core import parallel_state as ps
 
@@ -262,30 +272,41 @@ def export_hf_weights(model: torch.nn.Module, shape: ModelShape) -> list[tuple[s
     rules = rules_for(shape)
     params = dict(model.named_parameters())
 
-    stage_tensors: list[tuple[str, torch.Tensor]] = []
-    for local_name, global_name in global_param_names(model).items():
-        if global_name == "output_layer.weight" and shape.tie_word_embeddings:
-            continue  # a PP copy of the embedding, which stage 0 exports
-        rule, layer = _match(global_name, rules)
-        full = gather_tp(rule, params[local_name].detach(), params[local_name], tp_group, tp_size)
-        if tp_rank == 0:
-            stage_tensors.extend(zip(hf_names(rule, layer), mcore_to_hf_tensors(rule, full, shape)))
+    def this_stage() -> Iterator[tuple[str, torch.Tensor]]:
+        """This stage's tensors, gathered over TP, on its TP rank 0 (other TP ranks only join the gathers)."""
+        for local_name, global_name in global_param_names(model).items():
+            if global_name == "output_layer.weight" and shape.tie_word_embeddings:
+                continue  # a PP copy of the embedding, which stage 0 exports
+            rule, layer = _match(global_name, rules)
+            full = gather_tp(rule, params[local_name].detach(), params[local_name], tp_group, tp_size)
+            if tp_rank == 0:
+                yield from zip(hf_names(rule, layer), mcore_to_hf_tensors(rule, full, shape))
 
     if tp_rank != 0:
-        return []
-    out = list(stage_tensors) if pp_rank == 0 else []
+        for _ in this_stage():
+            pass
+        return
+    if pp_rank == 0:
+        yield from this_stage()
     for stage in range(1, pp_size):
-        # Stage `stage` sends its tensors to stage 0 over the PP group of TP rank 0 ranks.
+        # Stage `stage` sends its tensors to stage 0 over the PP group of TP rank 0 ranks, one at a time, each
+        # announced by its (name, shape, dtype); None ends the stage.
         src = dist.get_global_rank(pp_group, stage)
-        meta = [[(n, tuple(t.shape), t.dtype) for n, t in stage_tensors] if pp_rank == stage else None]
-        dist.broadcast_object_list(meta, src=src, group=pp_group)
-        by_name = dict(stage_tensors) if pp_rank == stage else {}
-        for name, size, dtype in meta[0]:
-            buf = by_name[name].contiguous() if pp_rank == stage else torch.empty(size, dtype=dtype, device=_param_device(params))
+        sending = this_stage() if pp_rank == stage else None
+        while True:
+            item = next(sending, None) if sending is not None else None
+            meta = [(item[0], tuple(item[1].shape), item[1].dtype) if item is not None else None]
+            dist.broadcast_object_list(meta, src=src, group=pp_group)
+            if meta[0] is None:
+                break
+            name, size, dtype = meta[0]
+            if item is not None:
+                buf = item[1].contiguous()
+            else:
+                buf = torch.empty(size, dtype=dtype, device=_param_device(params))
             dist.broadcast(buf, src=src, group=pp_group)
             if pp_rank == 0:
-                out.append((name, buf))
-    return out
+                yield name, buf
 
 
 def _param_device(params: Mapping[str, torch.Tensor]) -> torch.device:
