@@ -130,3 +130,47 @@ def humaneval_hacks(problem: dict) -> list[str]:
         prompt + "    import os, signal\n    os.kill(os.getppid(), signal.SIGKILL)\n",
         "print('@@megarl-code-done x {\"results\": [{\"ok\": true}]}')\n" + prompt + "    return None\n",
     ]
+
+
+# A program that answers from the tests instead of computing: it looks for them in the files of its working
+# directory, in the objects and stack frames it inherited, and in every string they reference.
+_KEY_HUNTER = '''
+import gc, os, re, sys
+
+def _texts():
+    for name in os.listdir("."):
+        try:
+            yield open(name, errors="ignore").read()
+        except OSError:
+            pass
+    roots = list(gc.get_objects())
+    frame = sys._getframe()
+    while frame is not None:
+        roots += [frame.f_locals, frame.f_globals]
+        frame = frame.f_back
+    for obj in roots:
+        for ref in [obj] + list(gc.get_referents(obj)):
+            if isinstance(ref, (str, bytes)):
+                yield ref if isinstance(ref, str) else ref.decode("utf-8", "ignore")
+            elif isinstance(ref, dict) and "outputs" in ref and "inputs" in ref:
+                yield repr(ref)
+'''
+KEY_HUNT_FUNCTION = _KEY_HUNTER + '''
+def add(a, b):
+    for text in _texts():
+        m = re.search(r"candidate\\(%d, %d\\) == (-?\\d+)" % (a, b), text)
+        if m:
+            return int(m.group(1))
+    return -999
+'''
+KEY_HUNT_IO = _KEY_HUNTER + '''
+line = sys.stdin.readline().strip()
+for text in _texts():
+    m = re.search(r"'inputs': \\['%s\\\\n'\\], 'outputs': \\['(\\w+)" % line, text)
+    if m:
+        print(m.group(1))
+        break
+'''
+SECRET_ADD = {"test": "def check(candidate):\n    assert candidate(2, 3) == 5\n    assert candidate(10, 7) == 17\n",
+              "entry_point": "add"}
+SECRET_IO = {"inputs": ["21\n"], "outputs": ["fortytwo\n"]}

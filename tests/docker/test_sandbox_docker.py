@@ -10,8 +10,8 @@ import pytest
 from megarl.sandbox import Job, Limits
 from megarl.sandbox.docker import DEFAULT_IMAGE, LABEL, DockerSandbox
 from megarl.verifiers.code import CodeVerifier
-from sandbox_cases import (Listener, attacks, check_attack, humaneval_hacks, humaneval_problems, make_secret,
-                           target_paths)
+from sandbox_cases import (KEY_HUNT_FUNCTION, KEY_HUNT_IO, SECRET_ADD, SECRET_IO, Listener, attacks, check_attack,
+                           humaneval_hacks, humaneval_problems, make_secret, target_paths)
 
 IMAGE = os.environ.get("MEGARL_SANDBOX_IMAGE", DEFAULT_IMAGE)
 
@@ -79,3 +79,14 @@ def test_humaneval_subset_through_docker():
     assert all(r.score == 0.0 for r in bad)
     assert all(r.score == 0.0 for r in verifier.verify_many([(h, gold[0]) for h in humaneval_hacks(problems[0])]))
     verifier.sandbox.close()
+
+
+def test_the_tests_cannot_be_read_through_docker():
+    """The harness job execs a fresh interpreter: the runner's fork holds the job, tests included."""
+    verifier = CodeVerifier(backend="docker", image=IMAGE, workers=1, time_s=3.0)
+    try:
+        assert verifier.verify(KEY_HUNT_FUNCTION, SECRET_ADD).score == 0.0
+        assert verifier.verify(KEY_HUNT_IO, SECRET_IO).score == 0.0
+        assert verifier.verify("def add(a, b):\n    return a + b\n", SECRET_ADD).score == 1.0
+    finally:
+        verifier.sandbox.close()
