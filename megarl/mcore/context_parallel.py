@@ -16,7 +16,7 @@ gradient over the summed count is the plain per-token mean (see `MegatronPolicy.
 
 What this does not do: Megatron's local (non-TE) attention has no CP, so CP > 1 runs only with the Transformer
 Engine layer spec on GPUs; on CPU these functions are tested on their own (tests/unit/test_context_parallel.py,
-and the gather over gloo in tests/distributed/test_context_parallel.py).
+and the gather over gloo in tests/distributed/test_cp_groups_gloo.py).
 """
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""Context parallelism over gloo, run under torchrun by tests/distributed/test_context_parallel.py: the process
+"""Context parallelism over gloo, run under torchrun by tests/distributed/test_cp_groups_gloo.py: the process
 groups (TP x CP x PP replicas, DP over the rest), the whole-sequence gather and its gradient, the samples' broadcast
 to a replica's CP ranks, and the clear error a CPU-only (local-spec) model gives for CP > 1. Each rank writes
 OUT/cp-rank<r>.json."""
