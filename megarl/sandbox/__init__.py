@@ -5,7 +5,9 @@ A `Sandbox` runs a `Job` (source, stdin, files, `Limits`) and returns a `RunResu
 
 local (the default, `LocalSandbox`): pre-forked workers that fork a confined child per job (~ms per job). For
   the code verifier (`Job.harness`), each worker also keeps a persistent trusted harness, confined exactly like a
-  job and pid 1 of its own pid namespace, that runs case after case (see `code_harness.serve`).
+  job and pid 1 of its own pid namespace, that runs case after case (see `code_harness.serve`); the Docker
+  backend runs the same harness as pid 1 of dedicated containers. Either way every program is forked from a
+  zygote made before the harness held any test, so no program finds the tests in the memory it inherits.
   Protects against, where the host allows it (detected at start, `describe()` says what is in force, and every
   missing piece is a RuntimeWarning, never silent):
   - network: a network namespace per worker (no interface but a down loopback), Landlock's TCP bind/connect

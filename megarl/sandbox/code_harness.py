@@ -645,9 +645,10 @@ def _describe(e):
 def serve(cfg):
     """`python -I code_harness.py --serve CFG`: one harness for many cases, pid 1 of its own pid namespace.
 
-    Started by a local-backend worker (`megarl/sandbox/local.py`) as root in a fresh pid namespace, with its case
-    pipe on fd 0 and its answer pipe on fd 1. It confines itself exactly as a job is confined (the job uid,
-    Landlock writing only to `cfg["workdir"]`, seccomp, every other fd closed), becomes non-dumpable, then for
+    Started by a local-backend worker (`megarl/sandbox/local.py`) as root in a fresh pid namespace, or as a
+    Docker container's pid 1 (`megarl/sandbox/docker.py`), with its case pipe on fd 0 and its answer pipe on
+    fd 1. On the local backend it confines itself exactly as a job is confined (the job uid, Landlock writing
+    only to `cfg["workdir"]`, seccomp, every other fd closed). It becomes non-dumpable, then for
     each case line: empties the work directory, runs the case (the program in children of its zygote, forked
     before any case arrived, with the case's rlimits), has the zygote kill every other process of the namespace
     and reap them, and answers one JSON line. Only the worker reads the answers, and it adds the run's secret
@@ -657,12 +658,15 @@ def serve(cfg):
     global _ZYGOTE
     if os.getpid() != 1:
         raise RuntimeError("the persistent harness must be pid 1 of its own pid namespace")
-    iso_mod = _load_sibling("isolation")
     workdir = cfg["workdir"]
+    os.makedirs(workdir, 0o700, exist_ok=True)
     os.chdir(workdir)
-    read_fds = [(os.open(p, os.O_PATH | os.O_CLOEXEC), os.path.isdir(p)) for p in cfg["read_roots"]]
-    devnull_fd = os.open(os.devnull, os.O_PATH | os.O_CLOEXEC)
-    iso = iso_mod.HostIsolation(**cfg["isolation"])
+    confining = "isolation" in cfg  # the local backend; in a Docker container the container is the confinement
+    if confining:
+        iso_mod = _load_sibling("isolation")
+        read_fds = [(os.open(p, os.O_PATH | os.O_CLOEXEC), os.path.isdir(p)) for p in cfg["read_roots"]]
+        devnull_fd = os.open(os.devnull, os.O_PATH | os.O_CLOEXEC)
+        iso = iso_mod.HostIsolation(**cfg["isolation"])
     resource.setrlimit(resource.RLIMIT_CORE, (0, 0))
     for name in cfg["preimports"].split():
         try:
@@ -671,7 +675,8 @@ def serve(cfg):
             pass
     with open("/proc/self/statm") as f:  # read now: /proc is out of reach once confined
         vsize = int(f.read().split()[0]) * os.sysconf("SC_PAGE_SIZE") + (32 << 20)  # + what caches may add
-    iso_mod.confine(iso, workdir, read_fds, devnull_fd, iso_mod.seccomp_program() if iso.seccomp else None)
+    if confining:
+        iso_mod.confine(iso, workdir, read_fds, devnull_fd, iso_mod.seccomp_program() if iso.seccomp else None)
     _nondumpable()
     import gc
 
@@ -688,7 +693,9 @@ def serve(cfg):
     for line in os.fdopen(case_fd, "rb"):
         case = json.loads(line)
         _empty_dir(workdir)
-        _CHILD_RLIMITS[:] = _case_rlimits(case["limits"], vsize, cfg.get("nproc_extra", 2))
+        for scratch in cfg.get("scratch", ()):  # a container's other writable places: nothing passes between cases
+            _empty_dir(scratch, keep=workdir)
+        _CHILD_RLIMITS[:] = _case_rlimits(case["limits"], vsize, cfg.get("nproc_extra"))
         try:
             payload = run_case(case["code"], case["spec"])
         finally:
@@ -700,8 +707,9 @@ def serve(cfg):
 def _case_rlimits(lim, vsize, nproc_extra):
     cpu = max(1, int(-(-lim["cpu_s"] // 1)))
     wanted = [(resource.RLIMIT_CPU, cpu), (resource.RLIMIT_AS, vsize + lim["memory_mb"] * (1 << 20)),
-              (resource.RLIMIT_FSIZE, lim["file_mb"] * (1 << 20)), (resource.RLIMIT_NOFILE, lim["open_files"]),
-              (resource.RLIMIT_NPROC, lim["processes"] + nproc_extra)]
+              (resource.RLIMIT_FSIZE, lim["file_mb"] * (1 << 20)), (resource.RLIMIT_NOFILE, lim["open_files"])]
+    if nproc_extra is not None:  # not in a container: RLIMIT_NPROC counts the uid across the host there
+        wanted.append((resource.RLIMIT_NPROC, lim["processes"] + nproc_extra))
     clamped = []
     for which, value in wanted:  # never above a hard limit the harness already has (it cannot raise one)
         hard = resource.getrlimit(which)[1]
@@ -709,9 +717,11 @@ def _case_rlimits(lim, vsize, nproc_extra):
     return clamped
 
 
-def _empty_dir(path):
+def _empty_dir(path, keep=None):
     """Remove what the last case left in the work directory (usually nothing: one listdir)."""
     for entry in os.scandir(path):
+        if entry.path == keep:
+            continue
         try:
             if entry.is_dir(follow_symlinks=False):
                 os.chmod(entry.path, 0o700)

@@ -1,5 +1,10 @@
 """The Docker backend: a pool of warm, hardened containers, each running `jobexec.main` as pid 1.
 
+Code-verifier cases (`Job.harness`) go to a second pool, started on the first such case, whose containers run the
+persistent trusted harness (`code_harness.serve`) as pid 1 instead: same flags, one case line in and one verdict
+payload line out, every program forked from a zygote made before any case, everything killed after each case,
+`/tmp` and `/dev/shm` emptied; a case past its wall-clock limit gets its container replaced.
+
 The pool talks to each container over `docker run -i`'s stdin/stdout, one JSON line per job each way (never
 pickle: a container is untrusted). A container is replaced after a job that timed out, ran out of memory, was
 killed or broke the runner, and after `jobs_per_container` jobs. Containers carry the label `megarl.sandbox` and
@@ -22,11 +27,13 @@ from pathlib import Path
 from typing import Sequence
 
 from megarl.sandbox.base import Job, LineReader, Limits, RunResult
-from megarl.sandbox.local import PREIMPORTS
+from megarl.sandbox.code_harness import DONE
+from megarl.sandbox.local import HARNESS_PREIMPORTS, PREIMPORTS
 
 DEFAULT_IMAGE = "megarl-sandbox:latest"
 LABEL = "megarl.sandbox"
 _RUNNER = (Path(__file__).parent / "jobexec.py").read_text()
+_HARNESS = (Path(__file__).parent / "code_harness.py").read_text()
 _RECYCLE_AFTER = {"timeout", "memory_limit", "killed", "sandbox_error"}
 
 
@@ -61,7 +68,9 @@ class DockerSandbox:
         self.jobs_per_container = jobs_per_container
         self.preimports = preimports
         self._idle: queue.Queue[_Container] | None = None
+        self._harness_idle: queue.Queue[_Container] | None = None  # code-harness containers, started on demand
         self._live: set[_Container] = set()
+        self._removing: list[threading.Thread] = []  # recycled containers being removed in the background
         self._lock = threading.Lock()  # start/close
         self._live_lock = threading.Lock()
         self.started = self.recycled = 0
@@ -97,36 +106,66 @@ class DockerSandbox:
                 "--ulimit", f"nofile={lim.open_files}", "--ulimit", f"fsize={lim.file_mb << 20}",
                 "--log-driver", "none", "--shm-size", "1m", "-e", f"MEGARL_PREIMPORTS={self.preimports}"]
 
-    def _new_container(self) -> "_Container":
+    def _new_container(self, harness: bool = False) -> "_Container":
         name = f"megarl-sb-{uuid.uuid4().hex[:12]}"
-        container = _Container(name, self._run_args() + ["--name", name, self.image, self.python, "-I", "-S",
-                                                         "-c", _RUNNER], self.docker)
+        if harness:  # pid 1 is the code verifier's persistent harness (code_harness.serve) instead of the runner
+            cfg = {"workdir": "/tmp/h", "scratch": ["/tmp", "/dev/shm"], "preimports": HARNESS_PREIMPORTS}
+            command = [self.python, "-I", "-S", "-c", _HARNESS, "--serve", json.dumps(cfg)]
+        else:
+            command = [self.python, "-I", "-S", "-c", _RUNNER]
+        container = (_HarnessContainer if harness else _Container)(
+            name, self._run_args() + ["--name", name, self.image] + command, self.docker)
         with self._live_lock:
             self._live.add(container)
             self.started += 1
         return container
 
+    @property
+    def harness_server(self) -> bool:
+        """Jobs may carry `harness` (the code verifier's fast path): they go to containers whose pid 1 is a
+        persistent trusted harness, which runs case after case, each program in fresh children of a zygote made
+        before any case, and kills every other process of the container after each case."""
+        return True
+
+    def _harness_pool(self) -> "queue.Queue[_Container]":
+        self.start()
+        with self._lock:
+            if self._harness_idle is None:
+                idle: queue.Queue[_Container] = queue.Queue()
+                with ThreadPoolExecutor(self.workers) as pool:
+                    for container in pool.map(lambda _: self._new_container(harness=True), range(self.workers)):
+                        idle.put(container)
+                self._harness_idle = idle
+        return self._harness_idle
+
+    def _pool_for(self, wire: dict) -> "queue.Queue[_Container]":
+        return self._harness_pool() if "harness" in wire else self._idle
+
     def run(self, job: Job) -> RunResult:
         self.start()
         wire = job.to_wire(self.limits)
-        container = self._idle.get()
+        idle = self._pool_for(wire)
+        container = idle.get()
         try:
-            result = container.run(wire, timeout=wire["limits"]["wall_s"] + 30)
+            result = container.run(wire, timeout=wire["limits"]["wall_s"] + container.grace_s)
         except Exception as e:  # noqa: BLE001 - the container died or hung
-            result = RunResult.error(f"container {container.name}: {e}")
+            result = container.failure(wire, e)
         if result.status in _RECYCLE_AFTER or container.jobs >= self.jobs_per_container:
             container = self._recycle(container)
-        self._idle.put(container)
+        idle.put(container)
         return result
 
     def _recycle(self, old: "_Container") -> "_Container":
         with self._live_lock:
             self._live.discard(old)
             self.recycled += 1
-        threading.Thread(target=old.remove, daemon=True).start()
+        remover = threading.Thread(target=old.remove, daemon=True)
+        remover.start()
+        with self._live_lock:
+            self._removing = [t for t in self._removing if t.is_alive()] + [remover]
         while True:
             try:
-                return self._new_container()
+                return self._new_container(harness=isinstance(old, _HarnessContainer))
             except Exception:  # noqa: BLE001 - engine hiccup: retry rather than shrink the pool
                 time.sleep(1)
 
@@ -135,6 +174,10 @@ class DockerSandbox:
         the runner's stdin while one runs, which hides the round trip through the Docker daemon."""
         self.start()
         wires = [job.to_wire(self.limits) for job in jobs]
+        if any("harness" in wire for wire in wires) and not all("harness" in wire for wire in wires):
+            with ThreadPoolExecutor(self.workers) as pool:  # mixed kinds: one at a time, each to its own pool
+                return list(pool.map(self.run, jobs))
+        idle = self._pool_for(wires[0]) if wires else self._idle
         results: list[RunResult | None] = [None] * len(jobs)
         todo = deque(range(len(jobs)))
         lock = threading.Lock()
@@ -144,7 +187,7 @@ class DockerSandbox:
                 return todo.popleft() if todo else None
 
         def drive():
-            container = self._idle.get()
+            container = idle.get()
             inflight: deque[int] = deque()
             draining = False
             try:
@@ -156,9 +199,9 @@ class DockerSandbox:
                         return
                     i = inflight.popleft()
                     try:
-                        results[i] = container.receive(wires[i]["limits"]["wall_s"] + 30)
+                        results[i] = container.receive(wires[i]["limits"]["wall_s"] + container.grace_s, wires[i])
                     except Exception as e:  # noqa: BLE001 - the container broke: its queued jobs go back
-                        results[i] = RunResult.error(f"container {container.name}: {e}")
+                        results[i] = container.failure(wires[i], e)
                         with lock:
                             todo.extendleft(reversed(inflight))
                         inflight.clear()
@@ -168,7 +211,7 @@ class DockerSandbox:
                     if draining and not inflight:
                         container, draining = self._recycle(container), False
             finally:
-                self._idle.put(container)
+                idle.put(container)
 
         with ThreadPoolExecutor(self.workers) as pool:
             for future in [pool.submit(drive) for _ in range(self.workers)]:
@@ -182,12 +225,17 @@ class DockerSandbox:
 
     def close(self) -> None:
         with self._lock, self._live_lock:
-            live, self._live, self._idle = list(self._live), set(), None
+            live, self._live, self._idle, self._harness_idle = list(self._live), set(), None, None
+            removing, self._removing = self._removing, []
         for container in live:
             container.remove()
+        for remover in removing:  # nothing left behind: recycled ones too
+            remover.join(timeout=120)
 
 
 class _Container:
+    grace_s = 30.0  # past the job's wall-clock limit, which the runner enforces itself
+
     def __init__(self, name: str, argv: list[str], docker: str):
         self.name, self.docker, self.jobs = name, docker, 0
         self.proc = subprocess.Popen(argv, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
@@ -201,25 +249,35 @@ class _Container:
 
     def run(self, wire: dict, timeout: float) -> RunResult:
         self.send(wire)
-        return self.receive(timeout)
+        return self.receive(timeout, wire)
 
     def send(self, wire: dict) -> None:
         self.jobs += 1
-        self.proc.stdin.write(json.dumps(wire).encode() + b"\n")
+        self.proc.stdin.write(json.dumps(self._message(wire)).encode() + b"\n")
         self.proc.stdin.flush()
 
-    def receive(self, timeout: float) -> RunResult:
+    def _message(self, wire: dict) -> dict:
+        return wire
+
+    def receive(self, timeout: float, wire: dict) -> RunResult:
+        start = time.monotonic()
         line = self._readline(timeout)
         if len(line) > 64 << 20:
             raise ValueError("oversized answer")
+        return self._result(line, wire, time.monotonic() - start)
+
+    def _result(self, line: bytes, wire: dict, seconds: float) -> RunResult:
         return RunResult.from_wire(json.loads(line))
+
+    def failure(self, wire: dict, error: Exception) -> RunResult:
+        return RunResult.error(f"container {self.name}: {error}")
 
     def _readline(self, timeout: float) -> bytes:
         return self._lines.readline(timeout, lambda: "the container's runner exited")
 
     def remove(self) -> None:
         try:
-            self.proc.stdin.close()  # the runner exits at EOF, and --rm removes the container
+            self.proc.stdin.close()  # the runner (or harness) exits at EOF, and --rm removes the container
         except OSError:
             pass
         try:
@@ -230,3 +288,23 @@ class _Container:
         if self.proc.poll() is None:
             self.proc.kill()
             self.proc.wait()
+
+
+class _HarnessContainer(_Container):
+    """A container whose pid 1 is the persistent code harness: a case line in, a verdict payload line out; the
+    run's secret is added here, never sent into the container."""
+
+    grace_s = 2.0  # the job's wall-clock limit is this pool's to enforce: the harness has none of its own
+
+    def _message(self, wire: dict) -> dict:
+        return {**wire["harness"], "limits": wire["limits"]}
+
+    def failure(self, wire: dict, error: Exception) -> RunResult:
+        if isinstance(error, TimeoutError):  # the container is recycled: its pid 1 dies and all with it
+            return RunResult(status="timeout", detail=f"wall-clock limit of {wire['limits']['wall_s']} s")
+        return super().failure(wire, error)
+
+    def _result(self, line: bytes, wire: dict, seconds: float) -> RunResult:
+        text = line.decode("utf-8", "replace")
+        return RunResult(status="ok", exit_code=0, wall_s=round(seconds, 4),
+                         stdout=f"\n{DONE} {wire['stdin'].strip()} {text}\n")

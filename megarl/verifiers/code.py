@@ -21,8 +21,10 @@ whole timed out).
 Reward hacking: the verdict comes only from a line carrying a per-run secret, written by the trusted harness
 (`megarl/sandbox/code_harness.py`) after the last test, on a channel the program has no access to; the program
 runs in other processes and only plain data crosses back. Exit codes are never read. On a sandbox with
-`harness_server` (the local backend where it has a pid namespace) the harness is a persistent process per worker,
-and the worker, not the harness, adds the secret to the verdict; elsewhere (Docker) the harness is the job itself.
+`harness_server` (the local backend where it has a pid namespace; the Docker backend) the harness is a persistent
+process per worker or container, and the backend, not the harness, adds the secret to the verdict; elsewhere the
+harness is the job itself, exec'd as a fresh interpreter. Either way the programs cannot read the tests: they are
+forked from a zygote made before the harness read any, and the job's files are gone before the first one runs.
 
 Settings come from the constructor or, for the registry's no-argument construction, the environment:
 MEGARL_CODE_REWARD (all|fraction), MEGARL_CODE_EARLY_STOP (0|1), MEGARL_SANDBOX (local|docker),

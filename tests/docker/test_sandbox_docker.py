@@ -90,3 +90,31 @@ def test_the_tests_cannot_be_read_through_docker():
         assert verifier.verify("def add(a, b):\n    return a + b\n", SECRET_ADD).score == 1.0
     finally:
         verifier.sandbox.close()
+
+
+def test_persistent_harness_containers():
+    """Code cases go to containers whose pid 1 is the persistent harness: a hung case is a timeout and its
+    container is replaced; what a case leaves in /tmp or /dev/shm is gone for the next; attacks stay contained."""
+    verifier = CodeVerifier(backend="docker", image=IMAGE, workers=1, time_s=1.0)
+    sb = verifier.sandbox
+    add = {"test": "def check(candidate):\n    assert candidate(2, 3) == 5\n", "entry_point": "add"}
+    good = "def add(a, b):\n    return a + b\n"
+    try:
+        assert sb.harness_server and verifier.verify(good, add).score == 1.0
+        started = sb.started
+        writer = "open('/dev/shm/n', 'w').write('x')\nopen('/tmp/n', 'w').write('x')\n" + good
+        assert verifier.verify(writer, add).score == 1.0
+        reader = ("import os\ndef add(a, b):\n    return a + b + 100 * (os.path.exists('/dev/shm/n') "
+                  "or os.path.exists('/tmp/n'))\n")
+        assert verifier.verify(reader, add).score == 1.0, "a file of the last case was still there"
+        leaver = "import os, time\nif os.fork() == 0:\n    os.setsid()\n    time.sleep(60)\n" + good
+        bomb = "import os\nwhile True:\n    try:\n        os.fork()\n    except OSError:\n        pass\n"
+        assert [r.score for r in verifier.verify_many([(leaver, add), (bomb, add), (good, add)])] == [1.0, 0.0, 1.0]
+        assert sb.started == started, "the harness container was restarted without a timeout"
+        hang = {"test": "def check(candidate):\n    while True:\n        pass\n", "entry_point": "add",
+                "time_s": 0.5}
+        r = verifier.verify(good, hang)
+        assert (r.score, r.outcome) == (0.0, "timeout"), r
+        assert verifier.verify(good, add).score == 1.0 and sb.started == started + 1
+    finally:
+        sb.close()
