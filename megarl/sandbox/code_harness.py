@@ -1,19 +1,26 @@
-"""Trusted test harness for `megarl/verifiers/code.py`: run inside the sandbox as the job's program.
+"""Trusted test harness for `megarl/verifiers/code.py`: runs the tests, while the program runs in other processes.
 
-Standard library only; the verifier sends this file's source as the job, with `solution.py` (the untrusted
-program) and `spec.json` (the tests) as job files and a per-run secret as stdin.
+Standard library only. Two ways to run it:
+- persistent (`serve`): the local backend's workers and the Docker backend's harness containers keep it running
+  as pid 1 of its own pid namespace; a case (program, tests, limits) comes in as a JSON line, the verdict payload
+  goes out as one, and the backend adds the run's secret;
+- as a job (`main`, where the host has no pid namespace): the job execs this file in a fresh interpreter, with
+  `solution.py` (the untrusted program) and `spec.json` (the tests) as job files and the secret on stdin.
 
 Why it cannot be fooled by the program:
-- The program never runs in this process. It runs in forked children whose fds are only /dev/null (or their own
-  stdin/stdout pipes) and a request/answer pipe pair; this process is made non-dumpable first, so a child can
-  neither ptrace it nor open /proc/<pid>/fd/*, and its stdout - the verdict channel - is never in a child.
+- The program never runs in this process. It runs in children of a zygote forked before this process read any
+  test, so a program finds no tests (nor other responses) in the memory or stack it inherits; the job files are
+  unlinked before the first program starts. Children's fds are only /dev/null (or their own stdin/stdout pipes)
+  and a request/answer pipe pair; this process is non-dumpable, so a child can neither ptrace it nor open
+  /proc/<pid>/fd/*, and the verdict channel is never in a child.
 - Test code (`check(candidate)`, asserts) runs here; `candidate` and any other name the tests take from the
   program are proxies that call into the child. Values cross back pickled and are unpickled with no class
   but a few builtins allowed: an object whose `__eq__` always returns True, an int subclass, anything not plain
   data is refused, so the comparisons the tests make are between plain values.
-- The secret is read from stdin only after the last test, so it was never in any child's memory; the verdict
-  line carries it. `sys.exit(0)`, `os._exit`, `atexit` hooks, killing this process or its pipes, printing a
-  fake verdict: each leaves either a failed test or no verdict line with the secret, and no line means no reward.
+- The secret is never in a child's memory: as a job, it is read from stdin only after the last test; persistent,
+  this process never has it. `sys.exit(0)`, `os._exit`, `atexit` hooks, killing this process or its pipes,
+  printing a fake verdict: each leaves either a failed test or no verdict line with the secret, and no line means
+  no reward.
 Stdin/stdout tests: each input in a fresh child (stdin a memfd, stdout a capped pipe, its own process group,
 killed at the per-test deadline); the comparison is done here, never by the program.
 """
