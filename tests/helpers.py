@@ -55,3 +55,15 @@ def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+def train_two_steps_through_the_pool(starter: Path, data: Path, out: Path, reward_timeout: float) -> list[dict]:
+    """`train.py` for 2 steps on DP=2 over `data` (rows naming their verifier), rewards from a pool of 2 reward
+    workers; the steps' metrics.jsonl records."""
+    import json
+
+    torchrun(2, "megarl/train.py", "recipes/tiny_cpu.sh", "--hf-checkpoint", starter, "--prompt-data", data,
+             "--eval-data", "", "--max-train-minutes", "0", "--num-steps", 2, "--rollout-batch-size", 8,
+             "--n-samples-per-prompt", 4, "--micro-batch-size", 16, "--reward-workers", 2,
+             "--reward-timeout", reward_timeout, "--output-dir", out, "--log-interval", 1, timeout=400)
+    return [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]

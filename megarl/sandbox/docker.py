@@ -27,13 +27,12 @@ from pathlib import Path
 from typing import Sequence
 
 from megarl.sandbox.base import Job, LineReader, Limits, RunResult
-from megarl.sandbox.code_harness import DONE
-from megarl.sandbox.local import HARNESS_PREIMPORTS, PREIMPORTS
+from megarl.sandbox.code_harness import verdict_line
+from megarl.sandbox.local import HARNESS_PREIMPORTS, HARNESS_SOURCE, PREIMPORTS
 
 DEFAULT_IMAGE = "megarl-sandbox:latest"
 LABEL = "megarl.sandbox"
 _RUNNER = (Path(__file__).parent / "jobexec.py").read_text()
-_HARNESS = (Path(__file__).parent / "code_harness.py").read_text()
 _RECYCLE_AFTER = {"timeout", "memory_limit", "killed", "sandbox_error"}
 
 
@@ -110,7 +109,7 @@ class DockerSandbox:
         name = f"megarl-sb-{uuid.uuid4().hex[:12]}"
         if harness:  # pid 1 is the code verifier's persistent harness (code_harness.serve) instead of the runner
             cfg = {"workdir": "/tmp/h", "scratch": ["/tmp", "/dev/shm"], "preimports": HARNESS_PREIMPORTS}
-            command = [self.python, "-I", "-S", "-c", _HARNESS, "--serve", json.dumps(cfg)]
+            command = [self.python, "-I", "-S", "-c", HARNESS_SOURCE, "--serve", json.dumps(cfg)]
         else:
             command = [self.python, "-I", "-S", "-c", _RUNNER]
         container = (_HarnessContainer if harness else _Container)(
@@ -307,4 +306,4 @@ class _HarnessContainer(_Container):
     def _result(self, line: bytes, wire: dict, seconds: float) -> RunResult:
         text = line.decode("utf-8", "replace")
         return RunResult(status="ok", exit_code=0, wall_s=round(seconds, 4),
-                         stdout=f"\n{DONE} {wire['stdin'].strip()} {text}\n")
+                         stdout=verdict_line(wire["stdin"].strip(), text))

@@ -29,8 +29,8 @@ from typing import Sequence
 
 from megarl.sandbox import isolation as iso_mod
 from megarl.sandbox.base import Job, LineReader, Limits, RunResult
-from megarl.sandbox.code_harness import DONE
-from megarl.sandbox.jobexec import compiled, remove_tree, run_program, write_files
+from megarl.sandbox.code_harness import verdict_line
+from megarl.sandbox.jobexec import _write_all, compiled, remove_tree, run_program, write_files
 
 log = logging.getLogger(__name__)
 
@@ -41,6 +41,7 @@ PREIMPORTS = ("abc ast array bisect cmath collections contextlib copy ctypes dat
 # forking process maps on the VMs measured (a bare interpreter forks in ~0.45 ms, the worker's PREIMPORTS in ~1.2).
 HARNESS_PREIMPORTS = "bisect collections functools heapq itertools math re string typing"
 HARNESS_PATH = str(Path(__file__).resolve().with_name("code_harness.py"))
+HARNESS_SOURCE = Path(HARNESS_PATH).read_text()  # what the code verifier's job and the Docker containers run
 UID_BASE = 1_600_000_000  # job uids from here: far above any account, so a job's files belong to nobody real
 _START_TIMEOUT_S = 30.0
 _WARNED: set[str] = set()
@@ -286,7 +287,7 @@ class _WorkerSide:
             self.drop_harness()
             return {"status": "sandbox_error", "detail": f"code harness: {type(e).__name__}: {e}"}
         return {"status": "ok", "exit_code": 0, "wall_s": round(time.monotonic() - start, 4),
-                "stdout": f"\n{DONE} {job['stdin'].strip()} {answer.decode('utf-8', 'replace')}\n"}
+                "stdout": verdict_line(job["stdin"].strip(), answer.decode("utf-8", "replace"))}
 
     def drop_harness(self) -> None:
         if self.harness is not None:
@@ -422,9 +423,7 @@ class _Harness:
 
     def ask(self, case: dict | None, timeout: float) -> bytes:
         if case is not None:
-            data = json.dumps(case).encode() + b"\n"
-            while data:
-                data = data[os.write(self.case_w, data):]
+            _write_all(self.case_w, json.dumps(case).encode() + b"\n")
         return self.lines.readline(timeout, self._last_words)
 
     def _last_words(self) -> str:

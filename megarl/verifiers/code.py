@@ -41,17 +41,16 @@ import re
 import secrets
 import threading
 import time
-from pathlib import Path
 from typing import Any, Literal, Sequence
 
 from megarl.sandbox import Job, Limits, Sandbox, make_sandbox
+from megarl.sandbox.code_harness import DONE
+from megarl.sandbox.local import HARNESS_SOURCE
 from megarl.verifiers.base import VerifyResult, register_verifier
 
-_HARNESS = (Path(__file__).resolve().parents[1] / "sandbox" / "code_harness.py").read_text()
 # The job's program when the harness is a job: a fresh interpreter for it, since the process a job starts as is a
 # fork of the backend's worker or runner and holds the job (tests included) in its memory and stack frames.
 _EXEC_HARNESS = "import os, sys\nos.execv(sys.executable, [sys.executable, '-I', 'harness.py'])\n"
-_DONE = "@@megarl-code-done"
 _FENCE = re.compile(r"```([\w+-]*)[ \t]*\n(.*?)```", re.S)
 _SANDBOXES: dict[tuple, Sandbox] = {}
 _SANDBOXES_LOCK = threading.Lock()
@@ -119,7 +118,7 @@ class CodeVerifier:
             job = Job(source="", stdin=secret, limits=limits, harness={"code": code, "spec": spec})
         else:
             job = Job(source=_EXEC_HARNESS, stdin=secret, limits=limits,
-                      files={"harness.py": _HARNESS, "solution.py": code, "spec.json": json.dumps(spec)})
+                      files={"harness.py": HARNESS_SOURCE, "solution.py": code, "spec.json": json.dumps(spec)})
         return job, secret, code, n_tests
 
     def _judge(self, prepared, run) -> VerifyResult:
@@ -192,7 +191,7 @@ def parse_gold(gold: Any, time_s: float, early_stop: bool) -> tuple[dict, int]:
 
 def parse_verdict(stdout: str, secret: str) -> dict | None:
     """The harness's verdict: the last line that starts with the marker and this run's secret."""
-    prefix = f"{_DONE} {secret} "
+    prefix = f"{DONE} {secret} "
     for line in reversed(stdout.splitlines()):
         if line.startswith(prefix):
             try:

@@ -7,7 +7,7 @@ import json
 import subprocess
 
 import pytest
-from helpers import torchrun
+from helpers import train_two_steps_through_the_pool
 
 pytestmark = [pytest.mark.distributed, pytest.mark.slow]
 
@@ -29,12 +29,7 @@ def test_train_on_code_rows_through_the_reward_pool(starter, tmp_path):
     data.write_text("".join(json.dumps({"prompt": r["prompt"], "answer": gold(r["answer"]), "verifier": "code"})
                             + "\n" for r in rows))
     before = _harnesses()
-    out = tmp_path / "run"
-    torchrun(2, "megarl/train.py", "recipes/tiny_cpu.sh", "--hf-checkpoint", starter, "--prompt-data", data,
-             "--eval-data", "", "--max-train-minutes", "0", "--num-steps", 2, "--rollout-batch-size", 8,
-             "--n-samples-per-prompt", 4, "--micro-batch-size", 16, "--reward-workers", 2, "--reward-timeout", 30,
-             "--output-dir", out, "--log-interval", 1, timeout=400)
-    metrics = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    metrics = train_two_steps_through_the_pool(starter, data, tmp_path / "run", reward_timeout=30)
     assert [m["step"] for m in metrics] == [1, 2]
     for m in metrics:
         assert m["reward_mean"] == pytest.approx(m["accuracy"])  # reward 1 exactly when the verdict is correct
