@@ -154,7 +154,7 @@ class MegatronPolicy:
 
     def __init__(self, shape: ModelShape, *, tp: int, pp: int, trainable: bool, optim: OptimConfig | None = None,
                  use_transformer_engine: bool | None = None, bf16: bool = False, sequence_parallel: bool = False,
-                 cp: int = 1):
+                 cp: int = 1, local_kernels: bool = True):
         from megatron.core import parallel_state
         from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
         from megatron.core.distributed.finalize_model_grads import finalize_model_grads
@@ -168,9 +168,11 @@ class MegatronPolicy:
             raise ValueError(f"--context-parallel-size {cp} needs the Transformer Engine layer spec (a CUDA GPU with "
                              "transformer_engine importable): Megatron's local attention cannot split a sequence "
                              "over ranks")
+        # Without TE, Megatron's local spec with megarl's fused kernels (local_kernels=False: the stock local spec).
+        self.local_kernels = local_kernels and not parallel.uses_transformer_engine(use_transformer_engine)
         self.config = transformer_config(shape, tp=tp, pp=pp, bf16=bf16, sequence_parallel=sequence_parallel,
                                          params_dtype=torch.bfloat16 if bf16 else torch.float32,
-                                         context_parallel_size=cp)
+                                         context_parallel_size=cp, local_kernels=self.local_kernels)
         module = in_model_precision(self._build_module(shape, use_transformer_engine), self.config)
         self.optimizer = self.scheduler = None
         if not trainable:
@@ -195,7 +197,8 @@ class MegatronPolicy:
 
     def _build_module(self, shape: ModelShape, use_transformer_engine: bool | None):
         """The GPTModel this class trains; subclasses swap parts of it (the critic's value head)."""
-        return build_gpt_model(shape, self.config, use_transformer_engine=use_transformer_engine)
+        return build_gpt_model(shape, self.config, use_transformer_engine=use_transformer_engine,
+                               local_kernels=self.local_kernels)
 
     def _per_token(self, output: torch.Tensor, tokens: torch.Tensor, temperature: float) -> torch.Tensor:
         """What the loss sees for each position: log-probs of the next token [b, s - 1] (the critic: values)."""

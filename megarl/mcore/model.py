@@ -9,8 +9,11 @@ from megarl.mcore import cpu_compat, parallel
 from megarl.model_shape import ModelShape
 
 
-def transformer_config(shape: ModelShape, *, tp: int, pp: int, params_dtype=torch.float32, bf16=False, **overrides):
-    """The Megatron `TransformerConfig` for `shape`; fusions that need CUDA are off on a CPU machine."""
+def transformer_config(shape: ModelShape, *, tp: int, pp: int, params_dtype=torch.float32, bf16=False,
+                       local_kernels: bool = False, **overrides):
+    """The Megatron `TransformerConfig` for `shape`; fusions that need CUDA are off on a CPU machine. With
+    `local_kernels` (the local spec with megarl's kernels, `parallel.layer_spec`) the config routes RoPE and the
+    MLP activation to them."""
     from megatron.core.transformer import TransformerConfig
 
     if shape.vocab_size % tp:
@@ -52,19 +55,24 @@ def transformer_config(shape: ModelShape, *, tp: int, pp: int, params_dtype=torc
         bias_dropout_fusion=on_gpu,
         attention_softmax_in_fp32=True,
     )
+    if local_kernels:
+        from megarl.mcore import local_kernels as kernels
+
+        kwargs.update(kernels.transformer_config_overrides())
     kwargs.update(overrides)
     return TransformerConfig(**kwargs)
 
 
 @cpu_compat.in_megatron_scope
-def build_gpt_model(shape: ModelShape, config, *, use_transformer_engine: bool | None = None):
+def build_gpt_model(shape: ModelShape, config, *, use_transformer_engine: bool | None = None,
+                    local_kernels: bool = True):
     """A `GPTModel` holding this rank's TP shard of this rank's PP stage, randomly initialised."""
     from megatron.core import parallel_state as ps
     from megatron.core.models.gpt import GPTModel
 
     model = GPTModel(
         config=config,
-        transformer_layer_spec=parallel.layer_spec(use_transformer_engine),
+        transformer_layer_spec=parallel.layer_spec(use_transformer_engine, local_kernels=local_kernels),
         vocab_size=shape.vocab_size,
         max_sequence_length=shape.max_position_embeddings,
         pre_process=ps.is_pipeline_first_stage(),

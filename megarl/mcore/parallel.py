@@ -37,8 +37,19 @@ def all_reduce_host(t: torch.Tensor, op=None, group=None) -> torch.Tensor:
     return t
 
 
-def layer_spec(use_transformer_engine: bool | None = None, normalization: str = "RMSNorm"):
-    """Megatron's Transformer Engine spec on GPUs with TE installed, its local spec otherwise.
+def uses_transformer_engine(use_transformer_engine: bool | None) -> bool:
+    """Resolve `--transformer-impl`: `None` means "TE when available"; True without TE is an error."""
+    if use_transformer_engine is None:
+        return transformer_engine_available()
+    if use_transformer_engine and not transformer_engine_available():
+        raise RuntimeError("--transformer-impl transformer_engine needs a CUDA GPU and transformer-engine installed")
+    return use_transformer_engine
+
+
+def layer_spec(use_transformer_engine: bool | None = None, normalization: str = "RMSNorm", local_kernels: bool = True):
+    """Megatron's Transformer Engine spec on GPUs with TE installed, its local spec otherwise: with
+    `local_kernels`, the local spec with megarl's fused attention, RoPE, norms and activation
+    (`megarl/mcore/local_kernels.py`; the config needs `local_kernels.transformer_config_overrides()`).
 
     The one place the spec is chosen. `None` means "TE when available".
     """
@@ -47,12 +58,12 @@ def layer_spec(use_transformer_engine: bool | None = None, normalization: str = 
         get_gpt_layer_with_transformer_engine_spec,
     )
 
-    if use_transformer_engine is None:
-        use_transformer_engine = transformer_engine_available()
-    if use_transformer_engine:
-        if not transformer_engine_available():
-            raise RuntimeError("--transformer-impl transformer_engine needs a CUDA GPU and transformer-engine installed")
+    if uses_transformer_engine(use_transformer_engine):
         return get_gpt_layer_with_transformer_engine_spec()
+    if local_kernels:
+        from megarl.mcore import local_kernels as kernels
+
+        return kernels.local_spec(normalization=normalization)
     return get_gpt_layer_local_spec(normalization=normalization)
 
 
