@@ -212,3 +212,32 @@ def test_config_parsing():
         ModelShape.from_hf_config({**base, "rope_parameters": {"rope_type": "dynamic", "rope_theta": 7.0, "factor": 8.0}})
     with pytest.raises(ValueError, match="model_type"):
         ModelShape.from_hf_config({**base, "model_type": "gpt2"})
+
+
+def test_bf16_packed_weights_give_the_same_results_and_follow_updates(tmp_path):
+    """bf16 on CPU multiplies through oneDNN-packed weights: bitwise what F.linear gives, and re-packed when the
+    weights change (a stale packed copy would keep sampling from the old policy)."""
+    path = tmp_path / "qwen"
+    _save_tiny_model(path, "qwen2", False)
+    packed = BuiltinEngine.from_pretrained(path, dtype=torch.bfloat16)
+    plain = BuiltinEngine.from_pretrained(path, dtype=torch.bfloat16)
+    plain._pack = False
+    if not packed._pack:
+        pytest.skip("this CPU's oneDNN has no bf16 matmul")
+    params = SamplingParams(n=3, temperature=1.0, max_new_tokens=12, seed=7)
+
+    def same(a, b):
+        for ga, gb in zip(a.generate(PROMPTS, params), b.generate(PROMPTS, params)):
+            for ca, cb in zip(ga, gb):
+                assert ca.token_ids == cb.token_ids and ca.logprobs == cb.logprobs
+        assert a.score([PROMPTS[0] + [3, 4]], [len(PROMPTS[0])]) == b.score([PROMPTS[0] + [3, 4]], [len(PROMPTS[0])])
+
+    same(packed, plain)
+    assert packed._packed  # the packed path ran
+    before = packed.generate(PROMPTS, params)
+    torch.manual_seed(1)
+    new = {name: torch.randn_like(t) * 0.2 for name, t in packed._params.items() if "mlp" in name or "proj" in name}
+    for engine in (packed, plain):
+        engine.update_weights(new.items(), version=1)
+    same(packed, plain)
+    assert [c.token_ids for c in packed.generate(PROMPTS, params)[0]] != [c.token_ids for c in before[0]]
