@@ -40,6 +40,9 @@ of each are dropped and the median of the rest reported, as wall seconds and as 
 torch thread by default: on an oversubscribed machine several threads spin against each other and the wall
 times stop meaning anything.
 
+Kernels. Without Transformer Engine megarl runs Megatron's local layer spec with its own fused attention, RoPE,
+RMSNorm and SwiGLU (`megarl/mcore/local_kernels.py`); `--megarl-kernels stock` runs the spec as Megatron ships it.
+
 Phases. megarl: the named steps of `megarl/train.py`'s loop, with its real components (BuiltinEngine generate,
 reward via `megarl.samples.score`, `MegatronPolicy` log-probs and train step through `megarl/steps.py`, weight
 sync to the engine) on a world of one process (gloo). TRL: `_generate` (tokenize, `model.generate`, decode),
@@ -228,10 +231,12 @@ class MegarlStep:
                                     verifier_key=d.verifier_key)
         shape = ModelShape.from_pretrained(str(model_dir))
         bf16 = self.cfg.model.bf16
-        self.actor = MegatronPolicy(shape, tp=1, pp=1, trainable=True, bf16=bf16,
+        fused = args.megarl_kernels == "fused"
+        self.actor = MegatronPolicy(shape, tp=1, pp=1, trainable=True, bf16=bf16, local_kernels=fused,
                                     optim=steps.optim_config(self.cfg.training), use_transformer_engine=False)
         self.actor.load_hf(str(model_dir))
-        self.reference = MegatronPolicy(shape, tp=1, pp=1, trainable=False, bf16=bf16, use_transformer_engine=False)
+        self.reference = MegatronPolicy(shape, tp=1, pp=1, trainable=False, bf16=bf16, use_transformer_engine=False,
+                                        local_kernels=fused)
         self.reference.load_hf(str(model_dir))
         self.engine = steps.build_engine(str(model_dir), "cpu", self.cfg)
         steps.sync_weights(self.actor, self.engine, version=0, cfg=self.cfg)
@@ -375,6 +380,7 @@ def bench_size(size: Size, args, work: Path) -> dict:
     megarl_runs, trl_runs = megarl_runs[args.warmup :], trl_runs[args.warmup :]
     as_dicts = lambda runs: [{p: c.__dict__ for p, c in r.items()} for r in runs]  # noqa: E731
     return {"size": size.__dict__, "parameters": params, "threads": args.threads, "precision": args.precision,
+            "megarl_kernels": args.megarl_kernels,
             "megarl": median_phases(megarl_runs), "trl": median_phases(trl_runs),
             "megarl_runs": as_dicts(megarl_runs), "trl_runs": as_dicts(trl_runs)}
 
@@ -383,6 +389,7 @@ def print_table(result: dict) -> None:
     s = result["size"]
     print(f"\n{s['name']}: {result['parameters'] / 1e6:.1f}M parameters, {s['prompts']} prompts x {s['group']} samples, "
           f"{s['response_len']}-token responses, micro-batch {s['micro_batch']}, {result['precision']}, "
+          f"megarl kernels {result['megarl_kernels']}, "
           f"{result['threads']} thread(s); "
           f"median of {len(result['megarl_runs'])} steps after warm-up, the two alternating step by step")
     print(f"  {'phase':<11}{'megarl wall':>12}{'TRL wall':>10}{'TRL/megarl':>11}  |{'megarl cpu':>11}{'TRL cpu':>9}"
@@ -405,6 +412,9 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=1, help="torch CPU threads (both frameworks)")
     parser.add_argument("--precision", choices=("bf16", "fp32"), default="bf16",
                         help="bf16: megarl --bf16, TRL bf16=True (its default); fp32: both off")
+    parser.add_argument("--megarl-kernels", choices=("fused", "stock"), default="fused",
+                        help="fused: Megatron's local spec with megarl's kernels (megarl/mcore/local_kernels.py, the "
+                             "default without TE); stock: Megatron's local spec as shipped")
     parser.add_argument("--lr", type=float, default=1e-5)
     parser.add_argument("--kl-coef", type=float, default=0.001, help="KL coefficient (the demo's); > 0 runs a reference")
     parser.add_argument("--seed", type=int, default=1234)
