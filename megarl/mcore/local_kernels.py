@@ -7,8 +7,8 @@ backward, plugged in where Megatron expects TE's kernels (`local_spec`, `transfo
 
 - `CausalAttention`: causal grouped-query attention without repeating K/V heads (the query heads of a group are
   stacked as extra query rows), the scale and the causal mask folded into one `baddbmm`, a softmax that computes
-  in fp32 inside (Megatron's `attention_softmax_in_fp32`), and a backward of four batched matmuls. Any other case (padding masks,
-  packed sequences, dropout, softmax offsets) goes to Megatron's `DotProductAttention`.
+  in fp32 inside (Megatron's `attention_softmax_in_fp32`), and a backward of four batched matmuls. Any other case
+  (padding masks, packed sequences, dropout, softmax offsets) goes to Megatron's `DotProductAttention`.
 - `fused_rope`: Megatron's `fused_apply_rotary_pos_emb` slot (TE's, when TE is absent): x cos + rotate_half(x) sin
   as one multiply, one roll and one `addcmul`.
 - `RMSNorm`: the same numerics as `torch.nn.RMSNorm` (normalise in fp32, round, then scale), with a backward of a
@@ -16,8 +16,9 @@ backward, plugged in where Megatron expects TE's kernels (`local_spec`, `transfo
 - `swiglu`: silu(gate) * up over fc1's fused [gate | up] output (Megatron's `use_te_activation_func` hook), with
   one `silu_backward` in the backward.
 
-Outputs equal Megatron's local modules' up to the rounding of the compute dtype; `tests/unit/test_local_kernels.py`
-checks each against its Megatron counterpart and the whole model against `transformers`.
+Outputs equal Megatron's local modules' up to the rounding of the compute dtype. `tests/unit/test_local_kernels.py`
+checks each piece against an independent reference; tests/distributed/test_parallel_equivalence.py checks the whole
+model against `transformers` at TP 1 / TP 2 / PP 2, and TRL's GRPO loss and gradient.
 """
 
 from __future__ import annotations

@@ -17,7 +17,8 @@ How one `generate` call runs:
     i.e. what the actor recomputes (see `Completion`).
 
 Small models pay per-op dispatch on every step, so the layout is fused where HF names allow it: q/k/v are one
-matmul, gate/up are one matmul, and `update_weights` writes HF tensors into views of the fused weights.
+matmul, gate/up are one matmul, and `update_weights` writes HF tensors into views of the fused weights. In bf16 on
+a CPU the layers multiply through oneDNN-packed copies of those weights (`_linear`), made once per weight version.
 """
 
 from __future__ import annotations
