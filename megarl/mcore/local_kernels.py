@@ -1,7 +1,7 @@
 """Fused pieces for Megatron's local (non-Transformer-Engine) layer spec: what TE provides on a GPU, in PyTorch.
 
-Without TE (every CPU run, and GPUs without transformer-engine) Megatron's local spec assembles attention, RoPE,
-RMSNorm and SwiGLU from many small ops under autograd: on a CPU a 30M-parameter model's update spent about a third
+Without TE (every CPU run, and GPUs without transformer-engine) Megatron's local spec assembles attention, RoPE
+and RMSNorm from many small ops under autograd: on a CPU a 30M-parameter model's update spent about a third
 of its time outside matrix multiplies. Each piece here is one `torch.autograd.Function` with a hand-written
 backward, plugged in where Megatron expects TE's kernels (`local_spec`, `transformer_config_overrides`):
 
@@ -13,8 +13,6 @@ backward, plugged in where Megatron expects TE's kernels (`local_spec`, `transfo
   as one multiply, one roll and one `addcmul`.
 - `RMSNorm`: the same numerics as `torch.nn.RMSNorm` (normalise in fp32, round, then scale), with a backward of a
   few fused-shape ops instead of autograd's graph of the composite.
-- `swiglu`: silu(gate) * up over fc1's fused [gate | up] output (Megatron's `use_te_activation_func` hook), with
-  one `silu_backward` in the backward.
 
 Outputs equal Megatron's local modules' up to the rounding of the compute dtype. `tests/unit/test_local_kernels.py`
 checks each piece against an independent reference; tests/distributed/test_parallel_equivalence.py checks the whole
@@ -195,42 +193,6 @@ class RMSNorm(torch.nn.Module):
         return _RMSNorm.apply(x, self.weight, self.eps)
 
 
-# -- SwiGLU ----------------------------------------------------------------------------------------------------
-
-
-class _SwiGLU(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, fused):
-        gate, up = fused.chunk(2, dim=-1)
-        activated = F.silu(gate)
-        ctx.save_for_backward(gate, up, activated)
-        return activated * up
-
-    @staticmethod
-    def backward(ctx, grad):
-        gate, up, activated = ctx.saved_tensors
-        return torch.cat([torch.ops.aten.silu_backward(grad * up, gate), grad * activated], dim=-1)
-
-
-def swiglu(fused: torch.Tensor) -> torch.Tensor:
-    """silu(gate) * up over a fused [..., 2 * ffn] tensor holding [gate | up]."""
-    return _SwiGLU.apply(fused)
-
-
-@functools.cache
-def _swiglu_module():
-    from megatron.core.transformer.module import MegatronModule
-
-    class SwiGLU(MegatronModule):
-        """`swiglu` as the module Megatron's MLP calls on fc1's output with `use_te_activation_func` (a
-        MegatronModule, so the MLP's sharded checkpoint sees an empty one)."""
-
-        def forward(self, fused: torch.Tensor) -> torch.Tensor:
-            return swiglu(fused)
-
-    return SwiGLU
-
-
 # -- wiring ----------------------------------------------------------------------------------------------------
 
 
@@ -245,13 +207,12 @@ def install_rope() -> bool:
 
 def transformer_config_overrides() -> dict:
     """TransformerConfig fields that route Megatron's local spec through these kernels."""
-    return dict(apply_rope_fusion=install_rope(), use_te_activation_func=True, bias_activation_fusion=False)
+    return dict(apply_rope_fusion=install_rope())
 
 
 def local_spec(normalization: str = "RMSNorm"):
-    """Megatron's local GPT layer spec with the attention, norms and activation above."""
+    """Megatron's local GPT layer spec with the attention and norms above (RoPE comes through the config)."""
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
-    from megatron.core.transformer.spec_utils import ModuleSpec
 
     spec = get_gpt_layer_local_spec(normalization=normalization)
     layer = spec.submodules
@@ -259,5 +220,4 @@ def local_spec(normalization: str = "RMSNorm"):
     layer.pre_mlp_layernorm = RMSNorm
     attention = layer.self_attention.submodules
     attention.core_attention = _dot_product_attention()
-    layer.mlp.submodules.activation_func = ModuleSpec(module=_swiglu_module())
     return spec
