@@ -12,8 +12,8 @@ from megarl.model_shape import ModelShape
 def transformer_config(shape: ModelShape, *, tp: int, pp: int, params_dtype=torch.float32, bf16=False,
                        local_kernels: bool = False, **overrides):
     """The Megatron `TransformerConfig` for `shape`; fusions that need CUDA are off on a CPU machine. With
-    `local_kernels` (the local spec with megarl's kernels, `parallel.layer_spec`) the config routes RoPE and the
-    MLP activation to them."""
+    `local_kernels` (the local spec with megarl's kernels, `parallel.layer_spec`) the config routes RoPE to
+    megarl's fused RoPE."""
     from megatron.core.transformer import TransformerConfig
 
     if shape.vocab_size % tp:

@@ -48,8 +48,8 @@ def uses_transformer_engine(use_transformer_engine: bool | None) -> bool:
 
 def layer_spec(use_transformer_engine: bool | None = None, normalization: str = "RMSNorm", local_kernels: bool = True):
     """Megatron's Transformer Engine spec on GPUs with TE installed, its local spec otherwise: with
-    `local_kernels`, the local spec with megarl's fused attention, RoPE, norms and activation
-    (`megarl/mcore/local_kernels.py`; the config needs `local_kernels.transformer_config_overrides()`).
+    `local_kernels`, the local spec with megarl's attention and norms (`megarl/mcore/local_kernels.py`; the config
+    needs `local_kernels.transformer_config_overrides()` for its RoPE).
 
     The one place the spec is chosen. `None` means "TE when available".
     """

@@ -211,8 +211,9 @@ class BuiltinEngine:
         """F.linear; for bf16 on CPU through a oneDNN-packed copy of the weight (bitwise the same result).
 
         Decoding multiplies a few rows by every weight at every step, and the weights do not fit in cache: aten's
-        bf16 matmul re-lays each weight out for oneDNN on every call, which costs more than the multiply itself
-        at 32 rows. The packed copy is made once per weight version."""
+        bf16 matmul re-lays each weight out for oneDNN on every call, about 40% on top of the multiply at 32 rows
+        (8 layers of the 30M bench model: 7.9 against 5.6 ms per step). The packed copy is made once per weight
+        version."""
         if not self._pack:
             return F.linear(x, weight, bias)
         packed = self._packed.get(id(weight))
