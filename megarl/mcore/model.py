@@ -65,7 +65,7 @@ def transformer_config(shape: ModelShape, *, tp: int, pp: int, params_dtype=torc
 
 @cpu_compat.in_megatron_scope
 def build_gpt_model(shape: ModelShape, config, *, use_transformer_engine: bool | None = None,
-                    local_kernels: bool = True):
+                    local_kernels: bool = False):
     """A `GPTModel` holding this rank's TP shard of this rank's PP stage, randomly initialised."""
     from megatron.core import parallel_state as ps
     from megatron.core.models.gpt import GPTModel

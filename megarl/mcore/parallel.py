@@ -46,7 +46,7 @@ def uses_transformer_engine(use_transformer_engine: bool | None) -> bool:
     return use_transformer_engine
 
 
-def layer_spec(use_transformer_engine: bool | None = None, normalization: str = "RMSNorm", local_kernels: bool = True):
+def layer_spec(use_transformer_engine: bool | None = None, normalization: str = "RMSNorm", local_kernels: bool = False):
     """Megatron's Transformer Engine spec on GPUs with TE installed, its local spec otherwise: with
     `local_kernels`, the local spec with megarl's attention and norms (`megarl/mcore/local_kernels.py`; the config
     needs `local_kernels.transformer_config_overrides()` for its RoPE).

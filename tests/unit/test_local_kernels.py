@@ -145,4 +145,9 @@ def test_local_spec_uses_the_kernels():
     assert layer.input_layernorm is K.RMSNorm and layer.pre_mlp_layernorm is K.RMSNorm
     core = layer.self_attention.submodules.core_attention
     assert issubclass(core, DotProductAttention) and core is not DotProductAttention
-    assert K.install_rope()  # no Transformer Engine here: the fused-RoPE slot is megarl's
+    from megatron.core.models.common.embeddings import rope_utils
+
+    # megarl fills Megatron's fused-RoPE slot only where Transformer Engine has not
+    te_rope = rope_utils.fused_apply_rotary_pos_emb not in (None, K.fused_rope)
+    assert K.install_rope() == (not te_rope)
+    assert (rope_utils.fused_apply_rotary_pos_emb is K.fused_rope) == (not te_rope)

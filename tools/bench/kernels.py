@@ -21,6 +21,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from megarl.mcore import cpu_compat, parallel  # noqa: E402
 from megarl.mcore import local_kernels as K  # noqa: E402
@@ -54,9 +55,9 @@ def main() -> None:
     from megarl.mcore.model import transformer_config
 
     parallel.init_distributed(1, 1)
-    shape = ModelShape(family="qwen2", vocab_size=112, hidden_size=512, ffn_hidden_size=2048, num_layers=1,
-                       num_attention_heads=8, num_kv_heads=2, head_dim=64, max_position_embeddings=4096,
-                       rope_theta=10000.0, norm_eps=1e-6, tie_word_embeddings=False, qkv_bias=True)
+    from step import QWEN2_30M  # tools/bench/step.py's 30m model
+
+    shape = ModelShape.from_hf_config({**QWEN2_30M, "model_type": "qwen2"})
     config = transformer_config(shape, tp=1, pp=1, params_dtype=dtype, bf16=dtype == torch.bfloat16)
     s, b, h, g, d = args.seq, args.batch, shape.num_attention_heads, shape.num_kv_heads, shape.head_dim
     torch.manual_seed(0)

@@ -126,6 +126,10 @@ class PhaseTimer:
         return out
 
 
+# The 30m size's architecture (Qwen2): tools/bench/kernels.py times one of its layers.
+QWEN2_30M = dict(vocab_size=112, hidden_size=512, intermediate_size=2048, num_hidden_layers=8, num_attention_heads=8,
+                 num_key_value_heads=2, max_position_embeddings=512, tie_word_embeddings=False)
+
 SIZES = {
     "tiny": Size("tiny", prompts=8, group=8, response_len=8, micro_batch=32),
     "30m": Size("30m", prompts=4, group=8, response_len=128, micro_batch=8),
@@ -172,9 +176,7 @@ def make_model(size: str, out: Path, tiny_model: str | None) -> Path:
 
         model = build_model(tokenizer)
     else:
-        config = Qwen2Config(vocab_size=112, hidden_size=512, intermediate_size=2048, num_hidden_layers=8,
-                             num_attention_heads=8, num_key_value_heads=2, max_position_embeddings=512,
-                             tie_word_embeddings=False, bos_token_id=None, eos_token_id=tokenizer.eos_token_id,
+        config = Qwen2Config(**QWEN2_30M, bos_token_id=None, eos_token_id=tokenizer.eos_token_id,
                              pad_token_id=tokenizer.pad_token_id)
         model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
     model.save_pretrained(out)
