@@ -12,7 +12,9 @@ back; megarl ignores it). Layouts, by the columns they read:
   code-contests  description, public/private/generated_tests {input, output}   (deepmind/code_contests)
                  -> code, {"inputs": [...], "outputs": [...]}
   apps           question, input_output (JSON: inputs, outputs[, fn_name])    -> code, the same layout
-  humaneval      prompt, test, entry_point   (HumanEval, MBPP-style with a check())  -> code, {"test", "entry_point"}
+  humaneval      prompt, test, entry_point   (HumanEval, MBPP-style with a check())
+                 -> code, {"prompt", "test", "entry_point"}: the row's prompt is the code its tests may call
+                 (helpers such as HumanEval/38's encode_cyclic), which the harness runs itself
 
 Rows that cannot be converted (no answer, no tests) are skipped and counted by reason; nothing is guessed.
 Prompts are plain text; a chat template is not applied.
@@ -152,7 +154,8 @@ def apps(row: dict, template: str | None, max_tests: int = 32) -> tuple[str, Any
 
 def humaneval(row: dict, template: str | None) -> tuple[str, Any, str]:
     prompt, test, entry_point = _need(row, "prompt", "test", "entry_point")
-    return (template or FUNCTION_CODE).format(problem=prompt), {"test": test, "entry_point": entry_point}, "code"
+    gold = {"prompt": prompt, "test": test, "entry_point": entry_point}
+    return (template or FUNCTION_CODE).format(problem=prompt), gold, "code"
 
 
 LAYOUTS: dict[str, Callable[..., tuple[str, Any, str]]] = {

@@ -1,117 +1,127 @@
 """Trusted test harness for `megarl/verifiers/code.py`: runs the tests, while the program runs in other processes.
 
-Standard library only. Two ways to run it:
+Standard library only (with its siblings `harness_rpc`, `spawner`, `isolation`, `cgroups`, loaded by path). Two
+ways to run it:
 - persistent (`serve`): the local backend's workers and the Docker backend's harness containers keep it running
-  as pid 1 of its own pid namespace; a case (program, tests, limits) comes in as a JSON line, the verdict payload
-  goes out as one, and the backend adds the run's secret;
+  as pid 1 of its own pid namespace; a case (program, tests, limits) comes in as a JSON line, one JSON line per
+  test result goes out as soon as the test is done, then a final line, and the backend adds the run's secret;
 - as a job (`main`, where the host has no pid namespace): the job execs this file in a fresh interpreter, with
-  `solution.py` (the untrusted program) and `spec.json` (the tests) as job files and the secret on stdin.
+  `solution.py` (the untrusted program), `spec.json` (the tests) and the sibling modules as job files and the
+  secret on stdin; it prints a signed line per test result and a signed verdict line at the end.
+Either way a case that ends early (its wall-clock limit, a crash) keeps the results of the tests already run.
 
 Why it cannot be fooled by the program:
-- The program never runs in this process. It runs in children of a zygote forked before this process read any
-  test, so a program finds no tests (nor other responses) in the memory or stack it inherits; the job files are
-  unlinked before the first program starts. Children's fds are only /dev/null (or their own stdin/stdout pipes)
-  and a request/answer pipe pair; this process is non-dumpable, so a child can neither ptrace it nor open
-  /proc/<pid>/fd/*, and the verdict channel is never in a child.
-- Test code (`check(candidate)`, asserts) runs here; `candidate` and any other name the tests take from the
-  program are proxies that call into the child. Values cross back pickled and are unpickled with no class
-  but a few builtins allowed: an object whose `__eq__` always returns True, an int subclass, anything not plain
-  data is refused, so the comparisons the tests make are between plain values.
-- The secret is never in a child's memory: as a job, it is read from stdin only after the last test; persistent,
-  this process never has it. `sys.exit(0)`, `os._exit`, `atexit` hooks, killing this process or its pipes,
-  printing a fake verdict: each leaves either a failed test or no verdict line with the secret, and no line means
-  no reward.
-Stdin/stdout tests: each input in a fresh child (stdin a memfd, stdout a capped pipe, its own process group,
-killed at the per-test deadline); the comparison is done here, never by the program.
+- The program never runs in this process. Every program process is forked by the spawner (`spawner.py`), which
+  this process forks before it reads any test, so a program finds no tests (nor other responses) in the memory
+  it inherits; as a job, the job files are unlinked before the first program starts. A program process has
+  /dev/null or its own pipes as fds, a fresh pid namespace where it is pid 1, its own Landlock domain (no signal
+  to this process), the program seccomp filter; this process is non-dumpable and ignores every signal.
+- Test code runs here, in a namespace whose missing names come from the program (`harness_rpc`): values cross
+  as plain data only, bounded in size; the row's `prompt` code (helpers the tests call) runs here and cannot be
+  replaced by the program; comparisons are between plain values this process holds.
+- The verdict channel is this process's own pipe, and the secret is never in a program process: the persistent
+  harness never has it (the backend adds it), and as a job it is read after the spawner is forked. A program's
+  exit status (stdin/stdout tests) is what the kernel reports to the spawner, not a byte the program could write.
+  `sys.exit(0)`, `os._exit`, `atexit` hooks, signals, printing a fake verdict: each leaves either a failed test or
+  no verdict line with the secret, and no line means no reward.
+- Nothing a case does reaches a later case: the spawner kills every program process of a case and replaces its
+  /tmp and /dev/shm mounts before this process answers the case's last line.
 """
 
 import ast
-import builtins
-import io
 import json
 import os
-import pickle
 import resource
 import select
 import signal
-import struct
 import sys
 import time
-import traceback
 
 DONE = "@@megarl-code-done"
-_MAX_FRAME = 64 << 20
-_PLAIN_CLASSES = {"complex", "set", "frozenset", "bytearray"}
-_CHILD_RLIMITS = []  # (resource, value) set in each program child; only the persistent harness sets them
-_ZYGOTE = None  # the Zygote every program child is forked from (set by main / serve)
+PART = "@@megarl-code-part"
+HARNESS_MB = 1024  # what the persistent harness itself may add to its address space (bounded work on any input)
 
 
-def main():
-    """One run as a sandbox job (`python -I harness.py` in a fresh interpreter, exec'd by the job's stub: the
-    fork the job started as holds the job, tests included, in its memory): the program in `solution.py`, the
-    tests in `spec.json`, the secret on stdin."""
-    global _ZYGOTE
-    _nondumpable()
-    _ZYGOTE = Zygote(reap_all=False)  # before this process reads the tests
-    spec = json.load(open("spec.json"))
-    source = open("solution.py", encoding="utf-8").read()
-    for name in ("spec.json", "solution.py", "harness.py"):  # the job directory is the programs' cwd
-        try:
-            os.unlink(name)
-        except FileNotFoundError:
-            pass
-    try:
-        payload = run_case(source, spec)
-    finally:
-        _ZYGOTE.reap()
-    finish(payload)
+def _load(name):
+    """A sibling module of this directory: from the bundle (Docker) or by path (the harness runs as a script)."""
+    key = f"_megarl_sandbox_{name}"
+    if key in sys.modules:
+        return sys.modules[key]
+    import importlib.util
+
+    path = os.path.join(os.path.dirname(os.path.abspath(__file__)), name + ".py")
+    spec = importlib.util.spec_from_file_location(key, path)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[key] = module
+    spec.loader.exec_module(module)
+    return module
 
 
-def run_case(source, spec):
-    """The verdict payload for one program against one spec (the tests run here, the program in children)."""
-    try:
-        compile(source, "solution.py", "exec")  # only to report a syntax error; each child compiles its own
-    except (SyntaxError, ValueError) as e:
-        return {"compile_error": f"{type(e).__name__}: {e}", "results": []}
-    mode = spec["mode"]
-    if mode == "function":
-        return {"results": run_function_tests(spec, source)}
-    if mode == "io":
-        return {"results": run_io_tests(spec, source)}
-    if mode == "call":
-        return {"results": run_call_tests(spec, source)}
-    raise ValueError(f"unknown mode {mode!r}")
-
-
-def finish(payload):
-    secret = sys.stdin.read().strip()  # only now: never in the memory of a child that ran the program
-    sys.stdout.flush()
-    _write_all(1, verdict_line(secret, json.dumps(payload)).encode())
+rpc = _load("harness_rpc")
+_spawner = _load("spawner")
 
 
 def verdict_line(secret, payload_json):
     """What proves a run: the marker, the run's secret, the payload (JSON text), on a line of their own. Written
-    here by the harness as a job; by the backend, which holds the secret, for the persistent harness."""
+    by the harness as a job; by the backend, which holds the secret, for the persistent harness."""
     return f"\n{DONE} {secret} {payload_json}\n"
 
 
-def _nondumpable():
-    import ctypes
+def part_line(secret, result_json):
+    """One test's result, signed like the verdict: what counts when a run ends before its verdict line."""
+    return f"\n{PART} {secret} {result_json}\n"
 
-    if ctypes.CDLL(None, use_errno=True).prctl(4, 0, 0, 0, 0) != 0:  # PR_SET_DUMPABLE, 0
-        raise OSError("cannot make the harness non-dumpable")
+
+class CompileError(Exception):
+    pass
+
+
+class Context:
+    """What running one case needs: the spawner and the program processes' rlimits."""
+
+    def __init__(self, spawner, rlimits, memory_mb):
+        self.spawner, self.rlimits, self.memory_mb = spawner, rlimits, memory_mb
+        self.oom_kills = 0  # seen so far in the case: a program process killed with more is out of memory
+
+    def program(self, source, spec):
+        return rpc.Program(self.spawner, source, spec.get("prompt") or "", spec["time_s"], self.rlimits,
+                           self.memory_mb)
+
+
+def run_case(source, spec, ctx):
+    """The results of one program against one spec, one per test as each is done (the tests run here, the
+    program in program processes). Raises CompileError when the program does not compile."""
+    mode = spec["mode"]
+    if mode == "function":
+        return run_function_tests(spec, source, ctx)
+    if mode == "io":
+        return run_io_tests(spec, source, ctx)
+    if mode == "call":
+        return run_call_tests(spec, source, ctx)
+    raise ValueError(f"unknown mode {mode!r}")
+
+
+def _fail(kind, detail):
+    return {"ok": False, "why": kind, "detail": str(detail)[:300]}
+
+
+def _failure_kind(e, default):
+    return "timeout" if isinstance(e, rpc.ProgramTimeout) else default
 
 
 # ---- function-style tests: check(candidate) or top-level asserts ----------------------------------------------
 
-def run_function_tests(spec, code):
+def run_function_tests(spec, source, ctx):
     """HumanEval (`def check(candidate)`, one test) or MBPP-style top-level asserts (one test each)."""
-    tree, check_code = _parsed_test(spec["test"])
-    program = Program(code, spec["time_s"])
+    tree, check_code, prompt_code = _parsed_test(spec.get("test", ""), spec.get("prompt") or "")
+    program = ctx.program(source, spec)
     try:
+        if program.compile_error:
+            raise CompileError(program.compile_error)
         if check_code is not None:
-            return [_check_style(spec, check_code, program)]
-        return _assert_style(spec, tree, program)
+            yield _check_style(spec, check_code, prompt_code, program)
+        else:
+            yield from _assert_style(spec, tree, prompt_code, program)
     finally:
         program.kill()
 
@@ -119,235 +129,127 @@ def run_function_tests(spec, code):
 _TESTS = {}
 
 
-def _parsed_test(test):
-    """The test's syntax tree and, for a `check(candidate)` test, its code object; kept for the next run of the
-    same test (a persistent harness sees each problem's test once per sample of its group)."""
-    if test not in _TESTS:
+def _parsed_test(test, prompt):
+    """The test's syntax tree, its code object for a `check(candidate)` test, and the prompt's code object;
+    kept for the next run of the same row (a persistent harness sees each row once per sample of its group)."""
+    key = (test, prompt)
+    if key not in _TESTS:
         tree = ast.parse(test, "test.py")
         is_check = any(isinstance(n, ast.FunctionDef) and n.name == "check" for n in tree.body)
         if len(_TESTS) >= 256:
             _TESTS.pop(next(iter(_TESTS)))
-        _TESTS[test] = tree, compile(tree, "test.py", "exec") if is_check else None
-    return _TESTS[test]
+        _TESTS[key] = (tree, compile(tree, "test.py", "exec") if is_check else None,
+                       compile(prompt, "prompt.py", "exec") if prompt else None)
+    return _TESTS[key]
 
 
-def _check_style(spec, check_code, program):
+def _test_globals(program, prompt_code, entry_point):
+    """The tests' namespace: the row's prompt code run here (its helpers are the tests', whatever the program
+    defines), the entry point and every other missing name from the program."""
+    env = rpc.RemoteGlobals(program)
+    if prompt_code is not None:
+        exec(prompt_code, env)
+        env.pop(entry_point, None)  # the prompt's stub of the function asked for: the program's is the one tested
+    return env
+
+
+def _check_style(spec, check_code, prompt_code, program):
     if program.load_error:
         return _fail("program", program.load_error)
-    env = RemoteGlobals(program)
     try:
+        env = _test_globals(program, prompt_code, spec["entry_point"])
         exec(check_code, env)
         env["check"](env.proxy(spec["entry_point"]))
     except BaseException as e:  # noqa: BLE001 - whatever the tests raise is a failure
-        timed_out = isinstance(e, CandidateError) and str(e).startswith("no answer within")
-        return _fail("timeout" if timed_out else "check", _describe(e))
+        return _fail(_failure_kind(e, "check"), rpc.describe(e))
     return {"ok": True}
 
 
-def _assert_style(spec, tree, program):
-    env = RemoteGlobals(program)
-    results = []
-    total = sum(isinstance(n, ast.Assert) for n in tree.body)
+def _assert_style(spec, tree, prompt_code, program):
+    entry = spec.get("entry_point", "")
+    setup = []  # the statements that are not asserts, run so far: run again for a restarted program
+    env = None
+    failed = False
     for node in tree.body:
-        stop = spec.get("early_stop") and results and not results[-1]["ok"]
-        if isinstance(node, ast.Assert) and (stop or program.load_error):
-            results.append(_fail("skipped" if stop else "program", program.load_error or "early stop"))
+        is_assert = isinstance(node, ast.Assert)
+        if is_assert and (program.load_error or (spec.get("early_stop") and failed)):
+            failed = True
+            yield _fail("program" if program.load_error else "skipped", program.load_error or "early stop")
             continue
         try:
-            exec(compile(ast.Module([node], []), "test.py", "exec"), env)
-            if isinstance(node, ast.Assert):
-                results.append({"ok": True})
+            if env is None:
+                env = _test_globals(program, prompt_code, entry)
+                for done in setup:
+                    exec(done, env)
+            code = compile(ast.Module([node], []), "test.py", "exec")
+            exec(code, env)
+            if is_assert:
+                yield {"ok": True}
+            else:
+                setup.append(code)
         except BaseException as e:  # noqa: BLE001
-            if isinstance(node, ast.Assert):
-                results.append(_fail("assert", _describe(e)))
+            failed = True
+            if is_assert:
+                yield _fail(_failure_kind(e, "assert"), rpc.describe(e))
             else:  # setup code failed: every assert left fails
-                results += [_fail("setup", _describe(e))] * (total - len(results))
-                break
+                for _ in range(sum(isinstance(n, ast.Assert) for n in tree.body[tree.body.index(node):])):
+                    yield _fail("setup", rpc.describe(e))
+                return
         if program.dead:  # a timeout or a crash took the program down: the next test gets a fresh one
-            program.kill()
-            program.__init__(program.source, program.time_s)
-            env.clear()
-    return results
-
-
-class RemoteGlobals(dict):
-    """Globals of the test code: a name the tests do not define comes from the program, as a proxy."""
-
-    def __init__(self, program):
-        super().__init__()
-        self.program = program
-
-    def __missing__(self, name):
-        if name.startswith("__") or hasattr(builtins, name):
-            raise KeyError(name)  # let the interpreter look in builtins
-        kind, value = self.program.request(("lookup", name))
-        if kind == "callable":
-            value = self.proxy(name)
-        elif kind != "value":
-            raise KeyError(name)
-        self[name] = value
-        return value
-
-    def proxy(self, name):
-        program = self.program
-
-        def call(*args, **kwargs):
-            kind, value = program.request(("call", name, args, kwargs))
-            if kind != "ok":
-                raise CandidateError(value)
-            return value
-
-        call.__name__ = name
-        return call
-
-
-class CandidateError(Exception):
-    pass
-
-
-class Program:
-    """The untrusted program, loaded in a forked child that answers lookups and calls over a pipe pair."""
-
-    def __init__(self, source, time_s):
-        self.source, self.time_s = source, time_s
-        self.dead = False
-        req_r, self.req_w = os.pipe()
-        self.resp_r, resp_w = os.pipe()
-        self.pid = _ZYGOTE.spawn("server", [req_r, resp_w])
-        if self.pid < 0:
-            self.dead, self.load_error = True, "the program could not be started (process limit)"
-            return
-        _send(self.req_w, source.encode("utf-8", "surrogatepass"))
-        kind, value = self._receive(max(time_s, 1.0))
-        self.load_error = None if kind == "ready" else value
-
-    def request(self, message):
-        if self.dead:
-            return "dead", "the program is no longer running"
-        try:
-            _send(self.req_w, pickle.dumps(message))
-        except (OSError, pickle.PicklingError, TypeError, AttributeError) as e:
-            self.dead = True
-            return "dead", f"cannot send to the program: {type(e).__name__}"
-        return self._receive(self.time_s)
-
-    def _receive(self, timeout):
-        try:
-            return _PlainUnpickler(io.BytesIO(_receive(self.resp_r, timeout))).load()
-        except TimeoutError:
-            self.dead = True
-            return "timeout", f"no answer within {self.time_s} s"
-        except EOFError:
-            self.dead = True
-            return "dead", "the program exited"
-        except Exception as e:  # noqa: BLE001 - anything but plain data in the answer
-            self.dead = True
-            return "bad_value", f"not plain data: {e}"
-
-    def kill(self):
-        _kill_group(self.pid)  # the zygote, its parent, reaps it
-        _PENDING.pop(self.resp_r, None)
-        for fd in (self.req_w, self.resp_r):
-            try:
-                os.close(fd)
-            except OSError:
-                pass
-
-
-class _PlainUnpickler(pickle.Unpickler):
-    def find_class(self, module, name):
-        if module == "builtins" and name in _PLAIN_CLASSES:
-            return getattr(builtins, name)
-        raise pickle.UnpicklingError(f"{module}.{name}")
-
-
-def _program_child(req_r, resp_w):
-    """A program child serving lookups and calls: its first frame is the program's source."""
-    _isolate_child(keep=(req_r, resp_w), stdin=None, stdout=None)
-    env = {"__name__": "solution", "__builtins__": builtins}
-    try:
-        source = _receive(req_r, None).decode("utf-8", "surrogatepass")
-        exec(compile(source, "solution.py", "exec"), env)
-        _send(resp_w, pickle.dumps(("ready", None)))
-    except BaseException as e:  # noqa: BLE001
-        _send(resp_w, pickle.dumps(("error", _describe(e))))
-        return
-    while True:
-        message = pickle.loads(_receive(req_r, None))
-        try:
-            answer = _serve(env, message)
-        except BaseException as e:  # noqa: BLE001 - SystemExit included: the test fails, the server goes on
-            answer = ("raise", _describe(e))
-        try:
-            data = pickle.dumps(answer)
-        except Exception:  # noqa: BLE001
-            data = pickle.dumps(("raise", f"unserializable value of type {type(answer[1]).__name__}"))
-        _send(resp_w, data)
-
-
-def _serve(env, message):
-    op, name = message[0], message[1]
-    if op == "lookup":
-        if name not in env:
-            return "missing", None
-        value = env[name]
-        return ("callable", None) if callable(value) else ("value", _plain(value))
-    fn = env.get(name)
-    if fn is None and isinstance(env.get("Solution"), type):  # LeetCode-style `class Solution`
-        fn = getattr(env["Solution"](), name)
-    return "ok", _plain(fn(*message[2], **message[3]))
-
-
-def _plain(value):
-    if type(value).__module__ == "numpy" and hasattr(value, "tolist"):
-        return value.tolist()
-    return value
+            program.restart()
+            env = None
 
 
 # ---- stdin/stdout and call-based tests (APPS / CodeContests) --------------------------------------------------
 
-def run_io_tests(spec, code):
-    results = []
-    for inp, expected in zip(spec["inputs"], spec["outputs"]):
-        if spec.get("early_stop") and results and not results[-1]["ok"]:
-            results.append(_fail("skipped", "early stop"))
+def run_io_tests(spec, source, ctx):
+    failed = False
+    for i, (inp, expected) in enumerate(zip(spec["inputs"], spec["outputs"])):
+        if spec.get("early_stop") and failed:
+            yield _fail("skipped", "early stop")
             continue
         cap = max(1 << 16, 4 * len(expected))
-        status, out = _run_stdio(code, inp, spec["time_s"], cap)
+        status, out = _run_stdio(ctx, source, inp, spec["time_s"], cap)
+        if status == "compile_error" and i == 0:
+            raise CompileError(out[:300])
         if status != "ok":
-            results.append(_fail(status, ""))
+            result = _fail("runtime_error" if status == "compile_error" else status, "")
         elif same_output(out, expected):
-            results.append({"ok": True})
+            result = {"ok": True}
         else:
-            results.append(_fail("wrong_answer", out[:200]))
-    return results
+            result = _fail("wrong_answer", out[:200])
+        failed = failed or not result["ok"]
+        yield result
 
 
-def run_call_tests(spec, code):
-    program = Program(code, spec["time_s"])
-    results = []
+def run_call_tests(spec, source, ctx):
+    program = ctx.program(source, spec)
+    failed = False
     try:
+        if program.compile_error:
+            raise CompileError(program.compile_error)
         for args, expected in zip(spec["inputs"], spec["outputs"]):
-            if spec.get("early_stop") and results and not results[-1]["ok"]:
-                results.append(_fail("skipped", "early stop"))
+            if spec.get("early_stop") and failed:
+                yield _fail("skipped", "early stop")
                 continue
             if program.load_error:
-                results.append(_fail("program", program.load_error))
-                continue
-            kind, value = program.request(("call", spec["fn_name"], list(args) if isinstance(args, list)
-                                           else [args], {}))
-            if kind != "ok":
-                results.append(_fail(kind, str(value)[:200]))
-            elif _same_value(value, expected):
-                results.append({"ok": True})
+                result = _fail("program", program.load_error)
             else:
-                results.append(_fail("wrong_answer", repr(value)[:200]))
+                try:
+                    value = program.request(("call", spec["fn_name"], list(args) if isinstance(args, list)
+                                             else [args], {}))[0]
+                    result = {"ok": True} if _same_value(value, expected) else \
+                        _fail("wrong_answer", rpc.short_repr(value))
+                except rpc.CandidateError as e:
+                    result = _fail(_failure_kind(e, "runtime_error"), str(e)[:200])
+                except BaseException as e:  # noqa: BLE001 - comparing what came back failed
+                    result = _fail("wrong_answer", rpc.describe(e))
+            failed = failed or not result["ok"]
+            yield result
             if program.dead:
-                program.kill()
-                program.__init__(code, spec["time_s"])
+                program.restart()
     finally:
         program.kill()
-    return results
 
 
 def _same_value(value, expected):
@@ -376,26 +278,35 @@ def same_output(got, expected):
     return lines(got) == lines(expected) or got.split() == expected.split()
 
 
-def _run_stdio(source, stdin_text, time_s, cap):
-    stdin_fd = os.memfd_create("stdin")
-    _write_all(stdin_fd, stdin_text.encode())
-    os.lseek(stdin_fd, 0, os.SEEK_SET)
+def _stdin_fd(text):
+    """A readable fd holding `text` from its start: a memfd, or an unlinked file where memfds are refused."""
+    try:
+        fd = os.memfd_create("stdin")
+    except OSError:
+        fd = os.open(".", os.O_TMPFILE | os.O_RDWR, 0o600)
+    rpc.write_all(fd, text.encode())
+    os.lseek(fd, 0, os.SEEK_SET)
+    return fd
+
+
+def _run_stdio(ctx, source, stdin_text, time_s, cap):
+    """One stdin/stdout test in a fresh program process: (status, its stdout)."""
+    stdin_fd = _stdin_fd(stdin_text)
     out_r, out_w = os.pipe()
     code_r, code_w = os.pipe()
-    status_r, status_w = os.pipe()
-    pid = _ZYGOTE.spawn("stdio", [stdin_fd, out_w, code_r, status_w])
+    pid, pidfd = ctx.spawner.spawn("stdio", [stdin_fd, out_w, code_r], ctx.rlimits, ctx.memory_mb, stdin=0,
+                                   stdout=1)
     try:
         if pid < 0:
             return "runtime_error", ""
         try:
-            _write_all(code_w, source.encode("utf-8", "surrogatepass"))
+            rpc.write_all(code_w, source.encode("utf-8", "surrogatepass"))
         except OSError:
-            pass  # it died before reading its program: no status byte, a runtime error below
+            pass  # it died before reading its program: its exit status says so
         os.close(code_w)
         code_w = None
         buf, status = bytearray(), None
         deadline = time.monotonic() + time_s
-        pidfd = os.pidfd_open(pid)  # not our child (the zygote's), but its exit is visible here all the same
         eof = exited = False
         while not (eof and exited) and status is None:
             left = deadline - time.monotonic()
@@ -413,34 +324,51 @@ def _run_stdio(source, stdin_text, time_s, cap):
                     status = "output_limit"
             if exited and not eof and out_r not in ready:
                 break  # exited, and something it left behind still holds the pipe: take what is there
-        _kill_group(pid)
-        os.close(pidfd)
+        wstatus, oom = ctx.spawner.reap(pid)
         if status is None:
-            os.set_blocking(status_r, False)
-            try:
-                code = os.read(status_r, 1)
-            except BlockingIOError:
-                code = b""
-            status = "ok" if code == b"\0" else "runtime_error"
+            status = _stdio_status(wstatus, oom > ctx.oom_kills)
+        ctx.oom_kills = oom
         return status, buf.decode("utf-8", "replace")
     finally:
-        for fd in (out_r, status_r, code_w):
-            if fd is not None:
+        for fd in (out_r, code_w, pidfd):
+            if fd is not None and fd >= 0:
                 os.close(fd)
 
 
-def _stdio_child(stdin_fd, out_w, code_r, status_w):
-    """A program child for one stdin/stdout test: its source comes on `code_r`, its exit status goes back as one
-    byte on `status_w` (no byte: it was killed)."""
-    _isolate_child(keep=(code_r, status_w), stdin=stdin_fd, stdout=out_w)
+def _stdio_status(wstatus, oom):
+    if os.WIFEXITED(wstatus):
+        code = os.WEXITSTATUS(wstatus)
+        return "ok" if code == 0 else "compile_error" if code == _spawner.COMPILE_EXIT else "runtime_error"
+    sig = os.WTERMSIG(wstatus)
+    if sig == signal.SIGXCPU:
+        return "timeout"
+    if sig == signal.SIGKILL and oom:
+        return "memory_limit"
+    return "runtime_error"
+
+
+def stdio_program(code_r):
+    """A program process for one stdin/stdout test: its source comes on `code_r`; it runs as `__main__`; its
+    exit status is the kernel's (the spawner reads it), whatever the program writes to its fds."""
+    import builtins
+    import types
+
     chunks = []
     while chunk := os.read(code_r, 1 << 16):
         chunks.append(chunk)
     os.close(code_r)
+    module = types.ModuleType("__main__")
+    env = module.__dict__
+    env.update(__builtins__=builtins, __file__="main.py")
+    sys.modules["__main__"] = module
+    try:
+        code = compile(b"".join(chunks).decode("utf-8", "surrogatepass"), "main.py", "exec")
+    except (SyntaxError, ValueError, MemoryError, RecursionError, OverflowError) as e:
+        os.write(1, rpc.describe(e).encode())
+        os._exit(_spawner.COMPILE_EXIT)
     status = 0
     try:
-        exec(compile(b"".join(chunks).decode("utf-8", "surrogatepass"), "main.py", "exec"),
-             {"__name__": "__main__", "__builtins__": builtins})
+        exec(code, env)
     except SystemExit as e:
         status = 0 if e.code is None else e.code if isinstance(e.code, int) else 1
     except BaseException:  # noqa: BLE001
@@ -449,237 +377,35 @@ def _stdio_child(stdin_fd, out_w, code_r, status_w):
         sys.stdout.flush()
     except BaseException:  # noqa: BLE001
         status = status or 1
-    try:
-        os.write(status_w, bytes([status & 0xFF]))
-    except OSError:
-        pass
     os._exit(status & 0xFF)
 
 
-def _kill_group(pid):
-    for kill in (os.killpg, os.kill):
-        try:
-            kill(pid, signal.SIGKILL)
-        except (ProcessLookupError, PermissionError):
-            pass
+MODES = {"server": rpc.program_server, "stdio": stdio_program}
 
 
-# ---- the zygote: where every program child comes from -------------------------------------------------------
-
-class Zygote:
-    """A child of the harness made before the harness holds any test, answer key or other response: every
-    program child is forked from it, so no program can find the tests in the memory it inherits (nor the
-    programs of other cases). Asked over a socket pair: `spawn` (the child's fds passed along), `reap`.
-
-    With `reap_all` (the persistent harness, pid 1 of its namespace) it is the subreaper of its children and
-    `reap` kills every process of the namespace but pid 1 and itself; otherwise only its children's groups."""
-
-    def __init__(self, reap_all):
-        import socket
-
-        self._socket = socket
-        self.sock, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
-        _flush_std()
-        self.pid = os.fork()
-        if self.pid == 0:
-            try:
-                self.sock.close()
-                _zygote_main(theirs, reap_all)
-            finally:
-                os._exit(0)
-        theirs.close()
-        self.sock.settimeout(30)
-
-    def spawn(self, mode, fds):
-        """Fork a program child holding `fds` (closed here); its pid, or -1 when it could not be forked."""
-        try:
-            self._socket.send_fds(self.sock, [mode.encode() + b" " + json.dumps(_CHILD_RLIMITS).encode()], fds)
-        finally:
-            for fd in fds:
-                os.close(fd)
-        return int(self._ask())
-
-    def reap(self):
-        self.sock.send(b"reap")
-        self._ask()
-
-    def _ask(self):
-        reply = self.sock.recv(64)
-        if not reply:
-            raise RuntimeError("the zygote is gone (a program killed it)")
-        return reply
-
-
-def _zygote_main(sock, reap_all):
-    import socket
-
-    if reap_all:
-        import ctypes
-
-        ctypes.CDLL(None, use_errno=True).prctl(36, 1, 0, 0, 0)  # PR_SET_CHILD_SUBREAPER: orphans come here
-    children = set()
-    while True:
-        try:
-            msg, fds, _, _ = socket.recv_fds(sock, 1 << 16, 8)
-        except OSError:
-            return
-        if not msg:
-            return
-        _reap(children, block=False)
-        if msg == b"reap":
-            if reap_all:
-                _kill_all_but_init()
-            else:
-                for pid in children:
-                    _kill_group(pid)
-                _reap(children, block=True)
-            sock.send(b"ok")
-            continue
-        mode, rlimits = msg.split(b" ", 1)
-        try:
-            pid = os.fork()
-        except OSError:
-            pid = -1
-        if pid == 0:
-            code = 70
-            try:
-                sock.close()
-                _CHILD_RLIMITS[:] = json.loads(rlimits)
-                if mode == b"server":
-                    _program_child(*fds)
-                else:
-                    _stdio_child(*fds)
-                code = 0
-            finally:
-                os._exit(code)
-        for fd in fds:
-            os.close(fd)
-        if pid > 0:
-            children.add(pid)
-        sock.send(b"%d" % pid)
-
-
-def _reap(children, block):
-    """Collect exited children (all of them, waiting, when `block`)."""
-    while True:
-        try:
-            pid, _ = os.waitpid(-1, 0 if block else os.WNOHANG)
-        except ChildProcessError:
-            children.clear()
-            return
-        if pid == 0:
-            return
-        children.discard(pid)
-
-
-def _kill_all_but_init():
-    """As the subreaper inside a pid namespace: SIGKILL every process there but pid 1 and this one, reap them."""
-    while True:
-        try:
-            os.kill(-1, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
-        try:
-            os.waitpid(-1, 0)
-        except ChildProcessError:
-            return
-
-
-def _flush_std():
-    """Before a fork: nothing the harness buffered may come out of a child's fds 1 and 2."""
-    for stream in (sys.stdout, sys.stderr):
-        stream.flush()
-
-
-def _isolate_child(keep, stdin, stdout):
-    """In a child that will run the program: its own process group, fds 0-2 and `keep` only, and (persistent
-    harness) the case's rlimits."""
-    os.setpgid(0, 0)
-    for which, value in _CHILD_RLIMITS:
-        resource.setrlimit(which, (value, value))
-    null = os.open(os.devnull, os.O_RDWR)
-    os.dup2(stdin if stdin is not None else null, 0)
-    os.dup2(stdout if stdout is not None else null, 1)
-    os.dup2(null, 2)
-    low = 3  # close by ranges around the fds kept (close_range: no /proc needed, one syscall per range)
-    for fd in sorted(k for k in keep if k >= 3):
-        os.closerange(low, fd)
-        low = fd + 1
-    os.closerange(low, max(low, min(os.sysconf("SC_OPEN_MAX"), 1 << 16)))
-    # sys.stdin/stdout/stderr stay the harness's own objects over fds 0-2 (flushed before the fork, never read
-    # by the harness), which now are /dev/null or the test's pipes: building new ones costs ~0.3 ms a child.
-
-
-# ---- framing and helpers ----------------------------------------------------------------------------------------
-
-def _send(fd, data):
-    _write_all(fd, struct.pack("<I", len(data)) + data)
-
-
-_PENDING = {}  # fd -> bytes read past the last frame
-
-
-def _receive(fd, timeout):
-    """One length-prefixed frame, in as few reads as the data allows (one select and one read, usually)."""
-    deadline = None if timeout is None else time.monotonic() + timeout
-    buf = _PENDING.pop(fd, b"")
-    need = 4
-    while True:
-        if len(buf) >= 4:
-            (size,) = struct.unpack_from("<I", buf)
-            if size > _MAX_FRAME:
-                raise ValueError("oversized answer")
-            need = 4 + size
-            if len(buf) >= need:
-                if len(buf) > need:
-                    _PENDING[fd] = bytes(buf[need:])
-                return bytes(buf[4:need])
-        if deadline is not None:
-            left = deadline - time.monotonic()
-            if left <= 0 or not select.select([fd], [], [], left)[0]:
-                raise TimeoutError
-        chunk = os.read(fd, max(1 << 16, need - len(buf)))
-        if not chunk:
-            raise EOFError
-        buf += chunk
-
-
-def _fail(kind, detail):
-    return {"ok": False, "why": kind, "detail": str(detail)[:300]}
-
-
-def _describe(e):
-    text = "".join(traceback.format_exception_only(type(e), e)).strip()
-    return text[:300]
-
-
-# ---- the persistent harness of the local backend ---------------------------------------------------------------
+# ---- the persistent harness ---------------------------------------------------------------------------------
 
 def serve(cfg):
     """`python -I code_harness.py --serve CFG`: one harness for many cases, pid 1 of its own pid namespace.
 
-    Started by a local-backend worker (`megarl/sandbox/local.py`) as root in a fresh pid namespace, or as a
-    Docker container's pid 1 (`megarl/sandbox/docker.py`), with its case pipe on fd 0 and its answer pipe on
-    fd 1. On the local backend it confines itself exactly as a job is confined (the job uid, Landlock writing
-    only to `cfg["workdir"]`, seccomp, every other fd closed). It becomes non-dumpable, then for
-    each case line: empties the work directory, runs the case (the program in children of its zygote, forked
-    before any case arrived, with the case's rlimits), has the zygote kill every other process of the namespace
-    and reap them, and answers one JSON line. Only the worker reads the answers, and it adds the run's secret
-    itself, so no program ever sees the channel or the secret. A program that kills the zygote takes this
-    harness down with it (the worker reports the case as a sandbox error and starts a new harness).
+    Started by a local-backend worker (`megarl/sandbox/local.py`) as root (or root of the worker's user
+    namespace) in a fresh pid namespace, or as a Docker container's pid 1 (`megarl/sandbox/docker.py`), with its
+    case pipe on fd 0 and its answer pipe on fd 1. It forks the spawner (which keeps its privileges), then
+    confines itself: the job uid on the local backend, Landlock with no write access anywhere, the seccomp filter,
+    every other fd closed, non-dumpable, an address-space limit of its own; it ignores every signal. Then for each
+    case line: the spawner begins the case; the tests run, one answer line per result as it comes; the spawner
+    ends the case (kills every program process of it, fresh tmpfs mounts); a final line. Only the backend reads
+    the answers, and it adds the run's secret itself, so no program ever sees the channel or the secret.
     """
-    global _ZYGOTE
     if os.getpid() != 1:
         raise RuntimeError("the persistent harness must be pid 1 of its own pid namespace")
-    workdir = cfg["workdir"]
-    os.makedirs(workdir, 0o700, exist_ok=True)
-    os.chdir(workdir)
-    confining = "isolation" in cfg  # the local backend; in a Docker container the container is the confinement
-    if confining:
-        iso_mod = _load_sibling("isolation")
-        read_fds = [(os.open(p, os.O_PATH | os.O_CLOEXEC), os.path.isdir(p)) for p in cfg["read_roots"]]
-        devnull_fd = os.open(os.devnull, os.O_PATH | os.O_CLOEXEC)
-        iso = iso_mod.HostIsolation(**cfg["isolation"])
+    _spawner.ignore_signals()
+    os.chdir("/")
+    iso_mod = _load("isolation")
+    local = "isolation" in cfg  # the local backend; a Docker container's harness finds out for itself
+    iso = iso_mod.HostIsolation(**cfg["isolation"]) if local else iso_mod.HostIsolation(
+        landlock_abi=iso_mod.landlock_abi(), seccomp=iso_mod.seccomp_supported())
+    read_roots = cfg.get("read_roots") or iso_mod.read_roots()
     resource.setrlimit(resource.RLIMIT_CORE, (0, 0))
     for name in cfg["preimports"].split():
         try:
@@ -688,79 +414,116 @@ def serve(cfg):
             pass
     with open("/proc/self/statm") as f:  # read now: /proc is out of reach once confined
         vsize = int(f.read().split()[0]) * os.sysconf("SC_PAGE_SIZE") + (32 << 20)  # + what caches may add
-    if confining:
-        iso_mod.confine(iso, workdir, read_fds, devnull_fd, iso_mod.seccomp_program() if iso.seccomp else None)
+    if cfg.get("harness_cgroup"):
+        with open(os.path.join(cfg["harness_cgroup"], "cgroup.procs"), "w") as f:
+            f.write("0")
+    spawner = _spawner.Spawner({"fresh": True, "isolation": {k: v for k, v in iso.__dict__.items() if k != "warnings"},
+                                "read_roots": read_roots, "cgroup": cfg.get("case_cgroup"),
+                                "memory_accounted": cfg.get("memory_accounted", False),
+                                "memory_mb": cfg.get("memory_mb", 512)}, MODES, iso_mod)
+    read_fds = [(os.open(p, os.O_PATH | os.O_CLOEXEC), os.path.isdir(p)) for p in read_roots]
+    harness_iso = iso if local else iso_mod.HostIsolation(landlock_abi=iso.landlock_abi, seccomp=iso.seccomp)
+    iso_mod.confine(harness_iso, [os.devnull], read_fds, iso_mod.seccomp_program() if iso.seccomp else None,
+                    keep_fds=(spawner.sock.fileno(),))
     _nondumpable()
+    resource.setrlimit(resource.RLIMIT_AS, (vsize + (HARNESS_MB << 20),) * 2)
+    sys.set_int_max_str_digits(50000)
     import gc
 
     gc.freeze()
     # The case and answer pipes move off fds 0 and 1, which become /dev/null under the same sys.stdin/stdout
-    # objects: whatever a test prints goes nowhere, and the program children inherit working streams.
+    # objects: whatever a test prints goes nowhere, and program processes inherit working streams.
     case_fd, answer_fd = os.dup(0), os.dup(1)
     null = os.open(os.devnull, os.O_RDWR)
     os.dup2(null, 0)
     os.dup2(null, 1)
     os.close(null)
-    _ZYGOTE = Zygote(reap_all=True)
-    _write_all(answer_fd, b'{"ready": true}\n')
+    _write_line(answer_fd, {"ready": True, "spawner": spawner.info})
     for line in os.fdopen(case_fd, "rb"):
-        case = json.loads(line)
-        _empty_dir(workdir)
-        for scratch in cfg.get("scratch", ()):  # a container's other writable places: nothing passes between cases
-            _empty_dir(scratch, keep=workdir)
-        _CHILD_RLIMITS[:] = _case_rlimits(case["limits"], vsize, cfg.get("nproc_extra"))
-        try:
-            payload = run_case(case["code"], case["spec"])
-        finally:
-            _ZYGOTE.reap()
-        sys.stdout.flush()
-        _write_all(answer_fd, (json.dumps(payload) + "\n").encode())
+        if not _serve_case(json.loads(line), spawner, answer_fd, vsize, cfg.get("nproc_extra")):
+            return  # the spawner is gone: exit, and the backend starts a new harness
+
+
+def _serve_case(case, spawner, answer_fd, vsize, nproc_extra):
+    """Run one case, answering a line per result and a final line; False if this harness cannot go on."""
+    lim = case["limits"]
+    final, n, alive = {"done": True}, 0, True
+    try:
+        ctx = Context(spawner, _case_rlimits(lim, vsize, nproc_extra), lim["memory_mb"])
+        for result in run_case(case["code"], case["spec"], ctx):
+            _write_line(answer_fd, {"t": n, "r": result})
+            n += 1
+    except CompileError as e:
+        final["compile_error"] = str(e)
+    except BaseException as e:  # noqa: BLE001 - the harness answers whatever happened
+        final["error"] = f"harness: {rpc.describe(e)}"
+    try:
+        final["oom_kills"] = spawner.end()
+    except BaseException as e:  # noqa: BLE001
+        final["error"], alive = f"spawner: {rpc.describe(e)}", False
+    _write_line(answer_fd, final)
+    return alive
+
+
+def _write_line(fd, obj):
+    rpc.write_all(fd, json.dumps(obj).encode() + b"\n")
 
 
 def _case_rlimits(lim, vsize, nproc_extra):
     cpu = max(1, int(-(-lim["cpu_s"] // 1)))
     wanted = [(resource.RLIMIT_CPU, cpu), (resource.RLIMIT_AS, vsize + lim["memory_mb"] * (1 << 20)),
-              (resource.RLIMIT_FSIZE, lim["file_mb"] * (1 << 20)), (resource.RLIMIT_NOFILE, lim["open_files"])]
-    if nproc_extra is not None:  # not in a container: RLIMIT_NPROC counts the uid across the host there
+              (resource.RLIMIT_FSIZE, lim["file_mb"] * (1 << 20)), (resource.RLIMIT_NOFILE, lim["open_files"]),
+              (resource.RLIMIT_CORE, 0)]
+    if nproc_extra is not None:  # counted per uid (per user namespace): the backend says what else runs as it
         wanted.append((resource.RLIMIT_NPROC, lim["processes"] + nproc_extra))
-    clamped = []
-    for which, value in wanted:  # never above a hard limit the harness already has (it cannot raise one)
-        hard = resource.getrlimit(which)[1]
-        clamped.append((which, value if hard == resource.RLIM_INFINITY else min(value, hard)))
-    return clamped
+    return wanted
 
 
-def _empty_dir(path, keep=None):
-    """Remove what the last case left in the work directory (usually nothing: one listdir)."""
-    for entry in os.scandir(path):
-        if entry.path == keep:
-            continue
+def _nondumpable():
+    import ctypes
+
+    if ctypes.CDLL(None, use_errno=True).prctl(4, 0, 0, 0, 0) != 0:  # PR_SET_DUMPABLE, 0
+        raise OSError("cannot make the harness non-dumpable")
+
+
+# ---- as a sandbox job -----------------------------------------------------------------------------------------
+
+JOB_FILES = ("harness.py", "harness_rpc.py", "spawner.py", "isolation.py")
+
+
+def main():
+    """One run as a sandbox job (`python -I harness.py` in a fresh interpreter, exec'd by the job's stub: the
+    fork the job started as holds the job, tests included, in its memory): the program in `solution.py`, the
+    tests in `spec.json`, the secret on stdin. The job is confined by the backend; program processes are this
+    one's forks through the spawner, made before anything of the case was read."""
+    _spawner.ignore_signals()
+    _nondumpable()
+    spawner = _spawner.Spawner({"fresh": False, "workdir": os.getcwd()}, MODES, _load("isolation"))
+    secret = sys.stdin.read().strip()
+    spec = json.load(open("spec.json"))
+    source = open("solution.py", encoding="utf-8").read()
+    for name in ("spec.json", "solution.py") + JOB_FILES:  # the job directory is the programs' cwd
         try:
-            if entry.is_dir(follow_symlinks=False):
-                os.chmod(entry.path, 0o700)
-                _empty_dir(entry.path)
-                os.rmdir(entry.path)
-            else:
-                os.unlink(entry.path)
-        except OSError:
+            os.unlink(name)
+        except FileNotFoundError:
             pass
+    payload = {"results": []}
+    try:
+        for result in run_case(source, spec, Context(spawner, [], 0)):
+            payload["results"].append(result)
+            _print(part_line(secret, json.dumps(result)))
+    except CompileError as e:
+        payload["compile_error"] = str(e)
+    except BaseException as e:  # noqa: BLE001
+        payload["error"] = f"harness: {rpc.describe(e)}"
+    finally:
+        spawner.end()
+    _print(verdict_line(secret, json.dumps(payload)))
 
 
-def _write_all(fd, data):
-    while data:
-        data = data[os.write(fd, data):]
-
-
-def _load_sibling(name):
-    """A module of this directory by path: the harness runs as a script (`-I`), not from the megarl package."""
-    import importlib.util
-
-    path = os.path.join(os.path.dirname(os.path.abspath(__file__)), name + ".py")
-    spec = importlib.util.spec_from_file_location(f"_megarl_sandbox_{name}", path)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module
-    spec.loader.exec_module(module)
-    return module
+def _print(text):
+    sys.stdout.flush()
+    rpc.write_all(1, text.encode())
 
 
 if __name__ == "__main__":

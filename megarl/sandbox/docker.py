@@ -16,24 +16,66 @@ from __future__ import annotations
 
 import atexit
 import json
+import os
 import queue
 import subprocess
+import tempfile
 import threading
 import time
 import uuid
+import warnings
 from collections import deque
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Sequence
 
+from megarl.sandbox import isolation
 from megarl.sandbox.base import Job, LineReader, Limits, RunResult
 from megarl.sandbox.code_harness import verdict_line
-from megarl.sandbox.local import HARNESS_PREIMPORTS, HARNESS_SOURCE, PREIMPORTS
+from megarl.sandbox.local import HARNESS_FILES, HARNESS_PREIMPORTS, PREIMPORTS
 
 DEFAULT_IMAGE = "megarl-sandbox:latest"
 LABEL = "megarl.sandbox"
-_RUNNER = (Path(__file__).parent / "jobexec.py").read_text()
+_RUNNER_FILES = {"jobexec.py": (Path(__file__).parent / "jobexec.py").read_text(),
+                 "isolation.py": HARNESS_FILES["isolation.py"]}
 _RECYCLE_AFTER = {"timeout", "memory_limit", "killed", "sandbox_error"}
+HARNESS_OVERHEAD_MB = 256  # a harness container's memory beyond its case's: the harness, its spawner, page cache
+# A container's python reads its code as the first line on stdin (any size; argv is capped at 128 KiB): the
+# sibling modules are registered under the names the harness loads them by, then the main file runs as __main__.
+_BOOT = """
+import json, os, sys, types
+line = b""
+while not line.endswith(b"\\n"):
+    chunk = os.read(0, 1 << 20)
+    if not chunk:
+        sys.exit("no code on stdin")
+    line += chunk
+files = json.loads(line)
+main_name, main_source = files.pop("__main__")
+for name, source in files.items():
+    module = types.ModuleType("_megarl_sandbox_" + name[:-3])
+    sys.modules[module.__name__] = module
+    exec(compile(source, name, "exec"), module.__dict__)
+del line, files
+exec(compile(main_source, main_name, "exec"), {"__name__": "__main__"})
+"""
+
+
+def _bundle(main: str, files: dict[str, str]) -> bytes:
+    """The first stdin line of a container: its main file and the sibling modules it loads."""
+    siblings = {name: src for name, src in files.items() if name != main}
+    return json.dumps({**siblings, "__main__": [main, files[main]]}).encode() + b"\n"
+
+
+def seccomp_profile() -> dict:
+    """Docker's seccomp profile for harness containers: everything allowed but what megarl's own filter refuses
+    to programs, minus what the spawner needs to give each program its namespaces (unshare, mount, setns). The
+    harness installs the program filter itself, on top, in every program process; Docker's default profile would
+    refuse the spawner its user namespace."""
+    needed = {"unshare", "setns", "mount", "umount2"}
+    names = [n for n in isolation.denied_syscall_names() if n not in needed]
+    return {"defaultAction": "SCMP_ACT_ALLOW",
+            "syscalls": [{"names": names, "action": "SCMP_ACT_ERRNO", "errnoRet": 1}]}
 
 
 class DockerUnavailable(RuntimeError):
@@ -72,7 +114,9 @@ class DockerSandbox:
         self._removing: list[threading.Thread] = []  # recycled containers being removed in the background
         self._lock = threading.Lock()  # start/close
         self._live_lock = threading.Lock()
+        self._profile: str | None = None  # the harness containers' seccomp profile, written on first use
         self.started = self.recycled = 0
+        self.spawner: dict = {}  # what the first harness container's spawner could set up
 
     def __getstate__(self):
         return {k: getattr(self, k) for k in ("workers", "limits", "image", "python", "jobs_per_container",
@@ -95,25 +139,47 @@ class DockerSandbox:
             atexit.register(self.close)
         return self
 
-    def _run_args(self) -> list[str]:
+    def _run_args(self, harness: bool) -> list[str]:
         lim = self.limits
-        memory = max(256, lim.memory_mb + 128)  # the job's allowance plus the runner
-        return [self.docker, "run", "-i", "--rm", "--label", LABEL, "--network", "none", "--read-only",
+        memory = self._memory_mb(lim.memory_mb, harness)
+        args = [self.docker, "run", "-i", "--rm", "--label", LABEL, "--network", "none", "--read-only",
                 "--tmpfs", "/tmp:size=64m", "--memory", f"{memory}m", "--memory-swap", f"{memory}m",
-                "--pids-limit", str(lim.processes + 2), "--cpus", "1", "--cap-drop", "ALL",
+                # the runner and its job; the harness, its spawner (two processes) and its program processes
+                "--pids-limit", str(lim.processes + (4 if harness else 2)), "--cpus", "1", "--cap-drop", "ALL",
                 "--security-opt", "no-new-privileges", "--user", "65534:65534",
                 "--ulimit", f"nofile={lim.open_files}", "--ulimit", f"fsize={lim.file_mb << 20}",
                 "--log-driver", "none", "--shm-size", "1m", "-e", f"MEGARL_PREIMPORTS={self.preimports}"]
+        if harness:
+            args += ["--security-opt", f"seccomp={self._profile_path()}"]
+        return args
+
+    @staticmethod
+    def _memory_mb(memory_mb: int, harness: bool) -> int:
+        """A container's memory: its job's (case's) allowance plus the runner's (harness's)."""
+        return memory_mb + HARNESS_OVERHEAD_MB if harness else max(256, memory_mb + 128)
+
+    def _profile_path(self) -> str:
+        with self._live_lock:
+            if self._profile is None:
+                fd, self._profile = tempfile.mkstemp(prefix="megarl-seccomp-", suffix=".json")
+                with os.fdopen(fd, "w") as f:
+                    json.dump(seccomp_profile(), f)
+                atexit.register(_unlink_quietly, self._profile)
+        return self._profile
 
     def _new_container(self, harness: bool = False) -> "_Container":
         name = f"megarl-sb-{uuid.uuid4().hex[:12]}"
         if harness:  # pid 1 is the code verifier's persistent harness (code_harness.serve) instead of the runner
-            cfg = {"workdir": "/tmp/h", "scratch": ["/tmp", "/dev/shm"], "preimports": HARNESS_PREIMPORTS}
-            command = [self.python, "-I", "-S", "-c", HARNESS_SOURCE, "--serve", json.dumps(cfg)]
+            cfg = {"preimports": HARNESS_PREIMPORTS, "memory_mb": self.limits.memory_mb, "memory_accounted": True,
+                   "nproc_extra": 3}  # the container's cgroup counts every page; the spawner runs as the programs
+            code = _bundle("code_harness.py", HARNESS_FILES)
+            command = [self.python, "-I", "-c", _BOOT, "--serve", json.dumps(cfg)]
         else:
-            command = [self.python, "-I", "-S", "-c", _RUNNER]
+            code = _bundle("jobexec.py", _RUNNER_FILES)
+            command = [self.python, "-I", "-c", _BOOT]
         container = (_HarnessContainer if harness else _Container)(
-            name, self._run_args() + ["--name", name, self.image] + command, self.docker)
+            name, self._run_args(harness) + ["--name", name, self.image] + command, self.docker, code,
+            self._memory_mb(self.limits.memory_mb, harness))
         with self._live_lock:
             self._live.add(container)
             self.started += 1
@@ -134,6 +200,13 @@ class DockerSandbox:
                 with ThreadPoolExecutor(self.workers) as pool:
                     for container in pool.map(lambda _: self._new_container(harness=True), range(self.workers)):
                         idle.put(container)
+                        self.spawner = container.hello.get("spawner", {})
+                missing = self.spawner.get("missing") or ([] if self.spawner.get("fresh") else ["no namespaces"])
+                if missing:
+                    warnings.warn("megarl sandbox (docker backend): the harness containers' spawner could not set "
+                                  f"up fresh namespaces per case ({'; '.join(missing)}): program processes share the "
+                                  "container's pid counter and /tmp, cleaned between cases", RuntimeWarning,
+                                  stacklevel=3)
                 self._harness_idle = idle
         return self._harness_idle
 
@@ -192,6 +265,10 @@ class DockerSandbox:
             try:
                 while True:
                     while not draining and len(inflight) < depth and (i := take()) is not None:
+                        if inflight and wires[i]["limits"]["memory_mb"] != wires[inflight[-1]]["limits"]["memory_mb"]:
+                            with lock:
+                                todo.appendleft(i)  # another memory limit: after what is queued has run
+                            break
                         container.send(wires[i])
                         inflight.append(i)
                     if not inflight:
@@ -235,13 +312,15 @@ class DockerSandbox:
 class _Container:
     grace_s = 30.0  # past the job's wall-clock limit, which the runner enforces itself
 
-    def __init__(self, name: str, argv: list[str], docker: str):
-        self.name, self.docker, self.jobs = name, docker, 0
+    def __init__(self, name: str, argv: list[str], docker: str, code: bytes, memory_mb: int):
+        self.name, self.docker, self.jobs, self.memory_mb = name, docker, 0, memory_mb
         self.proc = subprocess.Popen(argv, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
                                      stderr=subprocess.DEVNULL, start_new_session=True)
         self._lines = LineReader(self.proc.stdout.fileno())
         try:
-            json.loads(self._readline(60))
+            self.proc.stdin.write(code)
+            self.proc.stdin.flush()
+            self.hello = json.loads(self._readline(60))
         except Exception:
             self.remove()
             raise
@@ -263,9 +342,6 @@ class _Container:
         line = self._readline(timeout)
         if len(line) > 64 << 20:
             raise ValueError("oversized answer")
-        return self._result(line, wire, time.monotonic() - start)
-
-    def _result(self, line: bytes, wire: dict, seconds: float) -> RunResult:
         return RunResult.from_wire(json.loads(line))
 
     def failure(self, wire: dict, error: Exception) -> RunResult:
@@ -290,20 +366,50 @@ class _Container:
 
 
 class _HarnessContainer(_Container):
-    """A container whose pid 1 is the persistent code harness: a case line in, a verdict payload line out; the
-    run's secret is added here, never sent into the container."""
+    """A container whose pid 1 is the persistent code harness: a case line in; a line per test result as each
+    is done, then a final line, out. The run's secret is added here, never sent into the container; a case cut
+    short (its wall-clock limit, a harness that died) keeps the results of the tests it finished. The
+    container's memory is the case's plus the harness's: changed (`docker update`) when a case asks for another
+    amount than the last."""
 
     grace_s = 2.0  # the job's wall-clock limit is this pool's to enforce: the harness has none of its own
+
+    def send(self, wire: dict) -> None:
+        wanted = DockerSandbox._memory_mb(wire["limits"]["memory_mb"], harness=True)
+        if wanted != self.memory_mb:
+            subprocess.run([self.docker, "update", "--memory", f"{wanted}m", "--memory-swap", f"{wanted}m",
+                            self.name], capture_output=True, timeout=60, check=True)
+            self.memory_mb = wanted
+        super().send(wire)
 
     def _message(self, wire: dict) -> dict:
         return {**wire["harness"], "limits": wire["limits"]}
 
-    def failure(self, wire: dict, error: Exception) -> RunResult:
-        if isinstance(error, TimeoutError):  # the container is recycled: its pid 1 dies and all with it
-            return RunResult(status="timeout", detail=f"wall-clock limit of {wire['limits']['wall_s']} s")
-        return super().failure(wire, error)
+    def receive(self, timeout: float, wire: dict) -> RunResult:
+        start = time.monotonic()
+        results: list = []
+        try:
+            while True:
+                left = max(0.0, timeout - (time.monotonic() - start))
+                line = json.loads(self._readline(left))
+                if line.get("done"):
+                    break
+                results.append(line["r"])
+            final, status, detail = line, "ok", line.get("error", "")
+        except TimeoutError:  # the caller recycles the container: its pid 1 dies and all with it
+            final, status = {"incomplete": "timeout"}, "timeout"
+            detail = f"wall-clock limit of {wire['limits']['wall_s']} s"
+        except (EOFError, OSError, ValueError) as e:
+            final, status, detail = {"incomplete": "sandbox_error"}, "sandbox_error", f"container {self.name}: {e}"
+        payload = {k: v for k, v in final.items() if k not in ("done", "oom_kills")}
+        payload["results"] = results
+        return RunResult(status=status, exit_code=0 if status == "ok" else None, detail=detail,
+                         wall_s=round(time.monotonic() - start, 4),
+                         stdout=verdict_line(wire["stdin"].strip(), json.dumps(payload)))
 
-    def _result(self, line: bytes, wire: dict, seconds: float) -> RunResult:
-        text = line.decode("utf-8", "replace")
-        return RunResult(status="ok", exit_code=0, wall_s=round(seconds, 4),
-                         stdout=verdict_line(wire["stdin"].strip(), text))
+
+def _unlink_quietly(path: str) -> None:
+    try:
+        os.unlink(path)
+    except OSError:
+        pass

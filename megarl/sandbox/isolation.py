@@ -17,9 +17,14 @@ from dataclasses import dataclass, field
 _libc = ctypes.CDLL(None, use_errno=True)
 _libc.syscall.restype = ctypes.c_long
 
+CLONE_NEWNS = 0x00020000
+CLONE_NEWIPC = 0x08000000
 CLONE_NEWNET = 0x40000000
 CLONE_NEWUSER = 0x10000000
 CLONE_NEWPID = 0x20000000
+CLONE_NEW_ANY = 0x7E020000  # NEWNS | NEWCGROUP | NEWUTS | NEWIPC | NEWUSER | NEWPID | NEWNET
+MS_NOSUID, MS_NODEV, MS_REC, MS_PRIVATE = 0x2, 0x4, 0x4000, 1 << 18
+MNT_DETACH = 2
 PR_SET_DUMPABLE = 4
 PR_SET_KEEPCAPS = 8
 PR_SET_SECCOMP = 22
@@ -48,6 +53,42 @@ def prctl(option: int, arg: int = 0) -> None:
     _check(_libc.prctl(option, ctypes.c_ulong(arg), 0, 0, 0), f"prctl({option})")
 
 
+# ---- mounts and user namespaces ------------------------------------------------------------------------------
+
+_libc.mount.argtypes = [ctypes.c_char_p, ctypes.c_char_p, ctypes.c_char_p, ctypes.c_ulong, ctypes.c_char_p]
+_libc.umount2.argtypes = [ctypes.c_char_p, ctypes.c_int]
+
+
+def mount(source: str | None, target: str, fstype: str | None, flags: int, data: str | None = None) -> None:
+    enc = (lambda v: None if v is None else v.encode())
+    _check(_libc.mount(enc(source), target.encode(), enc(fstype), flags, enc(data)), f"mount {target}")
+
+
+def umount(target: str) -> None:
+    """Detach the mount at `target` (lazily: gone from the tree now, freed when nothing uses it)."""
+    _check(_libc.umount2(target.encode(), MNT_DETACH), f"umount {target}")
+
+
+def make_mounts_private() -> None:
+    """In a fresh mount namespace: nothing mounted here propagates back to the namespace it was copied from."""
+    mount(None, "/", None, MS_REC | MS_PRIVATE)
+
+
+def tmpfs(target: str, size_mb: int, inodes: int, mode: int = 0o1777) -> None:
+    """A fresh, empty tmpfs at `target`: `size_mb` of pages and `inodes` files at most."""
+    mount("tmpfs", target, "tmpfs", MS_NOSUID | MS_NODEV,
+          f"size={max(1, size_mb)}m,nr_inodes={inodes},mode={mode:o}")
+
+
+def enter_user_namespace(extra_flags: int = 0) -> None:
+    """Become root of a new user namespace (mapping only this uid/gid), with `extra_flags` namespaces too."""
+    uid, gid = os.getuid(), os.getgid()
+    unshare(CLONE_NEWUSER | extra_flags)
+    for path, text in (("uid_map", f"0 {uid} 1"), ("setgroups", "deny"), ("gid_map", f"0 {gid} 1")):
+        with open(f"/proc/self/{path}", "w") as f:
+            f.write(text)
+
+
 # ---- capabilities -------------------------------------------------------------------------------------------
 
 class _CapHeader(ctypes.Structure):
@@ -56,17 +97,6 @@ class _CapHeader(ctypes.Structure):
 
 class _CapData(ctypes.Structure):
     _fields_ = [("effective", ctypes.c_uint32), ("permitted", ctypes.c_uint32), ("inheritable", ctypes.c_uint32)]
-
-
-def set_capabilities(caps: int, ambient: bool = False) -> None:
-    """Effective = permitted = `caps` (a bit mask of capabilities below 32), inheritable = none; with `ambient`,
-    inheritable and ambient = `caps` too, so that they survive an execve by this non-root uid."""
-    header = _CapHeader(0x20080522, 0)  # _LINUX_CAPABILITY_VERSION_3
-    data = (_CapData * 2)(_CapData(caps, caps, caps if ambient else 0), _CapData(0, 0, 0))
-    _check(_libc.capset(ctypes.byref(header), data), "capset")
-    for cap in range(32) if ambient else ():
-        if caps >> cap & 1:
-            _check(_libc.prctl(PR_CAP_AMBIENT, PR_CAP_AMBIENT_RAISE, cap, 0, 0), "prctl(PR_CAP_AMBIENT)")
 
 
 # ---- Landlock -----------------------------------------------------------------------------------------------
@@ -94,12 +124,10 @@ def landlock_fs_mask(abi: int) -> int:
     return _LL_FS_BY_ABI[min(abi, 5)]
 
 
-def landlock_restrict(abi: int, read_fds: list[tuple[int, bool]], write_fds: list[tuple[int, bool]]) -> None:
-    """Confine the calling thread: reads/executes only beneath `read_fds`, anything beneath `write_fds`, no TCP
-    bind/connect (ABI >= 4), no signals or abstract sockets outside the domain (ABI >= 6).
-
-    Each entry is (O_PATH fd, is_directory). Needs no_new_privs (or CAP_SYS_ADMIN).
-    """
+def landlock_ruleset(abi: int, read_fds: list[tuple[int, bool]], write_fds: list[tuple[int, bool]]) -> int:
+    """A ruleset fd: reads/executes only beneath `read_fds`, anything beneath `write_fds`, no TCP bind/connect
+    (ABI >= 4), no signals or abstract sockets outside the domain (ABI >= 6). Each entry is (O_PATH fd,
+    is_directory). Enforce it with `landlock_restrict_self` (needs no_new_privs or CAP_SYS_ADMIN)."""
     fs = landlock_fs_mask(abi)
     attr = struct.pack("QQQ", fs, _LL_NET_TCP if abi >= 4 else 0, _LL_SCOPE_ALL if abi >= 6 else 0)
     size = 8 if abi < 4 else 16 if abi < 6 else 24
@@ -110,6 +138,22 @@ def landlock_restrict(abi: int, read_fds: list[tuple[int, bool]], write_fds: lis
             for fd, is_dir in fds:
                 rule = _PathBeneath(access if is_dir else access & _LL_FILE_ONLY, fd)
                 _check(_libc.syscall(_LL_ADD_RULE, ruleset, 1, ctypes.byref(rule), 0), "landlock rule")
+    except BaseException:
+        os.close(ruleset)
+        raise
+    os.set_inheritable(ruleset, False)
+    return ruleset
+
+
+def landlock_scope_only(abi: int) -> None:
+    """A nested Landlock domain that only scopes (ABI >= 6): no signal to, nor abstract unix socket of, any
+    process outside it. For program children of a harness that cannot give them namespaces of their own."""
+    if abi < 6:
+        return
+    attr = struct.pack("QQQ", 0, 0, _LL_SCOPE_ALL)
+    buf = ctypes.create_string_buffer(attr, len(attr))
+    ruleset = _check(_libc.syscall(_LL_CREATE, buf, ctypes.c_size_t(24), ctypes.c_uint32(0)), "landlock ruleset")
+    try:
         _check(_libc.syscall(_LL_RESTRICT, ruleset, 0), "landlock restrict")
     finally:
         os.close(ruleset)
@@ -118,15 +162,42 @@ def landlock_restrict(abi: int, read_fds: list[tuple[int, bool]], write_fds: lis
 # ---- seccomp ------------------------------------------------------------------------------------------------
 
 # Syscalls a test program never needs and an escape often does: tracing other processes, namespaces, mounts,
-# kernel keyrings, BPF, perf, module loading, handle-based opens (which bypass path checks), io_uring.
-_DENY_X86_64 = [101, 310, 311, 165, 166, 155, 161, 272, 308, 248, 249, 250, 321, 298, 246, 320, 175, 313, 176,
-                169, 167, 168, 303, 304, 323, 134, 172, 173, 163, 103]
-_DENY_AARCH64 = [117, 270, 271, 40, 39, 41, 51, 97, 268, 217, 218, 219, 280, 241, 104, 294, 105, 273, 106, 142,
-                 224, 225, 264, 265, 282, 89, 116]
-_DENY_COMMON = [425, 426, 427, 428, 429, 430, 431, 432, 433, 442]  # io_uring_*, new mount API
-_SECCOMP_ARCH = {"x86_64": (0xC000003E, _DENY_X86_64, 41), "aarch64": (0xC00000B7, _DENY_AARCH64, 198)}
-_RET_ALLOW, _RET_KILL, _RET_EPERM = 0x7FFF0000, 0x80000000, 0x00050000 | 1
-_LD_W_ABS, _JEQ_K, _JGE_K, _RET_K = 0x20, 0x15, 0x35, 0x06
+# kernel keyrings, BPF, perf, module loading, handle-based opens (which bypass path checks), io_uring, SysV IPC
+# and POSIX message queues (state that would outlive a case), executing an fd (a memfd binary), kcmp and
+# pidfd_getfd (other processes' files). Numbers: x86_64, aarch64.
+_SYSCALLS = {
+    "ptrace": (101, 117), "process_vm_readv": (310, 270), "process_vm_writev": (311, 271), "mount": (165, 40),
+    "umount2": (166, 39), "pivot_root": (155, 41), "chroot": (161, 51), "unshare": (272, 97), "setns": (308, 268),
+    "add_key": (248, 217), "request_key": (249, 218), "keyctl": (250, 219), "bpf": (321, 280),
+    "perf_event_open": (298, 241), "kexec_load": (246, 104), "kexec_file_load": (320, 294),
+    "init_module": (175, 105), "finit_module": (313, 273), "delete_module": (176, 106), "reboot": (169, 142),
+    "swapon": (167, 224), "swapoff": (168, 225), "name_to_handle_at": (303, 264), "open_by_handle_at": (304, 265),
+    "userfaultfd": (323, 282), "uselib": (134, None), "iopl": (172, None), "ioperm": (173, None),
+    "acct": (163, 89), "syslog": (103, 116),
+    "shmget": (29, 194), "shmat": (30, 196), "shmctl": (31, 195), "shmdt": (67, 197), "semget": (64, 190),
+    "semop": (65, 193), "semctl": (66, 191), "semtimedop": (220, 192), "msgget": (68, 186), "msgsnd": (69, 189),
+    "msgrcv": (70, 188), "msgctl": (71, 187), "mq_open": (240, 180), "mq_unlink": (241, 181),
+    "mq_timedsend": (242, 182), "mq_timedreceive": (243, 183), "mq_notify": (244, 184),
+    "mq_getsetattr": (245, 185), "execveat": (322, 281), "kcmp": (312, 272), "pidfd_getfd": (438, 438),
+    "memfd_secret": (447, 447), "quotactl": (179, 60), "lookup_dcookie": (212, 18), "fanotify_init": (300, 262),
+    "io_uring_setup": (425, 425), "io_uring_enter": (426, 426), "io_uring_register": (427, 427),
+    "open_tree": (428, 428), "move_mount": (429, 429), "fsopen": (430, 430), "fsconfig": (431, 431),
+    "fsmount": (432, 432), "fspick": (433, 433), "mount_setattr": (442, 442),
+}
+_ARCH_INDEX = {"x86_64": 0, "aarch64": 1}
+# (audit arch, socket, socketpair, clone, clone3, memfd_create) per architecture
+_SECCOMP_ARCH = {"x86_64": (0xC000003E, 41, 53, 56, 435, 319), "aarch64": (0xC00000B7, 198, 199, 220, 435, 279)}
+
+
+def denied_syscall_names() -> list[str]:
+    """The syscalls the program filter refuses outright, by name (for Docker's seccomp profile)."""
+    return sorted(_SYSCALLS)
+
+
+_RET_ALLOW, _RET_KILL = 0x7FFF0000, 0x80000000
+_RET_ERRNO = 0x00050000
+EPERM, ENOSYS = 1, 38
+_LD_W_ABS, _JEQ_K, _JGE_K, _JSET_K, _RET_K = 0x20, 0x15, 0x35, 0x45, 0x06
 AF_UNIX = 1
 
 
@@ -138,28 +209,60 @@ def seccomp_supported() -> bool:
     return platform.machine() in _SECCOMP_ARCH
 
 
-def seccomp_program() -> bytes:
-    """A classic-BPF filter: EPERM for the deny list and for sockets other than AF_UNIX; kill on a foreign ABI."""
-    audit_arch, deny, nr_socket = _SECCOMP_ARCH[platform.machine()]
-    deny = sorted(set(deny + _DENY_COMMON))
-    prog: list[tuple[int, int, int, int]] = []
-    n = len(deny)
-    # Layout: 0 ld arch | 1 jeq | 2 kill | 3 ld nr | 4 x32? | 5..4+n deny | 5+n socket? | 6+n ld arg0 |
-    #         7+n jeq AF_UNIX | 8+n allow | 9+n eperm
-    allow, eperm = 8 + n, 9 + n
-    prog.append((_LD_W_ABS, 0, 0, 4))
-    prog.append((_JEQ_K, 1, 0, audit_arch))
-    prog.append((_RET_K, 0, 0, _RET_KILL))
-    prog.append((_LD_W_ABS, 0, 0, 0))
-    prog.append((_JGE_K, eperm - 5, 0, 0x40000000))  # x32 syscalls on x86_64; no such numbers elsewhere
-    for i, nr in enumerate(deny):
-        prog.append((_JEQ_K, eperm - (5 + i) - 1, 0, nr))
-    prog.append((_JEQ_K, 0, allow - (5 + n) - 1, nr_socket))
-    prog.append((_LD_W_ABS, 0, 0, 16))  # args[0], low half on little-endian
-    prog.append((_JEQ_K, 0, 1, AF_UNIX))
-    prog.append((_RET_K, 0, 0, _RET_ALLOW))
-    prog.append((_RET_K, 0, 0, _RET_EPERM))
-    return b"".join(struct.pack("HBBI", *ins) for ins in prog)
+class _Bpf:
+    """A classic-BPF program with named jump targets (resolved by `assemble`)."""
+
+    def __init__(self):
+        self.code: list[tuple] = []
+        self.labels: dict[str, int] = {}
+
+    def op(self, code: int, k: int, jt: str | None = None, jf: str | None = None) -> None:
+        self.code.append((code, jt, jf, k))
+
+    def label(self, name: str) -> None:
+        self.labels[name] = len(self.code)
+
+    def assemble(self) -> bytes:
+        out = []
+        for i, (code, jt, jf, k) in enumerate(self.code):
+            rel = (lambda name: 0 if name is None else self.labels[name] - i - 1)
+            out.append(struct.pack("HBBI", code, rel(jt), rel(jf), k))
+        return b"".join(out)
+
+
+def seccomp_program(deny_memfd: bool = False) -> bytes:
+    """The filter every program (and the harness) runs under: EPERM for the deny list, for socket() of any
+    family (no network, no host unix socket: socketpair(AF_UNIX) still works), for clone() with a namespace flag,
+    and for memfd_create when `deny_memfd` (where no cgroup counts a memfd's pages); ENOSYS for clone3 (its flags
+    are behind a pointer, so glibc falls back to clone); kill on a foreign ABI."""
+    audit_arch, nr_socket, nr_socketpair, nr_clone, nr_clone3, nr_memfd = _SECCOMP_ARCH[platform.machine()]
+    arch = _ARCH_INDEX[platform.machine()]
+    deny = {nrs[arch] for nrs in _SYSCALLS.values() if nrs[arch] is not None}
+    deny = sorted(deny | {nr_socket} | ({nr_memfd} if deny_memfd else set()))
+    p = _Bpf()
+    p.op(_LD_W_ABS, 4)  # seccomp_data.arch
+    p.op(_JEQ_K, audit_arch, None, "kill")
+    p.op(_LD_W_ABS, 0)  # seccomp_data.nr
+    p.op(_JGE_K, 0x40000000, "eperm")  # x32 syscalls on x86_64; no such numbers elsewhere
+    for nr in deny:
+        p.op(_JEQ_K, nr, "eperm")
+    p.op(_JEQ_K, nr_clone3, "enosys")
+    p.op(_JEQ_K, nr_socketpair, "socketpair")
+    p.op(_JEQ_K, nr_clone, None, "allow")
+    p.op(_LD_W_ABS, 16)  # clone's flags: args[0], low half on little-endian
+    p.op(_JSET_K, CLONE_NEW_ANY, "eperm", "allow")
+    p.label("socketpair")
+    p.op(_LD_W_ABS, 16)  # its family
+    p.op(_JEQ_K, AF_UNIX, "allow", "eperm")
+    p.label("allow")
+    p.op(_RET_K, _RET_ALLOW)
+    p.label("eperm")
+    p.op(_RET_K, _RET_ERRNO | EPERM)
+    p.label("enosys")
+    p.op(_RET_K, _RET_ERRNO | ENOSYS)
+    p.label("kill")
+    p.op(_RET_K, _RET_KILL)
+    return p.assemble()
 
 
 def seccomp_install(program: bytes) -> None:
@@ -169,29 +272,77 @@ def seccomp_install(program: bytes) -> None:
     _check(_libc.prctl(PR_SET_SECCOMP, 2, ctypes.byref(fprog), 0, 0), "seccomp")
 
 
-def confine(iso: "HostIsolation", workdir: str, read_fds: list[tuple[int, bool]], devnull_fd: int,
-            seccomp: bytes | None) -> None:
-    """Confine the calling process for good: drop to the job uid (or no capabilities), no_new_privs, Landlock
-    (read `read_fds`, write only `workdir` and /dev/null), close every fd above 2, then seccomp."""
-    if iso.uid is not None:
-        os.setgroups([])
-        os.setresgid(iso.uid, iso.uid, iso.uid)
-        if iso.keep_dac_read_search:
-            prctl(PR_SET_KEEPCAPS, 1)
-        os.setresuid(iso.uid, iso.uid, iso.uid)
-        # ambient: the code verifier's harness job execs a fresh interpreter, which must still reach the
-        # Python install and its job directory (Landlock confines what the capability can read either way)
-        set_capabilities(1 << CAP_DAC_READ_SEARCH if iso.keep_dac_read_search else 0,
-                         ambient=iso.keep_dac_read_search)
-    elif os.geteuid() == 0:  # root inside a user namespace (non-root host user): keep no capability
-        set_capabilities(0)
-    prctl(PR_SET_NO_NEW_PRIVS, 1)
-    if iso.landlock_abi:
-        job_fd = os.open(workdir, os.O_PATH | os.O_CLOEXEC)
-        landlock_restrict(iso.landlock_abi, read_fds, [(job_fd, True), (devnull_fd, False)])
-    os.closerange(3, 1 << 16)
-    if seccomp is not None:
-        seccomp_install(seccomp)
+class Confinement:
+    """What confining a process takes, prepared once (the Landlock ruleset, the seccomp program, the capability
+    sets, as kernel and ctypes objects) so that applying it in a freshly forked process is a handful of calls:
+    every Python object a fork's child touches costs a page copy, and a spawner forks one per program.
+
+    `apply` confines the calling process for good: drop to the job uid (or no capabilities), no_new_privs,
+    Landlock (read `read_fds`, write only beneath `write_paths`; no signal or abstract socket outside its own
+    domain), close every fd above 2 but `keep_fds`, then seccomp."""
+
+    def __init__(self, iso: "HostIsolation", read_fds: list[tuple[int, bool]], write_paths: list[str],
+                 seccomp: bytes | None):
+        self.iso, self.read_fds, self.ruleset = iso, read_fds, None
+        keep = 1 << CAP_DAC_READ_SEARCH if iso.keep_dac_read_search else 0
+        # ambient: the code verifier's harness job execs a fresh interpreter, which must still reach the Python
+        # install and its job directory (Landlock confines what the capability can read either way)
+        self._caps = (ctypes.byref(_CapHeader(0x20080522, 0)),  # _LINUX_CAPABILITY_VERSION_3
+                      (_CapData * 2)(_CapData(keep, keep, keep if iso.uid is not None else 0), _CapData(0, 0, 0)))
+        self._ambient = [c for c in range(32) if keep >> c & 1] if iso.uid is not None else []
+        self._fprog = None
+        if seccomp is not None:
+            self._filter = ctypes.create_string_buffer(seccomp, len(seccomp))
+            self._fprog = ctypes.byref(_SockFprog(len(seccomp) // 8, ctypes.cast(self._filter, ctypes.c_void_p)))
+        self.refresh(write_paths)
+
+    def refresh(self, write_paths: list[str]) -> None:
+        """A new Landlock ruleset for `write_paths` as they are mounted now (after they were replaced)."""
+        if self.ruleset is not None:
+            os.close(self.ruleset)
+            self.ruleset = None
+        if self.iso.landlock_abi:
+            write_fds = [(os.open(p, os.O_PATH | os.O_CLOEXEC), os.path.isdir(p)) for p in write_paths]
+            try:
+                self.ruleset = landlock_ruleset(self.iso.landlock_abi, self.read_fds, write_fds)
+            finally:
+                for fd, _ in write_fds:
+                    os.close(fd)
+
+    def apply(self, keep_fds: tuple[int, ...] = ()) -> None:
+        uid = self.iso.uid
+        if uid is not None:
+            os.setgroups([])
+            os.setresgid(uid, uid, uid)
+            if self._ambient:
+                _libc.prctl(PR_SET_KEEPCAPS, 1, 0, 0, 0)
+            os.setresuid(uid, uid, uid)
+            _check(_libc.capset(*self._caps), "capset")
+            for cap in self._ambient:
+                _check(_libc.prctl(PR_CAP_AMBIENT, PR_CAP_AMBIENT_RAISE, cap, 0, 0), "prctl(PR_CAP_AMBIENT)")
+        elif os.geteuid() == 0:  # root inside a user namespace (non-root host user): keep no capability
+            _check(_libc.capset(*self._caps), "capset")
+        _check(_libc.prctl(PR_SET_NO_NEW_PRIVS, 1, 0, 0, 0), "prctl(PR_SET_NO_NEW_PRIVS)")
+        if self.ruleset is not None:
+            _check(_libc.syscall(_LL_RESTRICT, self.ruleset, 0), "landlock restrict")
+        close_fds_except(keep_fds)
+        if self._fprog is not None:
+            _check(_libc.prctl(PR_SET_SECCOMP, 2, self._fprog, 0, 0), "seccomp")
+
+
+def confine(iso: "HostIsolation", write_paths: list[str], read_fds: list[tuple[int, bool]],
+            seccomp: bytes | None, keep_fds: tuple[int, ...] = ()) -> None:
+    """`Confinement(...).apply(keep_fds)`, for a process confined once."""
+    Confinement(iso, read_fds, write_paths, seccomp).apply(keep_fds)
+
+
+def close_fds_except(keep: tuple[int, ...]) -> None:
+    """Close every fd above 2 but `keep` (close_range by the ranges around them: no /proc needed)."""
+    low = 3
+    for fd in sorted(k for k in keep if k >= 3):
+        os.closerange(low, fd)
+        low = fd + 1
+    os.closerange(low, 1 << 16)
 
 
 # ---- what this host allows ----------------------------------------------------------------------------------

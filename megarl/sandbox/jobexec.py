@@ -289,24 +289,47 @@ def write_files(workdir: str, files: dict) -> None:
 
 
 def remove_tree(path: str) -> None:
-    """`shutil.rmtree` without importing shutil into pid 1; tolerant of what a job did to permissions."""
-    import shutil
+    """Remove a directory tree of any depth or mode a job left, without recursion and without long paths: the
+    entries of each subdirectory are moved up into the top directory (fd-relative renames), then the emptied
+    subdirectory goes; never touches the directory that holds `path`."""
+    try:
+        os.chmod(path, 0o700, follow_symlinks=False)
+        top = os.open(path, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW)
+    except FileNotFoundError:
+        return
+    except OSError:  # not a directory (or a symlink): just the entry itself
+        _unlink(path)
+        return
+    try:
+        while entries := list(os.scandir(top)):
+            for entry in entries:
+                if entry.is_dir(follow_symlinks=False):
+                    _hoist(top, entry.name)
+                else:
+                    _unlink(entry.name, top)
+    finally:
+        os.close(top)
+    try:
+        os.rmdir(path)
+    except FileNotFoundError:
+        pass
 
-    top = os.path.abspath(path)
 
-    def _retry(func, p, exc):
-        parent = os.path.dirname(os.path.abspath(p))
-        # A parent is made writable only inside the tree: never the directory the tree is in (e.g. /tmp, when
-        # the tree is already gone).
-        if isinstance(exc[1], FileNotFoundError) or not (parent + os.sep).startswith(top + os.sep):
-            return
-        try:
-            os.chmod(parent, 0o700)
-            func(p)
-        except OSError:
-            pass
+def _hoist(top: int, name: str) -> None:
+    """Move the entries of `top/name` into `top` (under fresh names), then remove the empty `top/name`."""
+    import uuid
 
-    shutil.rmtree(path, onerror=_retry)
+    try:
+        os.chmod(name, 0o700, dir_fd=top)
+        sub = os.open(name, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW, dir_fd=top)
+    except FileNotFoundError:
+        return
+    try:
+        for child in [e.name for e in os.scandir(sub)]:
+            os.rename(child, f".rm-{uuid.uuid4().hex}", src_dir_fd=sub, dst_dir_fd=top)
+    finally:
+        os.close(sub)
+    os.rmdir(name, dir_fd=top)
 
 
 # ---- the Docker container's pid 1 --------------------------------------------------------------------------
@@ -341,6 +364,7 @@ def main() -> None:
     import gc
 
     gc.freeze()  # fewer copy-on-write page copies in each forked job
+    confine = _job_filter()
     stdout.write(json.dumps({"ready": True, "python": sys.version.split()[0]}).encode() + b"\n")
     stdout.flush()
     for n, line in enumerate(iter(stdin.readline, b"")):
@@ -349,7 +373,7 @@ def main() -> None:
             job = json.loads(line)
             os.mkdir(workdir, 0o700)
             write_files(workdir, job.get("files", {}))
-            result = run_program(job, workdir, cleanup=_kill_all_but_me)
+            result = run_program(job, workdir, confine=confine, cleanup=_kill_all_but_me)
         except Exception as e:  # noqa: BLE001 - one bad job must not take the runner down
             result = {"status": "sandbox_error", "detail": f"runner: {type(e).__name__}: {e}"}
         _kill_all_but_me()
@@ -361,6 +385,28 @@ def main() -> None:
         stdout.flush()
 
 
+def _job_filter():
+    """In a container shipped with `isolation` (megarl's Docker backend): each job, on top of the container's
+    confinement, runs under the program seccomp filter (no SysV IPC or message queue that could outlive it, no
+    namespace, no socket but socketpair) with a high OOM score. None where the module is not there."""
+    iso = sys.modules.get("_megarl_sandbox_isolation")
+    if iso is None or not iso.seccomp_supported():
+        return None
+    program = iso.seccomp_program()
+
+    def confine():
+        try:
+            with open("/proc/self/oom_score_adj", "w") as f:
+                f.write("1000")
+        except OSError:
+            pass
+        close_fds_from(3)
+        iso.prctl(iso.PR_SET_NO_NEW_PRIVS, 1)
+        iso.seccomp_install(program)
+
+    return confine
+
+
 def _listdir(path: str) -> list[str]:
     try:
         return os.listdir(path)
@@ -368,9 +414,9 @@ def _listdir(path: str) -> list[str]:
         return []
 
 
-def _unlink(path: str) -> None:
+def _unlink(path: str, dir_fd: int | None = None) -> None:
     try:
-        os.unlink(path)
+        os.unlink(path, dir_fd=dir_fd)
     except OSError:
         pass
 

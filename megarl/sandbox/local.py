@@ -27,10 +27,12 @@ from dataclasses import asdict
 from pathlib import Path
 from typing import Sequence
 
+from megarl.sandbox import cgroups
 from megarl.sandbox import isolation as iso_mod
 from megarl.sandbox.base import Job, LineReader, Limits, RunResult
 from megarl.sandbox.code_harness import verdict_line
 from megarl.sandbox.jobexec import _write_all, compiled, remove_tree, run_program, write_files
+from megarl.sandbox.spawner import _forked_ok, _unshare_fork_setns
 
 log = logging.getLogger(__name__)
 
@@ -41,7 +43,14 @@ PREIMPORTS = ("abc ast array bisect cmath collections contextlib copy ctypes dat
 # forking process maps on the VMs measured (a bare interpreter forks in ~0.45 ms, the worker's PREIMPORTS in ~1.2).
 HARNESS_PREIMPORTS = "bisect collections functools heapq itertools math re string typing"
 HARNESS_PATH = str(Path(__file__).resolve().with_name("code_harness.py"))
-HARNESS_SOURCE = Path(HARNESS_PATH).read_text()  # what the code verifier's job and the Docker containers run
+# What the code verifier's harness is made of (read once: the code verifier's job files, the Docker containers'
+# bundle): the harness and its sibling modules, by file name.
+HARNESS_FILES = {name: Path(HARNESS_PATH).with_name(name).read_text()
+                 for name in ("code_harness.py", "harness_rpc.py", "spawner.py", "isolation.py", "cgroups.py")}
+HARNESS_SOURCE = HARNESS_FILES["code_harness.py"]
+HARNESS_MB = 1024  # the persistent harness and its spawner: their memory cgroup holds twice this
+_TMP, _SHM, _WORK = "/tmp", "/dev/shm", "/tmp/w"  # a job's (and a case's) own tmpfs mounts, and its cwd
+_TMPFS_INODES = 16384
 UID_BASE = 1_600_000_000  # job uids from here: far above any account, so a job's files belong to nobody real
 _START_TIMEOUT_S = 30.0
 _WARNED: set[str] = set()
@@ -65,6 +74,7 @@ class LocalSandbox:
         self._lock = threading.Lock()
         self.isolation: iso_mod.HostIsolation | None = None
         self._uid_slot: int | None = None
+        self._cgroup: cgroups.MemoryCgroup | None = None  # this sandbox's; its workers' below it
 
     def __getstate__(self):  # picklable into reward workers: configuration only, started again there
         return {"workers": self.workers, "limits": self.limits, "preimports": self.preimports,
@@ -82,18 +92,28 @@ class LocalSandbox:
             shm = "/dev/shm" if os.access("/dev/shm", os.W_OK) and iso_mod.world_traversable("/dev/shm") else None
             self._root = tempfile.mkdtemp(prefix="megarl-sandbox-", dir=shm)
             os.chmod(self._root, 0o711)
+            memory_root, self._no_cgroup = cgroups.find_memory_root()
+            if memory_root is not None:
+                self._cgroup = memory_root.child(f"megarl-sandbox-{os.getpid()}-{self.uids()[0]}")
             self._idle = queue.Queue()
             for i in range(self.workers):
                 worker = self._spawn(i)
                 self._all.append(worker)
                 self._idle.put(worker)
             self.isolation = iso_mod.HostIsolation(**self._all[0].isolation)
+            if self._cgroup is None:
+                self.isolation.warnings.append(
+                    f"no memory cgroup ({self._no_cgroup}): memory is bounded per process (RLIMIT_AS), files by "
+                    "the size of each job's tmpfs mounts, memfds are refused; a job may still hold about "
+                    "processes x memory_mb")
             _warn_once(self.isolation)
             atexit.register(self.close)
         return self
 
     def _spawn(self, index: int) -> "_Worker":
-        cfg = {"index": index, "root": self._root, "uid": self.uids()[index], "preimports": self.preimports}
+        cfg = {"index": index, "root": self._root, "uid": self.uids()[index], "preimports": self.preimports,
+               "cgroup": self._cgroup and {"path": os.path.join(self._cgroup.path, f"w{index}"),
+                                           "version": self._cgroup.version}}
         return _Worker(cfg)
 
     def uids(self) -> list[int]:
@@ -149,6 +169,12 @@ class LocalSandbox:
             if self._root:
                 remove_tree(self._root)
                 self._root = None
+            if self._cgroup is not None:
+                for index in range(self.workers):
+                    for part in ("harness", "case", "job", ""):
+                        cgroups.MemoryCgroup(os.path.join(self._cgroup.path, f"w{index}", part), 1).remove()
+                self._cgroup.remove()
+                self._cgroup = None
 
     def __del__(self):
         try:
@@ -236,65 +262,90 @@ class _WorkerSide:
                 __import__(name)
             except ImportError:
                 pass
-        # Opened once: the read-only roots and /dev/null (writable), for each job's Landlock ruleset.
+        # Opened once: the read-only roots, for each job's Landlock ruleset.
         self.read_fds = [(os.open(p, os.O_PATH | os.O_CLOEXEC), os.path.isdir(p)) for p in iso_mod.read_roots()]
-        self.devnull_fd = os.open(os.devnull, os.O_PATH | os.O_CLOEXEC)
-        self.seccomp = iso_mod.seccomp_program() if iso.seccomp else None
+        self.cgroups = {}
+        if cfg.get("cgroup"):  # harness (and its spawner), case (program processes), job (plain jobs)
+            base = cgroups.MemoryRoot(cfg["cgroup"]["path"], cfg["cgroup"]["version"])
+            self.cgroups = {part: base.child(part) for part in ("harness", "case", "job")}
+            self.cgroups["harness"].set_limit(2 * HARNESS_MB)
+        self.job_memory_mb = 0
+        self.seccomp = iso_mod.seccomp_program(deny_memfd=not self.cgroups) if iso.seccomp else None
         gc.freeze()  # what exists now is never scanned by a job's collector: fewer copy-on-write page copies per fork
         self.pidns_fd = None
         if iso.pid_ns and iso.root:
             fd = os.open("/proc/self/ns/pid", os.O_RDONLY | os.O_CLOEXEC)
-            if _forked_ok(lambda: _unshare_fork_setns(fd)):
+            if _forked_ok(lambda: _unshare_fork_setns(iso_mod, fd)):
                 self.pidns_fd = fd
+        self.private_tmp = _forked_ok(lambda: iso_mod.unshare(iso_mod.CLONE_NEWNS | iso_mod.CLONE_NEWIPC))
 
     def run(self, job: dict) -> dict:
         self.jobs += 1
         if job.get("harness") is not None:
             return self._run_harness(job)
-        workdir = os.path.join(self.dir, f"j{self.jobs}")
+        workdir = None if self.private_tmp else os.path.join(self.dir, f"j{self.jobs}")
         try:
-            os.mkdir(workdir, 0o700)
-            write_files(workdir, job.get("files", {}))
+            if workdir is not None:  # no mount namespace: a directory of this worker's, removed after the job
+                os.mkdir(workdir, 0o700)
+                write_files(workdir, job.get("files", {}))
+                self._chown_tree(workdir)
             if self.iso.uid is not None:
                 job["limits"]["nproc"] = job["limits"]["processes"]  # the uid is this worker's alone
-                for base, dirs, files in os.walk(workdir):
-                    for name in [base] + [os.path.join(base, n) for n in dirs + files]:
-                        os.chown(name, self.iso.uid, self.iso.uid)
             elif self.iso.user_ns:  # counted per user namespace (Linux >= 5.14): this worker, I and the job
                 job["limits"]["nproc"] = job["limits"]["processes"] + 3
+            if "job" in self.cgroups and job["limits"]["memory_mb"] != self.job_memory_mb:
+                self.cgroups["job"].set_limit(job["limits"]["memory_mb"])
+                self.job_memory_mb = job["limits"]["memory_mb"]
             compiled(job["source"])  # here, before the fork: the next jobs with the same source reuse it
             return self._fork_job(job, workdir)
         except Exception as e:  # noqa: BLE001 - report, keep serving
             return {"status": "sandbox_error", "detail": f"worker: {type(e).__name__}: {e}"}
         finally:
-            remove_tree(workdir)
+            if workdir is not None:
+                remove_tree(workdir)
+
+    def _chown_tree(self, workdir: str) -> None:
+        if self.iso.uid is None:
+            return
+        for base, dirs, files in os.walk(workdir):
+            for name in [base] + [os.path.join(base, n) for n in dirs + files]:
+                os.chown(name, self.iso.uid, self.iso.uid)
 
     def _run_harness(self, job: dict) -> dict:
-        """One code-verifier case through this worker's persistent harness; its answer becomes the verdict line
-        (with the run's secret, added here: the harness never has it)."""
+        """One code-verifier case through this worker's persistent harness. Its answer lines (a result per test
+        as each is done, then a final line) become the verdict line, with the run's secret added here: the
+        harness never has it. A case cut short (its wall-clock limit, a harness that died) keeps the results of
+        the tests it finished."""
         lim, start = job["limits"], time.monotonic()
+        results: list = []
+        final: dict = {}
         try:
             if not self.iso.pid_ns:
                 raise OSError("no pid namespace on this host")
             if self.harness is None:
                 self.harness = _Harness(self, os.path.join(self.dir, f"h{self.jobs}"))
-            answer = self.harness.ask({**job["harness"], "limits": lim}, lim["wall_s"])
+            final = self.harness.run_case({**job["harness"], "limits": lim}, lim["wall_s"], results)
+            status = "ok"
         except TimeoutError:
             self.drop_harness()  # pid 1 of the namespace dies: everything the case started dies with it
-            return {"status": "timeout", "detail": f"wall-clock limit of {lim['wall_s']} s",
-                    "wall_s": round(time.monotonic() - start, 4)}
+            final, status = {"incomplete": "timeout"}, "timeout"
         except (EOFError, OSError, ValueError) as e:
             self.drop_harness()
-            return {"status": "sandbox_error", "detail": f"code harness: {type(e).__name__}: {e}"}
-        return {"status": "ok", "exit_code": 0, "wall_s": round(time.monotonic() - start, 4),
-                "stdout": verdict_line(job["stdin"].strip(), answer.decode("utf-8", "replace"))}
+            final, status = {"incomplete": "sandbox_error", "error": f"code harness: {type(e).__name__}: {e}"}, \
+                "sandbox_error"
+        payload = {k: v for k, v in final.items() if k not in ("done", "oom_kills")}
+        payload["results"] = results
+        detail = f"wall-clock limit of {lim['wall_s']} s" if status == "timeout" else final.get("error", "")
+        return {"status": status, "exit_code": 0 if status == "ok" else None, "detail": detail,
+                "wall_s": round(time.monotonic() - start, 4),
+                "stdout": verdict_line(job["stdin"].strip(), json.dumps(payload))}
 
     def drop_harness(self) -> None:
         if self.harness is not None:
             self.harness.kill()
             self.harness = None
 
-    def _fork_job(self, job: dict, workdir: str) -> dict:
+    def _fork_job(self, job: dict, workdir: str | None) -> dict:
         r, w = os.pipe2(os.O_CLOEXEC)
         if self.pidns_fd is not None:  # root: I is our own child, one fork less than through R
             iso_mod.unshare(iso_mod.CLONE_NEWPID)
@@ -326,17 +377,49 @@ class _WorkerSide:
             return {"status": "sandbox_error", "detail": "the job's supervisor died without a result"}
         return json.loads(data)
 
-    def _i_main(self, job: dict, workdir: str, w: int):
+    def _i_main(self, job: dict, workdir: str | None, w: int):
         """I: pid 1 of the job's namespace; supervises P, writes the result to `w`, exits (the kernel then kills
-        whatever P left in the namespace). Never returns."""
+        whatever P left in the namespace, and the job's mount and IPC namespaces, its tmpfs files with them,
+        are gone). Never returns."""
         code = 1
         try:
+            if workdir is None:
+                workdir = self._private_tmp(job)
             cleanup = None if self.iso.pid_ns else self._kill_uid
-            result = run_program(job, workdir, confine=lambda: self._confine(workdir), cleanup=cleanup)
+            result = run_program(job, workdir, confine=self._confine, cleanup=cleanup)
             os.write(w, json.dumps(result).encode())
             code = 0
         finally:
             os._exit(code)
+
+    def _private_tmp(self, job: dict) -> str:
+        """In I: a mount and IPC namespace of the job's own, fresh tmpfs mounts on /tmp and /dev/shm (each up
+        to half the job's memory; a memory cgroup counts them too), the job's files in /tmp/w, its cwd."""
+        iso_mod.unshare(iso_mod.CLONE_NEWNS | iso_mod.CLONE_NEWIPC)
+        iso_mod.make_mounts_private()
+        size = max(1, job["limits"]["memory_mb"] // 2)
+        for target in (_TMP, _SHM):
+            iso_mod.tmpfs(target, size, _TMPFS_INODES)
+        os.mkdir(_WORK, 0o700)
+        write_files(_WORK, job.get("files", {}))
+        self._chown_tree(_WORK)
+        return _WORK
+
+    def _confine(self) -> None:
+        """In P, after fork: the job's cgroup, a high OOM score, then drop privileges, Landlock, close every fd
+        above 2, seccomp."""
+        if "job" in self.cgroups:
+            with open(os.path.join(self.cgroups["job"].path, "cgroup.procs"), "w") as f:
+                f.write("0")
+        try:
+            with open("/proc/self/oom_score_adj", "w") as f:
+                f.write("1000")
+        except OSError:
+            pass
+        writes = [_TMP, _SHM, os.devnull] if self.private_tmp else [os.getcwd(), os.devnull]
+        iso_mod.Confinement(self.iso, self.read_fds, writes, self.seccomp).apply()
+        if "random" in sys.modules:  # a fork shares the worker's generator state: reseed from the kernel
+            sys.modules["random"].seed()
 
     @staticmethod
     def _read_result(r: int, pid: int, guard_s: float) -> bytes:
@@ -351,12 +434,6 @@ class _WorkerSide:
             if not chunk:
                 return data
             data += chunk
-
-    def _confine(self, workdir: str) -> None:
-        """In P, after fork: drop privileges, then Landlock, close every fd above 2, then seccomp."""
-        iso_mod.confine(self.iso, workdir, self.read_fds, self.devnull_fd, self.seccomp)
-        if "random" in sys.modules:  # a fork shares the worker's generator state: reseed from the kernel
-            sys.modules["random"].seed()
 
     def _kill_uid(self) -> None:
         """Without a pid namespace: SIGKILL every process of the job's uid (kill(-1) as that uid)."""
@@ -375,17 +452,20 @@ class _WorkerSide:
 
 class _Harness:
     """A worker's persistent code harness (`code_harness.serve`): a fresh lean interpreter, pid 1 of its own pid
-    namespace, confined like a job, answering one JSON line per case. Started on the first case; killed and
-    started again after a case that timed out or broke it."""
+    namespace, in the worker's `harness` cgroup, answering a line per test result and a final line per case.
+    Started on the first case; killed and started again after a case that timed out or broke it."""
 
     def __init__(self, side: _WorkerSide, workdir: str):
         iso = side.iso
         os.mkdir(workdir, 0o700)
-        if iso.uid is not None:
-            os.chown(workdir, iso.uid, iso.uid)
-        cfg = {"workdir": workdir, "read_roots": iso_mod.read_roots(), "preimports": HARNESS_PREIMPORTS,
+        cfg = {"read_roots": iso_mod.read_roots(), "preimports": HARNESS_PREIMPORTS,
                "isolation": {k: v for k, v in asdict(iso).items() if k != "warnings"},
-               "nproc_extra": 2 if iso.uid is not None else 4}  # harness, zygote; in a user ns worker and R too
+               # what else runs as the programs' uid: the harness; in a user ns the worker, R and the spawner too
+               "nproc_extra": 1 if iso.uid is not None else 4,
+               "memory_accounted": bool(side.cgroups), "memory_mb": Limits().memory_mb}
+        if side.cgroups:
+            cfg["harness_cgroup"] = side.cgroups["harness"].path
+            cfg["case_cgroup"] = {"path": side.cgroups["case"].path, "version": side.cgroups["case"].version}
         self.dir, self.err_path = workdir, workdir + ".err"  # its stderr: what it says if it dies
         case_r, self.case_w = os.pipe2(os.O_CLOEXEC)
         ans_r, ans_w = os.pipe2(os.O_CLOEXEC)
@@ -413,18 +493,25 @@ class _Harness:
         os.close(pid_r)
         self.lines = LineReader(ans_r)
         try:
-            hello = self.ask(None, _START_TIMEOUT_S)
+            hello = json.loads(self.lines.readline(_START_TIMEOUT_S, self._last_words))
         except Exception:
             self.kill()
             raise
-        if json.loads(hello) != {"ready": True}:
+        if not hello.get("ready"):
             self.kill()
-            raise OSError(f"the code harness did not start: {hello[:200]!r}")
+            raise OSError(f"the code harness did not start: {hello!r:.200}")
+        self.spawner = hello.get("spawner", {})
 
-    def ask(self, case: dict | None, timeout: float) -> bytes:
-        if case is not None:
-            _write_all(self.case_w, json.dumps(case).encode() + b"\n")
-        return self.lines.readline(timeout, self._last_words)
+    def run_case(self, case: dict, timeout: float, results: list) -> dict:
+        """Send a case; collect its results into `results` as they come; its final line. TimeoutError past
+        `timeout` seconds, EOFError if the harness dies (`results` holds what came before either)."""
+        _write_all(self.case_w, json.dumps(case).encode() + b"\n")
+        deadline = time.monotonic() + timeout
+        while True:
+            line = json.loads(self.lines.readline(max(0.0, deadline - time.monotonic()), self._last_words))
+            if line.get("done"):
+                return line
+            results.append(line["r"])
 
     def _last_words(self) -> str:
         try:
@@ -460,12 +547,8 @@ def probe_and_enter(uid: int) -> iso_mod.HostIsolation:
         except OSError as e:
             iso.warnings.append(f"no network namespace ({e}): jobs share the host's network")
     else:
-        real_uid, real_gid = os.getuid(), os.getgid()
         try:
-            iso_mod.unshare(iso_mod.CLONE_NEWUSER | iso_mod.CLONE_NEWNET)
-            for path, text in (("uid_map", f"0 {real_uid} 1"), ("setgroups", "deny"), ("gid_map", f"0 {real_gid} 1")):
-                with open(f"/proc/self/{path}", "w") as f:
-                    f.write(text)
+            iso_mod.enter_user_namespace(iso_mod.CLONE_NEWNET)
             iso.user_ns = iso.net_ns = True
         except OSError as e:
             iso.warnings.append(f"no user namespaces ({e}): no network or pid namespace; jobs share the host's "
@@ -492,30 +575,3 @@ def probe_and_enter(uid: int) -> iso_mod.HostIsolation:
     if not iso.seccomp:
         iso.warnings.append("no seccomp filter on this host/architecture")
     return iso
-
-
-def _unshare_fork_setns(fd: int) -> None:
-    iso_mod.unshare(iso_mod.CLONE_NEWPID)
-    pid = os.fork()
-    if pid == 0:
-        os._exit(0)
-    os.waitpid(pid, 0)
-    iso_mod.setns(fd, iso_mod.CLONE_NEWPID)
-    pid = os.fork()
-    if pid == 0:
-        os._exit(0 if os.getpid() != 1 else 1)
-    if os.waitstatus_to_exitcode(os.waitpid(pid, 0)[1]) != 0:
-        raise OSError("setns did not return to the worker's pid namespace")
-
-
-def _forked_ok(fn) -> bool:
-    """Whether `fn` succeeds, tried in a throwaway child so the worker itself is unchanged."""
-    pid = os.fork()
-    if pid == 0:
-        code = 1
-        try:
-            fn()
-            code = 0
-        finally:
-            os._exit(code)
-    return os.waitstatus_to_exitcode(os.waitpid(pid, 0)[1]) == 0

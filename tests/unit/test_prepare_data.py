@@ -107,7 +107,8 @@ def test_humaneval_gz_gives_function_style_gold(tmp_path):
                              "canonical_solution": "    return x + 1\n"}) + "\n")
     assert convert("humaneval", src, tmp_path / "out.jsonl")["written"] == 1
     [row] = rows(tmp_path / "out.jsonl")
-    assert row["answer"] == {"test": "def check(candidate):\n    assert candidate(1) == 2\n", "entry_point": "inc"}
+    assert row["answer"] == {"prompt": "def inc(x):\n    \"\"\"x + 1\"\"\"\n", "entry_point": "inc",
+                             "test": "def check(candidate):\n    assert candidate(1) == 2\n"}
     assert "```python\ndef inc(x):" in row["prompt"] and row["verifier"] == "code"
 
 

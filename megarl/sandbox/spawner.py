@@ -1,0 +1,451 @@
+"""The spawner of the code harness: it forks every program process, and gives each case a fresh start.
+
+Standard library only: the harness loads it by path, and the Docker backend ships its source into containers.
+
+The harness (H, trusted: it runs the tests) forks the spawner (Z) before it reads any test or response, so
+nothing Z holds, and nothing forked from Z, knows a test. Z keeps the privileges H started with (root on a root
+host, root of the worker's user namespace otherwise; in a Docker container it makes a user namespace of its
+own), runs no untrusted code and never sees a test. H asks Z, over a socket pair:
+
+- `spawn` a program process P, with the pipes H gives it, under the case's memory limit (its cgroup, where there
+  is one, and the size of its tmpfs mounts);
+- `status` of P once it has exited (its wait status, which the kernel sets: the program cannot forge it);
+- `reap` P: kill it (its whole pid namespace) and give its status;
+- `end` the case: kill every P of the case, reap them, and replace /tmp and /dev/shm (the work directory is
+  /tmp/w) with fresh, empty tmpfs mounts, so that nothing a case wrote reaches the next case or stays in
+  memory after it.
+
+What a program process gets (`FreshSetup`, where the host allows; `describe()` says what is in force):
+- a fresh pid namespace of its own, where it is pid 1: everything it starts dies with it, and it sees the same
+  pids on every run;
+- Z's mount namespace (made by Z, private): /tmp, /tmp/w (its cwd) and /dev/shm are tmpfs mounts of the case,
+  the host's are out of sight; Z's IPC namespace (private, and SysV IPC and POSIX message queues are refused by
+  the seccomp filter, so nothing can be stored there);
+- the case's memory cgroup (heap, memfds, tmpfs pages and children counted together), rlimits, a raised OOM
+  score (the kernel kills programs before the harness);
+- no capabilities (the worker's job uid on root hosts), no_new_privs, its own Landlock domain (reads: the Python
+  install and system libraries; writes: /tmp, /dev/shm, /dev/null; no signal or abstract socket outside it),
+  and the program seccomp filter (`isolation.seccomp_program`).
+Without those privileges (`PlainSetup`: the harness runs as an ordinary sandbox job, already confined by the
+backend, one job per case) Z only forks, and scopes each program's signals with Landlock where it can.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import resource
+import signal
+import socket
+import sys
+
+COMPILE_EXIT = 86  # a stdio program process that could not compile its source exits with this
+_TMP, _SHM, _WORK = "/tmp", "/dev/shm", "/tmp/w"
+_INODES = 16384  # files per tmpfs mount: bounds what a case can leave (and what replacing a mount costs)
+
+
+def ignore_signals() -> None:
+    """What a trusted process of the harness does first: no signal a program could send ends it."""
+    for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP, signal.SIGQUIT, signal.SIGUSR1, signal.SIGUSR2,
+                signal.SIGALRM, signal.SIGPIPE, signal.SIGTSTP, signal.SIGTTIN, signal.SIGTTOU, signal.SIGXFSZ):
+        signal.signal(sig, signal.SIG_IGN)
+
+
+class Spawner:
+    """H's handle on Z. `modes` maps a mode name to the function a program process runs (given its kept fds)."""
+
+    def __init__(self, cfg: dict, modes: dict, iso_mod):
+        self.sock, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+        for stream in (sys.stdout, sys.stderr):
+            stream.flush()
+        self.pid = os.fork()
+        if self.pid == 0:
+            code = 1
+            try:
+                self.sock.close()
+                _spawner_main(theirs, cfg, modes, iso_mod)
+                code = 0
+            finally:
+                os._exit(code)
+        theirs.close()
+        self.sock.settimeout(60)
+        self.info = json.loads(self._ask(b"hello"))
+
+    def spawn(self, mode: str, fds: list[int], rlimits: list, memory_mb: int, stdin: int | None = None,
+              stdout: int | None = None) -> tuple[int, int]:
+        """Fork a program process holding `fds` (closed here); (its pid, a pidfd) or (-1, -1) if it could not
+        be forked. `stdin`/`stdout` (indexes into `fds`) become its fds 0/1; everything else is /dev/null."""
+        params = json.dumps({"mode": mode, "rlimits": rlimits, "memory_mb": memory_mb, "stdin": stdin,
+                             "stdout": stdout}).encode()
+        try:
+            socket.send_fds(self.sock, [b"spawn " + params], fds)
+        finally:
+            for fd in fds:
+                os.close(fd)
+        msg, got, _, _ = socket.recv_fds(self.sock, 64, 1)
+        if not msg:
+            raise RuntimeError("the spawner is gone")
+        pid = int(msg.split()[0])
+        return (pid, got[0]) if pid > 0 else (-1, -1)
+
+    def status(self, pid: int) -> tuple[int, int]:
+        """(wait status, OOM kills in the case so far) of an exited (or killed) program process."""
+        status, oom = self._ask(b"status %d" % pid).split()
+        return int(status), int(oom)
+
+    def reap(self, pid: int) -> tuple[int, int]:
+        """Kill a program process (everything in its pid namespace) and reap it: like `status`."""
+        status, oom = self._ask(b"reap %d" % pid).split()
+        return int(status), int(oom)
+
+    def end(self) -> int:
+        """Kill and reap every program process of the case, fresh mounts; the case's OOM kills."""
+        return int(self._ask(b"end"))
+
+    def _ask(self, msg: bytes) -> bytes:
+        self.sock.send(msg)
+        reply = self.sock.recv(1 << 16)
+        if not reply:
+            raise RuntimeError("the spawner is gone")
+        return reply
+
+
+# ---- Z ------------------------------------------------------------------------------------------------------
+
+def _spawner_main(sock, cfg: dict, modes: dict, iso_mod) -> None:
+    ignore_signals()
+    setup = FreshSetup(cfg, iso_mod) if cfg.get("fresh") else PlainSetup(cfg, iso_mod)
+    setup.enter()
+    children: dict[int, int | None] = {}  # pid -> wait status once reaped
+    while True:
+        try:
+            msg, fds, _, _ = socket.recv_fds(sock, 1 << 16, 8)
+        except OSError:
+            return
+        if not msg:
+            return
+        verb, _, arg = msg.partition(b" ")
+        try:
+            reply, reply_fds = _handle(verb, arg, fds, setup, modes, children)
+        except Exception as e:  # noqa: BLE001 - a failed request must not end the spawner
+            reply, reply_fds = b"-1 " + repr(e).encode()[:200], []
+        finally:
+            for fd in fds:
+                os.close(fd)
+        socket.send_fds(sock, [reply], reply_fds)
+        for fd in reply_fds:
+            os.close(fd)
+
+
+def _handle(verb: bytes, arg: bytes, fds: list[int], setup, modes: dict, children: dict):
+    if verb == b"spawn":
+        params = json.loads(arg)
+        setup.begin(params["memory_mb"])
+        pid = setup.fork(lambda: _program_process(setup, modes[params["mode"]], params, fds))
+        if pid <= 0:
+            return b"-1", []
+        children[pid] = None
+        return b"%d" % pid, [os.pidfd_open(pid)]
+    if verb == b"status":
+        status = _wait(children, int(arg))
+        return b"%d %d" % (status, setup.oom_kills()), []
+    if verb == b"reap":
+        _kill(int(arg))
+        status = _wait(children, int(arg))
+        return b"%d %d" % (status, setup.oom_kills()), []
+    if verb == b"end":
+        for pid in [p for p, s in children.items() if s is None]:
+            _kill(pid)
+        setup.kill_rest()
+        for pid in list(children):
+            _wait(children, pid)
+        setup.reap_rest()
+        children.clear()
+        oom = setup.oom_kills()
+        setup.fresh_state()
+        setup.next_case()
+        return b"%d" % oom, []
+    if verb == b"hello":
+        return json.dumps(setup.describe()).encode(), []
+    raise ValueError(f"unknown request {verb!r}")
+
+
+def _wait(children: dict, pid: int) -> int:
+    if children.get(pid) is None:
+        try:
+            children[pid] = os.waitpid(pid, 0)[1]
+        except ChildProcessError:
+            children[pid] = 0
+    return children[pid]
+
+
+def _kill(pid: int) -> None:
+    for kill in (os.killpg, os.kill):
+        try:
+            kill(pid, signal.SIGKILL)
+        except (ProcessLookupError, PermissionError):
+            pass
+
+
+def _program_process(setup, run, params: dict, fds: list[int]) -> None:
+    """In the forked program process: its own session, the case's cgroup and limits, its confinement, then the
+    mode's function with the fds it keeps. Never returns."""
+    code = 70
+    try:
+        os.setsid()
+        null = os.open(os.devnull, os.O_RDWR)
+        for target, index in ((0, params["stdin"]), (1, params["stdout"]), (2, None)):
+            os.dup2(fds[index] if index is not None else null, target)
+        kept = [fd for i, fd in enumerate(fds) if i not in (params["stdin"], params["stdout"])]
+        setup.confine_program(params["rlimits"], tuple(kept))
+        code = 0
+        run(*kept)
+    finally:
+        os._exit(code)
+
+
+def set_rlimits(rlimits: list) -> None:
+    """Lower each limit to `value`; never above a hard limit already in force (raising one needs a capability)."""
+    for which, value in rlimits:
+        hard = resource.getrlimit(which)[1]
+        value = value if hard == resource.RLIM_INFINITY else min(value, hard)
+        resource.setrlimit(which, (value, value))
+
+
+class PlainSetup:
+    """No privileges (the harness runs as a sandbox job, already confined): fork, scope signals, limit."""
+
+    fresh = False
+
+    def __init__(self, cfg: dict, iso_mod):
+        self.cfg, self.iso_mod = cfg, iso_mod
+        self.abi = iso_mod.landlock_abi()
+
+    def enter(self) -> None:
+        pass
+
+    def describe(self) -> dict:
+        return {"fresh": False, "cgroup": False, "pid_ns": False}
+
+    def fork(self, child) -> int:
+        try:
+            pid = os.fork()
+        except OSError:
+            return -1
+        if pid == 0:
+            child()
+        return pid
+
+    def confine_program(self, rlimits: list, kept: tuple[int, ...]) -> None:
+        os.chdir(self.cfg["workdir"])
+        set_rlimits(rlimits)
+        self.iso_mod.landlock_scope_only(self.abi)  # no signal to the harness or its spawner
+        self.iso_mod.close_fds_except(kept)
+
+    def begin(self, memory_mb: int) -> None:
+        pass
+
+    def next_case(self) -> None:
+        pass
+
+    def kill_rest(self) -> None:
+        pass
+
+    def reap_rest(self) -> None:
+        pass
+
+    def oom_kills(self) -> int:
+        return 0
+
+    def fresh_state(self) -> None:
+        pass
+
+
+class FreshSetup(PlainSetup):
+    """Privileged: a private mount and IPC namespace for all program processes, fresh tmpfs mounts per case, a
+    pid namespace per program process, the case's memory cgroup. What could not be had is reported by
+    `describe()` (and warned about by the backend)."""
+
+    def __init__(self, cfg: dict, iso_mod):
+        super().__init__(cfg, iso_mod)
+        self.iso = iso_mod.HostIsolation(**cfg["isolation"])
+        self.pid_ns_fd: int | None = None
+        self.cgroup = None
+        self.cgroup_fd: int | None = None
+        self.cgroup_mb = 0
+        self.memory_mb = cfg.get("memory_mb", 512)
+        self.mounted = False
+        self.confinement = None
+        self.oom_base = 0
+        self.missing: list[str] = []
+
+    def enter(self) -> None:
+        iso = self.iso_mod
+        try:
+            self._namespaces()
+        except OSError as e:
+            self.missing.append(f"no private mounts ({e.strerror or e})")
+        if self.cfg.get("cgroup"):
+            where = self.cfg["cgroup"]
+            self.cgroup = _load("cgroups").MemoryCgroup(where["path"], where["version"])
+            self.cgroup_fd = self.cgroup.procs_fd()
+            self.next_case()
+        read_fds = [(os.open(p, os.O_PATH | os.O_CLOEXEC), os.path.isdir(p)) for p in self.cfg["read_roots"]]
+        seccomp = iso.seccomp_program(deny_memfd=not self.cfg.get("memory_accounted")) if self.iso.seccomp else None
+        self.confinement = iso.Confinement(self.iso, read_fds, self._writes(), seccomp)
+        import gc
+
+        gc.freeze()  # a program process's collector never walks what exists now: fewer pages copied per fork
+
+    def _namespaces(self) -> None:
+        """A private mount and IPC namespace (first a user namespace, where Z has no capability: a Docker
+        container), fresh tmpfs mounts, and the way to a pid namespace per program process."""
+        iso = self.iso_mod
+        if os.geteuid() != 0:  # a Docker container's unprivileged user: a user namespace of our own
+            iso.enter_user_namespace(iso.CLONE_NEWNS | iso.CLONE_NEWIPC | iso.CLONE_NEWPID)
+            self._become_pid1_of_own_namespace()
+        else:
+            iso.unshare(iso.CLONE_NEWNS | iso.CLONE_NEWIPC)
+        iso.prctl(36, 1)  # PR_SET_CHILD_SUBREAPER: orphans of programs come to us, not to the harness
+        iso.make_mounts_private()
+        self.fresh_state()
+        self.mounted = True
+        fd = os.open("/proc/self/ns/pid", os.O_RDONLY | os.O_CLOEXEC)
+        if _forked_ok(lambda: _unshare_fork_setns(iso, fd)):
+            self.pid_ns_fd = fd
+        else:
+            self.missing.append("no pid namespace per program process")
+
+    def _become_pid1_of_own_namespace(self) -> None:
+        """Z's pid namespace belongs to a user namespace Z has no capability in, so it could not return to it
+        after making one per program: Z forks the spawner proper as pid 1 of a pid namespace of its own user
+        namespace, and only waits for it."""
+        pid = os.fork()
+        if pid == 0:
+            return
+        self.iso_mod.close_fds_except(())  # its socket: the harness must see EOF when the spawner proper ends
+        _, status = os.waitpid(pid, 0)
+        os._exit(os.waitstatus_to_exitcode(status) & 0xFF)
+
+    def describe(self) -> dict:
+        return {"fresh": self.mounted, "pid_ns": self.pid_ns_fd is not None, "cgroup": self.cgroup is not None,
+                "missing": self.missing}
+
+    def fork(self, child) -> int:
+        if self.pid_ns_fd is None:
+            return super().fork(child)
+        self.iso_mod.unshare(self.iso_mod.CLONE_NEWPID)
+        try:
+            return super().fork(child)
+        finally:
+            self.iso_mod.setns(self.pid_ns_fd, self.iso_mod.CLONE_NEWPID)  # our next child: in our own again
+
+    def confine_program(self, rlimits: list, kept: tuple[int, ...]) -> None:
+        if not self.mounted:  # nothing private to give: the harness still confines (Landlock, seccomp) below
+            os.chdir("/")
+        else:
+            os.chdir(_WORK)
+        if self.cgroup_fd is not None:
+            os.write(self.cgroup_fd, b"0")
+        try:
+            with open("/proc/self/oom_score_adj", "w") as f:
+                f.write("1000")
+        except OSError:
+            pass
+        set_rlimits(rlimits)
+        self.confinement.apply(kept)
+
+    def _writes(self) -> list[str]:
+        return [_TMP, _SHM, os.devnull] if self.mounted else [os.devnull]
+
+    def begin(self, memory_mb: int) -> None:
+        """Before a spawn: the case's memory limit, where it differs from the last case's."""
+        if memory_mb != self.memory_mb:
+            self.memory_mb = memory_mb
+            if self.mounted:
+                self.fresh_state()  # the tmpfs mounts are sized by the case's memory (nothing runs yet)
+        if self.cgroup is not None and memory_mb != self.cgroup_mb:
+            self.cgroup.set_limit(memory_mb)
+            self.cgroup_mb = memory_mb
+
+    def next_case(self) -> None:
+        if self.cgroup is not None:
+            self.oom_base = self.cgroup.oom_kills()
+
+    def kill_rest(self) -> None:
+        """Without a pid namespace per program: kill(-1), which spares only this process and the namespace's
+        init, the harness (FreshSetup runs only under the persistent harness, pid 1 of its own namespace)."""
+        if self.pid_ns_fd is None:
+            try:
+                os.kill(-1, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+
+    def reap_rest(self) -> None:
+        if self.pid_ns_fd is None:  # what kill_rest killed came to us (the subreaper)
+            while True:
+                try:
+                    os.waitpid(-1, 0)
+                except ChildProcessError:
+                    return
+
+    def oom_kills(self) -> int:
+        return self.cgroup.oom_kills() - self.oom_base if self.cgroup is not None else 0
+
+    def fresh_state(self) -> None:
+        """New, empty tmpfs mounts for /tmp (the work directory /tmp/w in it) and /dev/shm; files count
+        against the case's memory (half of it each at most, and the cgroup counts them too)."""
+        iso = self.iso_mod
+        for target in (_TMP, _SHM):
+            if self.mounted:
+                iso.umount(target)
+            iso.tmpfs(target, max(1, self.memory_mb // 2), _INODES)
+        os.mkdir(_WORK, 0o700)
+        uid = self.iso.uid if self.iso.uid is not None else os.getuid()
+        os.chown(_WORK, uid, uid)
+        if self.confinement is not None:
+            self.confinement.refresh(self._writes())  # Landlock rules name the mounts: the new ones
+
+
+def _unshare_fork_setns(iso, fd: int) -> None:
+    """Raises unless this process can make a pid namespace for a child and return to its own after."""
+    iso.unshare(iso.CLONE_NEWPID)
+    pid = os.fork()
+    if pid == 0:
+        os._exit(0 if os.getpid() == 1 else 1)
+    if os.waitstatus_to_exitcode(os.waitpid(pid, 0)[1]) != 0:
+        raise OSError("the child was not pid 1 of a new namespace")
+    iso.setns(fd, iso.CLONE_NEWPID)
+    pid = os.fork()
+    if pid == 0:
+        os._exit(0 if os.getpid() != 1 else 1)
+    if os.waitstatus_to_exitcode(os.waitpid(pid, 0)[1]) != 0:
+        raise OSError("setns did not return to our own pid namespace")
+
+
+def _forked_ok(fn) -> bool:
+    """Whether `fn` succeeds, tried in a throwaway child so this process is unchanged."""
+    pid = os.fork()
+    if pid == 0:
+        code = 1
+        try:
+            fn()
+            code = 0
+        finally:
+            os._exit(code)
+    return os.waitstatus_to_exitcode(os.waitpid(pid, 0)[1]) == 0
+
+
+def _load(name: str):
+    """A sibling module of this directory: from the bundle (Docker) or by path (the harness runs as a script)."""
+    key = f"_megarl_sandbox_{name}"
+    if key in sys.modules:
+        return sys.modules[key]
+    import importlib.util
+
+    path = os.path.join(os.path.dirname(os.path.abspath(__file__)), name + ".py")
+    spec = importlib.util.spec_from_file_location(key, path)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[key] = module
+    spec.loader.exec_module(module)
+    return module
