@@ -1,45 +1,40 @@
 """Run untrusted Python programs (model-written code) under limits, fast enough for RL rewards.
 
 A `Sandbox` runs a `Job` (source, stdin, files, `Limits`) and returns a `RunResult` whose status is one of
-`ok`, `nonzero_exit`, `timeout`, `memory_limit`, `output_limit`, `killed`, `sandbox_error`. Two backends:
+`ok`, `nonzero_exit`, `timeout`, `memory_limit`, `output_limit`, `killed`, `sandbox_error`. The code verifier's
+cases (`Job.harness`) go to a persistent trusted harness instead (`code_harness.py`, `harness_rpc.py`,
+`spawner.py`). The threat model, and what each backend does and does not protect, is SECURITY.md at the
+repository's root; in short:
 
-local (the default, `LocalSandbox`): pre-forked workers that fork a confined child per job (~ms per job). For
-  the code verifier (`Job.harness`), each worker also keeps a persistent trusted harness, confined exactly like a
-  job and pid 1 of its own pid namespace, that runs case after case (see `code_harness.serve`); the Docker
-  backend runs the same harness as pid 1 of dedicated containers. Either way every program is forked from a
-  zygote made before the harness held any test, so no program finds the tests in the memory it inherits.
-  Protects against, where the host allows it (detected at start, `describe()` says what is in force, and every
-  missing piece is a RuntimeWarning, never silent):
-  - network: a network namespace per worker (no interface but a down loopback), Landlock's TCP bind/connect
-    rule (ABI >= 4) and a seccomp filter refusing every socket but AF_UNIX;
-  - processes: a pid namespace per job, so everything the job spawned - detached, daemonized, SIGTERM-proof -
-    dies with it; fork bombs by RLIMIT_NPROC on a per-worker unprivileged uid (as root) or in the worker's own
-    user namespace (non-root, Linux >= 5.14); a SIGKILL of the job's process group at the wall-clock deadline;
-    Landlock's signal scoping (ABI >= 6). As non-root the job keeps the user's uid but no capability;
-  - files: Landlock lets the job write only in its fresh working directory (and /dev/null) and read only the
-    Python install, the system libraries and that directory: not /etc, /home, /root, /proc, other jobs' dirs, the
-    host's temp dirs; RLIMIT_FSIZE bounds every file;
-  - resources: RLIMIT_AS (memory the job adds to the forked interpreter), RLIMIT_CPU, a wall-clock deadline,
-    a cap on stdout/stderr bytes read, RLIMIT_NOFILE;
-  - the kernel: seccomp refuses ptrace, process_vm_*, namespaces, mounts, keyrings, bpf, perf, module loading,
-    handle-based opens and io_uring; no_new_privs; no capabilities (one exception: where the Python install is
-    not world-readable, e.g. under /root, the job keeps CAP_DAC_READ_SEARCH, and Landlock confines it to the
-    read-only roots above).
-  Does NOT protect against: kernel exploits through the syscalls left open (it shares the host kernel); memory
-  accounting beyond the address-space limit (no cgroup: a program may still make the host swap); CPU contention
-  with the host; side channels; hosts without user namespaces / Landlock / seccomp (degraded, with warnings):
-  there, only rlimits, uid drop (as root) and process-group kill remain.
+local (the default, `LocalSandbox`): pre-forked workers, each in a network namespace of its own (with a user
+  namespace first when not root). What the host allows is detected at start; `describe()` says what is in force
+  and every missing piece is a RuntimeWarning, never silent.
+  - Plain jobs: per job a pid, IPC and mount namespace with fresh tmpfs /tmp (the cwd is /tmp/w, holding the
+    job's files) and /dev/shm, gone with the job; the worker's `job` memory cgroup; the job uid (root hosts) or
+    no capabilities; Landlock (reads: the Python install and system libraries; writes: /tmp, /dev/shm,
+    /dev/null; no TCP; no signal or abstract socket outside the job); the program seccomp filter
+    (`isolation.seccomp_program`: no socket() but socketpair, no SysV IPC or message queues, no namespaces or
+    mounts, no ptrace, ...); rlimits; the whole pid namespace killed at the wall-clock deadline.
+  - Code-verifier cases: each worker keeps a harness (pid 1 of its own pid namespace, in the worker's
+    `harness` cgroup, confined with no write access at all) that runs the tests; its spawner, forked before
+    any test was read, forks every program process into a fresh pid namespace, with a minimal root (only the
+    Python install, libraries and device files exist), fresh tmpfs mounts per case, the `case` memory cgroup
+    and the same Landlock and seccomp confinement, and replaces everything after the case.
+  Memory is counted per job or case by a cgroup (v2 where delegated, else v1 as root): heap, memfds, tmpfs files
+  and child processes together. Without one: RLIMIT_AS per process, tmpfs sizes, memfds refused.
+  Does NOT protect against: kernel exploits through the syscalls left open; CPU contention; side channels;
+  plain jobs stat()-ing host paths (metadata only: reading is refused).
 
 docker (production, `DockerSandbox`): a pool of warm containers (`--network none --read-only --tmpfs /tmp
-  --memory --pids-limit --cpus --cap-drop ALL --security-opt no-new-privileges --user 65534 --log-driver none`),
-  each running `jobexec.main` as pid 1, which forks per job and afterwards SIGKILLs every other process in the
-  container; a container is recycled after a timeout, an out-of-memory kill or N jobs.
-  Protects against everything above through Docker's namespaces, cgroups (a real memory and pids limit) and its
-  default seccomp profile, plus: nothing of the host's filesystem is visible, and a memory bomb is OOM-killed
-  inside the container's cgroup. Does NOT protect against: kernel exploits (a container is not a VM); one job
-  reading what an earlier job in the same container left in memory-backed tmpfs is prevented only by the
-  runner deleting the job directory; a job can consume the container's whole memory/pids budget, and the pool
-  then recycles it.
+  --memory --pids-limit --cpus --cap-drop ALL --security-opt no-new-privileges --user 65534 --log-driver none`).
+  Plain jobs go to containers running `jobexec.main` as pid 1, which forks each job under the program seccomp
+  filter and afterwards SIGKILLs every other process and empties /tmp and /dev/shm; a container is recycled
+  after a timeout, an out-of-memory kill or N jobs. Code-verifier cases go to containers running the harness as
+  pid 1, with megarl's seccomp profile (Docker's own would refuse the spawner its user namespace): the spawner
+  makes a user namespace and gives each program what the local backend gives it; the container's memory follows
+  the case's. The code (harness, runner, sibling modules) goes in on stdin; the image needs only `python3`.
+  Does NOT protect against: kernel exploits (a container is not a VM); plain jobs seeing the container's pid
+  counter advance between jobs.
 
 Neither backend trusts the program's exit code for grading: see `megarl/sandbox/code_harness.py`.
 """

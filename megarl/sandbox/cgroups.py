@@ -22,35 +22,39 @@ _V1_ROOT = "/sys/fs/cgroup/memory"
 
 
 class MemoryCgroup:
-    """One memory cgroup (a directory); created by `MemoryRoot.child`, removed by `remove`."""
+    """One memory cgroup (a directory); created by `MemoryRoot.child`, removed by `remove`. Its files are reached
+    through a directory fd opened at construction, so it keeps working where /sys is out of sight (the
+    spawner's minimal root)."""
 
     def __init__(self, path: str, version: int):
         self.path, self.version = path, version
+        self.dir_fd = os.open(path, os.O_PATH | os.O_DIRECTORY | os.O_CLOEXEC)
 
     def procs_fd(self) -> int:
         """An fd open for writing on `cgroup.procs`: writing b"0" to it moves the writing process here (open it
         while privileged; the write is checked against the opener on v2 and against the writer's uid on v1)."""
-        return os.open(os.path.join(self.path, "cgroup.procs"), os.O_WRONLY | os.O_CLOEXEC)
+        return os.open("cgroup.procs", os.O_WRONLY | os.O_CLOEXEC, dir_fd=self.dir_fd)
 
     def set_limit(self, mb: int) -> None:
         """Cap memory (and swap: none beyond it) at `mb` MiB."""
         limit = str(mb << 20)
+        fd = self.dir_fd
         if self.version == 2:
-            _write(self.path, "memory.max", limit)
-            _write(self.path, "memory.swap.max", "0", missing_ok=True)
+            _write(fd, "memory.max", limit)
+            _write(fd, "memory.swap.max", "0", missing_ok=True)
             return
-        memsw = os.path.join(self.path, "memory.memsw.limit_in_bytes")
-        if os.path.exists(memsw) and int(_read(self.path, "memory.limit_in_bytes")) < (mb << 20):
-            _write(self.path, "memory.memsw.limit_in_bytes", limit)  # raising: memsw first (it must stay >= mem)
-            _write(self.path, "memory.limit_in_bytes", limit)
+        memsw = os.access("memory.memsw.limit_in_bytes", os.F_OK, dir_fd=fd)
+        if memsw and int(_read(fd, "memory.limit_in_bytes")) < (mb << 20):
+            _write(fd, "memory.memsw.limit_in_bytes", limit)  # raising: memsw first (it must stay >= mem)
+            _write(fd, "memory.limit_in_bytes", limit)
         else:
-            _write(self.path, "memory.limit_in_bytes", limit)
-            if os.path.exists(memsw):
-                _write(self.path, "memory.memsw.limit_in_bytes", limit)
+            _write(fd, "memory.limit_in_bytes", limit)
+            if memsw:
+                _write(fd, "memory.memsw.limit_in_bytes", limit)
 
     def oom_kills(self) -> int:
         """How many processes the kernel killed here for lack of memory, so far."""
-        text = _read(self.path, "memory.events" if self.version == 2 else "memory.oom_control")
+        text = _read(self.dir_fd, "memory.events" if self.version == 2 else "memory.oom_control")
         for line in text.splitlines():
             key, _, value = line.partition(" ")
             if key == "oom_kill":
@@ -58,12 +62,22 @@ class MemoryCgroup:
         return 0
 
     def usage_mb(self) -> float:
-        return int(_read(self.path, "memory.current" if self.version == 2 else "memory.usage_in_bytes")) / (1 << 20)
+        return int(_read(self.dir_fd, "memory.current" if self.version == 2 else "memory.usage_in_bytes")) / (1 << 20)
 
     def remove(self) -> None:
         """Remove the cgroup (its processes must be gone; charges left move to the parent)."""
+        os.close(self.dir_fd)
         try:
             os.rmdir(self.path)
+        except OSError:
+            pass
+
+
+def remove_tree(path: str) -> None:
+    """Remove a cgroup and every cgroup below it (their processes must be gone)."""
+    for base, _, _ in sorted(os.walk(path), key=lambda entry: -entry[0].count("/")):
+        try:
+            os.rmdir(base)
         except OSError:
             pass
 
@@ -77,9 +91,10 @@ class MemoryRoot:
     def child(self, name: str) -> MemoryCgroup:
         path = os.path.join(self.path, name)
         os.makedirs(path, exist_ok=True)
+        cgroup = MemoryCgroup(path, self.version)
         if self.version == 2:
-            _write(path, "cgroup.subtree_control", "+memory", missing_ok=True)  # for its own children
-        return MemoryCgroup(path, self.version)
+            _write(cgroup.dir_fd, "cgroup.subtree_control", "+memory", missing_ok=True)  # for its own children
+        return cgroup
 
 
 def find_memory_root() -> tuple[MemoryRoot | None, str]:
@@ -146,15 +161,22 @@ def _v2_mount() -> str | None:
     return None
 
 
-def _read(path: str, name: str) -> str:
-    with open(os.path.join(path, name)) as f:
-        return f.read()
-
-
-def _write(path: str, name: str, value: str, missing_ok: bool = False) -> None:
+def _read(dir_fd: int, name: str) -> str:
+    fd = os.open(name, os.O_RDONLY | os.O_CLOEXEC, dir_fd=dir_fd)
     try:
-        with open(os.path.join(path, name), "w") as f:
-            f.write(value)
+        return os.read(fd, 1 << 16).decode()
+    finally:
+        os.close(fd)
+
+
+def _write(dir_fd: int, name: str, value: str, missing_ok: bool = False) -> None:
+    try:
+        fd = os.open(name, os.O_WRONLY | os.O_CLOEXEC, dir_fd=dir_fd)
     except FileNotFoundError:
-        if not missing_ok:
-            raise
+        if missing_ok:
+            return
+        raise
+    try:
+        os.write(fd, value.encode())
+    finally:
+        os.close(fd)

@@ -84,7 +84,8 @@ class Context:
         self.oom_kills = 0  # seen so far in the case: a program process killed with more is out of memory
 
     def program(self, source, spec):
-        return rpc.Program(self.spawner, source, spec.get("prompt") or "", spec["time_s"], self.rlimits,
+        prompt_code = _parsed_test(spec.get("test", ""), spec.get("prompt") or "")[2]
+        return rpc.Program(self.spawner, source, _marshalled(prompt_code), spec["time_s"], self.rlimits,
                            self.memory_mb)
 
 
@@ -141,6 +142,22 @@ def _parsed_test(test, prompt):
         _TESTS[key] = (tree, compile(tree, "test.py", "exec") if is_check else None,
                        compile(prompt, "prompt.py", "exec") if prompt else None)
     return _TESTS[key]
+
+
+_MARSHALLED = {}
+
+
+def _marshalled(code):
+    """A code object as the program process loads it (kept: one per row)."""
+    if code is None:
+        return b""
+    if code not in _MARSHALLED:
+        import marshal
+
+        if len(_MARSHALLED) >= 256:
+            _MARSHALLED.pop(next(iter(_MARSHALLED)))
+        _MARSHALLED[code] = marshal.dumps(code)
+    return _MARSHALLED[code]
 
 
 def _test_globals(program, prompt_code, entry_point):

@@ -23,7 +23,7 @@ CLONE_NEWNET = 0x40000000
 CLONE_NEWUSER = 0x10000000
 CLONE_NEWPID = 0x20000000
 CLONE_NEW_ANY = 0x7E020000  # NEWNS | NEWCGROUP | NEWUTS | NEWIPC | NEWUSER | NEWPID | NEWNET
-MS_NOSUID, MS_NODEV, MS_REC, MS_PRIVATE = 0x2, 0x4, 0x4000, 1 << 18
+MS_NOSUID, MS_NODEV, MS_NOEXEC, MS_NOATIME, MS_REC, MS_PRIVATE = 0x2, 0x4, 0x8, 0x400, 0x4000, 1 << 18
 MNT_DETACH = 2
 PR_SET_DUMPABLE = 4
 PR_SET_KEEPCAPS = 8
@@ -75,9 +75,60 @@ def make_mounts_private() -> None:
 
 
 def tmpfs(target: str, size_mb: int, inodes: int, mode: int = 0o1777) -> None:
-    """A fresh, empty tmpfs at `target`: `size_mb` of pages and `inodes` files at most."""
-    mount("tmpfs", target, "tmpfs", MS_NOSUID | MS_NODEV,
+    """A fresh, empty tmpfs at `target`: `size_mb` of pages and `inodes` files at most; nothing on it runs as a
+    program (noexec), and reading leaves no trace (noatime) for a later reader to see."""
+    mount("tmpfs", target, "tmpfs", MS_NOSUID | MS_NODEV | MS_NOEXEC | MS_NOATIME,
           f"size={max(1, size_mb)}m,nr_inodes={inodes},mode={mode:o}")
+
+
+def memfds_not_executable() -> bool:
+    """In this pid namespace and those made below it (Linux >= 6.3): a memfd is sealed against execution unless
+    created with MFD_EXEC (not allowed either). False where the kernel has no such setting."""
+    try:
+        with open("/proc/sys/vm/memfd_noexec", "w") as f:
+            f.write("2")
+        return True
+    except OSError:
+        return False
+
+
+_PIVOT_ROOT = {"x86_64": 155, "aarch64": 41}
+_MS_BIND, _MS_REMOUNT, _MS_RDONLY = 0x1000, 0x20, 0x1
+DEVICES = ("/dev/null", "/dev/zero", "/dev/random", "/dev/urandom")
+
+
+def minimal_root(target: str, read_roots: list[str]) -> None:
+    """Build at `target` (in a private mount namespace) a root that holds only `read_roots` (bound read-only, at
+    the same paths), the usual device files, /proc, and empty /tmp and /dev/shm for tmpfs mounts. After
+    `pivot_into(target)` nothing else of the host exists, not even to stat()."""
+    tmpfs(target, 4, 4096, 0o755)
+    bound: list[str] = []
+    for path in sorted(set(read_roots) | set(DEVICES) | {"/proc"}):
+        if any(path.startswith(b + "/") for b in bound) or not os.path.lexists(path):
+            continue
+        dest = target + path
+        os.makedirs(os.path.dirname(dest), 0o755, exist_ok=True)
+        if os.path.islink(path):  # e.g. /lib -> usr/lib on merged-/usr systems
+            os.symlink(os.readlink(path), dest)
+            continue
+        if os.path.isdir(path):
+            os.makedirs(dest, 0o755, exist_ok=True)
+        else:
+            open(dest, "w").close()
+        mount(path, dest, None, _MS_BIND | MS_REC)
+        if path not in DEVICES and path != "/proc":
+            mount(None, dest, None, _MS_BIND | _MS_REMOUNT | _MS_RDONLY | MS_NOSUID | MS_NODEV)
+        bound.append(path)
+    for empty in ("/tmp", "/dev/shm"):
+        os.makedirs(target + empty, 0o755, exist_ok=True)
+
+
+def pivot_into(target: str) -> None:
+    """Make `target` (a mount point) this mount namespace's root; the old root is detached."""
+    os.chdir(target)
+    _check(_libc.syscall(_PIVOT_ROOT[platform.machine()], b".", b"."), "pivot_root")
+    umount(".")  # the old root, which pivot_root(".", ".") leaves stacked on the new one
+    os.chdir("/")
 
 
 def enter_user_namespace(extra_flags: int = 0) -> None:
@@ -374,7 +425,7 @@ class HostIsolation:
         else:
             parts.append("NO Landlock")
         parts.append("seccomp" if self.seccomp else "NO seccomp")
-        parts.append("rlimits, fresh cwd, process-group kill")
+        parts.append("rlimits, fresh tmpfs /tmp and /dev/shm per job")
         return ", ".join(parts)
 
 

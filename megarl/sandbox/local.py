@@ -159,7 +159,8 @@ class LocalSandbox:
 
     def describe(self) -> str:
         self.start()
-        return f"local, {self.workers} workers: {self.isolation.describe()}"
+        memory = f"memory cgroup v{self._cgroup.version}" if self._cgroup else "NO memory cgroup"
+        return f"local, {self.workers} workers: {self.isolation.describe()}, {memory}"
 
     def close(self) -> None:
         with self._lock:
@@ -170,10 +171,8 @@ class LocalSandbox:
                 remove_tree(self._root)
                 self._root = None
             if self._cgroup is not None:
-                for index in range(self.workers):
-                    for part in ("harness", "case", "job", ""):
-                        cgroups.MemoryCgroup(os.path.join(self._cgroup.path, f"w{index}", part), 1).remove()
-                self._cgroup.remove()
+                os.close(self._cgroup.dir_fd)
+                cgroups.remove_tree(self._cgroup.path)
                 self._cgroup = None
 
     def __del__(self):

@@ -274,22 +274,22 @@ class FreshSetup(PlainSetup):
         self.cgroup_fd: int | None = None
         self.cgroup_mb = 0
         self.memory_mb = cfg.get("memory_mb", 512)
-        self.mounted = False
+        self.mounted = self.minimal_root = False
         self.confinement = None
         self.oom_base = 0
         self.missing: list[str] = []
 
     def enter(self) -> None:
         iso = self.iso_mod
-        try:
-            self._namespaces()
-        except OSError as e:
-            self.missing.append(f"no private mounts ({e.strerror or e})")
-        if self.cfg.get("cgroup"):
+        if self.cfg.get("cgroup"):  # first: /sys is out of sight in the minimal root (the files stay open)
             where = self.cfg["cgroup"]
             self.cgroup = _load("cgroups").MemoryCgroup(where["path"], where["version"])
             self.cgroup_fd = self.cgroup.procs_fd()
             self.next_case()
+        try:
+            self._namespaces()
+        except OSError as e:
+            self.missing.append(f"no private mounts ({e.strerror or e})")
         read_fds = [(os.open(p, os.O_PATH | os.O_CLOEXEC), os.path.isdir(p)) for p in self.cfg["read_roots"]]
         seccomp = iso.seccomp_program(deny_memfd=not self.cfg.get("memory_accounted")) if self.iso.seccomp else None
         self.confinement = iso.Confinement(self.iso, read_fds, self._writes(), seccomp)
@@ -307,7 +307,15 @@ class FreshSetup(PlainSetup):
         else:
             iso.unshare(iso.CLONE_NEWNS | iso.CLONE_NEWIPC)
         iso.prctl(36, 1)  # PR_SET_CHILD_SUBREAPER: orphans of programs come to us, not to the harness
+        if not iso.memfds_not_executable():
+            self.missing.append("memfds can be executed (no vm.memfd_noexec: Linux < 6.3)")
         iso.make_mounts_private()
+        try:
+            iso.minimal_root(_TMP, self.cfg["read_roots"])
+            iso.pivot_into(_TMP)
+            self.minimal_root = True
+        except OSError as e:
+            self.missing.append(f"no minimal root ({e.strerror or e}): programs can stat() host paths")
         self.fresh_state()
         self.mounted = True
         fd = os.open("/proc/self/ns/pid", os.O_RDONLY | os.O_CLOEXEC)
@@ -329,7 +337,7 @@ class FreshSetup(PlainSetup):
 
     def describe(self) -> dict:
         return {"fresh": self.mounted, "pid_ns": self.pid_ns_fd is not None, "cgroup": self.cgroup is not None,
-                "missing": self.missing}
+                "minimal_root": self.minimal_root, "missing": self.missing}
 
     def fork(self, child) -> int:
         if self.pid_ns_fd is None:

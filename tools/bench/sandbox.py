@@ -67,7 +67,8 @@ def bench_humaneval(backends, workers) -> dict:
     from sandbox_cases import humaneval_hacks, humaneval_problems
 
     problems = humaneval_problems()
-    gold = [{"test": p["test"], "entry_point": p["entry_point"]} for p in problems]
+    # the rows as tools/prepare_data.py writes them: the prompt's helpers come from the row, not the program
+    gold = [{"prompt": p["prompt"], "test": p["test"], "entry_point": p["entry_point"]} for p in problems]
     programs = [p["prompt"] + p["canonical_solution"] for p in problems]
     sources = [prog + "\n" + p["test"] + f"\ncheck({p['entry_point']})\n" for prog, p in zip(programs, problems)]
     figures = {}
