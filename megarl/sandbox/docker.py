@@ -69,10 +69,10 @@ def _bundle(main: str, files: dict[str, str]) -> bytes:
 
 def seccomp_profile() -> dict:
     """Docker's seccomp profile for harness containers: everything allowed but what megarl's own filter refuses
-    to programs, minus what the spawner needs to give each program its namespaces (unshare, mount, setns). The
+    to programs, minus what the spawner needs to give each program its namespaces (unshare, setns, mounts). The
     harness installs the program filter itself, on top, in every program process; Docker's default profile would
     refuse the spawner its user namespace."""
-    needed = {"unshare", "setns", "mount", "umount2"}
+    needed = {"unshare", "setns", "mount", "umount2", "pivot_root"}
     names = [n for n in isolation.denied_syscall_names() if n not in needed]
     return {"defaultAction": "SCMP_ACT_ALLOW",
             "syscalls": [{"names": names, "action": "SCMP_ACT_ERRNO", "errnoRet": 1}]}

@@ -268,9 +268,14 @@ class Program:
         send(self.req_w, reply)
 
     def _dumps(self, message) -> bytes:
-        buf = io.BytesIO()
-        _HarnessPickler(buf, self).dump(message)
-        return buf.getvalue()
+        """The C pickler where the message is plain data (the usual case); the one that turns the tests'
+        callables into callbacks and handles into references otherwise."""
+        try:
+            return pickle.dumps(message, protocol=5)
+        except Exception:  # noqa: BLE001 - a lambda, a handle, a class of the tests...
+            buf = io.BytesIO()
+            _HarnessPickler(buf, self).dump(message)
+            return buf.getvalue()
 
     def _answer(self, timeout: float) -> tuple:
         try:
@@ -285,8 +290,14 @@ class Program:
             self.dead = True
             return "bad_value", str(e)
         try:
-            message = _HarnessUnpickler(io.BytesIO(data), self).load()
-            check_plain(message, frozenset(map(id, self.callbacks.values())))
+            try:
+                message = _HarnessUnpickler(io.BytesIO(data), self).load()
+            except _NotPlain:
+                if data[:1] != _FAST:
+                    raise
+                send(self.req_w, pickle.dumps(("resend",)))  # it sent objects: as data and handles, please
+                return self._answer(timeout)
+            check_plain(message, frozenset(self.callbacks))
         except Exception as e:  # noqa: BLE001 - anything but plain data, or too much of it
             self.dead = True
             return "bad_value", f"not plain data: {describe(e)}"
@@ -334,15 +345,33 @@ class _HarnessPickler(pickle.Pickler):
         return None
 
 
+class _NotPlain(Exception):
+    pass
+
+
+# A program's answer starts with one byte that says how it was pickled: by the C pickler as it is (_FAST: the
+# usual case, plain data) or converted (subclasses to their base types, other objects to handles).
+_FAST, _FULL = b"F", b"C"
+
+
 class _HarnessUnpickler(pickle.Unpickler):
     """Answers from the program: plain built-in data, handles to the program's objects, the tests' callables."""
 
     def __init__(self, buf, program: Program):
+        self._data_first_byte = buf.read(1)
         super().__init__(buf)
         self.program = program
 
     def find_class(self, module, name):
         return _plain_class(module, name)
+
+    def load(self):
+        if self._data_first_byte == _FAST:  # a plain pickle: classes beyond plain data mean "send it again"
+            try:
+                return super().load()
+            except pickle.UnpicklingError as e:
+                raise _NotPlain(str(e)) from None
+        return super().load()
 
     def persistent_load(self, pid):
         if isinstance(pid, tuple) and len(pid) == 3 and pid[0] == "h" and type(pid[1]) is int:
@@ -371,6 +400,9 @@ class RemoteObject:
 
     def __repr__(self) -> str:
         return f"<the program's {self._type}>"
+
+    def __reduce_ex__(self, protocol):
+        raise TypeError("a handle crosses as a reference")  # (the C pickler fails; the harness's pickler refers)
 
     def _supports(self, what: str, name: str) -> None:
         if not self._info[what]:
@@ -506,7 +538,7 @@ def program_server(req_r: int, resp_w: int) -> None:
     """A program process serving the tests: the row's prompt and the program are run as module `solution`,
     then requests are answered until the harness stops asking. Never returns normally."""
     conn = _ProgramConn(req_r, resp_w)
-    source, prompt = pickle.loads(receive(req_r, None))
+    source, prompt = conn.receive()
     module = types.ModuleType("solution")
     env = module.__dict__
     env["__builtins__"] = builtins
@@ -537,6 +569,8 @@ class _Callback:
     def __init__(self, cid: int, conn: "_ProgramConn"):
         self._cid, self._conn = cid, conn
 
+    def __reduce_ex__(self, protocol):
+        raise TypeError("a callback crosses as a reference")
     def __call__(self, *args, **kwargs):
         self._conn.send(("callback", self._cid, args, kwargs))
         while True:  # the harness may call into the program again before it answers
@@ -555,14 +589,30 @@ class _ProgramConn:
         self.handles: dict[int, object] = {}
 
     def receive(self):
-        return _ProgramUnpickler(io.BytesIO(receive(self.req_r, None)), self).load()
+        """The harness's next request (answering its requests to send the last answer again, converted)."""
+        while True:
+            message = _ProgramUnpickler(io.BytesIO(receive(self.req_r, None)), self).load()
+            if message != ("resend",):
+                return message
+            self.send(self.last, fast=False)
 
-    def send(self, message) -> None:
+    def send(self, message, fast: bool = True) -> None:
+        """The C pickler first (plain data: the usual answer); where that fails, or the harness asks again, the
+        pickler that sends subclasses as their base types and other objects as handles."""
+        self.last = message
+        if fast:
+            try:
+                send(self.resp_w, _FAST + pickle.dumps(message, protocol=5))
+                return
+            except Exception:  # noqa: BLE001 - a generator, a lambda...
+                pass
         buf = io.BytesIO()
+        buf.write(_FULL)
         try:
             _ProgramPickler(buf, self).dump(message)
         except Exception:  # noqa: BLE001 - the answer cannot be pickled: say so instead
             buf = io.BytesIO()
+            buf.write(_FULL)
             _ProgramPickler(buf, self).dump(("raise", f"cannot send back a {type(message[1]).__name__}"))
         send(self.resp_w, buf.getvalue())
 
@@ -593,6 +643,8 @@ class _ProgramConn:
                     raise NameError(f"name {target!r} is not defined")
             else:
                 fn = self.handles[target]
+            if not _may_change(args, kwargs):
+                return ("ok", fn(*args, **kwargs), None)
             before = self._dumps((args, kwargs))
             value = fn(*args, **kwargs)
             after = self._dumps((args, kwargs))
@@ -622,9 +674,24 @@ class _ProgramConn:
         raise ValueError(f"unknown request {op!r}")
 
     def _dumps(self, value) -> bytes:
-        buf = io.BytesIO()
-        _ProgramPickler(buf, self).dump(value)
-        return buf.getvalue()
+        """For comparing arguments before and after a call: the same bytes for the same contents."""
+        try:
+            return pickle.dumps(value, protocol=5)
+        except Exception:  # noqa: BLE001 - callbacks among the arguments
+            buf = io.BytesIO()
+            _ProgramPickler(buf, self).dump(value)
+            return buf.getvalue()
+
+
+_MUTABLE = (list, dict, set, bytearray, collections.deque, collections.OrderedDict)
+
+
+def _may_change(args: tuple, kwargs: dict) -> bool:
+    """Whether a call could change an argument in place (a mutable container, at the top or in a tuple)."""
+    for value in (*args, *kwargs.values()):
+        if isinstance(value, _MUTABLE) or (isinstance(value, tuple) and any(isinstance(v, _MUTABLE) for v in value)):
+            return True
+    return False
 
 
 _EXACT_PLAIN = {int, float, complex, str, bytes, bytearray, bool, type(None), list, tuple, dict, set, frozenset,

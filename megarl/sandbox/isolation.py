@@ -81,15 +81,17 @@ def tmpfs(target: str, size_mb: int, inodes: int, mode: int = 0o1777) -> None:
           f"size={max(1, size_mb)}m,nr_inodes={inodes},mode={mode:o}")
 
 
-def memfds_not_executable() -> bool:
+def memfds_not_executable() -> str:
     """In this pid namespace and those made below it (Linux >= 6.3): a memfd is sealed against execution unless
-    created with MFD_EXEC (not allowed either). False where the kernel has no such setting."""
+    created with MFD_EXEC (not allowed either). "" when done, else why not."""
     try:
         with open("/proc/sys/vm/memfd_noexec", "w") as f:
             f.write("2")
-        return True
-    except OSError:
-        return False
+        return ""
+    except FileNotFoundError:
+        return "no vm.memfd_noexec (Linux < 6.3)"
+    except OSError as e:
+        return f"vm.memfd_noexec: {e.strerror}"
 
 
 _PIVOT_ROOT = {"x86_64": 155, "aarch64": 41}
@@ -99,11 +101,12 @@ DEVICES = ("/dev/null", "/dev/zero", "/dev/random", "/dev/urandom")
 
 def minimal_root(target: str, read_roots: list[str]) -> None:
     """Build at `target` (in a private mount namespace) a root that holds only `read_roots` (bound read-only, at
-    the same paths), the usual device files, /proc, and empty /tmp and /dev/shm for tmpfs mounts. After
-    `pivot_into(target)` nothing else of the host exists, not even to stat()."""
+    the same paths), the usual device files, and empty /tmp and /dev/shm for tmpfs mounts. After
+    `pivot_into(target)` nothing else of the host exists, not even to stat(); no /proc either (its pids would
+    show the host's activity, a channel between runs)."""
     tmpfs(target, 4, 4096, 0o755)
     bound: list[str] = []
-    for path in sorted(set(read_roots) | set(DEVICES) | {"/proc"}):
+    for path in sorted(set(read_roots) | set(DEVICES)):
         if any(path.startswith(b + "/") for b in bound) or not os.path.lexists(path):
             continue
         dest = target + path
@@ -116,7 +119,7 @@ def minimal_root(target: str, read_roots: list[str]) -> None:
         else:
             open(dest, "w").close()
         mount(path, dest, None, _MS_BIND | MS_REC)
-        if path not in DEVICES and path != "/proc":
+        if path not in DEVICES:
             mount(None, dest, None, _MS_BIND | _MS_REMOUNT | _MS_RDONLY | MS_NOSUID | MS_NODEV)
         bound.append(path)
     for empty in ("/tmp", "/dev/shm"):

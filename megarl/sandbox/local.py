@@ -256,6 +256,7 @@ class _WorkerSide:
         os.chmod(self.dir, 0o711)
         self.jobs = 0
         self.harness: _Harness | None = None
+        self.warned = False
         for name in cfg["preimports"].split():
             try:
                 __import__(name)
@@ -323,6 +324,11 @@ class _WorkerSide:
                 raise OSError("no pid namespace on this host")
             if self.harness is None:
                 self.harness = _Harness(self, os.path.join(self.dir, f"h{self.jobs}"))
+                missing = self.harness.spawner.get("missing")
+                if missing and not self.warned:  # the worker's stderr is its parent's
+                    self.warned = True
+                    print(f"megarl sandbox (local backend): the code harness's spawner could not set up: "
+                          f"{'; '.join(missing)}", file=sys.stderr, flush=True)
             final = self.harness.run_case({**job["harness"], "limits": lim}, lim["wall_s"], results)
             status = "ok"
         except TimeoutError:

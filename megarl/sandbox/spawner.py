@@ -299,7 +299,7 @@ class FreshSetup(PlainSetup):
 
     def _namespaces(self) -> None:
         """A private mount and IPC namespace (first a user namespace, where Z has no capability: a Docker
-        container), fresh tmpfs mounts, and the way to a pid namespace per program process."""
+        container) with a minimal root and fresh tmpfs mounts, and the way to a pid namespace per program."""
         iso = self.iso_mod
         if os.geteuid() != 0:  # a Docker container's unprivileged user: a user namespace of our own
             iso.enter_user_namespace(iso.CLONE_NEWNS | iso.CLONE_NEWIPC | iso.CLONE_NEWPID)
@@ -307,8 +307,13 @@ class FreshSetup(PlainSetup):
         else:
             iso.unshare(iso.CLONE_NEWNS | iso.CLONE_NEWIPC)
         iso.prctl(36, 1)  # PR_SET_CHILD_SUBREAPER: orphans of programs come to us, not to the harness
-        if not iso.memfds_not_executable():
-            self.missing.append("memfds can be executed (no vm.memfd_noexec: Linux < 6.3)")
+        pid_ns = os.open("/proc/self/ns/pid", os.O_RDONLY | os.O_CLOEXEC)  # (no /proc in the minimal root)
+        memfd_why = iso.memfds_not_executable()
+        try:  # inherited by every program process (it cannot write it: no /proc in the minimal root)
+            with open("/proc/self/oom_score_adj", "w") as f:
+                f.write("1000")
+        except OSError:
+            pass
         iso.make_mounts_private()
         try:
             iso.minimal_root(_TMP, self.cfg["read_roots"])
@@ -316,11 +321,12 @@ class FreshSetup(PlainSetup):
             self.minimal_root = True
         except OSError as e:
             self.missing.append(f"no minimal root ({e.strerror or e}): programs can stat() host paths")
+            if memfd_why:  # (in the minimal root there is no /proc, and execveat is refused: no way to run one)
+                self.missing.append(f"memfds are executable ({memfd_why})")
         self.fresh_state()
         self.mounted = True
-        fd = os.open("/proc/self/ns/pid", os.O_RDONLY | os.O_CLOEXEC)
-        if _forked_ok(lambda: _unshare_fork_setns(iso, fd)):
-            self.pid_ns_fd = fd
+        if _forked_ok(lambda: _unshare_fork_setns(iso, pid_ns)):
+            self.pid_ns_fd = pid_ns
         else:
             self.missing.append("no pid namespace per program process")
 
@@ -355,11 +361,6 @@ class FreshSetup(PlainSetup):
             os.chdir(_WORK)
         if self.cgroup_fd is not None:
             os.write(self.cgroup_fd, b"0")
-        try:
-            with open("/proc/self/oom_score_adj", "w") as f:
-                f.write("1000")
-        except OSError:
-            pass
         set_rlimits(rlimits)
         self.confinement.apply(kept)
 
