@@ -230,7 +230,7 @@ def run_io_tests(spec, source, ctx):
         if status == "compile_error" and i == 0:
             raise CompileError(out[:300])
         if status != "ok":
-            result = _fail("runtime_error" if status == "compile_error" else status, "")
+            result = _fail("runtime_error" if status == "compile_error" else status, out[:200])
         elif same_output(out, expected):
             result = {"ok": True}
         else:
@@ -431,6 +431,7 @@ def serve(cfg):
             pass
     with open("/proc/self/statm") as f:  # read now: /proc is out of reach once confined
         vsize = int(f.read().split()[0]) * os.sysconf("SC_PAGE_SIZE") + (32 << 20)  # + what caches may add
+    vsize = -(-vsize // (64 << 20)) * (64 << 20)  # the same for every harness with the same imports
     if cfg.get("harness_cgroup"):
         with open(os.path.join(cfg["harness_cgroup"], "cgroup.procs"), "w") as f:
             f.write("0")

@@ -37,9 +37,11 @@ from megarl.sandbox.local import HARNESS_FILES, HARNESS_PREIMPORTS, PREIMPORTS
 DEFAULT_IMAGE = "megarl-sandbox:latest"
 LABEL = "megarl.sandbox"
 _RUNNER_FILES = {"jobexec.py": (Path(__file__).parent / "jobexec.py").read_text(),
-                 "isolation.py": HARNESS_FILES["isolation.py"]}
+                 **{name: HARNESS_FILES[name] for name in ("isolation.py", "spawner.py", "cgroups.py")}}
 _RECYCLE_AFTER = {"timeout", "memory_limit", "killed", "sandbox_error"}
-HARNESS_OVERHEAD_MB = 256  # a harness container's memory beyond its case's: the harness, its spawner, page cache
+# A container's memory beyond its job's (case's): the runner (~15 MB measured) or the harness and its spawner
+# (~26 MB), and room for page cache. The container's cgroup is what counts the job's memory as a whole.
+RUNNER_OVERHEAD_MB, HARNESS_OVERHEAD_MB = 64, 96
 # A container's python reads its code as the first line on stdin (any size; argv is capped at 128 KiB): the
 # sibling modules are registered under the names the harness loads them by, then the main file runs as __main__.
 _BOOT = """
@@ -148,15 +150,14 @@ class DockerSandbox:
                 "--pids-limit", str(lim.processes + (4 if harness else 2)), "--cpus", "1", "--cap-drop", "ALL",
                 "--security-opt", "no-new-privileges", "--user", "65534:65534",
                 "--ulimit", f"nofile={lim.open_files}", "--ulimit", f"fsize={lim.file_mb << 20}",
-                "--log-driver", "none", "--shm-size", "1m", "-e", f"MEGARL_PREIMPORTS={self.preimports}"]
-        if harness:
-            args += ["--security-opt", f"seccomp={self._profile_path()}"]
+                "--log-driver", "none", "--shm-size", "1m", "-e", f"MEGARL_PREIMPORTS={self.preimports}",
+                "--security-opt", f"seccomp={self._profile_path()}"]
         return args
 
     @staticmethod
     def _memory_mb(memory_mb: int, harness: bool) -> int:
         """A container's memory: its job's (case's) allowance plus the runner's (harness's)."""
-        return memory_mb + HARNESS_OVERHEAD_MB if harness else max(256, memory_mb + 128)
+        return memory_mb + (HARNESS_OVERHEAD_MB if harness else RUNNER_OVERHEAD_MB)
 
     def _profile_path(self) -> str:
         with self._live_lock:
@@ -295,9 +296,12 @@ class DockerSandbox:
         return results
 
     def describe(self) -> str:
-        return (f"docker, {self.workers} warm containers of {self.image}: no network, read-only root, tmpfs /tmp, "
-                f"{max(256, self.limits.memory_mb + 128)} MB, {self.limits.processes + 2} pids, 1 CPU, no "
-                "capabilities, no-new-privileges, uid 65534, no log driver; pid-1 runner kills all after each job")
+        return (f"docker, {self.workers} warm containers of {self.image}: no network, read-only root, the job's "
+                f"memory + {RUNNER_OVERHEAD_MB} MB, {self.limits.processes + 2} pids, 1 CPU, no capabilities, "
+                "no-new-privileges, uid 65534, no log driver, megarl's seccomp profile; each job in a pid "
+                "namespace of its own with a minimal root, fresh tmpfs /tmp and /dev/shm, Landlock and the program "
+                "seccomp filter, where the engine allows a user namespace (else the pid-1 runner kills all and "
+                "cleans up after each job)")
 
     def close(self) -> None:
         with self._lock, self._live_lock:
@@ -330,6 +334,13 @@ class _Container:
         return self.receive(timeout, wire)
 
     def send(self, wire: dict) -> None:
+        """Queue a job; first, where its memory differs from the last job's, the container's memory follows
+        (`docker update`): the container's cgroup is what counts a job's memory as a whole."""
+        wanted = DockerSandbox._memory_mb(wire["limits"]["memory_mb"], isinstance(self, _HarnessContainer))
+        if wanted != self.memory_mb:
+            subprocess.run([self.docker, "update", "--memory", f"{wanted}m", "--memory-swap", f"{wanted}m",
+                            self.name], capture_output=True, timeout=60, check=True)
+            self.memory_mb = wanted
         self.jobs += 1
         self.proc.stdin.write(json.dumps(self._message(wire)).encode() + b"\n")
         self.proc.stdin.flush()
@@ -368,19 +379,9 @@ class _Container:
 class _HarnessContainer(_Container):
     """A container whose pid 1 is the persistent code harness: a case line in; a line per test result as each
     is done, then a final line, out. The run's secret is added here, never sent into the container; a case cut
-    short (its wall-clock limit, a harness that died) keeps the results of the tests it finished. The
-    container's memory is the case's plus the harness's: changed (`docker update`) when a case asks for another
-    amount than the last."""
+    short (its wall-clock limit, a harness that died) keeps the results of the tests it finished."""
 
     grace_s = 2.0  # the job's wall-clock limit is this pool's to enforce: the harness has none of its own
-
-    def send(self, wire: dict) -> None:
-        wanted = DockerSandbox._memory_mb(wire["limits"]["memory_mb"], harness=True)
-        if wanted != self.memory_mb:
-            subprocess.run([self.docker, "update", "--memory", f"{wanted}m", "--memory-swap", f"{wanted}m",
-                            self.name], capture_output=True, timeout=60, check=True)
-            self.memory_mb = wanted
-        super().send(wire)
 
     def _message(self, wire: dict) -> dict:
         return {**wire["harness"], "limits": wire["limits"]}

@@ -48,7 +48,7 @@ _PLAIN_CLASSES = {("fractions", "Fraction"), ("decimal", "Decimal"), ("collectio
                   ("datetime", "timedelta"), ("datetime", "timezone")}
 _CONTAINER_TYPES = {list, tuple, set, frozenset, dict, collections.OrderedDict, collections.deque, slice, range}
 _SHORT = reprlib.Repr()
-_SHORT.maxlevel, _SHORT.maxstring, _SHORT.maxother, _SHORT.maxlong = 4, 120, 120, 120
+_SHORT.maxlevel, _SHORT.maxstring, _SHORT.maxother, _SHORT.maxlong = 4, 300, 300, 300
 
 
 class CandidateError(Exception):

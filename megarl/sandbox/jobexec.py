@@ -25,11 +25,14 @@ MEMORY_EXIT = 107  # exit status of a program that died of MemoryError (its stde
 _OPEN_MAX = 1 << 16
 
 
-def run_program(job: dict, workdir: str, confine=None, cleanup=None) -> dict:
+def run_program(job: dict, workdir: str, base_vsize: int, confine=None, cleanup=None, fork=os.fork) -> dict:
     """Fork the job's program, supervise it to its end, then call `cleanup()` (kill what it left behind).
 
     `confine()` runs in the child after the standard fds, cwd and rlimits are set; it must close every fd above 2.
-    Returns the wire form of `RunResult`.
+    The address-space limit is `base_vsize` (`address_space_base()` of the long-lived process) plus the job's
+    memory: the same for every job, whatever the process has grown to since (a limit that followed it would
+    tell a job something of the jobs before it). `fork` makes the job's process (e.g. in a pid namespace of its
+    own). Returns the wire form of `RunResult`.
     """
     lim = job["limits"]
     code = compiled(job["source"])
@@ -38,11 +41,13 @@ def run_program(job: dict, workdir: str, confine=None, cleanup=None) -> dict:
     os.lseek(stdin_fd, 0, os.SEEK_SET)
     out_r, out_w = os.pipe2(os.O_CLOEXEC)
     err_r, err_w = os.pipe2(os.O_CLOEXEC)
-    vsize = _vsize_bytes()
+    vsize = base_vsize
     for stream in (sys.stdout, sys.stderr):
         stream.flush()
     start = time.monotonic()
-    pid = os.fork()
+    pid = fork()
+    if pid < 0:
+        raise OSError("could not fork the job's process")
     if pid == 0:  # the program; never returns
         try:
             _child(code if code is not None else job["source"], lim, workdir, stdin_fd, out_w, err_w, vsize,
@@ -271,9 +276,12 @@ def _write_all(fd: int, data: bytes) -> None:
         view = view[os.write(fd, view):]
 
 
-def _vsize_bytes() -> int:
+def address_space_base(slack_mb: int = 64) -> int:
+    """What this process maps now plus `slack_mb` for what it may add, rounded up to 64 MiB (so that two
+    processes with the same imports get the same figure): the base of the address-space limit of its jobs."""
     with open("/proc/self/statm") as f:
-        return int(f.read().split()[0]) * os.sysconf("SC_PAGE_SIZE")
+        size = int(f.read().split()[0]) * os.sysconf("SC_PAGE_SIZE") + (slack_mb << 20)
+    return -(-size // (64 << 20)) * (64 << 20)
 
 
 def write_files(workdir: str, files: dict) -> None:
@@ -353,7 +361,6 @@ def main() -> None:
     """Container pid 1: read jobs as JSON lines on stdin, answer results as JSON lines on stdout."""
     if os.getpid() != 1:  # it SIGKILLs every process it may signal after each job: only ever as a container's init
         sys.exit("jobexec.main runs only as pid 1 of a container (it kills every other process it can signal)")
-    _set_nondumpable()  # so a job (same uid) can neither ptrace us nor open /proc/1/fd/*
     stdin, stdout = sys.stdin.buffer, sys.stdout.buffer
     base = os.environ.get("MEGARL_JOB_ROOT", "/tmp")
     for name in os.environ.get("MEGARL_PREIMPORTS", "").split():  # imports done once, shared by every fork
@@ -361,28 +368,55 @@ def main() -> None:
             __import__(name)
         except ImportError:
             pass
+    base_vsize = address_space_base()  # (/proc is out of sight in the minimal root)
+    setup = _fresh_setup()  # before becoming non-dumpable (which forbids mapping a user namespace); after it
+    _set_nondumpable()  # this process may be pid 1 of a namespace of its own. Non-dumpable: no job ptraces us
+    confine = _job_filter() if setup is None else (lambda: setup.confinement.apply(()))
     import gc
 
     gc.freeze()  # fewer copy-on-write page copies in each forked job
-    confine = _job_filter()
-    stdout.write(json.dumps({"ready": True, "python": sys.version.split()[0]}).encode() + b"\n")
+    stdout.write(json.dumps({"ready": True, "python": sys.version.split()[0],
+                             "spawner": setup.describe() if setup else {}}).encode() + b"\n")
     stdout.flush()
     for n, line in enumerate(iter(stdin.readline, b"")):
-        workdir = os.path.join(base, f"job{n}")
+        workdir = "/tmp/w" if setup is not None else os.path.join(base, f"job{n}")
         try:
             job = json.loads(line)
-            os.mkdir(workdir, 0o700)
+            if setup is not None:
+                setup.begin(job["limits"]["memory_mb"])
+            else:
+                os.mkdir(workdir, 0o700)
             write_files(workdir, job.get("files", {}))
-            result = run_program(job, workdir, confine=confine, cleanup=_kill_all_but_me)
+            result = run_program(job, workdir, base_vsize, confine=confine, cleanup=_kill_all_but_me,
+                                 fork=setup.fork_raw if setup is not None else os.fork)
         except Exception as e:  # noqa: BLE001 - one bad job must not take the runner down
             result = {"status": "sandbox_error", "detail": f"runner: {type(e).__name__}: {e}"}
         _kill_all_but_me()
-        for scratch in (base, "/dev/shm"):  # the container's only writable places: leave nothing for the next job
-            for entry in _listdir(scratch):
-                remove_tree(os.path.join(scratch, entry)) if os.path.isdir(os.path.join(scratch, entry)) \
-                    else _unlink(os.path.join(scratch, entry))
+        if setup is not None:  # fresh tmpfs /tmp and /dev/shm: nothing of this job is left for the next
+            setup.fresh_state()
+        else:
+            for scratch in (base, "/dev/shm"):  # the container's only writable places: leave nothing
+                for entry in _listdir(scratch):
+                    remove_tree(os.path.join(scratch, entry)) if os.path.isdir(os.path.join(scratch, entry)) \
+                        else _unlink(os.path.join(scratch, entry))
         stdout.write(json.dumps(result).encode() + b"\n")
         stdout.flush()
+
+
+def _fresh_setup():
+    """In a container shipped with megarl's `spawner` (the Docker backend's bundle), and allowed a user
+    namespace: each job gets what the code harness's programs get (a pid namespace of its own, a minimal root,
+    fresh tmpfs mounts, Landlock, the program seccomp filter). None otherwise (the runner then cleans up)."""
+    spawner = sys.modules.get("_megarl_sandbox_spawner")
+    iso = sys.modules.get("_megarl_sandbox_isolation")
+    if spawner is None or iso is None:
+        return None
+    host = iso.HostIsolation(landlock_abi=iso.landlock_abi(), seccomp=iso.seccomp_supported())
+    cfg = {"fresh": True, "isolation": {"landlock_abi": host.landlock_abi, "seccomp": host.seccomp},
+           "read_roots": iso.read_roots(), "memory_mb": 256, "memory_accounted": True}
+    setup = spawner.FreshSetup(cfg, iso)
+    setup.enter()
+    return setup if setup.mounted and setup.pid_ns_fd is not None else None
 
 
 def _job_filter():

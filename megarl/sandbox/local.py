@@ -31,7 +31,7 @@ from megarl.sandbox import cgroups
 from megarl.sandbox import isolation as iso_mod
 from megarl.sandbox.base import Job, LineReader, Limits, RunResult
 from megarl.sandbox.code_harness import verdict_line
-from megarl.sandbox.jobexec import _write_all, compiled, remove_tree, run_program, write_files
+from megarl.sandbox.jobexec import _write_all, address_space_base, compiled, remove_tree, run_program, write_files
 from megarl.sandbox.spawner import _forked_ok, _unshare_fork_setns
 
 log = logging.getLogger(__name__)
@@ -271,6 +271,7 @@ class _WorkerSide:
             self.cgroups["harness"].set_limit(2 * HARNESS_MB)
         self.job_memory_mb = 0
         self.seccomp = iso_mod.seccomp_program(deny_memfd=not self.cgroups) if iso.seccomp else None
+        self.base_vsize = address_space_base()
         gc.freeze()  # what exists now is never scanned by a job's collector: fewer copy-on-write page copies per fork
         self.pidns_fd = None
         if iso.pid_ns and iso.root:
@@ -391,7 +392,7 @@ class _WorkerSide:
             if workdir is None:
                 workdir = self._private_tmp(job)
             cleanup = None if self.iso.pid_ns else self._kill_uid
-            result = run_program(job, workdir, confine=self._confine, cleanup=cleanup)
+            result = run_program(job, workdir, self.base_vsize, confine=self._confine, cleanup=cleanup)
             os.write(w, json.dumps(result).encode())
             code = 0
         finally:

@@ -44,11 +44,23 @@ _TMP, _SHM, _WORK = "/tmp", "/dev/shm", "/tmp/w"
 _INODES = 16384  # files per tmpfs mount: bounds what a case can leave (and what replacing a mount costs)
 
 
+_IGNORED = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP, signal.SIGQUIT, signal.SIGUSR1, signal.SIGUSR2,
+            signal.SIGALRM, signal.SIGPIPE, signal.SIGTSTP, signal.SIGTTIN, signal.SIGTTOU, signal.SIGXFSZ)
+
+
 def ignore_signals() -> None:
     """What a trusted process of the harness does first: no signal a program could send ends it."""
-    for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP, signal.SIGQUIT, signal.SIGUSR1, signal.SIGUSR2,
-                signal.SIGALRM, signal.SIGPIPE, signal.SIGTSTP, signal.SIGTTIN, signal.SIGTTOU, signal.SIGXFSZ):
+    for sig in _IGNORED:
         signal.signal(sig, signal.SIG_IGN)
+
+
+def default_signals() -> None:
+    """What a program process does first: the dispositions of a fresh Python process (ignored ones are
+    inherited across fork and exec: a program's pool workers would otherwise ignore SIGTERM)."""
+    for sig in _IGNORED:
+        signal.signal(sig, signal.SIG_DFL)
+    signal.signal(signal.SIGINT, signal.default_int_handler)
+    signal.signal(signal.SIGPIPE, signal.SIG_IGN)  # as the interpreter sets it at start-up
 
 
 class Spawner:
@@ -192,6 +204,7 @@ def _program_process(setup, run, params: dict, fds: list[int]) -> None:
     mode's function with the fds it keeps. Never returns."""
     code = 70
     try:
+        default_signals()
         os.setsid()
         null = os.open(os.devnull, os.O_RDWR)
         for target, index in ((0, params["stdin"]), (1, params["stdout"]), (2, None)):
@@ -228,13 +241,17 @@ class PlainSetup:
         return {"fresh": False, "cgroup": False, "pid_ns": False}
 
     def fork(self, child) -> int:
-        try:
-            pid = os.fork()
-        except OSError:
-            return -1
+        """Fork and run `child()` (which never returns) in the child; its pid, or -1."""
+        pid = self.fork_raw()
         if pid == 0:
             child()
         return pid
+
+    def fork_raw(self) -> int:
+        try:
+            return os.fork()
+        except OSError:
+            return -1
 
     def confine_program(self, rlimits: list, kept: tuple[int, ...]) -> None:
         os.chdir(self.cfg["workdir"])
@@ -345,14 +362,16 @@ class FreshSetup(PlainSetup):
         return {"fresh": self.mounted, "pid_ns": self.pid_ns_fd is not None, "cgroup": self.cgroup is not None,
                 "minimal_root": self.minimal_root, "missing": self.missing}
 
-    def fork(self, child) -> int:
+    def fork_raw(self) -> int:
+        """fork(), the child (which gets 0) being pid 1 of a fresh pid namespace where that is possible; -1 if
+        it could not be forked."""
         if self.pid_ns_fd is None:
-            return super().fork(child)
+            return super().fork_raw()
         self.iso_mod.unshare(self.iso_mod.CLONE_NEWPID)
-        try:
-            return super().fork(child)
-        finally:
+        pid = super().fork_raw()
+        if pid != 0:
             self.iso_mod.setns(self.pid_ns_fd, self.iso_mod.CLONE_NEWPID)  # our next child: in our own again
+        return pid
 
     def confine_program(self, rlimits: list, kept: tuple[int, ...]) -> None:
         if not self.mounted:  # nothing private to give: the harness still confines (Landlock, seccomp) below

@@ -49,12 +49,14 @@ def test_containment_suite(sandbox, host, index):
     token = uuid.uuid4().hex
     attack = attacks(secret, listener.port, token)[index]
     check_attack(sandbox, attack, target_paths(secret, token), listener)
-    # Nothing of the attack is left in the container that ran it, nor in the other one.
+    # Nothing of the attack is left in the container that ran it, nor in the other one: each job is pid 1 of a
+    # namespace of its own (nothing else runs there), with fresh /tmp (its cwd /tmp/w) and /dev/shm.
     for _ in range(2):
-        r = sandbox.run(Job("import json, os\nprint(json.dumps([[p for p in os.listdir('/proc') if p.isdigit()], "
-                            "os.listdir('/tmp'), os.listdir('/dev/shm')]))"))
-        pids, tmp, shm = json.loads(r.stdout)
-        assert len(pids) == 2 and len(tmp) == 1 and shm == [], r.stdout  # pid 1 and this job; its own dir
+        r = sandbox.run(Job("import json, os\nchild = os.fork()\nif child == 0:\n    os._exit(0)\nos.waitpid(child, 0)\n"
+                            "print(json.dumps([os.getpid(), child, os.listdir('/tmp'), os.listdir('.'), "
+                            "os.listdir('/dev/shm')]))"))
+        pid, child, tmp, cwd, shm = json.loads(r.stdout)
+        assert (pid, child, tmp, cwd, shm) == (1, 2, ["w"], [], []), r.stdout
 
 
 def test_recycles_after_timeouts_and_n_jobs():
