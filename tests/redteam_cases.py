@@ -642,6 +642,8 @@ def attack():
 
 _HOLD_FORKED = r'''
 import os
+import select
+import time
 
 
 def attack():
@@ -663,7 +665,8 @@ def attack():
     os.close(ready_w)
     os.close(go_r)
     got = b""
-    while len(got) < 9:
+    deadline = time.monotonic() + 5  # those killed for lack of memory never answer: do not wait for them
+    while len(got) < 9 and select.select([ready_r], [], [], max(0.0, deadline - time.monotonic()))[0]:
         chunk = os.read(ready_r, 9)
         if not chunk:
             break

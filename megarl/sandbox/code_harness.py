@@ -437,6 +437,7 @@ def serve(cfg):
             f.write("0")
     spawner = _spawner.Spawner({"fresh": True, "isolation": {k: v for k, v in iso.__dict__.items() if k != "warnings"},
                                 "read_roots": read_roots, "cgroup": cfg.get("case_cgroup"),
+                                "cgroups_module": _load("cgroups") if cfg.get("case_cgroup") else None,
                                 "memory_accounted": cfg.get("memory_accounted", False),
                                 "memory_mb": cfg.get("memory_mb", 512)}, MODES, iso_mod)
     read_fds = [(os.open(p, os.O_PATH | os.O_CLOEXEC), os.path.isdir(p)) for p in read_roots]

@@ -300,7 +300,7 @@ class FreshSetup(PlainSetup):
         iso = self.iso_mod
         if self.cfg.get("cgroup"):  # first: /sys is out of sight in the minimal root (the files stay open)
             where = self.cfg["cgroup"]
-            self.cgroup = _load("cgroups").MemoryCgroup(where["path"], where["version"])
+            self.cgroup = self.cfg["cgroups_module"].MemoryCgroup(where["path"], where["version"])
             self.cgroup_fd = self.cgroup.procs_fd()
             self.next_case()
         try:
@@ -462,18 +462,3 @@ def _forked_ok(fn) -> bool:
         finally:
             os._exit(code)
     return os.waitstatus_to_exitcode(os.waitpid(pid, 0)[1]) == 0
-
-
-def _load(name: str):
-    """A sibling module of this directory: from the bundle (Docker) or by path (the harness runs as a script)."""
-    key = f"_megarl_sandbox_{name}"
-    if key in sys.modules:
-        return sys.modules[key]
-    import importlib.util
-
-    path = os.path.join(os.path.dirname(os.path.abspath(__file__)), name + ".py")
-    spec = importlib.util.spec_from_file_location(key, path)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[key] = module
-    spec.loader.exec_module(module)
-    return module

@@ -13,6 +13,7 @@ for less (`memory_mb` in the gold) gets less: that per-case limit is what classe
 from __future__ import annotations
 
 import os
+import subprocess
 import time
 import uuid
 
@@ -20,7 +21,7 @@ import pytest
 
 import redteam_cases as rc
 from megarl.sandbox import Job, Limits
-from megarl.sandbox.docker import DEFAULT_IMAGE, DockerSandbox
+from megarl.sandbox.docker import DEFAULT_IMAGE, LABEL, DockerSandbox
 from megarl.verifiers.code import CodeVerifier
 from sandbox_cases import humaneval_problems
 
@@ -217,13 +218,31 @@ def test_class6_host_segment_code_verifier(shared, persistent, host_segment):
 
 # ---- class 7 ---------------------------------------------------------------------------------------------------
 
+def _containers_mb() -> float:
+    """What the sandbox's containers hold now (docker stats: memory less page cache), in MB: measured on them,
+    not on the host, whose other processes would blur it."""
+    ids = subprocess.run(["docker", "ps", "-q", "--filter", f"label={LABEL}"], capture_output=True, text=True).stdout.split()
+    if not ids:
+        return 0.0
+    out = subprocess.run(["docker", "stats", "--no-stream", "--format", "{{.MemUsage}}"] + ids, capture_output=True,
+                         text=True).stdout
+    units = {"B": 1 / (1 << 20), "KiB": 1 / 1024, "MiB": 1.0, "GiB": 1024.0}
+    total = 0.0
+    for line in out.splitlines():
+        used = line.split("/")[0].strip()
+        number = used.rstrip("BKMGiTb")
+        total += float(number) * units[used[len(number):]]
+    return total
+
+
 def _settled_drop(before_mb: float, threshold_mb: float = 300, within_s: float = 5.0) -> float:
-    """How far host memory stays below `before_mb` after a case: the smallest drop seen within `within_s`."""
-    best = before_mb - rc.mem_available_mb()
+    """How much more the containers hold after a case than `before_mb` (`_containers_mb()` before it): the
+    smallest excess seen within `within_s`."""
+    best = _containers_mb() - before_mb
     deadline = time.monotonic() + within_s
     while best >= threshold_mb and time.monotonic() < deadline:
         time.sleep(0.25)
-        best = min(best, before_mb - rc.mem_available_mb())
+        best = min(best, _containers_mb() - before_mb)
     return best
 
 
@@ -232,14 +251,14 @@ def _settled_drop(before_mb: float, threshold_mb: float = 300, within_s: float =
 def test_class7_memory_code_verifier(fresh, persistent, attack):
     v = fresh(persistent, time_s=20.0)
     v.verify(rc.GOOD_ADD, rc.ADD)  # the containers are up before memory is measured
-    before = rc.mem_available_mb()
+    before = _containers_mb()
     r = v.verify(rc.MEMORY_ATTACKS[attack], rc.MEMORY_GOLD)
     drop = _settled_drop(before)
     problems = []
     if r.score != 0.0:
         problems.append(f"~1 GB held at once under a {rc.MEMORY_LIMIT_MB} MB limit ({rc.describe(r)})")
     if drop >= 300:
-        problems.append(f"host memory still {drop:.0f} MB lower 5 s after verify() returned")
+        problems.append(f"the containers still hold {drop:.0f} MB more 5 s after verify() returned")
     assert not problems, (attack, problems)
 
 
@@ -249,7 +268,7 @@ def test_class7_memory_plain_job(attack):
     sb = DockerSandbox(workers=1, image=IMAGE, limits=Limits(wall_s=30, cpu_s=30, memory_mb=1024))  # 1152 MB
     try:
         sb.run(Job("print(1)"))
-        before = rc.mem_available_mb()
+        before = _containers_mb()
         r = sb.run(Job(rc.memory_job(attack), limits=Limits(wall_s=30, cpu_s=30, memory_mb=rc.MEMORY_LIMIT_MB)))
         drop = _settled_drop(before)
     finally:
@@ -258,7 +277,7 @@ def test_class7_memory_plain_job(attack):
     if "HELD" in r.stdout:
         problems.append(f"~1 GB held at once under a {rc.MEMORY_LIMIT_MB} MB limit")
     if drop >= 300:
-        problems.append(f"host memory still {drop:.0f} MB lower 5 s after the job ended")
+        problems.append(f"the containers still hold {drop:.0f} MB more 5 s after the job ended")
     assert not problems, (attack, problems, r.status, r.stdout[-200:])
 
 
