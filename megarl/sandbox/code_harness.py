@@ -124,7 +124,7 @@ def run_function_tests(spec, source, ctx):
         else:
             yield from _assert_style(spec, tree, prompt_code, program)
     finally:
-        program.kill()
+        program.release()  # the spawner's `end` kills it
 
 
 _TESTS = {}
@@ -266,7 +266,7 @@ def run_call_tests(spec, source, ctx):
             if program.dead:
                 program.restart()
     finally:
-        program.kill()
+        program.release()  # the spawner's `end` kills it
 
 
 def _same_value(value, expected):

@@ -315,8 +315,15 @@ class Program:
         return "the program closed its pipe"
 
     def kill(self) -> None:
+        """Kill the program process (with everything in its pid namespace) now, and let go of it; the spawner
+        reaps it at the end of the case, with every other process of the case."""
         if self.pid > 0:
-            self.spawner.reap(self.pid)
+            self.spawner.kill(self.pid)
+        self.release()
+
+    def release(self) -> None:
+        """Let go of the program process at the end of the case: the spawner's `end` kills and reaps it."""
+        if self.pid > 0:
             os.close(self.pidfd)
             self.pid = -1
         _PENDING.pop(self.resp_r, None)

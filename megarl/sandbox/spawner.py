@@ -10,7 +10,7 @@ own), runs no untrusted code and never sees a test. H asks Z, over a socket pair
 - `spawn` a program process P, with the pipes H gives it, under the case's memory limit (its cgroup, where there
   is one, and the size of its tmpfs mounts);
 - `status` of P once it has exited (its wait status, which the kernel sets: the program cannot forge it);
-- `reap` P: kill it (its whole pid namespace) and give its status;
+- `kill` P (its whole pid namespace), or `reap` it: kill it and give its status;
 - `end` the case: kill every P of the case, reap them, and replace /tmp and /dev/shm (the work directory is
   /tmp/w) with fresh, empty tmpfs mounts, so that nothing a case wrote reaches the next case or stays in
   memory after it.
@@ -105,6 +105,10 @@ class Spawner:
         status, oom = self._ask(b"status %d" % pid).split()
         return int(status), int(oom)
 
+    def kill(self, pid: int) -> None:
+        """Kill a program process (everything in its pid namespace); `end` reaps it."""
+        self._ask(b"kill %d" % pid)
+
     def reap(self, pid: int) -> tuple[int, int]:
         """Kill a program process (everything in its pid namespace) and reap it: like `status`."""
         status, oom = self._ask(b"reap %d" % pid).split()
@@ -161,6 +165,9 @@ def _handle(verb: bytes, arg: bytes, fds: list[int], setup, modes: dict, childre
     if verb == b"status":
         status = _wait(children, int(arg))
         return b"%d %d" % (status, setup.oom_kills()), []
+    if verb == b"kill":
+        _kill(int(arg))
+        return b"ok", []
     if verb == b"reap":
         _kill(int(arg))
         status = _wait(children, int(arg))
