@@ -11,9 +11,10 @@ own), runs no untrusted code and never sees a test. H asks Z, over a socket pair
   is one, and the size of its tmpfs mounts);
 - `status` of P once it has exited (its wait status, which the kernel sets: the program cannot forge it);
 - `kill` P (its whole pid namespace), or `reap` it: kill it and give its status;
-- `end` the case: kill every P of the case, reap them, and replace /tmp and /dev/shm (the work directory is
-  /tmp/w) with fresh, empty tmpfs mounts, so that nothing a case wrote reaches the next case or stays in
-  memory after it.
+- `end` the case: kill and reap every P of the case (before answering), then replace /tmp and /dev/shm (the
+  work directory is /tmp/w) with fresh, empty tmpfs mounts (right after answering, before reading the next
+  request: an unmount waits on the kernel, and the harness need not), so that nothing a case wrote reaches the
+  next case or stays in memory after it.
 
 What a program process gets (`FreshSetup`, where the host allows; `describe()` says what is in force):
 - a fresh pid namespace of its own, where it is pid 1: everything it starts dies with it, and it sees the same
@@ -141,8 +142,9 @@ def _spawner_main(sock, cfg: dict, modes: dict, iso_mod) -> None:
         if not msg:
             return
         verb, _, arg = msg.partition(b" ")
+        after = None
         try:
-            reply, reply_fds = _handle(verb, arg, fds, setup, modes, children)
+            reply, reply_fds, after = _handle(verb, arg, fds, setup, modes, children)
         except Exception as e:  # noqa: BLE001 - a failed request must not end the spawner
             reply, reply_fds = b"-1 " + repr(e).encode()[:200], []
         finally:
@@ -151,6 +153,8 @@ def _spawner_main(sock, cfg: dict, modes: dict, iso_mod) -> None:
         socket.send_fds(sock, [reply], reply_fds)
         for fd in reply_fds:
             os.close(fd)
+        if after is not None:  # work the reply need not wait for; the next request waits for it
+            after()
 
 
 def _handle(verb: bytes, arg: bytes, fds: list[int], setup, modes: dict, children: dict):
@@ -159,20 +163,22 @@ def _handle(verb: bytes, arg: bytes, fds: list[int], setup, modes: dict, childre
         setup.begin(params["memory_mb"])
         pid = setup.fork(lambda: _program_process(setup, modes[params["mode"]], params, fds))
         if pid <= 0:
-            return b"-1", []
+            return b"-1", [], None
         children[pid] = None
-        return b"%d" % pid, [os.pidfd_open(pid)]
+        return b"%d" % pid, [os.pidfd_open(pid)], None
     if verb == b"status":
         status = _wait(children, int(arg))
-        return b"%d %d" % (status, setup.oom_kills()), []
+        return b"%d %d" % (status, setup.oom_kills()), [], None
     if verb == b"kill":
         _kill(int(arg))
-        return b"ok", []
+        return b"ok", [], None
     if verb == b"reap":
         _kill(int(arg))
         status = _wait(children, int(arg))
-        return b"%d %d" % (status, setup.oom_kills()), []
+        return b"%d %d" % (status, setup.oom_kills()), [], None
     if verb == b"end":
+        # Every process of the case is killed and reaped before the reply; replacing the tmpfs mounts (which
+        # frees the files the case wrote) follows right after it, before the next request is read.
         for pid in [p for p, s in children.items() if s is None]:
             _kill(pid)
         setup.kill_rest()
@@ -180,12 +186,9 @@ def _handle(verb: bytes, arg: bytes, fds: list[int], setup, modes: dict, childre
             _wait(children, pid)
         setup.reap_rest()
         children.clear()
-        oom = setup.oom_kills()
-        setup.fresh_state()
-        setup.next_case()
-        return b"%d" % oom, []
+        return b"%d" % setup.oom_kills(), [], lambda: (setup.fresh_state(), setup.next_case())
     if verb == b"hello":
-        return json.dumps(setup.describe()).encode(), []
+        return json.dumps(setup.describe()).encode(), [], None
     raise ValueError(f"unknown request {verb!r}")
 
 
