@@ -49,6 +49,10 @@ def get_policy_loss_fn(name: str) -> PolicyLossFn:
     return _POLICY_LOSSES.get(name)
 
 
+def policy_loss_names() -> list[str]:
+    return _POLICY_LOSSES.names()
+
+
 def register_kl(name: str) -> Callable[[KLFn], KLFn]:
     """Register a per-token KL estimator `fn(logp, ref_logp) -> Tensor` under `name`."""
     return _KL_ESTIMATORS.register(name)
@@ -57,6 +61,10 @@ def register_kl(name: str) -> Callable[[KLFn], KLFn]:
 def get_kl_fn(name: str) -> KLFn:
     """The KL estimator registered as `name`; an unknown name raises ValueError listing the valid ones."""
     return _KL_ESTIMATORS.get(name)
+
+
+def kl_names() -> list[str]:
+    return _KL_ESTIMATORS.names()
 
 
 # KL(actor || reference) estimators from samples of the actor (Schulman, "Approximating KL divergence", 2020).
