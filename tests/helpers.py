@@ -60,11 +60,12 @@ def env() -> dict:
 
 
 def torchrun(nproc: int, script: str, *args: str, timeout: float = 300, check: bool = True,
-             port: int | None = None) -> subprocess.CompletedProcess:
+             port: int | None = None, extra_env: dict | None = None) -> subprocess.CompletedProcess:
     """Run `script` under torchrun on `nproc` CPU processes; a hang fails after `timeout` seconds."""
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(nproc),
            "--master-port", str(port or _free_port()), script, *map(str, args)]
-    proc = subprocess.run(cmd, cwd=REPO, env=env(), capture_output=True, text=True, timeout=timeout)
+    proc = subprocess.run(cmd, cwd=REPO, env={**env(), **(extra_env or {})}, capture_output=True, text=True,
+                          timeout=timeout)
     if check and proc.returncode != 0:
         raise AssertionError(f"{' '.join(cmd)} failed with {proc.returncode}:\n{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}")
     return proc

@@ -210,7 +210,8 @@ def policy_loss_gspo(
     log_ratio = torch.where(mask, logp - old_logp, torch.zeros_like(logp))
     counts = mask.sum(dim=-1, keepdim=True).clamp(min=1)
     seq_log_ratio = (log_ratio.sum(dim=-1, keepdim=True) / counts).detach()
-    ratio = torch.exp(seq_log_ratio + logp - logp.detach())
+    safe = torch.where(mask, logp, torch.zeros_like(logp))  # padding may hold -inf: inf - inf would be NaN
+    ratio = torch.exp(seq_log_ratio + safe - safe.detach())
     ratio = torch.where(mask, ratio, torch.ones_like(ratio))
     return _clipped_surrogate(ratio, adv, mask, clip_low, clip_high)
 

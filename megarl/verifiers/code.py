@@ -106,7 +106,10 @@ class CodeVerifier:
         code = extract_code(response, self.extract)
         if not code.strip():
             return VerifyResult(score=0.0, outcome="no_answer", extracted=None, normalized="no code")
-        spec, n_tests = parse_gold(gold, self.time_s, self.early_stop)
+        try:
+            spec, n_tests = parse_gold(gold, self.time_s, self.early_stop)
+        except (ValueError, TypeError, SyntaxError) as e:  # a malformed row scores 0; the batch goes on
+            return VerifyResult(score=0.0, outcome="parse_error", extracted=code, normalized=f"bad ground truth: {e}")
         secret = secrets.token_hex(16)
         wall = min(600.0, 5.0 + spec["time_s"] * (2 if spec["mode"] == "function" else 1) * max(1, n_tests))
         limits = self.sandbox.limits.replace(wall_s=wall, cpu_s=wall,
