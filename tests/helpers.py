@@ -44,7 +44,7 @@ def build_test_starter() -> Path:
     out = REPO / ".cache" / f"test-starter-{digest}"
     if not (out / "model.safetensors").exists():
         proc = subprocess.run([sys.executable, str(REPO / "tools/make_starter_model.py"), "--out", str(out),
-                               "--max-steps", "300", "--minutes", "10", "--overwrite"],
+                               "--steps", "300", "--overwrite"],
                               env=env(), cwd=REPO, timeout=600, capture_output=True, text=True)
         if proc.returncode != 0 and not (out / "model.safetensors").exists():  # a concurrent session may have won
             raise AssertionError(f"building the test starter failed:\n{proc.stderr[-3000:]}")
