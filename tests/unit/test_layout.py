@@ -87,3 +87,15 @@ def test_train_py_holds_no_algorithm_or_backend_names():
     # Names a step could branch on: every registered algorithm and backend, and PPO's fourth model.
     assert sorted(words & (names | {"critic", "ppo", "reference"})) == []
     assert len(source.splitlines()) <= 150
+
+
+def test_recipes_parse_without_torch_for_the_launch_scripts_check():
+    """launch/render.py's pre-launch check runs on the batch host's python, which may have no torch."""
+    code = ("import sys\nsys.modules['torch'] = None  # any import of torch now fails\n"
+            "from megarl.config import parse_args\n"
+            "cfg = parse_args(['recipes/r1_code.sh', '--plugins', 'no_such_module'], check_registries=False)\n"
+            "print(cfg.rollout.rollout_backend, cfg.sandbox.sandbox)")
+    proc = subprocess.run([sys.executable, "-c", code], cwd=REPO, env=env(), capture_output=True, text=True,
+                          timeout=60)
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.split() == ["sglang", "local"]
