@@ -3,10 +3,11 @@
     torchrun --nproc-per-node N megarl/train.py recipes/<recipe>.sh [--flag value ...]
 
 Each step: generate and score (the registered rollout function, inside dynamic sampling and overlong shaping when
-asked) -> log-probs (actor before the update, reference) -> final rewards and advantages (the registered
-estimator, with a critic when it needs one) -> update -> sync weights -> log -> checkpoint. Data parallelism splits
-the prompts (a prompt's group stays on one rank); within a model replica (TP x CP x PP) the first rank runs the
-rollout engine and shares the samples with the others. The stages live in `megarl/stages/`.
+asked) -> log-probs (the actor's before the update, the frozen reference's, as the loss needs them) -> final
+rewards and advantages (the registered estimator, with whatever models it declares it needs) -> update -> sync
+weights -> log -> checkpoint. Data parallelism splits the prompts (a prompt's group stays on one rank); within a
+model replica (TP x CP x PP) the first rank runs the rollout engine and shares the samples with the others. The
+stages live in `megarl/stages/`; this file names no algorithm and no backend.
 """
 
 from __future__ import annotations
