@@ -82,7 +82,8 @@ def run(cfg: Config) -> int:
                                      time.perf_counter() - t0, info), **algorithm_metrics}
         log.write(row)
         if log.enabled and lg.log_samples_interval and step % lg.log_samples_interval == 0:
-            log.write_samples(step, rollout_sample_rows(step, rollout.samples, run.prompts, lg.log_samples_count, batch))
+            rows = rollout_sample_rows(step, rollout.samples, run.prompts, lg.log_samples_count, batch)
+            log.write_samples(step, rows)
         elapsed = time.perf_counter() - train_start
         if step % lg.log_interval == 0 or step == t.num_steps:
             left = 60 * t.max_train_minutes - elapsed if t.max_train_minutes > 0 else None

@@ -120,9 +120,10 @@ def build_sglang(cfg: Config, actor: MegatronPolicy | None = None) -> RolloutEng
 
     r = cfg.rollout
     if not r.rollout_servers:
-        return SGLangEngine.launch(cfg.model.hf_checkpoint, tp_size=r.sglang_tp_size or cfg.model.tensor_model_parallel_size,
-                                   base_gpu_id=torch.cuda.current_device(), mem_fraction=r.sglang_mem_fraction,
-                                   dtype="bfloat16" if cfg.model.bf16 else "auto", seed=cfg.training.seed)
+        tp = r.sglang_tp_size or cfg.model.tensor_model_parallel_size
+        return SGLangEngine.launch(cfg.model.hf_checkpoint, tp_size=tp, base_gpu_id=torch.cuda.current_device(),
+                                   mem_fraction=r.sglang_mem_fraction, dtype="bfloat16" if cfg.model.bf16 else "auto",
+                                   seed=cfg.training.seed)
     pusher = dist.get_rank() == 0  # every DP leader generates; one rank pushes weights for all
     urls = r.rollout_servers.split(",")
     # The servers' TP size sizes the weight-update group: one trainer rank plus every server's TP ranks.

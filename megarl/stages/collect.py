@@ -30,7 +30,8 @@ class Collect(Protocol):
     def load_rank_state(self, state: dict) -> None: ...
 
 
-def sampling_params(r: RolloutConfig, tokenizer, *, seed: int, n: int | None = None, greedy: bool = False) -> SamplingParams:
+def sampling_params(r: RolloutConfig, tokenizer, *, seed: int, n: int | None = None,
+                    greedy: bool = False) -> SamplingParams:
     eos = tokenizer.eos_token_id
     return SamplingParams(
         n=n or r.n_samples_per_prompt, temperature=0.0 if greedy else r.rollout_temperature, top_p=r.rollout_top_p,

@@ -29,7 +29,8 @@ def enter_rollout(actor: MegatronPolicy, engine: RolloutEngine | None, t: Traini
 
 
 def enter_training(actor: MegatronPolicy, engine: RolloutEngine | None) -> None:
-    """Hand the GPU to the actor: the engine releases its KV cache and weights, the actor takes back what it offloaded."""
+    """Hand the GPU to the actor: the engine releases its KV cache and weights, the actor takes back what it
+    offloaded."""
     if engine is not None:
         engine.release_memory()
     actor.onload()
@@ -61,7 +62,8 @@ class WeightSync:
         return metrics
 
 
-def verify_sync(actor: MegatronPolicy, engine: RolloutEngine | None, version: int, tolerance: float) -> dict[str, float]:
+def verify_sync(actor: MegatronPolicy, engine: RolloutEngine | None, version: int,
+                tolerance: float) -> dict[str, float]:
     """The actor's and the engine's log-probs on one probe sequence must agree (all model-parallel ranks call
     this: the actor's forward is collective). Raises `WeightSyncError` on a mismatch."""
     probe = weight_sync.probe_sequence(actor.shape.vocab_size, seed=version)

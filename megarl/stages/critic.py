@@ -90,8 +90,8 @@ class Critic:
             dist.all_reduce(moments)
             mean, var = mean_var(moments.cpu())
             advantages = whiten(advantages, mask, mean, var)
-        totals = self._update(packed, values, returns, budget)
-        return advantages.float(), {**self._metrics(mask, values, returns, totals), "t_critic": time.perf_counter() - start}
+        metrics = self._metrics(mask, values, returns, self._update(packed, values, returns, budget))
+        return advantages.float(), {**metrics, "t_critic": time.perf_counter() - start}
 
     def _update(self, packed: PackedSamples, values: torch.Tensor, returns: torch.Tensor, budget: dict) -> dict:
         """`--updates-per-rollout` optimizer steps of the critic over consecutive slices of this rank's batch."""

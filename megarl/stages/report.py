@@ -81,8 +81,6 @@ def step_metrics(step: int, rollout: RolloutBatch, batch: TrainBatch, update: di
 
 def _metadata_keys(samples) -> list[str]:
     """The names in any sample's metadata on any rank (every rank must reduce the same keys)."""
-    import torch.distributed as dist
-
     mine = sorted({k for s in samples for k in s.metadata})
     everyone: list = [None] * dist.get_world_size()
     dist.all_gather_object(everyone, mine)
@@ -144,7 +142,8 @@ def peak_rss_mib() -> float:
     return parallel.max_over_ranks(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024.0)
 
 
-def _report(say, log, before: dict | None, after: dict, minutes: float, steps: int, n_prompts: int, cfg: Config) -> None:
+def _report(say, log, before: dict | None, after: dict, minutes: float, steps: int, n_prompts: int,
+            cfg: Config) -> None:
     result = {"after": after, "before": before, "train_minutes": minutes, "steps": steps, "eval_prompts": n_prompts}
     say("")
     say(f"held-out accuracy on {n_prompts} prompts never trained on ({steps} steps, {minutes:.1f} min of training):")

@@ -1,4 +1,4 @@
-"""`megarl.stages.report.save_hf` under torchrun (tests/distributed/test_export_hf.py): load an HF checkpoint into the actor at
+"""`report.save_hf` (megarl/stages) under torchrun (tests/distributed/test_export_hf.py): load an HF checkpoint into the actor at
 the given TP x PP and export it again, streamed into small safetensors shards."""
 
 from __future__ import annotations

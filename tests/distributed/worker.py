@@ -78,7 +78,8 @@ def _trained_actor(args, info, steps: int = 1):
     cfg = build_config({})
     losses = []
     for _ in range(steps):
-        out = actor.train_step(mine, make_loss_fn(cfg.algorithm, cfg.rollout.max_response_len), micro_batch_size=2, temperature=1.0)
+        loss_fn = make_loss_fn(cfg.algorithm, cfg.rollout.max_response_len)
+        out = actor.train_step(mine, loss_fn, micro_batch_size=2, temperature=1.0)
         losses.append(out.get("loss_num", 0.0))
     return actor, shape, losses
 
