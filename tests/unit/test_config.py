@@ -369,7 +369,7 @@ def test_tiny_cpu_recipe(clean_env):
     assert cfg.data.rollout_batch_size == 8
     assert (cfg.algorithm.advantage_estimator, cfg.algorithm.eps_clip, cfg.algorithm.kl_coef) == ("grpo", 0.2, 0.0)
     assert (cfg.algorithm.kl_estimator, cfg.algorithm.loss_aggregation) == ("k3", "token-mean")
-    assert (cfg.training.num_steps, cfg.training.max_train_minutes, cfg.training.lr) == (5400, 9.5, 1.5e-4)
+    assert (cfg.training.num_steps, cfg.training.max_train_minutes, cfg.training.lr) == (5400, 0.0, 1.5e-4)
     assert (cfg.training.min_lr, cfg.training.lr_decay_style) == (1e-5, "linear")
     assert (cfg.training.micro_batch_size, cfg.training.seed) == (32, 1234)
     assert cfg.logging.output_dir == f"{root}/runs/tiny_cpu"
