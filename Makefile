@@ -19,7 +19,7 @@ VENV := .venv
 VPY := $(VENV)/bin/python
 STAMP := $(VENV)/.stamp
 STARTER := .cache/starter/config.json
-# Pre-training is step-bound (not wall-time-bound) so every machine builds the same starter model.
+# Pre-training is bound by its step count only (no wall-time budget), so every machine builds the same starter.
 STARTER_STEPS ?= 1760
 
 # "1" when $(PYTHON) already imports a torch built with CUDA.
@@ -53,7 +53,7 @@ $(STAMP): setup.py
 	@touch $@
 
 $(STARTER): | $(STAMP)
-	$(VPY) tools/make_starter_model.py --out $(dir $@) --max-steps $(STARTER_STEPS) --minutes 15
+	$(VPY) tools/make_starter_model.py --out $(dir $@) --steps $(STARTER_STEPS)
 
 demo: venv $(STARTER)
 	$(VENV)/bin/torchrun --nproc-per-node $(NPROC) megarl/train.py recipes/tiny_cpu.sh

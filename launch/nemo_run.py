@@ -47,7 +47,7 @@ def recipe_argv(recipe: str, flags: list[str], ckpt_dir: str | None = None) -> l
 
 def check(argv: list[str], world_size: int):
     """The recipe's TP x PP x DP against the GPUs asked for, before nemo-run is even imported."""
-    return check_parallel(parse_args(argv), world_size)
+    return check_parallel(parse_args(argv, check_registries=False), world_size)
 
 
 def task(argv: list[str]):

@@ -61,7 +61,7 @@ def check_parallel(cfg: Config, world_size: int) -> Layout:
 def check_main(world_size: int, recipe_argv: list[str]) -> int:
     """Print shell assignments for the sbatch scripts (HF_CHECKPOINT, TP, PP, DP, SAVE_DIR), or the error."""
     try:
-        cfg = parse_args(recipe_argv)
+        cfg = parse_args(recipe_argv, check_registries=False)  # the batch host's python: standard library only
         layout = check_parallel(cfg, world_size)
     except (ConfigError, LaunchError) as e:
         print(f"megarl: {e}", file=sys.stderr)

@@ -22,7 +22,7 @@ def resume_args(argv: list[str]) -> list[str]:
     """`argv` plus `--load <save dir>` when that directory holds a complete checkpoint and no --load is set."""
     from megarl.config import parse_args
 
-    cfg = parse_args(argv)
+    cfg = parse_args(argv, check_registries=False)  # only the paths are read; train.py checks the rest
     save, load = cfg.checkpoint.save, cfg.checkpoint.load
     if load or not save or not (Path(save) / "latest").is_file():
         return list(argv)

@@ -4,12 +4,20 @@ One dataclass per concern; each field is a flag (`--field-name`), documented by 
 file that fills arrays named `*_ARGS` (`MODEL_ARGS`, `ROLLOUT_ARGS`, ...); bash itself sources it, so comments,
 variables and `source recipes/models/<m>.sh` work. Flags after the recipe on the command line override it.
 Every problem is reported before any work starts, naming the flag, where it came from, and the valid values.
+
+Flags whose values name a registry entry (`--advantage-estimator`, `--policy-loss`, `--kl-estimator`,
+`--rollout-backend`, `--rollout-function`, `--default-verifier`) are checked against the registry once
+`--plugins` are imported, so a plugin's names are as valid as the built-in ones. Rules that tie fields of
+different sections together live in `Config.__post_init__`, or, when a registry entry declares them (a backend's
+requirements, an estimator's needs), in `check_names`: one place each. What the machine must offer (a GPU, an
+importable package) is checked by `megarl.stages.setup.preflight`.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import difflib
+import importlib
 import os
 import subprocess
 import typing
@@ -24,6 +32,11 @@ class ConfigError(ValueError):
 
 def _f(default, help: str, **kw):
     return field(default=default, metadata={"help": help}, **kw)
+
+
+def _name(default: str, help: str, names: str):
+    """A field whose value names a registry entry: `names` is the `module:function` that lists the valid ones."""
+    return field(default=default, metadata={"help": help, "names": names})
 
 
 @dataclass
@@ -41,6 +54,11 @@ class ModelConfig:
                                     "Megatron's load-balanced 2 x CP chunks; world size = TP x PP x CP x DP (GPU "
                                     "with Transformer Engine attention)")
 
+    @property
+    def use_transformer_engine(self) -> bool | None:
+        """`--transformer-impl` as the Megatron layer-spec choice: None = Transformer Engine when importable."""
+        return {"auto": None, "local": False, "transformer_engine": True}[self.transformer_impl]
+
     def __post_init__(self):
         _positive(self, "tensor_model_parallel_size", "pipeline_model_parallel_size", "context_parallel_size")
         if self.sequence_parallel and self.tensor_model_parallel_size < 2:
@@ -52,9 +70,13 @@ class ModelConfig:
 
 @dataclass
 class RolloutConfig:
-    rollout_backend: Literal["builtin", "sglang", "megatron"] = _f(
+    rollout_backend: str = _name(
         "builtin", "rollout engine: megarl's built-in PyTorch engine, SGLang (GPU), or Megatron's dynamic inference "
-        "engine over the actor's own model (GPU with flash-attn; TP = PP = CP = 1; no weight copies)")
+        "engine over the actor's own model (GPU with flash-attn; TP = PP = CP = 1; no weight copies)",
+        "megarl.rollout.backends:backend_names")
+    rollout_function: str = _name(
+        "single_turn", "how prompts become scored trajectories: a function registered with "
+        "megarl.rollout.register_rollout (single_turn: one completion per sample)", "megarl.rollout:rollout_names")
     n_samples_per_prompt: int = _f(8, "completions sampled per prompt (the GRPO group size)")
     rollout_temperature: float = _f(1.0, "sampling temperature; the actor's log-probs use the same temperature")
     rollout_top_p: float = _f(1.0, "nucleus sampling mass, 1 = off")
@@ -73,13 +95,15 @@ class RolloutConfig:
                                       "(fp32: ~1e-6; bf16 engines: ~1e-2)")
     rollout_servers: str = _f("", "disaggregated mode: comma-separated host:port of SGLang servers on other nodes "
                               "(launch/slurm/disaggregated.sbatch fills it); empty = the colocated engine")
+    weight_sync_port: int = _f(0, "disaggregated mode: the port of the weight-update group's rendezvous on rank 0's "
+                               "host; 0 = MASTER_PORT + 17")
 
     def __post_init__(self):
         _positive(self, "n_samples_per_prompt", "max_response_len", "sync_bucket_mb")
         if not 0 < self.sglang_mem_fraction < 1:
             raise ConfigError(f"--sglang-mem-fraction must be in (0, 1), got {self.sglang_mem_fraction}")
-        if self.sglang_tp_size < 0 or self.verify_sync_tolerance <= 0:
-            raise ConfigError("--sglang-tp-size must be >= 0 and --verify-sync-tolerance > 0")
+        if self.sglang_tp_size < 0 or self.verify_sync_tolerance <= 0 or self.weight_sync_port < 0:
+            raise ConfigError("--sglang-tp-size and --weight-sync-port must be >= 0 and --verify-sync-tolerance > 0")
         if self.rollout_servers and self.rollout_backend != "sglang":
             raise ConfigError(f"--rollout-servers needs --rollout-backend sglang, got {self.rollout_backend}")
         if self.rollout_temperature <= 0:
@@ -99,33 +123,71 @@ class DataConfig:
     apply_chat_template: bool = _f(False, "render string prompts too through the chat template, as one user message")
     label_key: str = _f("answer", "field of a data row that holds the ground truth given to the verifier")
     verifier_key: str = _f("verifier", "field of a data row that names its verifier")
-    default_verifier: str = _f("", "verifier for rows without a verifier field; empty = such rows are an error")
-    reward_workers: int = _f(0, "reward worker processes scoring each batch (-1 = one per CPU, at most 16); 0 = "
-                             "score in the trainer process, each verifier under its own time budget")
-    reward_timeout: float = _f(10.0, "seconds one sample may take in a reward worker before it scores 0 as a timeout")
+    default_verifier: str = _name("", "verifier for rows without a verifier field; empty = such rows are an error",
+                                  "megarl.verifiers:verifier_names")
     rollout_batch_size: int = _f(8, "prompts per step, over all data-parallel ranks")
     shuffle: bool = _f(True, "shuffle prompts each epoch (seeded by --seed; a new order every epoch)")
 
     def __post_init__(self):
         _positive(self, "rollout_batch_size")
+
+
+@dataclass
+class RewardConfig:
+    reward_workers: int = _f(0, "reward worker processes scoring each batch (-1 = one per CPU, at most 16); 0 = "
+                             "score in the trainer process, each verifier under its own time budget")
+    reward_timeout: float = _f(10.0, "seconds one sample may take in a reward worker before it scores 0 as a timeout")
+    code_reward: Literal["all", "fraction"] = _f("all", "code verifier: reward 1 only when every test passes, or the "
+                                                 "share of tests passed")
+    code_early_stop: bool = _f(False, "code verifier: stop a row's tests at the first failure")
+    code_extract: Literal["last", "first", "none"] = _f(
+        "last", "code verifier: the program is the last (or first) fenced code block of the response, or the whole "
+        "response (none)")
+    code_test_seconds: float = _f(5.0, "code verifier: seconds each test may run, unless its row sets time_s")
+    code_memory_mb: int = _f(1024, "code verifier: memory a program may use, unless its row sets memory_mb")
+    math_strategy: Literal["lenient", "strict"] = _f("lenient", "math verifier: answer extraction (strict: the last "
+                                                     "\\boxed{} only)")
+
+    def __post_init__(self):
         if self.reward_workers < -1:
             raise ConfigError(f"--reward-workers must be -1 (one per CPU), 0 (in process) or more, got {self.reward_workers}")
-        if self.reward_timeout <= 0:
-            raise ConfigError(f"--reward-timeout must be > 0 seconds, got {self.reward_timeout}")
+        if self.reward_timeout <= 0 or self.code_test_seconds <= 0:
+            raise ConfigError(f"--reward-timeout and --code-test-seconds must be > 0 seconds, got "
+                              f"{self.reward_timeout} and {self.code_test_seconds}")
+        _positive(self, "code_memory_mb")
+
+
+@dataclass
+class SandboxConfig:
+    sandbox: Literal["local", "docker"] = _f("local", "where the code verifier runs programs: local (namespaces, "
+                                             "Landlock, seccomp; nothing to install) or docker (a pool of hardened "
+                                             "containers; make sandbox-image)")
+    sandbox_workers: int = _f(1, "sandbox workers per verifying process (each reward worker runs one job at a time)")
+    sandbox_image: str = _f("", "--sandbox docker: the image; empty = the one tools/build_sandbox_image.py builds")
+
+    def __post_init__(self):
+        _positive(self, "sandbox_workers")
+
+
+@dataclass
+class PluginConfig:
+    plugins: str = _f("", "comma-separated Python modules (or .py files) imported before anything else, in the "
+                      "trainer and in every reward worker: what they register (verifiers, rollout functions, "
+                      "advantage estimators, policy losses, backends) is usable by name")
 
 
 @dataclass
 class AlgorithmConfig:
-    advantage_estimator: Literal["grpo", "dr_grpo", "rloo", "reinforce_pp", "reinforce_pp_baseline", "gae"] = _f(
-        "grpo", "advantage estimator (gae: PPO with a critic, trained colocated with the actor)")
-    policy_loss: Literal["clip", "dual_clip", "gspo"] = _f("clip", "policy loss")
+    advantage_estimator: str = _name("grpo", "advantage estimator (gae: PPO with a critic, trained colocated with "
+                                     "the actor)", "megarl.algorithms:advantage_names")
+    policy_loss: str = _name("clip", "policy loss", "megarl.algorithms:policy_loss_names")
     eps_clip: float = _f(0.2, "PPO clip range, lower side")
     eps_clip_high: float = _f(0.2, "PPO clip range, upper side (DAPO clip-higher when larger)")
     clip_ratio_c: float = _f(3.0, "dual-clip cap: a negative-advantage token's loss is at most -c * A (c > 1)")
     tis_cap: float = _f(0.0, "truncated importance sampling against the rollout engine's log-probs: weight cap "
                         "(e.g. 2.0); 0 = off")
     kl_coef: float = _f(0.0, "weight of the KL(actor || reference) penalty; 0 runs no reference model")
-    kl_estimator: Literal["k1", "k2", "k3"] = _f("k3", "KL estimator")
+    kl_estimator: str = _name("k3", "KL estimator", "megarl.algorithms:kl_names")
     kl_in_reward: bool = _f(False, "fold the KL penalty into the reward (kl_coef * summed per-token KL of each "
                             "response) instead of adding it to the loss")
     entropy_coef: float = _f(0.0, "entropy bonus weight (0 = off; entropy is reported either way)")
@@ -164,7 +226,9 @@ class AlgorithmConfig:
 @dataclass
 class TrainingConfig:
     num_steps: int = _f(100, "rollout + update steps")
-    max_train_minutes: float = _f(0.0, "stop after this much wall time (0 = no limit); the last step is saved")
+    max_train_minutes: float = _f(0.0, "stop after this much wall time (0 = no limit), saying so; the learning-rate "
+                                  "schedule stays set for --num-steps, so a stopped run has not finished it; the "
+                                  "last step is saved")
     lr: float = _f(1e-6, "Adam learning rate")
     min_lr: float = _f(0.0, "learning rate at the end of the decay")
     lr_warmup_steps: int = _f(0, "linear warmup steps")
@@ -232,17 +296,40 @@ class Config:
     model: ModelConfig
     rollout: RolloutConfig
     data: DataConfig
+    reward: RewardConfig
+    sandbox: SandboxConfig
     algorithm: AlgorithmConfig
     training: TrainingConfig
     checkpoint: CheckpointConfig
     logging: LoggingConfig
+    plugins: PluginConfig
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
 
+    def __post_init__(self):
+        """Rules across sections (rules within one live in its own `__post_init__`)."""
+        if self.training.max_tokens_per_micro_batch and self.model.pipeline_model_parallel_size > 1:
+            raise ConfigError("--max-tokens-per-micro-batch needs --pipeline-model-parallel-size 1 (pipeline stages "
+                              f"exchange fixed-shape micro-batches), got {self.model.pipeline_model_parallel_size}")
 
-SECTIONS: dict[str, type] = {"model": ModelConfig, "rollout": RolloutConfig, "data": DataConfig, "algorithm": AlgorithmConfig,
-            "training": TrainingConfig, "checkpoint": CheckpointConfig, "logging": LoggingConfig}
+
+SECTIONS: dict[str, type] = {
+    "model": ModelConfig, "rollout": RolloutConfig, "data": DataConfig, "reward": RewardConfig,
+    "sandbox": SandboxConfig, "algorithm": AlgorithmConfig, "training": TrainingConfig,
+    "checkpoint": CheckpointConfig, "logging": LoggingConfig, "plugins": PluginConfig,
+}
+
+
+def verifier_options(r: RewardConfig, sb: SandboxConfig) -> dict[str, dict]:
+    """The keyword arguments each built-in verifier is built with, from the reward and sandbox flags: the one
+    way these settings reach verifiers, in the trainer, in every reward worker and in `megarl-verify`."""
+    return {
+        "code": dict(reward=r.code_reward, early_stop=r.code_early_stop, extract=r.code_extract,
+                     backend=sb.sandbox, workers=sb.sandbox_workers, time_s=r.code_test_seconds,
+                     memory_mb=r.code_memory_mb, image=sb.sandbox_image or None),
+        "math": dict(strategy=r.math_strategy),
+    }
 
 
 def _positive(obj, *names):
@@ -261,6 +348,7 @@ class FlagSpec:
     name: str  # dataclass field
     type: Any
     help: str
+    names: str = ""  # for a field naming a registry entry: the `module:function` listing the valid names
 
     @property
     def flag(self) -> str:
@@ -272,7 +360,7 @@ def flag_specs() -> dict[str, FlagSpec]:
     for section, cls in SECTIONS.items():
         hints = typing.get_type_hints(cls)
         for f in dataclasses.fields(cls):
-            spec = FlagSpec(section, f.name, hints[f.name], f.metadata.get("help", ""))
+            spec = FlagSpec(section, f.name, hints[f.name], f.metadata.get("help", ""), f.metadata.get("names", ""))
             out[spec.flag] = spec
     return out
 
@@ -297,10 +385,13 @@ def _convert(spec: FlagSpec, raw: str, where: str):
         raise ConfigError(f"{where}: {spec.flag} expects {t.__name__}, got {raw!r}") from None
 
 
-def parse_flags(tokens: list[str], where: str, values: dict[str, Any] | None = None) -> dict[str, Any]:
-    """Apply `--flag value` / `--flag=value` / `--bool-flag` / `--no-bool-flag` tokens onto `values`."""
+def parse_flags(tokens: list[str], where: str, values: dict[str, Any] | None = None,
+                origins: dict[str, str] | None = None) -> dict[str, Any]:
+    """Apply `--flag value` / `--flag=value` / `--bool-flag` / `--no-bool-flag` tokens onto `values`; `origins`
+    (when given) records where each value came from."""
     specs = flag_specs()
     values = dict(values or {})
+    origins = origins if origins is not None else {}
     i = 0
     while i < len(tokens):
         tok = tokens[i]
@@ -319,10 +410,10 @@ def parse_flags(tokens: list[str], where: str, values: dict[str, Any] | None = N
         if spec.type is bool and not eq:
             nxt = tokens[i + 1] if i + 1 < len(tokens) else None
             if nxt is not None and nxt.lower() in ("true", "false", "1", "0", "yes", "no", "on", "off") and not negated:
-                values[spec.name] = _convert(spec, nxt, where)
+                values[spec.name], origins[spec.name] = _convert(spec, nxt, where), where
                 i += 2
                 continue
-            values[spec.name] = not negated
+            values[spec.name], origins[spec.name] = not negated, where
             i += 1
             continue
         if eq:
@@ -333,8 +424,42 @@ def parse_flags(tokens: list[str], where: str, values: dict[str, Any] | None = N
                 raise ConfigError(f"{where}: {name} needs a value")
             raw = tokens[i + 1]
             i += 2
-        values[spec.name] = _convert(spec, raw, where)
+        values[spec.name], origins[spec.name] = _convert(spec, raw, where), where
     return values
+
+
+def _valid_names(spec: FlagSpec) -> list[str]:
+    module, _, function = spec.names.partition(":")
+    return list(getattr(importlib.import_module(module), function)())
+
+
+def check_names(cfg: Config, origins: dict[str, str] | None = None) -> None:
+    """Every flag that names a registry entry names a registered one (import `--plugins` first), and the rules
+    registry entries declare: a backend's requirements, an estimator's needs."""
+    from megarl.algorithms import get_advantage
+    from megarl.rollout.backends import get_backend
+
+    origins = origins or {}
+    for spec in flag_specs().values():
+        value = getattr(getattr(cfg, spec.section), spec.name)
+        if spec.names and value != "" and value not in (valid := _valid_names(spec)):
+            where = origins.get(spec.name, "default")
+            raise ConfigError(f"{where}: {spec.flag} {value!r} is not registered; choose one of: {', '.join(valid)} "
+                              "(--plugins imports modules that register more)")
+    get_backend(cfg.rollout.rollout_backend).check(cfg)
+    if get_advantage(cfg.algorithm.advantage_estimator).needs.critic and cfg.model.context_parallel_size > 1:
+        raise ConfigError(f"--context-parallel-size > 1 is not supported with --advantage-estimator "
+                          f"{cfg.algorithm.advantage_estimator}: its critic is built without context parallelism")
+
+
+def load_plugin_modules(cfg: Config) -> tuple[str, ...]:
+    """Import `--plugins` (idempotent); their module names, for worker processes to import in turn."""
+    from megarl.registry import load_plugins
+
+    try:
+        return load_plugins(cfg.plugins.plugins)
+    except ValueError as e:
+        raise ConfigError(str(e)) from None
 
 
 def build_config(values: dict[str, Any]) -> Config:
@@ -348,8 +473,8 @@ def build_config(values: dict[str, Any]) -> Config:
 # ---------------------------------------------------------------------------------------------------------
 # Recipes.
 
-ARRAY_ORDER = ("MODEL_ARGS", "ROLLOUT_ARGS", "DATA_ARGS", "ALGORITHM_ARGS", "TRAINING_ARGS", "CHECKPOINT_ARGS",
-               "LOGGING_ARGS", "EVAL_ARGS")
+ARRAY_ORDER = ("MODEL_ARGS", "ROLLOUT_ARGS", "DATA_ARGS", "REWARD_ARGS", "ALGORITHM_ARGS", "TRAINING_ARGS",
+               "CHECKPOINT_ARGS", "LOGGING_ARGS", "EVAL_ARGS", "PLUGIN_ARGS")
 
 _DUMP = r"""
 set -e
@@ -381,15 +506,22 @@ def read_recipe(path: str | os.PathLike) -> list[str]:
     return [t for t in proc.stdout.split("\0") if t != ""]
 
 
-def parse_args(argv: list[str]) -> Config:
-    """`[recipe.sh] [--flag value ...]` -> Config. Raises ConfigError naming the problem."""
+def parse_args(argv: list[str], check_registries: bool = True) -> Config:
+    """`[recipe.sh] [--flag value ...]` -> Config. Raises ConfigError naming the problem. With `check_registries`
+    (the trainer) `--plugins` are imported and named entries checked against their registries (`check_names`);
+    without, nothing beyond the standard library is imported (the launch scripts' pre-flight check)."""
     values: dict[str, Any] = {}
+    origins: dict[str, str] = {}
     rest = list(argv)
     if rest and not rest[0].startswith("--"):
         recipe = rest.pop(0)
-        values = parse_flags(read_recipe(recipe), f"recipe {recipe}", values)
-    values = parse_flags(rest, "command line", values)
-    return build_config(values)
+        values = parse_flags(read_recipe(recipe), f"recipe {recipe}", values, origins)
+    values = parse_flags(rest, "command line", values, origins)
+    cfg = build_config(values)
+    if check_registries:
+        load_plugin_modules(cfg)
+        check_names(cfg, origins)
+    return cfg
 
 
 def help_text() -> str:
@@ -400,6 +532,8 @@ def help_text() -> str:
             if spec.section == section:
                 t = spec.type
                 kind = "|".join(typing.get_args(t)) if typing.get_origin(t) is Literal else t.__name__
+                if spec.names:
+                    kind = "|".join(_valid_names(spec))
                 default = next(f.default for f in dataclasses.fields(cls) if f.name == spec.name)
                 lines.append(f"  {spec.flag} <{kind}> (default {default!r}): {spec.help}")
     return "\n".join(lines)

@@ -8,16 +8,19 @@ training run.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 import os
 import sys
 import time
 from pathlib import Path
-from typing import Any, Protocol, Sequence
+from typing import Protocol, Sequence
 
 import torch
 import torch.distributed as dist
+
+from megarl.types import TrainBatch
 
 # Per-phase seconds that train.py records in each row, in loop order, with the names the console line uses.
 PHASES: tuple[tuple[str, str], ...] = (("t_generate", "rollout"), ("t_reward", "reward"), ("t_logprobs", "logp"),
@@ -208,15 +211,42 @@ class MetricsLog:
         self.sinks = []
 
 
-def rollout_sample_rows(step: int, samples: Sequence, prompts: Sequence, limit: int) -> list[dict]:
+def rollout_sample_rows(step: int, samples: Sequence, prompts: Sequence, limit: int,
+                        batch: TrainBatch | None = None) -> list[dict]:
     """The first `limit` samples of a rollout (whole groups first, as samples are stored group by group) as
-    plain rows. `prompts` is the dataset, indexed by each sample's `prompt_index`."""
-    return [
-        {"step": step, "prompt_index": s.prompt_index, "prompt": prompts[s.prompt_index].prompt,
-         "response": s.response_text, "reward": float(s.reward), "outcome": s.outcome,
-         "advantage": float(s.advantage), "response_len": len(s.response_ids), "finish_reason": s.finish_reason}
-        for s in list(samples)[:limit]
-    ]
+    plain rows. `prompts` is the dataset, indexed by each sample's `prompt_index`. With the step's `batch`, the
+    reward is the final one and each row gets its advantage (per-token advantages: their mean over the loss mask)."""
+    rows = []
+    for i, s in enumerate(list(samples)[:limit]):
+        row = {"step": step, "prompt_index": s.prompt_index, "prompt": prompts[s.prompt_index].prompt,
+               "response": s.response_text, "reward": float(s.reward), "outcome": s.outcome,
+               "advantage": None, "response_len": len(s.response_ids), "status": s.status.value,
+               "weight_version": s.weight_version, **s.metadata}
+        if batch is not None:
+            adv, mask = batch.advantages[i], batch.loss_mask[i]
+            row["reward"] = float(batch.rewards[i])
+            row["advantage"] = float(adv) if adv.dim() == 0 else float((adv * mask).sum() / mask.sum().clamp(min=1))
+        rows.append(row)
+    return rows
+
+
+class PhaseTimer:
+    """Seconds of a step's phases, by their metric names (`PHASES`): `with timer("t_update"): ...`."""
+
+    def __init__(self):
+        self.seconds: dict[str, float] = {}
+
+    @contextlib.contextmanager
+    def __call__(self, name: str):
+        start = time.perf_counter()
+        try:
+            yield
+        finally:
+            self.add(**{name: time.perf_counter() - start})
+
+    def add(self, **seconds: float) -> None:
+        for name, value in seconds.items():
+            self.seconds[name] = self.seconds.get(name, 0.0) + value
 
 
 # -- the console line ------------------------------------------------------------------------------------------

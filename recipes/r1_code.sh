@@ -6,9 +6,8 @@
 # cases, or {"test", "entry_point"} for function-style tests; `verifier` is "code"):
 #   python tools/prepare_data.py code-contests <code_contests_train.parquet> $DATA_DIR/train.jsonl
 #   python tools/prepare_data.py humaneval <HumanEval.jsonl> $DATA_DIR/humaneval.jsonl
-# The response is the whole program, bare or in a ```python block. The sandbox that runs it is chosen in the
-# environment of the run (a recipe cannot set it: bash reads recipes in a child process): MEGARL_SANDBOX=local
-# (default) or docker (with MEGARL_SANDBOX_IMAGE), MEGARL_CODE_REWARD=all|fraction; docs/guide.md, "Sandbox choice".
+# The response is the whole program, bare or in a ```python block; REWARD_ARGS choose how it is judged and the
+# sandbox it runs in (docs/guide.md, "Sandbox choice").
 # Needs CUDA GPUs, SGLang and Transformer Engine; on a CPU machine it stops at once with a message saying so.
 # Size it before launching: python tools/plan.py recipes/r1_code.sh --gpus 8
 REPO_ROOT=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
@@ -28,6 +27,12 @@ DATA_ARGS=(
   --eval-data "$DATA_DIR/humaneval.jsonl"
   --default-verifier code
   --rollout-batch-size 64
+)
+
+REWARD_ARGS=(
+  --code-reward all             # 1 only when every test passes; fraction: the share of tests passed
+  --sandbox local               # docker: a pool of hardened containers (make sandbox-image; --sandbox-image)
+  --sandbox-workers 1           # sandbox workers per verifying process
 )
 
 ALGORITHM_ARGS=(

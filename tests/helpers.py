@@ -30,6 +30,27 @@ def make_tiny_hf_model(out: Path, family: str = "qwen2", tie: bool = False, seed
     return out
 
 
+def build_test_starter() -> Path:
+    """A briefly pre-trained starter model and its data, built by the real tool (300 steps).
+
+    Built once per checkout under `.cache/test-starter-<hash of the tool and the task>` and reused by later
+    sessions: the build is deterministic (a fixed step count) and atomic (the tool renames a finished directory
+    into place), so a cached copy is exactly what a fresh build would give. A change to the tool or the task
+    changes the hash and triggers a rebuild."""
+    import hashlib
+
+    sources = [REPO / "tools/make_starter_model.py", REPO / "megarl/tasks/arithmetic.py"]
+    digest = hashlib.sha256(b"".join(p.read_bytes() for p in sources)).hexdigest()[:12]
+    out = REPO / ".cache" / f"test-starter-{digest}"
+    if not (out / "model.safetensors").exists():
+        proc = subprocess.run([sys.executable, str(REPO / "tools/make_starter_model.py"), "--out", str(out),
+                               "--steps", "300", "--overwrite"],
+                              env=env(), cwd=REPO, timeout=600, capture_output=True, text=True)
+        if proc.returncode != 0 and not (out / "model.safetensors").exists():  # a concurrent session may have won
+            raise AssertionError(f"building the test starter failed:\n{proc.stderr[-3000:]}")
+    return out
+
+
 def env() -> dict:
     e = dict(os.environ)
     e["PYTHONPATH"] = str(REPO) + os.pathsep + e.get("PYTHONPATH", "")
@@ -39,11 +60,12 @@ def env() -> dict:
 
 
 def torchrun(nproc: int, script: str, *args: str, timeout: float = 300, check: bool = True,
-             port: int | None = None) -> subprocess.CompletedProcess:
+             port: int | None = None, extra_env: dict | None = None) -> subprocess.CompletedProcess:
     """Run `script` under torchrun on `nproc` CPU processes; a hang fails after `timeout` seconds."""
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(nproc),
            "--master-port", str(port or _free_port()), script, *map(str, args)]
-    proc = subprocess.run(cmd, cwd=REPO, env=env(), capture_output=True, text=True, timeout=timeout)
+    proc = subprocess.run(cmd, cwd=REPO, env={**env(), **(extra_env or {})}, capture_output=True, text=True,
+                          timeout=timeout)
     if check and proc.returncode != 0:
         raise AssertionError(f"{' '.join(cmd)} failed with {proc.returncode}:\n{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}")
     return proc

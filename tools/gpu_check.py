@@ -97,22 +97,44 @@ def _peak() -> int:
     return _PEAK[0]
 
 
-def _sync(steps, actor, engine, version, cfg) -> dict:
+def _sync(sync, version) -> dict:
     _peak()
     t = time.perf_counter()
-    m = steps.sync_weights(actor, engine, version=version, cfg=cfg)
+    m = sync(version=version)
     m["sync_total_seconds"] = time.perf_counter() - t  # export (gather + convert) + push + probe check
     return m
+
+
+class _EvenTokens:
+    """A synthetic verifiable reward (a `RewardFn`): the share of even token ids in the response."""
+
+    restarts = 0
+
+    def __call__(self, samples, records):
+        from megarl.verifiers import VerifyResult
+
+        return [VerifyResult(sum(1 for x in s.response_ids if x % 2 == 0) / max(len(s.response_ids), 1), "correct")
+                for s in samples]
+
+
+class _NoText:
+    def decode(self, ids, skip_special_tokens=True) -> str:
+        return ""
 
 
 def grpo_part(args, hf_config: dict, *, bf16: bool, offload: bool, use_te: bool | None, engine=None,
               steps_count: int | None = None, engine_factory=None, **flags) -> dict:
     """A few GRPO steps through megarl's own step functions and the colocation cycle; returns the figures."""
-    from megarl import steps
     from megarl.mcore.actor import MegatronPolicy
+    from megarl.mcore.parallel import parallel_info
     from megarl.model_shape import ModelShape
+    from megarl.rollout import single_turn
     from megarl.rollout.builtin import BuiltinEngine
-    from megarl.samples import generate, to_train_batch
+    from megarl.stages.algorithm import Algorithm, LogProbs, pack
+    from megarl.stages.colocation import WeightSync, enter_rollout, enter_training
+    from megarl.stages.setup import optim_config
+    from megarl.stages.update import update as update_actor
+    from megarl.types import RolloutBatch
 
     cuda = torch.cuda.is_available()
     if cuda:
@@ -123,7 +145,7 @@ def grpo_part(args, hf_config: dict, *, bf16: bool, offload: bool, use_te: bool 
     cfg = _config(args, bf16=bf16, offload_optimizer=offload, offload_params=offload,
                   verify_sync_tolerance=0.05 if bf16 else 1e-3, **flags)
     t0 = time.perf_counter()
-    actor = MegatronPolicy(shape, tp=1, pp=1, trainable=True, bf16=bf16, optim=steps.optim_config(cfg.training),
+    actor = MegatronPolicy(shape, tp=1, pp=1, trainable=True, bf16=bf16, optim=optim_config(cfg.training),
                            use_transformer_engine=use_te)
     if engine_factory is not None:
         engine = engine_factory(actor)
@@ -132,49 +154,48 @@ def grpo_part(args, hf_config: dict, *, bf16: bool, offload: bool, use_te: bool 
                                dtype=torch.bfloat16 if bf16 and cuda else torch.float32)
     build_s = time.perf_counter() - t0
     out = {"parameters": sum(p.numel() for p in actor.model.parameters()), "build_seconds": build_s, "steps": []}
-    out["initial_sync"] = _sync(steps, actor, engine, 0, cfg)
+    info = parallel_info()
+    sync, algorithm = WeightSync(actor, engine, cfg.rollout, info), Algorithm(cfg, info, None, None)
+    out["initial_sync"] = _sync(sync, 0)
     from megarl.rollout.base import SamplingParams
 
     for step in range(steps_count or args.steps):
         row = {}
         t_step = time.perf_counter()
         mem0 = torch.cuda.memory_allocated() if cuda else 0
-        steps.enter_rollout(actor, engine, cfg)
+        enter_rollout(actor, engine, cfg.training)
         row["offload_freed_mib"] = ((mem0 - torch.cuda.memory_allocated()) / 2**20) if cuda else 0.0
         prompts = _prompts(shape.vocab_size, args.prompts, step)
         sp = SamplingParams(n=args.samples, temperature=1.0, max_new_tokens=args.response_len, seed=step)
         t = time.perf_counter()
-        rollout = generate(engine, prompts, sp)
+        rollout = RolloutBatch(single_turn(engine, prompts, sp, _EvenTokens(), _NoText()), sp.n)
         if cuda:
             torch.cuda.synchronize()
         gen_s = time.perf_counter() - t
         tokens = sum(len(s.response_ids) for s in rollout.samples)
-        for s in rollout.samples:  # synthetic verifiable reward: the share of even token ids
-            s.reward = sum(1 for x in s.response_ids if x % 2 == 0) / max(len(s.response_ids), 1)
-        steps.compute_advantages(rollout, cfg.algorithm)
-        steps.enter_training(actor, engine, cfg)
-        batch = to_train_batch(rollout.samples, pad_id=0)
+        enter_training(actor, engine)
+        batch, _ = algorithm.train_batch(rollout, pack(rollout.samples, pad_id=0), LogProbs(None, None))
         t = time.perf_counter()
-        update = steps.update(actor, batch, cfg)
+        update = update_actor(actor, batch, cfg.algorithm, cfg.training, cfg.rollout)
         if cuda:
             torch.cuda.synchronize()
         train_s = time.perf_counter() - t
-        sync = _sync(steps, actor, engine, step + 1, cfg)
-        row.update(step=step + 1, reward=float(rollout.rewards().mean()), rollout_tokens=tokens,
+        sync_row = _sync(sync, step + 1)
+        row.update(step=step + 1, reward=float(batch.rewards.mean()), rollout_tokens=tokens,
                    rollout_seconds=gen_s, rollout_tokens_per_s=tokens / max(gen_s, 1e-9), train_seconds=train_s,
-                   grad_norm=update.get("grad_norm"), step_seconds=time.perf_counter() - t_step, **sync)
+                   grad_norm=update.get("grad_norm"), step_seconds=time.perf_counter() - t_step, **sync_row)
         out["steps"].append(row)
         log(f"    step {row['step']}: {row['step_seconds']:.2f} s | rollout {tokens} tok in {gen_s:.2f} s "
-            f"({row['rollout_tokens_per_s']:.0f} tok/s) | train {train_s:.2f} s | sync {sync['sync_seconds']:.3f} s "
-            f"push, {sync['sync_total_seconds']:.3f} s total, {sync['sync_bytes'] / 2**20:.1f} MiB in "
-            f"{sync['sync_buckets']} buckets | probe |dlogp| {sync['sync_probe_absdiff_mean']:.2e} | "
+            f"({row['rollout_tokens_per_s']:.0f} tok/s) | train {train_s:.2f} s | sync {row['sync_seconds']:.3f} s "
+            f"push, {row['sync_total_seconds']:.3f} s total, {row['sync_bytes'] / 2**20:.1f} MiB in "
+            f"{row['sync_buckets']} buckets | probe |dlogp| {row['sync_probe_absdiff_mean']:.2e} | "
             f"reward {row['reward']:.3f}")
-    steps.enter_rollout(actor, engine, cfg)
+    enter_rollout(actor, engine, cfg.training)
     out["peak_gpu_mib"] = _peak() / 2**20 if cuda else None
     from megarl.rollout.weight_sync import model_parameter_count
 
-    expected = model_parameter_count(shape) * (engine.dtype.itemsize if getattr(engine, "dtype", None) else 4)
-    if getattr(engine, "shares_actor_weights", False):
+    expected = model_parameter_count(shape) * (engine.dtype.itemsize if engine.dtype is not None else 4)
+    if engine.shares_actor_weights:
         expected = 0  # the engine generates with the actor's own parameters: a sync moves nothing
     out["sync_bytes_equal_parameter_bytes"] = all(r["sync_bytes"] == expected for r in out["steps"])
     out["parameter_bytes"] = expected
@@ -231,22 +252,24 @@ def sglang_part(args, budget: Budget, workdir: Path) -> dict:
 
 def dynamic_part(args) -> dict:
     """Megatron's dynamic engine: greedy parity with the built-in engine on the same bf16 weights, then GRPO steps."""
-    from megarl import steps
     from megarl.mcore.actor import MegatronPolicy
+    from megarl.mcore.inference_engine import MegatronEngine, megatron_engine_available
+    from megarl.mcore.parallel import parallel_info
     from megarl.model_shape import ModelShape
     from megarl.rollout.base import SamplingParams
     from megarl.rollout.builtin import BuiltinEngine
-    from megarl.rollout.mcore_engine import MegatronEngine, megatron_engine_available
+    from megarl.stages.colocation import WeightSync
+    from megarl.stages.setup import optim_config
 
     ok, why = megatron_engine_available()
     if not ok:
         return {"status": "skipped", "why": why}
     shape = ModelShape.from_hf_config(TINY)
     cfg = _config(args, bf16=True)
-    actor = MegatronPolicy(shape, tp=1, pp=1, trainable=True, bf16=True, optim=steps.optim_config(cfg.training),
+    actor = MegatronPolicy(shape, tp=1, pp=1, trainable=True, bf16=True, optim=optim_config(cfg.training),
                            use_transformer_engine=False)
     builtin = BuiltinEngine(TINY, device="cuda", dtype=torch.bfloat16)
-    steps.sync_weights(actor, builtin, version=0, cfg=cfg)
+    WeightSync(actor, builtin, cfg.rollout, parallel_info())(version=0)
     engine = MegatronEngine.for_actor(actor, max_sequence_length=256, buffer_size_gb=1.0, max_requests=64)
     prompts = [p.prompt_ids for p in _prompts(shape.vocab_size, args.prompts, 0)]
     greedy = SamplingParams(n=1, temperature=0.0, max_new_tokens=args.response_len)

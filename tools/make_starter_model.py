@@ -1,7 +1,7 @@
 """Build the tiny starter model of the CPU demo: a 2-layer Qwen2 that knows the arithmetic format but is only
 partly right, so that GRPO has something visible to improve in minutes on 2 cores.
 
-    python tools/make_starter_model.py --out DIR [--minutes 3.0] [--max-steps N] [--seed 0]
+    python tools/make_starter_model.py --out DIR [--steps 1760] [--seed 0] [--minutes M]
 
 DIR receives an HF checkpoint (config.json, model.safetensors, the tokenizer) plus `train.jsonl` (every problem
 not held out) and `heldout.jsonl` (the 200 held-out problems). Everything is written to a hidden sibling
@@ -11,15 +11,16 @@ How it departs from plain supervised pre-training, and why:
 - The loss covers the answer tokens and EOS only: the prompt is given at test time, so fitting it wastes steps.
 - Half of the training answers are replaced by c +/- 1..3 (kept non-negative), drawn afresh every time. The
   model learns the format and the rough size of the answer but cannot become reliably right, which leaves
-  headroom for RL (calibration: greedy ~57 %, sampled ~26 % held-out after 3 minutes). The noise also keeps it
+  headroom for RL (calibration: greedy ~57 %, sampled ~26 % held-out after 1,760 steps). The noise also keeps it
   from memorising: measured, clean answers for the first 75 % of 1,760 steps (then p = 0.75) drove the training
   loss to 4e-4 but gave only 40.5 % greedy / 16.5 % sampled on the held-out problems.
 - A 50-step linear warm-up, AdamW betas (0.9, 0.98) and no weight decay: measured at 1,000 steps, these take
   greedy held-out accuracy from ~8 % (no warm-up) or ~25 % (warm-up, default betas and decay) to ~45-50 %.
-- Training stops on wall time; the cosine schedule runs over the time budget (or --max-steps if that ends
-  sooner), so a slower machine still decays the learning rate to zero by the end. The result therefore depends
-  on the machine: 3 minutes on 2 idle cores gave 1,763 steps, greedy 58 %, sampled 22 %, clean format 100 %;
-  on 2 busy cores, 1,070 steps, greedy 43.5 %, sampled 20 %. Use --max-steps for a machine-independent build.
+- The build is bound by its step count only: the cosine schedule runs over exactly `--steps` steps, so every
+  machine builds the same model, only slower or faster. A schedule over wall time would tie the model to the
+  machine's load (measured with one: on 2 busy cores a 15-minute budget ended at 364 of 1,760 steps, 23.5 %
+  greedy / 13.6 % sampled, where the full build reaches 64 % / 24 %). `--minutes M` is a deadline, not a
+  budget: a build that passes it stops with a message and writes nothing.
 """
 
 from __future__ import annotations
@@ -46,6 +47,7 @@ WARMUP_STEPS = 50  # without it the model sits at a "predict the tens digit" pla
 ADAM_BETAS = (0.9, 0.98)  # measured better than (0.9, 0.999) for this short run; see the module docstring
 BATCH = 128
 NOISE_P = 0.5  # share of training answers replaced by a near miss
+STEPS = 1760  # ~3 minutes on 2 idle cores
 MAX_NEW_TOKENS = 6  # answers have at most 3 digits, then EOS; a little slack to see rambling
 VOCAB_MULTIPLE = 16
 
@@ -53,8 +55,9 @@ VOCAB_MULTIPLE = 16
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--out", required=True, type=Path, help="checkpoint directory to create")
-    p.add_argument("--minutes", type=float, default=3.0, help="wall-time budget for pre-training")
-    p.add_argument("--max-steps", type=int, default=None, help="stop after this many steps if sooner")
+    p.add_argument("--steps", type=int, default=STEPS, help="pre-training steps: the learning-rate schedule's length")
+    p.add_argument("--minutes", type=float, default=0.0, help="a deadline: past it the build stops and writes "
+                   "nothing (0 = none); it never shortens the schedule")
     p.add_argument("--seed", type=int, default=0, help="seed for the initial weights and the noisy answers")
     p.add_argument("--split-seed", type=int, default=0, help="seed of the held-out split")
     p.add_argument("--noise-p", type=float, default=NOISE_P, help="share of training answers replaced by a near miss")
@@ -117,26 +120,35 @@ def learning_rate(step: int, progress: float) -> float:
     return LR * min(1.0, (step + 1) / WARMUP_STEPS) * 0.5 * (1.0 + math.cos(math.pi * progress))
 
 
-def pretrain(model, tokenizer, train: list[Problem], minutes: float, max_steps: int | None, seed: int,
-             noise_p: float = NOISE_P) -> int:
-    """Causal-LM pre-training until the time budget or step limit; returns the number of steps taken."""
+class OutOfTime(RuntimeError):
+    """The build passed its --minutes deadline."""
+
+
+def pretrain(model, tokenizer, train: list[Problem], steps: int, seed: int, noise_p: float = NOISE_P,
+             minutes: float = 0.0) -> int:
+    """Causal-LM pre-training for `steps` steps, the schedule over exactly those steps; returns `steps`. With
+    `minutes` > 0, raises OutOfTime once that much wall time has passed (the schedule is never shortened)."""
     rng = random.Random(seed)
     optim = torch.optim.AdamW(model.parameters(), lr=LR, betas=ADAM_BETAS, weight_decay=0.0)
-    budget_s, start, step = minutes * 60.0, time.perf_counter(), 0
+    start = time.perf_counter()
     model.train()
-    while True:
-        progress = max((time.perf_counter() - start) / budget_s, step / max_steps if max_steps else 0.0)
-        if progress >= 1.0:
-            return step
+    for step in range(steps):
+        elapsed = time.perf_counter() - start
+        if minutes and elapsed > 60 * minutes:
+            raise OutOfTime(f"pre-training passed --minutes {minutes:g} at step {step} of {steps} "
+                            f"({elapsed / max(step, 1):.2f} s a step); nothing was written. The build is bound by its "
+                            "step count: run it without --minutes, or with a larger one")
         for group in optim.param_groups:
-            group["lr"] = learning_rate(step, progress)
+            group["lr"] = learning_rate(step, step / steps)
         loss = model(**make_batch(rng.sample(train, BATCH), tokenizer, rng, noise_p), use_cache=False).loss
         optim.zero_grad(set_to_none=True)
         loss.backward()
         optim.step()
-        step += 1
-        if step % 100 == 0:
-            print(f"step {step:5d}  loss {loss.item():.4f}  lr {optim.param_groups[0]['lr']:.2e}", flush=True)
+        if (step + 1) % 100 == 0:
+            pace = (time.perf_counter() - start) / (step + 1)
+            print(f"step {step + 1:5d}/{steps}  loss {loss.item():.4f}  lr {optim.param_groups[0]['lr']:.2e}  "
+                  f"({pace:.2f} s a step, ~{pace * (steps - step - 1) / 60:.1f} min left)", flush=True)
+    return steps
 
 
 @torch.no_grad()
@@ -191,7 +203,7 @@ def build(tmp: Path, args: argparse.Namespace) -> None:
     print(f"problems: {len(train)} train, {len(heldout)} held out")
 
     start = time.perf_counter()
-    steps = pretrain(model, tokenizer, train, args.minutes, args.max_steps, args.seed, args.noise_p)
+    steps = pretrain(model, tokenizer, train, args.steps, args.seed, args.noise_p, minutes=args.minutes)
     seconds = time.perf_counter() - start
     print(f"pre-trained {steps} steps in {seconds:.1f} s ({seconds / max(steps, 1):.3f} s/step)")
 
@@ -219,6 +231,8 @@ def main(argv: list[str] | None = None) -> None:
             shutil.rmtree(out)
         tmp.rename(out)
         print(f"wrote {out}")
+    except OutOfTime as e:
+        sys.exit(f"make_starter_model: {e}")
     finally:
         if tmp.exists():
             shutil.rmtree(tmp)

@@ -124,7 +124,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--mfu", type=float, default=0.35, help="training model-FLOPs utilisation")
     args = ap.parse_args(own)
     try:
-        cfg = parse_args([args.recipe, *flags] if args.recipe else flags)
+        cfg = parse_args([args.recipe, *flags] if args.recipe else flags, check_registries=False)
         shape = load_shape(args.model, args.recipe, cfg.model.hf_checkpoint)
     except (ConfigError, ValueError, FileNotFoundError) as e:
         print(f"plan: {e}", file=sys.stderr)

@@ -1,18 +1,27 @@
 """Advantage estimators: rewards of G completions per prompt in, one advantage per completion out.
 
 Every estimator has one signature, `fn(rewards: Tensor[num_groups, group_size], eps: float, **inputs) -> Tensor`,
-and is registered by name with `@register_advantage(...)`; the trainer looks it up with `get_advantage_fn(name)`
-and never switches on the name itself. Outcome estimators (GRPO, Dr. GRPO, RLOO, REINFORCE++) return one
-advantage per completion, shape [num_groups, group_size], and ignore `inputs`; token-level estimators (GAE with a
-critic) read what they need from `inputs` (values, masks, discounting) and return [num_completions, T]. Row `g` of `rewards` holds the rewards of the
-completions sampled for prompt `g`. The advantage is one scalar per completion, broadcast over its tokens by
-the policy loss.
+and is registered by name with `@register_advantage(name, needs=Needs(...))`; the trainer looks it up with
+`get_advantage(name)` and never switches on the name itself. `Needs` declares what the estimator uses besides the
+rewards, and the trainer provides exactly that (`megarl.stages.advantages`):
+
+- nothing: outcome estimators (GRPO, Dr. GRPO, RLOO, REINFORCE++) return one advantage per completion,
+  [num_groups, group_size], broadcast over its tokens by the policy loss, and ignore `inputs`;
+- `critic`: a learned value model; its per-token values arrive as `inputs["values"]` and it is trained on
+  `advantages + values` (GAE, `gae.py`);
+- `reference`: the frozen reference model's per-token log-probs, as `inputs["ref_logp"]` (a reference is run for
+  it even without a KL penalty);
+- `token_level`: the result is per token, [num_completions, T], aligned with `inputs["mask"]` (the response
+  tokens); such estimators also get the discounting `gamma` and `lam` (`--gae-gamma`, `--gae-lambda`).
+
+Row `g` of `rewards` holds the rewards of the completions sampled for prompt `g`.
 
 Rewards must be finite: turning unscorable samples into a reward (or dropping them) is the scorer's job.
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Callable, Protocol
 
 import torch
@@ -25,17 +34,50 @@ class AdvantageFn(Protocol):
     def __call__(self, rewards: Tensor, eps: float = ..., **inputs) -> Tensor: ...
 
 
-_ADVANTAGES: Registry[AdvantageFn] = Registry("advantage estimator")
+@dataclass(frozen=True)
+class Needs:
+    """What an advantage estimator uses besides the rewards (see the module docstring)."""
+
+    critic: bool = False
+    reference: bool = False
+    token_level: bool = False
 
 
-def register_advantage(name: str) -> Callable[[AdvantageFn], AdvantageFn]:
-    """Register an advantage estimator under `name` (a second registration of a name is an error)."""
-    return _ADVANTAGES.register(name)
+@dataclass(frozen=True)
+class AdvantageEstimator:
+    name: str
+    fn: AdvantageFn
+    needs: Needs
+
+
+_ADVANTAGES: Registry[AdvantageEstimator] = Registry("advantage estimator")
+
+
+def register_advantage(name: str, needs: Needs = Needs()) -> Callable[[AdvantageFn], AdvantageFn]:
+    """Register an advantage estimator under `name`, with what it needs (a second registration of a name is an
+    error)."""
+    if needs.critic and not needs.token_level:
+        raise ValueError(f"advantage estimator {name!r}: a critic gives per-token values; declare token_level=True")
+
+    def decorate(fn: AdvantageFn) -> AdvantageFn:
+        _ADVANTAGES.register(name)(AdvantageEstimator(name, fn, needs))
+        return fn
+
+    return decorate
+
+
+def get_advantage(name: str) -> AdvantageEstimator:
+    """The estimator registered as `name`; an unknown name raises ValueError listing the valid ones."""
+    return _ADVANTAGES.get(name)
 
 
 def get_advantage_fn(name: str) -> AdvantageFn:
-    """The estimator registered as `name`; an unknown name raises ValueError listing the valid ones."""
-    return _ADVANTAGES.get(name)
+    """The function of the estimator registered as `name`."""
+    return _ADVANTAGES.get(name).fn
+
+
+def advantage_names() -> list[str]:
+    return _ADVANTAGES.names()
 
 
 def _check_grouped(rewards: Tensor) -> Tensor:

@@ -21,7 +21,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from megarl.algorithms.advantages import register_advantage
+from megarl.algorithms.advantages import Needs, register_advantage
 
 
 def terminal_token_rewards(scores: Tensor, mask: Tensor, kl: Tensor | None = None, kl_coef: float = 0.0) -> Tensor:
@@ -69,7 +69,7 @@ def compute_gae(rewards: Tensor, values: Tensor, mask: Tensor, gamma: float = 1.
     return advantages, returns
 
 
-@register_advantage("gae")
+@register_advantage("gae", needs=Needs(critic=True, token_level=True))
 def compute_gae_advantages(rewards: Tensor, eps: float = 1e-6, *, values: Tensor | None = None,
                            mask: Tensor | None = None, gamma: float = 1.0, lam: float = 1.0, kl: Tensor | None = None,
                            kl_coef: float = 0.0, **inputs) -> Tensor:

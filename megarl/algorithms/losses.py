@@ -49,6 +49,10 @@ def get_policy_loss_fn(name: str) -> PolicyLossFn:
     return _POLICY_LOSSES.get(name)
 
 
+def policy_loss_names() -> list[str]:
+    return _POLICY_LOSSES.names()
+
+
 def register_kl(name: str) -> Callable[[KLFn], KLFn]:
     """Register a per-token KL estimator `fn(logp, ref_logp) -> Tensor` under `name`."""
     return _KL_ESTIMATORS.register(name)
@@ -57,6 +61,10 @@ def register_kl(name: str) -> Callable[[KLFn], KLFn]:
 def get_kl_fn(name: str) -> KLFn:
     """The KL estimator registered as `name`; an unknown name raises ValueError listing the valid ones."""
     return _KL_ESTIMATORS.get(name)
+
+
+def kl_names() -> list[str]:
+    return _KL_ESTIMATORS.names()
 
 
 # KL(actor || reference) estimators from samples of the actor (Schulman, "Approximating KL divergence", 2020).
@@ -202,7 +210,8 @@ def policy_loss_gspo(
     log_ratio = torch.where(mask, logp - old_logp, torch.zeros_like(logp))
     counts = mask.sum(dim=-1, keepdim=True).clamp(min=1)
     seq_log_ratio = (log_ratio.sum(dim=-1, keepdim=True) / counts).detach()
-    ratio = torch.exp(seq_log_ratio + logp - logp.detach())
+    safe = torch.where(mask, logp, torch.zeros_like(logp))  # padding may hold -inf: inf - inf would be NaN
+    ratio = torch.exp(seq_log_ratio + safe - safe.detach())
     ratio = torch.where(mask, ratio, torch.ones_like(ratio))
     return _clipped_surrogate(ratio, adv, mask, clip_low, clip_high)
 

@@ -2,6 +2,11 @@
 
     megarl-verify rows.jsonl --verifier math [--response-key response] [--gold-key gold] [--label-key label]
                   [--category-key category] [--output scored.jsonl] [--compare math-verify] [--strict]
+                  [--plugins my_verifiers] [--code-reward fraction --sandbox docker ...]
+
+Rows are scored in reward worker processes, as in training: `--plugins` imports modules (or .py files) here and in
+every worker, so a verifier they register can be named; the verifier and sandbox flags are the trainer's own
+(`megarl.config.RewardConfig`, `SandboxConfig`) and reach the verifiers the same way.
 
 Prints outcome counts, accuracy against labels when rows carry one (with false-positive and false-negative
 rates), a per-category breakdown when rows carry a category, latency percentiles and the slowest cases.
@@ -19,7 +24,12 @@ import sys
 from collections import Counter, defaultdict
 from pathlib import Path
 
-OUTCOMES = ("correct", "incorrect", "no_answer", "parse_error", "timeout")
+from megarl.config import ConfigError, RewardConfig, SandboxConfig, _convert, flag_specs, verifier_options
+from megarl.verifiers.base import OUTCOMES
+
+# The trainer's verifier and sandbox flags; the pool's own size and timeout are --workers and --timeout here.
+_VERIFIER_FLAGS = {flag: spec for flag, spec in flag_specs().items()
+                   if spec.section in ("reward", "sandbox") and spec.name not in ("reward_workers", "reward_timeout")}
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -38,7 +48,26 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--timeout", type=float, default=10.0, help="seconds allowed per row before it is a timeout")
     p.add_argument("--slowest", type=int, default=5, help="how many of the slowest rows to list")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
+    p.add_argument("--plugins", default="", help="comma-separated modules (or .py files) to import here and in every "
+                   "reward worker: verifiers they register can be named with --verifier")
+    for flag, spec in _VERIFIER_FLAGS.items():
+        if spec.type is bool:
+            p.add_argument(flag, nargs="?", const="true", default=None, metavar="true|false", help=spec.help)
+        else:
+            p.add_argument(flag, default=None, help=spec.help)
     return p
+
+
+def verifier_settings(args) -> dict[str, dict]:
+    """The verifiers' keyword arguments from the verifier and sandbox flags given (defaults otherwise)."""
+    values = {}
+    for flag, spec in _VERIFIER_FLAGS.items():
+        raw = getattr(args, spec.name)
+        if raw is not None:
+            values[spec.name] = _convert(spec, raw, "command line")
+    sections = {cls: {k: v for k, v in values.items() if k in cls.__dataclass_fields__}
+                for cls in (RewardConfig, SandboxConfig)}
+    return verifier_options(RewardConfig(**sections[RewardConfig]), SandboxConfig(**sections[SandboxConfig]))
 
 
 class InputError(Exception):
@@ -78,9 +107,14 @@ def read_rows(path: str, keys: tuple[str, str], strict: bool) -> tuple[list[dict
 
 
 def score_rows(rows: list[dict], args) -> list:
+    from megarl.registry import load_plugins
     from megarl.verifiers import verifier_names
     from megarl.verifiers.pool import RewardPool
 
+    try:
+        plugins = load_plugins(args.plugins)
+    except ValueError as e:
+        raise InputError(str(e)) from None
     if args.verifier not in verifier_names():
         raise InputError(f"unknown verifier {args.verifier!r}; registered: {', '.join(verifier_names())}")
     requests = [(args.verifier, str(r["row"][args.response_key]), r["row"][args.gold_key]) for r in rows]
@@ -91,7 +125,8 @@ def score_rows(rows: list[dict], args) -> list:
 
         bar = tqdm(total=len(requests), unit="row", file=sys.stderr, desc="megarl-verify")
     results = []
-    with RewardPool(workers=args.workers, timeout_s=args.timeout) as pool:
+    with RewardPool(workers=args.workers, timeout_s=args.timeout, preload=plugins,
+                    options=verifier_settings(args)) as pool:
         for i in range(0, len(requests), chunk):
             batch, _ = pool.score(requests[i : i + chunk])
             results.extend(batch)
@@ -218,9 +253,10 @@ def main(argv: list[str] | None = None) -> int:
                 import math_verify  # noqa: F401
             except ImportError:
                 raise InputError("--compare math-verify needs the math-verify package (pip install math-verify)")
+        verifier_settings(args)  # a bad value stops here, before any row is read
         rows, bad = read_rows(args.data, (args.response_key, args.gold_key), args.strict)
         results = score_rows(rows, args) if rows else []
-    except InputError as e:
+    except (InputError, ConfigError) as e:
         print(f"megarl-verify: error: {e}", file=sys.stderr)
         return 2
     compare = None

@@ -1,108 +1,22 @@
-"""The Megatron policy: per-token log-probs and the update step, at any TP x PP x DP.
+"""The Megatron policy: per-token log-probs of the next token and the update step, at any TP x PP x CP x DP.
 
-Batches are right-padded token matrices `tokens [B, S]`. Log-probs are aligned with targets:
-`logp[b, t] = log p(tokens[b, t + 1] | tokens[b, :t + 1])`, shape `[B, S - 1]`, computed from vocab-parallel
-logits (divided by the sampling temperature) without gathering the vocabulary. Only the last pipeline stage
-holds log-probs and losses; the other stages get `None`.
-
-The loss is supplied by the caller as `loss_fn(logp, micro_batch) -> (loss_sum, denominator, metrics)`:
-Megatron sums `loss_sum` and `denominator` over micro-batches and DP ranks and divides once
-(`calculate_per_token_loss`), so the update does not depend on how the global batch is split.
+`MegatronPolicy` is a `MegatronModel` (`megarl.mcore.base_model`: build, optimizer, forward schedule, offload,
+checkpoint state) whose head is the language-model output layer: `logp[b, t] = log p(tokens[b, t + 1] |
+tokens[b, :t + 1])`, shape `[B, S - 1]`, computed from vocab-parallel logits (divided by the sampling
+temperature) without gathering the vocabulary. The actor trains; the reference is the same class, frozen.
+Its loss may also ask for the per-token entropy (`loss_fn.needs_entropy`), computed from the same logits.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from functools import partial
-from typing import Callable
-
 import torch
 import torch.distributed as dist
 
-from megarl.mcore import context_parallel, convert, cpu_compat, parallel
-from megarl.mcore.model import build_gpt_model, in_model_precision, transformer_config
-from megarl.model_shape import ModelShape
+from megarl.mcore import convert
+from megarl.mcore.base_model import LossFn, MegatronModel, OptimConfig
 
-LossFn = Callable[[torch.Tensor, dict], tuple[torch.Tensor, torch.Tensor, dict[str, torch.Tensor]]]
-
-
-@dataclass
-class OptimConfig:
-    lr: float = 1e-5
-    min_lr: float = 0.0
-    weight_decay: float = 0.0
-    adam_beta1: float = 0.9
-    adam_beta2: float = 0.999
-    adam_eps: float = 1e-8
-    clip_grad: float = 1.0
-    lr_warmup_steps: int = 0
-    lr_decay_steps: int = 1
-    lr_decay_style: str = "constant"
-    use_distributed_optimizer: bool = False
-
-
-def _pad_rows(t: torch.Tensor, rows: int, value=0) -> torch.Tensor:
-    if t.shape[0] == rows:
-        return t
-    pad = t.new_full((rows - t.shape[0], *t.shape[1:]), value)
-    return torch.cat([t, pad], dim=0)
-
-
-def _micro_batches(batch: dict[str, torch.Tensor], micro_batch_size: int) -> list[dict[str, torch.Tensor]]:
-    """Split along rows; the last micro-batch is padded with all-masked rows so pipeline shapes match."""
-    rows = batch["tokens"].shape[0]
-    count = -(-rows // micro_batch_size)
-    out = []
-    for i in range(count):
-        mb = {k: v[i * micro_batch_size : (i + 1) * micro_batch_size] for k, v in batch.items()}
-        n = mb["tokens"].shape[0]
-        mb = {k: _pad_rows(v, micro_batch_size) for k, v in mb.items()}
-        mb["_real_rows"] = n
-        out.append(mb)
-    return out
-
-
-def _budget_micro_batches(batch: dict[str, torch.Tensor], max_tokens: int) -> list[dict[str, torch.Tensor]]:
-    """Dynamic batching: micro-batches of whole rows holding at most `max_tokens` tokens each, padding included.
-
-    Rows are taken longest first (so rows of similar length share a micro-batch: balanced padding) and each
-    micro-batch is cut to its own longest row, so a few long responses do not pad every short one. Row lengths
-    come from `batch["lengths"]` (the full row width when absent). Each micro-batch records the batch rows it
-    holds in `_rows`, so per-row outputs can be put back in order. Per-token tensors are [B, S] or [B, S - 1].
-    """
-    tokens = batch["tokens"]
-    rows, width = tokens.shape
-    lengths = batch["lengths"].tolist() if "lengths" in batch else [width] * rows
-    groups: list[list[int]] = []
-    current: list[int] = []
-    longest = 0
-    for i in sorted(range(rows), key=lambda r: (-lengths[r], r)):
-        if lengths[i] > max_tokens:
-            raise ValueError(f"a sequence of {lengths[i]} tokens does not fit in --max-tokens-per-micro-batch "
-                             f"{max_tokens}; raise it to at least the longest prompt + response")
-        if current and max(longest, lengths[i]) * (len(current) + 1) > max_tokens:
-            groups.append(current)
-            current, longest = [], 0
-        current.append(i)
-        longest = max(longest, lengths[i])
-    if current:
-        groups.append(current)
-    out = []
-    for idx in groups:
-        w = max(2, max(lengths[i] for i in idx))
-        index = torch.tensor(idx, device=tokens.device)
-        mb = {}
-        for k, v in batch.items():
-            v = v.index_select(0, index)
-            if v.dim() >= 2 and v.shape[1] == width:
-                v = v[:, :w]
-            elif v.dim() >= 2 and v.shape[1] == width - 1:
-                v = v[:, : w - 1]
-            mb[k] = v
-        mb["_real_rows"] = len(idx)
-        mb["_rows"] = index
-        out.append(mb)
-    return out
+__all__ = ["LossFn", "MegatronPolicy", "OptimConfig", "label_logprobs", "position_entropy", "token_entropy",
+           "token_logprobs"]
 
 
 def label_logprobs(logits: torch.Tensor, labels: torch.Tensor, temperature: float) -> torch.Tensor:
@@ -149,96 +63,24 @@ def position_entropy(logits: torch.Tensor, temperature: float) -> torch.Tensor:
     return torch.log(z) + m.squeeze(-1) - ex / z
 
 
-class MegatronPolicy:
-    """A GPTModel shard (actor when trainable, reference when frozen), its optimizer and scheduler."""
-
-    def __init__(self, shape: ModelShape, *, tp: int, pp: int, trainable: bool, optim: OptimConfig | None = None,
-                 use_transformer_engine: bool | None = None, bf16: bool = False, sequence_parallel: bool = False,
-                 cp: int = 1, local_kernels: bool = True):
-        from megatron.core import parallel_state
-        from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
-        from megatron.core.distributed.finalize_model_grads import finalize_model_grads
-
-        self.shape = shape
-        self.trainable = trainable
-        if cp != parallel_state.get_context_parallel_world_size():
-            raise ValueError(f"{type(self).__name__} built with context-parallel size {cp}, but the process groups "
-                             f"have {parallel_state.get_context_parallel_world_size()} (--context-parallel-size)")
-        if cp > 1 and not (use_transformer_engine is not False and parallel.transformer_engine_available()):
-            raise ValueError(f"--context-parallel-size {cp} needs the Transformer Engine layer spec (a CUDA GPU with "
-                             "transformer_engine importable): Megatron's local attention cannot split a sequence "
-                             "over ranks")
-        # Without TE, Megatron's local spec with megarl's fused kernels (local_kernels=False: the stock local spec).
-        self.local_kernels = local_kernels and not parallel.uses_transformer_engine(use_transformer_engine)
-        self.config = transformer_config(shape, tp=tp, pp=pp, bf16=bf16, sequence_parallel=sequence_parallel,
-                                         params_dtype=torch.bfloat16 if bf16 else torch.float32,
-                                         context_parallel_size=cp, local_kernels=self.local_kernels)
-        module = in_model_precision(self._build_module(shape, use_transformer_engine), self.config)
-        self.optimizer = self.scheduler = None
-        if not trainable:
-            module.eval()
-            for p in module.parameters():
-                p.requires_grad_(False)
-            self.model = module
-            return
-        optim = optim or OptimConfig()
-        with cpu_compat.megatron_scope():
-            self.model = DistributedDataParallel(
-                config=self.config,
-                ddp_config=DistributedDataParallelConfig(
-                    grad_reduce_in_fp32=True, use_distributed_optimizer=optim.use_distributed_optimizer
-                ),
-                module=module,
-            )
-        # Without this Megatron's DDP never all-reduces gradients: DP ranks silently diverge.
-        self.config.finalize_model_grads_func = finalize_model_grads
-        self.config.no_sync_func = self.model.no_sync
-        self._build_optimizer(optim)
-
-    def _build_module(self, shape: ModelShape, use_transformer_engine: bool | None):
-        """The GPTModel this class trains; subclasses swap parts of it (the critic's value head)."""
-        return build_gpt_model(shape, self.config, use_transformer_engine=use_transformer_engine,
-                               local_kernels=self.local_kernels)
+class MegatronPolicy(MegatronModel):
+    """A GPTModel shard with its language-model head (actor when trainable, reference when frozen)."""
 
     def _per_token(self, output: torch.Tensor, tokens: torch.Tensor, temperature: float) -> torch.Tensor:
-        """What the loss sees for each position: log-probs of the next token [b, s - 1] (the critic: values)."""
         return token_logprobs(output, tokens, temperature)
 
     def _per_position(self, output: torch.Tensor, labels: torch.Tensor, temperature: float) -> torch.Tensor:
-        """`_per_token` for positions that come with their next token as `labels` [b, s] (context parallelism)."""
         return label_logprobs(output, labels, temperature)
 
-    @cpu_compat.in_megatron_scope
-    def _build_optimizer(self, optim: OptimConfig) -> None:
-        from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
-        from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
-
-        self.optimizer = get_megatron_optimizer(
-            OptimizerConfig(
-                optimizer="adam", lr=optim.lr, min_lr=optim.min_lr, weight_decay=optim.weight_decay,
-                adam_beta1=optim.adam_beta1, adam_beta2=optim.adam_beta2, adam_eps=optim.adam_eps,
-                clip_grad=optim.clip_grad, bf16=self.config.bf16, params_dtype=self.config.params_dtype,
-                use_distributed_optimizer=optim.use_distributed_optimizer,
-            ),
-            [self.model],
-        )
-        self.scheduler = OptimizerParamScheduler(
-            self.optimizer, init_lr=0.0 if optim.lr_warmup_steps else optim.lr, max_lr=optim.lr,
-            min_lr=optim.min_lr, lr_warmup_steps=optim.lr_warmup_steps,
-            lr_decay_steps=max(optim.lr_decay_steps, optim.lr_warmup_steps + 1), lr_decay_style=optim.lr_decay_style,
-            start_wd=optim.weight_decay, end_wd=optim.weight_decay, wd_incr_steps=1, wd_incr_style="constant",
-        )
-
-    # -- weights -------------------------------------------------------------------------------------------
-
-    def load_hf(self, hf_dir) -> None:
-        convert.load_hf_weights(self.model, hf_dir, self.shape)
-        if self.trainable and self.optimizer is not None:
-            # Megatron's optimizer may keep fp32 main copies of the params; refresh them from the model.
-            reload = getattr(self.optimizer, "reload_model_params", None)
-            if reload is not None:
-                with cpu_compat.megatron_scope():
-                    reload()
+    def _loss_inputs(self, output: torch.Tensor, mb: dict, loss_fn: LossFn, temperature: float, whole) -> dict:
+        """Adds the per-token entropy [b, S - 1] when the loss asks for it (differentiated only when the loss
+        says `entropy_grad`)."""
+        if not getattr(loss_fn, "needs_entropy", False):
+            return mb
+        with torch.set_grad_enabled(torch.is_grad_enabled() and getattr(loss_fn, "entropy_grad", True)):
+            if self.config.context_parallel_size > 1:
+                return {**mb, "entropy": whole(position_entropy(output, temperature))}
+            return {**mb, "entropy": token_entropy(output, temperature)}
 
     def export_hf(self) -> list[tuple[str, torch.Tensor]]:
         """Full HF-named weights on the model-parallel leader, [] elsewhere."""
@@ -248,140 +90,8 @@ class MegatronPolicy:
         """`export_hf` one tensor at a time; every model-parallel rank must exhaust it (it runs collectives)."""
         return convert.iter_hf_weights(self.model, self.shape)
 
-    _offloader = None
-
-    def offload(self, *, params: bool = True, optimizer: bool = True) -> int:
-        """Free GPU memory for the colocated rollout engine: gradients, and optimizer states and/or weights
-        (moved to CPU); returns the bytes freed. `onload` brings everything back."""
-        from megarl.mcore.offload import Offloader
-
-        if self._offloader is None:
-            self._offloader = Offloader(self.model, self.optimizer)
-        return self._offloader.offload(params=params, grads=self.trainable, optimizer=optimizer)
-
-    def onload(self) -> int:
-        return self._offloader.onload() if self._offloader is not None else 0
-
-    # -- compute -------------------------------------------------------------------------------------------
-
-    def _run(self, batch: dict[str, torch.Tensor], loss_fn: LossFn | None, micro_batch_size: int,
-             temperature: float, forward_only: bool, max_tokens: int = 0) -> list[dict]:
-        from megatron.core import parallel_state
-        from megatron.core.pipeline_parallel import get_forward_backward_func
-
-        device = parallel.device()
-        batch = {k: v.to(device) for k, v in batch.items()}
-        if max_tokens > 0:
-            if self.config.pipeline_model_parallel_size > 1:
-                raise ValueError("--max-tokens-per-micro-batch needs --pipeline-model-parallel-size 1: pipeline "
-                                 "stages exchange fixed-shape micro-batches")
-            micro = _budget_micro_batches(batch, max_tokens)
-        else:
-            micro = _micro_batches(batch, micro_batch_size)
-        # Sequence parallelism splits the sequence over TP ranks: widths are padded to a multiple of TP (on the
-        # right, so causal attention keeps the real positions unchanged) and the padding's logits cut off.
-        pad_to = self.config.tensor_model_parallel_size if self.config.sequence_parallel else 1
-        seq_len = -(-batch["tokens"].shape[1] // pad_to) * pad_to
-        # Context parallelism: each CP rank runs its 2 of 2 x CP chunks of every sequence (megarl/mcore/
-        # context_parallel.py); per-token results are gathered back into whole sequences before the loss.
-        cp, cp_rank, group = self.config.context_parallel_size, 0, None
-        if cp > 1:
-            cp_rank, group = parallel_state.get_context_parallel_rank(), parallel.cp_group()
-            seq_len = context_parallel.padded_width(batch["tokens"].shape[1], cp, pad_to)
-
-        def whole(local: torch.Tensor, width: int) -> torch.Tensor:
-            return context_parallel.gather_from_cp_ranks(local, group)[:, : width - 1]
-
-        def loss_func(mb, labels, output):
-            width = mb["tokens"].shape[1]
-            if cp > 1:
-                logp = whole(self._per_position(output, labels, temperature), width)
-            else:
-                logp = self._per_token(output, mb["tokens"], temperature)
-            if loss_fn is None:
-                zero = logp.sum() * 0.0
-                out = {"logprobs": logp.detach()[: mb["_real_rows"]]}
-                if "_rows" in mb:
-                    out["_rows"] = mb["_rows"]
-                return zero, torch.tensor(1, dtype=torch.int), out
-            if getattr(loss_fn, "needs_entropy", False):
-                with torch.set_grad_enabled(torch.is_grad_enabled() and getattr(loss_fn, "entropy_grad", True)):
-                    entropy = (whole(position_entropy(output, temperature), width) if cp > 1
-                               else token_entropy(output, temperature))
-                    mb = {**mb, "entropy": entropy}
-            loss_sum, denom, metrics = loss_fn(logp, mb)
-            # With CP every CP rank returns the whole sequences' loss and count, and Megatron sums gradients and
-            # counts over DP x CP ranks while each rank's gradient covers only its own positions: scaling the
-            # loss by CP makes the summed gradient over the summed count the per-token mean.
-            return loss_sum * cp if cp > 1 else loss_sum, denom.to(torch.int), metrics
-
-        def forward_step(data_iterator, model):
-            mb = next(data_iterator)
-            tokens = mb["tokens"]
-            width = tokens.shape[1]
-            padded = context_parallel.padded_width(width, cp, pad_to)
-            if padded != width:
-                tokens = torch.nn.functional.pad(tokens, (0, padded - width))
-            positions = torch.arange(tokens.shape[1], device=tokens.device).unsqueeze(0).expand_as(tokens)
-            labels = None
-            if cp > 1:  # this rank's chunks of the inputs, and of the next-token labels (0 after the last token)
-                labels = torch.nn.functional.pad(tokens[:, 1:], (0, 1))
-                tokens, positions, labels = (context_parallel.split_for_cp_rank(t, cp_rank, cp)
-                                             for t in (tokens, positions, labels))
-            output = model(tokens, positions, None)
-            if cp == 1 and tokens.shape[1] != width and convert.unwrap(model).post_process:
-                output = output[:, :width]
-            return output, partial(loss_func, mb, labels)
-
-        with cpu_compat.megatron_scope():
-            return get_forward_backward_func()(
-                forward_step_func=forward_step,
-                data_iterator=iter(micro),
-                model=[self.model],
-                num_microbatches=len(micro),
-                seq_length=seq_len,
-                micro_batch_size=micro_batch_size,
-                forward_only=forward_only,
-            )
-
-    @torch.no_grad()
     def logprobs(self, tokens: torch.Tensor, *, micro_batch_size: int, temperature: float = 1.0,
                  lengths: torch.Tensor | None = None, max_tokens_per_micro_batch: int = 0) -> torch.Tensor | None:
-        """Per-token log-probs [B, S - 1] on the last pipeline stage, None on the others. With a token budget,
-        micro-batches follow `_budget_micro_batches` (positions past a row's length come back as 0)."""
-        self.model.eval()
-        batch = {"tokens": tokens} if lengths is None else {"tokens": tokens, "lengths": lengths}
-        outputs = self._run(batch, None, micro_batch_size, temperature, forward_only=True,
-                            max_tokens=max_tokens_per_micro_batch)
-        if not outputs:
-            return None
-        if "_rows" not in outputs[0]:
-            return torch.cat([o["logprobs"] for o in outputs], dim=0)
-        first = outputs[0]["logprobs"]  # same device as the fixed-micro-batch path returns
-        full = torch.zeros(tokens.shape[0], tokens.shape[1] - 1, dtype=first.dtype, device=first.device)
-        for o in outputs:
-            full[o["_rows"], : o["logprobs"].shape[1]] = o["logprobs"]
-        return full
-
-    def train_step(self, batch: dict[str, torch.Tensor], loss_fn: LossFn, *, micro_batch_size: int,
-                   temperature: float = 1.0, max_tokens_per_micro_batch: int = 0) -> dict[str, float]:
-        """One optimizer step over `batch` (this DP rank's share of the global batch)."""
-        assert self.trainable, "the reference model is frozen"
-        self.model.train()
-        self.model.zero_grad_buffer()
-        self.optimizer.zero_grad()
-        outputs = self._run(batch, loss_fn, micro_batch_size, temperature, forward_only=False,
-                            max_tokens=max_tokens_per_micro_batch)
-        with cpu_compat.megatron_scope():
-            ok, grad_norm, _ = self.optimizer.step()
-        self.scheduler.step(increment=1)
-        # Metrics live on the last stage; sum them there and let the caller reduce over ranks.
-        sums: dict[str, float] = {}
-        for o in outputs:
-            for k, v in o.items():
-                v = float(v)
-                sums[k] = max(sums.get(k, v), v) if k.endswith("_max") else sums.get(k, 0.0) + v
-        sums["grad_norm"] = float(grad_norm) if grad_norm is not None else float("nan")
-        sums["update_skipped"] = 0.0 if ok else 1.0
-        sums["lr"] = self.optimizer.param_groups[0]["lr"]
-        return sums
+        """Per-token log-probs [B, S - 1] on the last pipeline stage, None on the others."""
+        return self._forward_only(tokens, micro_batch_size=micro_batch_size, temperature=temperature,
+                                  lengths=lengths, max_tokens_per_micro_batch=max_tokens_per_micro_batch)

@@ -1,5 +1,8 @@
 """The PPO critic: the actor's GPTModel trunk with a scalar value head, its own optimizer and scheduler.
 
+`MegatronCritic` is a `MegatronModel` (`megarl.mcore.base_model`), the actor's sibling: same build, optimizer,
+forward schedule, offload and checkpoint state, another head.
+
 Values are aligned with the actor's log-probs: `values[b, t]` is the value of the state `tokens[b, :t + 1]`, the
 state in which `tokens[b, t + 1]` is chosen, shape `[B, S - 1]`; only the last pipeline stage holds them.
 
@@ -20,8 +23,7 @@ from dataclasses import replace
 
 import torch
 
-from megarl.mcore import convert, cpu_compat
-from megarl.mcore.actor import MegatronPolicy, OptimConfig
+from megarl.mcore.base_model import MegatronModel, OptimConfig
 from megarl.model_shape import ModelShape
 
 
@@ -39,10 +41,12 @@ class ValueHead(torch.nn.Module):
         return torch.nn.functional.linear(hidden_states, self.weight, self.bias), None
 
 
-class MegatronCritic(MegatronPolicy):
-    """A value model at any TP x PP x DP, trained with its own optimizer through the actor's machinery:
-    `train_step(batch, loss_fn)` calls `loss_fn(values [b, S - 1], micro_batch)` (Megatron divides the summed
-    loss by the summed denominator once, as for the actor)."""
+class MegatronCritic(MegatronModel):
+    """A value model at any TP x PP x DP, trained with its own optimizer: `train_step(batch, loss_fn)` calls
+    `loss_fn(values [b, S - 1], micro_batch)` (Megatron divides the summed loss by the summed denominator once,
+    as for the actor). It has no HF counterpart: `load_hf` fills the trunk and leaves the value head at zero."""
+
+    _hf_skip = ("output_layer.",)
 
     def __init__(self, shape: ModelShape, *, tp: int, pp: int, optim: OptimConfig | None = None,
                  use_transformer_engine: bool | None = None, bf16: bool = False):
@@ -59,21 +63,8 @@ class MegatronCritic(MegatronPolicy):
     def _per_token(self, output: torch.Tensor, tokens: torch.Tensor, temperature: float) -> torch.Tensor:
         return output[:, :-1, 0].float()  # [b, s, 1] -> [b, s - 1]: no value is needed after the last token
 
-    def load_hf(self, hf_dir) -> None:
-        """The trunk from an HF checkpoint (the actor's, usually); the value head keeps its zero init."""
-        convert.load_hf_weights(self.model, hf_dir, self.shape, skip=("output_layer.",))
-        reload = getattr(self.optimizer, "reload_model_params", None)
-        if reload is not None:  # refresh any fp32 main copies of the params from the model
-            with cpu_compat.megatron_scope():
-                reload()
-
-    def export_hf(self):
-        raise NotImplementedError("the critic has no HF counterpart (its value head replaces lm_head)")
-
-    @torch.no_grad()
     def values(self, tokens: torch.Tensor, *, micro_batch_size: int, lengths: torch.Tensor | None = None,
                max_tokens_per_micro_batch: int = 0) -> torch.Tensor | None:
         """Values [B, S - 1] on the last pipeline stage, None on the others (micro-batches as for log-probs)."""
-        # `logprobs` runs the forward-only pass and collects `_per_token`, which here is the value.
-        return self.logprobs(tokens, micro_batch_size=micro_batch_size, lengths=lengths,
-                             max_tokens_per_micro_batch=max_tokens_per_micro_batch)
+        return self._forward_only(tokens, micro_batch_size=micro_batch_size, lengths=lengths,
+                                  max_tokens_per_micro_batch=max_tokens_per_micro_batch)

@@ -211,3 +211,34 @@ def destroy() -> None:
     if dist.is_initialized():
         parallel_state.destroy_model_parallel()
         dist.destroy_process_group()
+
+
+# -- small collectives the training loop uses --------------------------------------------------------------------
+
+
+def agree_any(flag: bool) -> bool:
+    """True on every rank if it is true on any (so all ranks take the same branch)."""
+    t = all_reduce_host(torch.tensor([1 if flag else 0], dtype=torch.int32), op=dist.ReduceOp.MAX)
+    return bool(t.item())
+
+
+def max_over_ranks(value: float) -> float:
+    t = all_reduce_host(torch.tensor([value], dtype=torch.float64), op=dist.ReduceOp.MAX)
+    return float(t.item())
+
+
+def broadcast_in_mp_group(obj):
+    """The model-parallel leader's `obj` on every rank of its replica (TP x CP x PP)."""
+    box = [obj]
+    dist.broadcast_object_list(box, src=mp_leader_global_rank(), group=mp_group())
+    return box[0]
+
+
+def broadcast_from_last_stage(t: torch.Tensor) -> torch.Tensor:
+    """The last pipeline stage's `t` on every stage of this pipeline (on the host)."""
+    from megatron.core import parallel_state as ps
+
+    on_device = t.to(device())
+    dist.broadcast(on_device, src=ps.get_pipeline_model_parallel_last_rank(),
+                   group=ps.get_pipeline_model_parallel_group())
+    return on_device.cpu()

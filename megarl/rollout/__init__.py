@@ -1,0 +1,8 @@
+"""Rollout: engines (`base.RolloutEngine`, chosen by name in `backends`), the weight sync into them, and the
+registered rollout functions that turn prompts into finished, scored trajectories (`functions`)."""
+
+from megarl.rollout.base import Completion, RolloutEngine, SamplingParams
+from megarl.rollout.functions import RolloutFn, get_rollout, register_rollout, rollout_names, single_turn
+
+__all__ = ["Completion", "RolloutEngine", "RolloutFn", "SamplingParams", "get_rollout", "register_rollout",
+           "rollout_names", "single_turn"]

@@ -1,18 +1,23 @@
 """The rollout-engine boundary.
 
-A rollout engine turns prompt token ids into sampled completions with per-token log-probs, and accepts new
-weights as Hugging Face-named tensors. The built-in engine (`megarl.rollout.builtin`) implements it in plain
-PyTorch; SGLang's `Engine` fits behind the same protocol (`release_memory` / `resume_memory` map to its
-`release_memory_occupation` / `resume_memory_occupation`, `update_weights` to `update_weights_from_tensor`).
-Engines know nothing of Megatron.
+A rollout engine turns prompt token ids into sampled completions with per-token log-probs, and takes the actor's
+weights after each update, as Hugging Face-named tensors in buckets (`megarl.rollout.weight_sync`). Everything
+the training loop and the weight sync use is declared on `RolloutEngine`; backends are registered by name in
+`megarl.rollout.backends`: the built-in PyTorch engine (`builtin.py`), SGLang colocated or over HTTP
+(`sglang_engine.py`), and Megatron's own inference engine over the actor's model (`megarl/mcore/
+inference_engine.py`, the one engine that knows Megatron: it shares the actor's parameters instead of receiving
+copies).
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
-from typing import Iterable, Literal, Protocol, Sequence, runtime_checkable
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Iterable, Literal, Protocol, Sequence, runtime_checkable
 
 import torch
+
+if TYPE_CHECKING:
+    from megarl.rollout.weight_sync import WeightBucket
 
 FinishReason = Literal["stop", "length"]
 
@@ -60,22 +65,36 @@ class Completion:
 
 @runtime_checkable
 class RolloutEngine(Protocol):
-    """Token ids in; token ids, log-probs and finish reasons out."""
+    """Token ids in; token ids, log-probs and finish reasons out; weights in, stamped with a version."""
 
-    weight_version: int
+    weight_version: int  # the version of the weights it holds; completions carry it
+    dtype: torch.dtype | None  # weights are sent in this dtype; None: as the actor holds them
+    shares_actor_weights: bool  # generates with the actor's own parameters: a sync moves nothing, only stamps
 
     def generate(self, prompts: Sequence[Sequence[int]], params: SamplingParams) -> list[list[Completion]]:
         """Sample `params.n` completions for each prompt; result[i] holds prompt i's group, in order."""
         ...
 
+    def score(self, sequences: list[list[int]], prompt_lens: list[int], temperature: float = 1.0) -> list[list[float]]:
+        """log p(sequence[t] | sequence[:t]) under softmax(logits / temperature) for every t >= prompt_len."""
+        ...
+
     def update_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]], version: int | None = None) -> None:
-        """Load full (unsharded) weights given by Hugging Face parameter names."""
+        """Load full (unsharded) weights given by Hugging Face parameter names, all or a subset."""
+        ...
+
+    def load_weight_buckets(self, buckets: Iterable[WeightBucket], version: int) -> None:
+        """Load one sync's buckets (`weight_sync.pack_buckets`), then stamp `version`."""
         ...
 
     def release_memory(self) -> None:
-        """Free rollout memory (KV cache, weights) before training. A no-op for the built-in engine."""
+        """Free rollout memory (KV cache, weights) before training; a no-op where there is nothing to free."""
         ...
 
     def resume_memory(self) -> None:
-        """Re-acquire what `release_memory` freed. A no-op for the built-in engine."""
+        """Re-acquire what `release_memory` freed and forget state computed under older weights."""
+        ...
+
+    def shutdown(self) -> None:
+        """Stop whatever the engine started (processes, servers it owns)."""
         ...

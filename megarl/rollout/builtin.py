@@ -3,7 +3,7 @@
 It lets megarl run, and be tested, with nothing but torch installed (CPU included); SGLang fits behind the same
 protocol for scale. It implements `RolloutEngine` for decoder-only models with RMSNorm, a SwiGLU MLP, default
 RoPE and grouped-query attention (Qwen2 adds q/k/v biases). It knows nothing of Megatron: weights arrive only as
-Hugging Face-named tensors through `update_weights`.
+Hugging Face-named tensors, through `update_weights` or a sync's buckets (`load_weight_buckets`).
 
 How one `generate` call runs:
   * all prompts x n samples decode as ONE batch. Prompts are left-padded, so every row writes its next key/value
@@ -33,6 +33,7 @@ import torch.nn.functional as F
 
 from megarl.model_shape import ModelShape
 from megarl.rollout.base import Completion, SamplingParams
+from megarl.rollout.weight_sync import WeightBucket
 
 _COMPACT_FRACTION = 0.25  # drop ended rows once this share of the batch has ended: copying the cache is not free
 
@@ -101,6 +102,8 @@ class _Layer:
 
 class BuiltinEngine:
     """A `RolloutEngine` for Llama / Qwen2 in plain PyTorch (see the module docstring)."""
+
+    shares_actor_weights = False
 
     def __init__(self, hf_config: dict, device: str | torch.device = "cpu", dtype: torch.dtype = torch.float32):
         self.shape = ModelShape.from_hf_config(hf_config)
@@ -207,6 +210,12 @@ class BuiltinEngine:
             self._packed.clear()  # stale; re-packed at the next forward
         self.weight_version = self.weight_version + 1 if version is None else version
 
+    def load_weight_buckets(self, buckets: Iterable[WeightBucket], version: int) -> None:
+        """Each bucket's tensors are views into its flat bytes: copied into the engine's weights, no other copy."""
+        for bucket in buckets:
+            self.update_weights(bucket.tensors(), version=version)
+        self.weight_version = version
+
     def _linear(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
         """F.linear; for bf16 on CPU through a oneDNN-packed copy of the weight (bitwise the same result).
 
@@ -225,7 +234,10 @@ class BuiltinEngine:
         """Nothing to free: the KV cache lives only for one `generate` call."""
 
     def resume_memory(self) -> None:
-        """Nothing to re-acquire (see `release_memory`)."""
+        """Nothing to re-acquire (see `release_memory`); nothing is cached across calls."""
+
+    def shutdown(self) -> None:
+        """Nothing runs beside this process."""
 
     # ---- the transformer -----------------------------------------------------------------------------------
 

@@ -125,6 +125,8 @@ class SGLangEngine:
 
     `engine` is an `sglang.Engine` or anything with its methods (the tests pass a recording fake)."""
 
+    shares_actor_weights = False
+
     def __init__(self, engine, *, tp_size: int = 1, colocated: bool = True, dtype: torch.dtype | None = None,
                  serialize: Callable[[WeightBucket, int], list] = serialize_bucket):
         self.engine = engine
@@ -291,6 +293,9 @@ class SGLangServers:
     `tp_sizes[i]` is server i's tensor-parallel size (asked from the server when not given): its TP ranks join
     the weight-update group after the trainer's leader (rank 0)."""
 
+    shares_actor_weights = False
+    dtype = None  # weights travel as the actor holds them; each server casts to its own dtype
+
     def __init__(self, urls: Sequence[str], *, tp_sizes: Sequence[int] | None = None, push: bool = True,
                  timeout_s: float = 3600.0):
         if not urls:
@@ -381,6 +386,9 @@ class SGLangServers:
         finally:
             self._all("/end_weight_update", what="end_weight_update")
         self.weight_version = version
+
+    def shutdown(self) -> None:
+        """The servers were launched elsewhere and outlive the trainer: nothing to stop here."""
 
     def update_weights_from_disk(self, hf_dir: str, version: int) -> None:
         """Load an HF checkpoint directory every server can read (a shared file system)."""

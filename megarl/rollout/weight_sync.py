@@ -15,19 +15,24 @@ engine:
   would round them on load anyway.
 - Every sync carries a weight version, which the engine stamps on the completions it generates afterwards.
 
-Engines that take buckets implement `load_weight_buckets(buckets, version)`; any other `RolloutEngine` receives a
-bucket's tensors (views into the bucket, no copy) through `update_weights`. Nothing here knows Megatron.
+Every `RolloutEngine` takes buckets (`load_weight_buckets`): SGLang passes them on as they are, the built-in engine
+copies each bucket's tensors (views into the bucket, no copy on the way) into its own weights. An engine that
+generates with the actor's own parameters (`shares_actor_weights`) gets no buckets, only a version (`stamp`).
+Nothing here knows Megatron.
 """
 
 from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
-from typing import Iterable, Iterator
+from typing import TYPE_CHECKING, Iterable, Iterator
 
 import torch
 
 from megarl.model_shape import ModelShape
+
+if TYPE_CHECKING:
+    from megarl.rollout.base import RolloutEngine
 
 DEFAULT_BUCKET_BYTES = 512 << 20
 
@@ -123,23 +128,18 @@ class SyncStats:
                 "sync_peak_gpu_mib": self.peak_gpu_bytes / 2**20}
 
 
-def push(engine, named_tensors: Iterable[tuple[str, torch.Tensor]], version: int,
+def push(engine: RolloutEngine, named_tensors: Iterable[tuple[str, torch.Tensor]], version: int,
          bucket_bytes: int = DEFAULT_BUCKET_BYTES) -> SyncStats:
-    """Hand `named_tensors` to `engine` in buckets, cast to the engine's `dtype` attribute when it has one, and
-    stamp `version`; returns what moved."""
+    """Hand `named_tensors` to `engine` in buckets, cast to the engine's `dtype` (when not None), and stamp
+    `version`; returns what moved."""
     stats = SyncStats(version=version)
     cuda = torch.cuda.is_available()
     if cuda:
         torch.cuda.synchronize()
         torch.cuda.reset_peak_memory_stats()
     start = time.perf_counter()
-    buckets = _counted(pack_buckets(named_tensors, bucket_bytes, getattr(engine, "dtype", None)), stats)
-    if hasattr(engine, "load_weight_buckets"):
-        engine.load_weight_buckets(buckets, version)
-    else:
-        for bucket in buckets:
-            engine.update_weights(bucket.tensors(), version=version)
-    if getattr(engine, "weight_version", version) != version:
+    engine.load_weight_buckets(_counted(pack_buckets(named_tensors, bucket_bytes, engine.dtype), stats), version)
+    if engine.weight_version != version:
         raise WeightSyncError(f"after the sync the engine reports weight version {engine.weight_version}, "
                               f"expected {version}")
     if cuda:
@@ -149,10 +149,10 @@ def push(engine, named_tensors: Iterable[tuple[str, torch.Tensor]], version: int
     return stats
 
 
-def stamp(engine, version: int) -> SyncStats:
+def stamp(engine: RolloutEngine, version: int) -> SyncStats:
     """The sync of an engine that generates with the actor's own parameters (`shares_actor_weights`, e.g.
     Megatron's dynamic engine): nothing moves, the engine only takes the new version."""
-    if not getattr(engine, "shares_actor_weights", False):
+    if not engine.shares_actor_weights:
         raise WeightSyncError(f"{type(engine).__name__} holds weights of its own: push them (weight_sync.push)")
     start = time.perf_counter()
     engine.update_weights((), version=version)

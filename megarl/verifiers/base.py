@@ -7,11 +7,12 @@ dataset name.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Callable, Literal, Protocol, runtime_checkable
+from typing import Any, Callable, Literal, Protocol, get_args, runtime_checkable
 
 from megarl.registry import Registry
 
 Outcome = Literal["correct", "incorrect", "no_answer", "parse_error", "timeout"]
+OUTCOMES: tuple[str, ...] = get_args(Outcome)
 
 
 @dataclass
@@ -30,11 +31,13 @@ class Verifier(Protocol):
     def verify(self, response: str, ground_truth: Any) -> VerifyResult: ...
 
 
-_VERIFIERS: Registry[Callable[[], Verifier]] = Registry("verifier")
+_VERIFIERS: Registry[Callable[..., Verifier]] = Registry("verifier")
 
 
 def register_verifier(name: str):
-    """Class decorator: `@register_verifier("arithmetic")`; the class is built with no arguments."""
+    """Class decorator: `@register_verifier("arithmetic")`. The class is built with the run's options for that
+    verifier as keyword arguments (`megarl.config.verifier_options`; none for most verifiers), so every argument
+    needs a default."""
     return _VERIFIERS.register(name)
 
 
@@ -43,10 +46,11 @@ def verifier_names() -> list[str]:
     return _VERIFIERS.names()
 
 
-def get_verifier(name: str) -> Verifier:
-    """A new instance of the verifier registered as `name`; an unknown name raises ValueError listing them."""
+def get_verifier(name: str, **options) -> Verifier:
+    """A new instance of the verifier registered as `name`, built with `options`; an unknown name raises
+    ValueError listing the valid ones."""
     _import_builtin()
-    return _VERIFIERS.get(name)()
+    return _VERIFIERS.get(name)(**options)
 
 
 def _import_builtin():

@@ -29,11 +29,9 @@ process per worker or container, and the backend, not the harness, adds the secr
 harness is the job itself, exec'd as a fresh interpreter. Either way the programs cannot read the tests: they are
 forked from a zygote made before the harness read any, and the job's files are gone before the first one runs.
 
-Settings come from the constructor or, for the registry's no-argument construction, the environment:
-MEGARL_CODE_REWARD (all|fraction), MEGARL_CODE_EARLY_STOP (0|1), MEGARL_SANDBOX (local|docker),
-MEGARL_SANDBOX_WORKERS (default 1: one job at a time per verifying process; `verify_many` uses them all),
-MEGARL_SANDBOX_IMAGE (docker). The sandbox is started lazily, once per process and configuration, so the
-verifier pickles into reward-pool workers and each starts its own there.
+Settings are the constructor's arguments; the trainer and `megarl-verify` pass the run's `--code-*` and
+`--sandbox*` flags (`megarl.config.verifier_options`), in every reward worker too. The sandbox is started lazily,
+once per process and configuration, so the verifier pickles into reward-pool workers and each starts its own there.
 """
 
 from __future__ import annotations
@@ -63,22 +61,21 @@ _SANDBOXES_LOCK = threading.Lock()
 class CodeVerifier:
     name = "code"
 
-    def __init__(self, reward: Literal["all", "fraction"] | None = None, early_stop: bool | None = None,
-                 extract: Literal["last", "first", "none"] = "last", backend: str | None = None,
-                 workers: int | None = None, time_s: float = 5.0, memory_mb: int = 1024, image: str | None = None,
+    def __init__(self, reward: Literal["all", "fraction"] = "all", early_stop: bool = False,
+                 extract: Literal["last", "first", "none"] = "last", backend: str = "local",
+                 workers: int = 1, time_s: float = 5.0, memory_mb: int = 1024, image: str | None = None,
                  persistent_harness: bool = True):
-        env = os.environ
-        self.reward = reward or env.get("MEGARL_CODE_REWARD", "all")
+        self.reward = reward
         if self.reward not in ("all", "fraction"):
             raise ValueError(f"code verifier: reward must be 'all' or 'fraction', got {self.reward!r}")
-        self.early_stop = bool(int(env.get("MEGARL_CODE_EARLY_STOP", "0"))) if early_stop is None else early_stop
+        self.early_stop = early_stop
         if extract not in ("last", "first", "none"):
             raise ValueError(f"code verifier: extract must be 'last', 'first' or 'none', got {extract!r}")
         self.extract = extract
-        self.backend = backend or env.get("MEGARL_SANDBOX", "local")
-        self.workers = workers or int(env.get("MEGARL_SANDBOX_WORKERS", "1"))
+        self.backend = backend
+        self.workers = workers
         self.time_s, self.memory_mb = time_s, memory_mb
-        self.image = image or env.get("MEGARL_SANDBOX_IMAGE")
+        self.image = image
         self.persistent_harness = persistent_harness
 
     @property
@@ -112,7 +109,10 @@ class CodeVerifier:
         code = extract_code(response, self.extract)
         if not code.strip():
             return VerifyResult(score=0.0, outcome="no_answer", extracted=None, normalized="no code")
-        spec, n_tests = parse_gold(gold, self.time_s, self.early_stop)
+        try:
+            spec, n_tests = parse_gold(gold, self.time_s, self.early_stop)
+        except (ValueError, TypeError, SyntaxError) as e:  # a malformed row scores 0; the batch goes on
+            return VerifyResult(score=0.0, outcome="parse_error", extracted=code, normalized=f"bad ground truth: {e}")
         secret = secrets.token_hex(16)
         wall = min(600.0, 5.0 + spec["time_s"] * (2 if spec["mode"] == "function" else 1) * max(1, n_tests))
         limits = self.sandbox.limits.replace(wall_s=wall, cpu_s=wall,

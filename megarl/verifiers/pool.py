@@ -11,6 +11,8 @@
   `parse_error` with the reason in `normalized`. Either way every sample gets exactly one result, in input order.
 - Inside a worker a verifier's own budget hop is skipped (`verify_unguarded` when it has one): the pool's kill
   already bounds it.
+- Workers import `preload` (the run's `--plugins`) when they start, so verifiers registered there exist in them,
+  and build each verifier with `options[name]` (the run's verifier and sandbox flags, `verifier_options`).
 
 `batch_health` turns a batch of results into the per-step metrics train.py logs: outcome counts, timeout rate,
 extraction-failure (no answer) rate, share of groups whose rewards are all equal, p50/p99 latency.
@@ -24,9 +26,8 @@ import time
 from typing import Any, Sequence
 
 from megarl.verifiers._budget import BudgetExceeded, Guard, HelperFailed
-from megarl.verifiers.base import VerifyResult
+from megarl.verifiers.base import OUTCOMES, VerifyResult
 
-OUTCOMES = ("correct", "incorrect", "no_answer", "parse_error", "timeout")
 Request = tuple[str, str, Any]  # (verifier name, response, ground truth)
 
 
@@ -43,13 +44,14 @@ def default_workers() -> int:
 
 class RewardPool:
     def __init__(self, workers: int = 0, timeout_s: float = 10.0, preload: tuple[str, ...] = (),
-                 memory_mib: int = 4096):
+                 memory_mib: int = 4096, options: dict[str, dict] | None = None):
         """`workers` 0 = `default_workers()`. `preload`: modules each worker imports at start (e.g. ones that
-        register extra verifiers)."""
+        register extra verifiers). `options[name]`: keyword arguments of verifier `name` in the workers."""
         if timeout_s <= 0:
             raise ValueError(f"timeout_s must be > 0, got {timeout_s}")
         self.size = workers or default_workers()
         self.timeout_s = timeout_s
+        self.options = options or {}
         modules = ("megarl.verifiers.pool",) + tuple(preload)
         self._guards = [Guard(preload=modules, memory_mib=memory_mib) for _ in range(self.size)]
         self.restarts = 0  # workers replaced so far (hung or died)
@@ -94,7 +96,9 @@ class RewardPool:
     def _score_one(self, guard: Guard, request: Request) -> VerifyResult:
         guard.last_seconds = 0.0
         try:
-            result = VerifyResult(*guard.call("megarl.verifiers.pool:_verify_here", tuple(request), self.timeout_s))
+            name = request[0]
+            call = (*request, self.options.get(name, {}))
+            result = VerifyResult(*guard.call("megarl.verifiers.pool:_verify_here", call, self.timeout_s))
         except BudgetExceeded:
             self._count_restart()
             result = VerifyResult(0.0, "timeout")
@@ -114,16 +118,16 @@ class RewardPool:
 _SHARED: dict = {}
 
 
-def shared_pool(workers: int, timeout_s: float) -> RewardPool | None:
-    """The process's pool for these settings, made on first use and closed at exit; None for `workers == 0`
-    (score in process). The trainer scores every step, so its workers live as long as it does."""
-    if workers == 0:
-        return None
-    key = (workers, timeout_s)
+def shared_pool(workers: int, timeout_s: float, preload: tuple[str, ...] = (),
+                options: dict[str, dict] | None = None) -> RewardPool:
+    """The process's pool for these settings (`workers` -1 = `default_workers()`), made on first use and closed
+    at exit. The trainer scores every step, so its workers live as long as it does."""
+    key = (workers, timeout_s, preload, repr(sorted((options or {}).items())))
     if key not in _SHARED:
         import atexit
 
-        pool = _SHARED[key] = RewardPool(workers=0 if workers < 0 else workers, timeout_s=timeout_s)
+        pool = _SHARED[key] = RewardPool(workers=0 if workers < 0 else workers, timeout_s=timeout_s,
+                                         preload=preload, options=options)
         atexit.register(pool.close)
     return _SHARED[key]
 
@@ -131,13 +135,14 @@ def shared_pool(workers: int, timeout_s: float) -> RewardPool | None:
 _INSTANCES: dict = {}
 
 
-def _verify_here(name: str, response: str, ground_truth: Any) -> tuple:
-    """Runs inside a worker: one verifier instance per name, reused."""
+def _verify_here(name: str, response: str, ground_truth: Any, options: dict | None = None) -> tuple:
+    """Runs inside a worker: one verifier instance per name and options, reused."""
     from megarl.verifiers import get_verifier
 
-    verifier = _INSTANCES.get(name)
+    key = (name, repr(sorted((options or {}).items())))
+    verifier = _INSTANCES.get(key)
     if verifier is None:
-        verifier = _INSTANCES[name] = get_verifier(name)
+        verifier = _INSTANCES[key] = get_verifier(name, **(options or {}))
     r = getattr(verifier, "verify_unguarded", verifier.verify)(response, ground_truth)
     return float(r.score), r.outcome, r.extracted, r.normalized, r.seconds
 

@@ -20,7 +20,6 @@ def main() -> None:
     p.add_argument("--cp", type=int, default=2)
     args = p.parse_args()
     torch.set_num_threads(1)
-    from megarl import steps
     from megarl.mcore import context_parallel, parallel
     from megarl.mcore.actor import MegatronPolicy
     from megarl.model_shape import ModelShape
@@ -42,7 +41,7 @@ def main() -> None:
     out["grad_exact"] = torch.equal(local.grad, context_parallel.split_for_cp_rank(weight, info.cp_rank, info.cp_size))
 
     # The replica's leader hands its samples to the replica's other ranks (its CP partners here).
-    out["broadcast"] = steps._broadcast_in_mp_group({"from": info.rank} if info.is_mp_leader else None)
+    out["broadcast"] = parallel.broadcast_in_mp_group({"from": info.rank} if info.is_mp_leader else None)
 
     shape = ModelShape.from_hf_config(dict(model_type="qwen2", num_hidden_layers=2, hidden_size=64,
                                            num_attention_heads=4, num_key_value_heads=2, intermediate_size=128,

@@ -1,4 +1,4 @@
-"""`steps.save_hf` under torchrun (tests/distributed/test_export_hf.py): load an HF checkpoint into the actor at
+"""`report.save_hf` (megarl/stages) under torchrun (tests/distributed/test_export_hf.py): load an HF checkpoint into the actor at
 the given TP x PP and export it again, streamed into small safetensors shards."""
 
 from __future__ import annotations
@@ -23,7 +23,7 @@ def main() -> None:
     p.add_argument("--shard-bytes", type=int, default=0)
     args = p.parse_args()
     torch.set_num_threads(1)
-    from megarl import steps
+    from megarl.stages import report
     from megarl.mcore import parallel
     from megarl.mcore.actor import MegatronPolicy
     from megarl.model_shape import ModelShape
@@ -32,7 +32,7 @@ def main() -> None:
     shape = ModelShape.from_pretrained(args.hf)
     actor = MegatronPolicy(shape, tp=args.tp, pp=args.pp, trainable=False)
     actor.load_hf(args.hf)
-    steps.save_hf(actor, None, _NoTokenizer(), args.hf, args.out, info, shard_bytes=args.shard_bytes)
+    report.save_hf(actor, _NoTokenizer(), args.hf, args.out, info, shard_bytes=args.shard_bytes)
     parallel.destroy()
 
 

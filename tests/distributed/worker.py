@@ -62,7 +62,7 @@ def _synthetic_batch(vocab: int, rows: int = 8, seq: int = 12) -> dict[str, torc
 
 def _trained_actor(args, info, steps: int = 1):
     """An actor loaded from HF and moved by `steps` GRPO updates on this DP rank's slice of a fixed batch."""
-    from megarl import steps as train_steps
+    from megarl.stages.update import make_loss_fn
     from megarl.config import build_config
     from megarl.mcore.actor import MegatronPolicy, OptimConfig
     from megarl.model_shape import ModelShape
@@ -78,7 +78,8 @@ def _trained_actor(args, info, steps: int = 1):
     cfg = build_config({})
     losses = []
     for _ in range(steps):
-        out = actor.train_step(mine, train_steps.make_loss_fn(cfg), micro_batch_size=2, temperature=1.0)
+        loss_fn = make_loss_fn(cfg.algorithm, cfg.rollout.max_response_len)
+        out = actor.train_step(mine, loss_fn, micro_batch_size=2, temperature=1.0)
         losses.append(out.get("loss_num", 0.0))
     return actor, shape, losses
 
@@ -91,11 +92,14 @@ def scenario_dp_step(args, info):
 
 def scenario_sync(args, info):
     """After an update and a weight sync, the built-in engine's log-probs equal the actor's."""
-    from megarl import steps as train_steps
+    from megarl.config import build_config
+    from megarl.rollout.backends import build_engine
+    from megarl.stages.colocation import WeightSync
 
     actor, shape, _ = _trained_actor(args, info)
-    engine = train_steps.build_engine(args.hf, "cpu") if info.is_mp_leader else None
-    train_steps.sync_weights(actor, engine, version=1)
+    cfg = build_config({"hf_checkpoint": args.hf, "rollout_device": "cpu"})
+    engine = build_engine(cfg) if info.is_mp_leader else None
+    WeightSync(actor, engine, cfg.rollout, info)(version=1)
     tokens = _fixed_tokens(shape.vocab_size).to(parallel_device())
     out = {"actor_logprobs": actor.logprobs(tokens, micro_batch_size=2, temperature=0.7)}
     if engine is not None:
@@ -125,7 +129,7 @@ def scenario_ckpt_load(args, info):
 
 def scenario_dynbatch(args, info):
     """One update with fixed micro-batches and one with a token budget, from the same weights; log-probs both ways."""
-    from megarl import steps as train_steps
+    from megarl.stages.update import make_loss_fn
     from megarl.config import build_config
     from megarl.mcore.actor import MegatronPolicy, OptimConfig
     from megarl.model_shape import ModelShape
@@ -142,7 +146,7 @@ def scenario_dynbatch(args, info):
                               max_tokens_per_micro_batch=budget)
         inside = torch.arange(seq - 1)[None, :] < (batch["lengths"][:, None] - 1)
         out[f"logprobs_{name}"] = torch.where(inside, logp, torch.zeros_like(logp))  # past a row's end: not defined
-        stats = actor.train_step(batch, train_steps.make_loss_fn(build_config({})), micro_batch_size=2,
+        stats = actor.train_step(batch, make_loss_fn(build_config({}).algorithm, 64), micro_batch_size=2,
                                  max_tokens_per_micro_batch=budget)
         out[f"loss_{name}"] = stats["loss_num"] / stats["loss_den"]
         out[f"exported_{name}"] = dict(actor.export_hf())
@@ -178,7 +182,7 @@ def scenario_trl_parity(args, info):
     from transformers import AutoModelForCausalLM
     from trl import GRPOConfig, GRPOTrainer
 
-    from megarl import steps as train_steps
+    from megarl.stages.update import make_loss_fn
     from megarl.config import build_config
     from megarl.mcore.actor import MegatronPolicy
     from megarl.model_shape import ModelShape
@@ -217,7 +221,7 @@ def scenario_trl_parity(args, info):
         actor.load_hf(args.hf)
         actor.model.train()
         actor.model.zero_grad_buffer()
-        outputs = actor._run(batch, train_steps.make_loss_fn(cfg), 4, temperature, forward_only=False)  # 2 micro-batches
+        outputs = actor._run(batch, make_loss_fn(cfg.algorithm, cfg.rollout.max_response_len), 4, temperature, forward_only=False)  # 2 micro-batches
         loss = sum(float(o["loss_num"]) for o in outputs) / sum(float(o["loss_den"]) for o in outputs)
         params = list(actor.model.parameters())
         saved = [p.data for p in params]

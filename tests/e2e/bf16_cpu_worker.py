@@ -4,7 +4,7 @@
 - `param_dtypes`, `main_dtypes`, `main_grad_dtypes`: the bf16 actor's model params, its optimizer's main params,
   and its gradient buffers' dtypes;
 - `losses`: {"fp32", "bf16"}: the mean next-token NLL of a fixed batch before each of `STEPS` updates;
-- `sync`: the bf16 engine's log-probs against the bf16 actor's after a weight sync (`steps.verify_sync` metrics).
+- `sync`: the bf16 engine's log-probs against the bf16 actor's after a weight sync (`megarl.stages.colocation.verify_sync` metrics).
 """
 
 from __future__ import annotations
@@ -28,7 +28,8 @@ def main(hf: str, out: str) -> None:
     from megarl.mcore.actor import MegatronPolicy, OptimConfig
     from megarl.model_shape import ModelShape
     from megarl.rollout.builtin import BuiltinEngine
-    from megarl.steps import sync_weights, verify_sync
+    from megarl.rollout import weight_sync
+    from megarl.stages.colocation import verify_sync
 
     torch.set_num_threads(1)
     parallel.init_distributed(tp=1, pp=1, timeout_s=120, seed=0)
@@ -53,7 +54,7 @@ def main(hf: str, out: str) -> None:
     result["main_dtypes"] = sorted({str(p.dtype) for g in inner.fp32_from_float16_groups for p in g})
     result["main_grad_dtypes"] = sorted({str(p.main_grad.dtype) for p in actor.model.parameters()})
     engine = BuiltinEngine(_config(hf), dtype=torch.bfloat16)
-    sync_weights(actor, engine, version=1)
+    weight_sync.push(engine, actor.export_hf(), version=1)
     result["sync"] = verify_sync(actor, engine, version=1, tolerance=0.05)
     torch.save(result, f"{out}/bf16.pt")
     parallel.destroy()

@@ -17,7 +17,7 @@ def main() -> None:
     p.add_argument("--out", required=True)
     p.add_argument("--cp", type=int, default=1)
     args = p.parse_args()
-    from megarl import steps
+    from megarl.stages.update import make_loss_fn
     from megarl.config import build_config
     from megarl.mcore import parallel
     from megarl.mcore.actor import MegatronPolicy, OptimConfig
@@ -38,7 +38,7 @@ def main() -> None:
     batch = {"tokens": tokens, "loss_mask": mask, "rollout_logp": torch.zeros(rows, seq - 1),
              "advantages": torch.randn(rows, generator=g)}
     out = {"logprobs": actor.logprobs(tokens.cuda(), micro_batch_size=4, temperature=0.7).cpu()}
-    update = actor.train_step(batch, steps.make_loss_fn(build_config({})), micro_batch_size=4, temperature=1.0)
+    update = actor.train_step(batch, make_loss_fn(build_config({}).algorithm, 64), micro_batch_size=4, temperature=1.0)
     out.update(loss=update["loss_num"] / update["loss_den"], grad_norm=update["grad_norm"],
                entropy=update["entropy_sum"] / update["tokens"],
                exported={k: v.cpu() for k, v in actor.export_hf()})

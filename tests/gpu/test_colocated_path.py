@@ -94,7 +94,7 @@ def test_gpu_check_sglang_colocated_cycle(tmp_path):
 
 
 def test_gpu_check_megatron_dynamic_engine(tmp_path):
-    from megarl.rollout.mcore_engine import megatron_engine_available
+    from megarl.mcore.inference_engine import megatron_engine_available
 
     ok, why = megatron_engine_available()
     if not ok:

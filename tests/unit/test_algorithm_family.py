@@ -169,7 +169,7 @@ def test_fully_masked_micro_batch_gives_zero_loss_and_finite_grad():
     assert float(n.detach()) == 0.0 and float(d) == 0.0 and torch.isfinite(logp.grad).all()
 
 
-# -- DAPO: overlong shaping, truncation mask, dynamic sampling ----------------------------------------------------
+# -- DAPO: overlong shaping, dynamic sampling (truncation masking: tests/unit/test_samples.py) ----------------------
 
 
 def _cfg(**algo):
@@ -181,36 +181,34 @@ def _cfg(**algo):
     return cfg
 
 
-def _sample(n_tokens, reward=1.0, outcome="correct", finish="stop", group=0):
-    from megarl.samples import Sample
+def _sample(n_tokens, reward=1.0, outcome="correct", group=0):
+    from megarl.types import Sample, SampleStatus
 
     return Sample(group=group, prompt_index=0, prompt_ids=[1, 2], response_ids=list(range(3, 3 + n_tokens)),
-                  rollout_logprobs=[-0.5] * n_tokens, finish_reason=finish, reward=reward, outcome=outcome)
+                  loss_mask=[1] * n_tokens, rollout_logprobs=[-0.5] * n_tokens, weight_version=0,
+                  status=SampleStatus.COMPLETED, reward=reward, outcome=outcome)
 
 
-def test_overlong_reward_shaping():
-    from megarl.samples import RolloutBatch
-    from megarl import steps
+class _Fixed:
+    """A collect stage that returns one fixed batch."""
 
-    cfg = _cfg(overlong_buffer_len=4, overlong_penalty=1.0)
-    cfg.rollout.max_response_len = 8
-    rb = RolloutBatch([_sample(4), _sample(6), _sample(8), _sample(6, reward=0.0, outcome="incorrect")], 4)
-    steps.shape_rewards(rb, cfg)
+    def __init__(self, rollout):
+        self.rollout = rollout
+
+    def __call__(self, step):
+        return self.rollout
+
+
+def test_overlong_reward_shaping_returns_new_samples():
+    from megarl.stages.collect import OverlongShaping
+    from megarl.types import RolloutBatch
+
+    inner = RolloutBatch([_sample(4), _sample(6), _sample(8), _sample(6, reward=0.0, outcome="incorrect")], 4)
+    shaped = OverlongShaping(_Fixed(inner), max_len=8, buffer_len=4, penalty=1.0)(step=0)
     # Lmax - buffer = 4: length 4 -> 0; 6 -> -(6 - 4) / 4; 8 -> -1
-    assert [s.reward for s in rb.samples] == [1.0, 0.5, 0.0, -0.5]
-    assert [s.outcome for s in rb.samples] == ["correct", "correct", "correct", "incorrect"]  # outcomes untouched
-
-
-def test_mask_truncated_drops_cut_responses_from_the_loss():
-    from megarl.samples import RolloutBatch
-    from megarl import steps
-
-    rb = RolloutBatch([_sample(2), _sample(3, finish="length")], 2)
-    tok = SimpleNamespace(pad_token_id=0)
-    kept = steps.make_train_batch(rb, tok, mask_truncated=False)
-    cut = steps.make_train_batch(rb, tok, mask_truncated=True)
-    assert kept["loss_mask"][1].sum() == 3 and cut["loss_mask"][1].sum() == 0
-    assert torch.equal(kept["loss_mask"][0], cut["loss_mask"][0])
+    assert [s.reward for s in shaped.samples] == [1.0, 0.5, 0.0, -0.5]
+    assert [s.outcome for s in shaped.samples] == ["correct", "correct", "correct", "incorrect"]  # outcomes untouched
+    assert [s.reward for s in inner.samples] == [1.0, 1.0, 1.0, 0.0], "the inner stage's output is not written to"
 
 
 class _Tok:
@@ -249,17 +247,29 @@ def one_rank_group():
     dist.destroy_process_group()
 
 
-def test_dynamic_sampling_drops_uniform_groups_and_refills(one_rank_group):
-    from megarl import steps
-    from megarl.data import PromptRecord, PromptSampler
+def _dynamic_sampling(prompts, engine, cfg):
+    from megarl.data import PromptSampler
     from megarl.mcore.parallel import ParallelInfo
+    from megarl.reward import InProcessReward
+    from megarl.rollout import single_turn
+    from megarl.stages.collect import Collector, DynamicSampling
+
+    info = ParallelInfo(rank=0, world_size=1, tp_rank=0, tp_size=1, pp_rank=0, pp_size=1, dp_rank=0, dp_size=1)
+    collector = Collector(engine, single_turn, InProcessReward(), _Tok(), prompts,
+                          PromptSampler(len(prompts), seed=0, shuffle=False), cfg.rollout, cfg.data.rollout_batch_size,
+                          seed=0, info=info)
+    return DynamicSampling(collector, cfg.algorithm.max_sampling_rounds)
+
+
+def test_dynamic_sampling_drops_uniform_groups_and_refills(one_rank_group):
+    from megarl.data import PromptRecord
 
     prompts = [PromptRecord(i, str(i), [i], "5", "arithmetic") for i in range(30)]
     cfg = _cfg(dynamic_sampling=True, max_sampling_rounds=4)
     cfg.data.rollout_batch_size, cfg.rollout.n_samples_per_prompt = 4, 4
-    info = ParallelInfo(rank=0, world_size=1, tp_rank=0, tp_size=1, pp_rank=0, pp_size=1, dp_rank=0, dp_size=1)
-    sampler, buffer, engine = PromptSampler(len(prompts), seed=0, shuffle=False), [], _FakeEngine()
-    rb = steps.collect_rollout(engine, sampler, prompts, _Tok(), cfg, 0, info, buffer)
+    engine = _FakeEngine()
+    stage = _dynamic_sampling(prompts, engine, cfg)
+    rb = stage(0)
     # Prompts 0..3 (round 1): only 2 is mixed. 4..7: 5 mixed. 8..11: 8, 11 mixed -> 4 kept after 3 rounds.
     assert engine.calls == 3 and rb.metrics["ds_rounds"] == 3 and rb.metrics["ds_prompts_drawn"] == 12
     assert rb.metrics["ds_groups_dropped"] == 8 and rb.metrics["ds_groups_filled"] == 0
@@ -267,20 +277,21 @@ def test_dynamic_sampling_drops_uniform_groups_and_refills(one_rank_group):
     assert kept == [2, 5, 8, 11] and len(rb.samples) == 16
     assert [s.group for s in rb.samples] == [g for g in range(4) for _ in range(4)]
     assert all(len({s.outcome for s in rb.samples[i : i + 4]}) == 2 for i in range(0, 16, 4))
-    assert buffer == []
+    assert stage.rank_state() == {"ds_buffer": []}
 
 
 def test_dynamic_sampling_fills_with_dropped_groups_when_rounds_run_out(one_rank_group):
-    from megarl import steps
-    from megarl.data import PromptRecord, PromptSampler
-    from megarl.mcore.parallel import ParallelInfo
+    from megarl.data import PromptRecord
+    from megarl.stages.algorithm import Algorithm, pack
 
     prompts = [PromptRecord(i, str(i), [3 * i], "5", "arithmetic") for i in range(30)]  # all solved every time
     cfg = _cfg(dynamic_sampling=True, max_sampling_rounds=2)
     cfg.data.rollout_batch_size, cfg.rollout.n_samples_per_prompt = 2, 2
-    info = ParallelInfo(rank=0, world_size=1, tp_rank=0, tp_size=1, pp_rank=0, pp_size=1, dp_rank=0, dp_size=1)
-    rb = steps.collect_rollout(_FakeEngine(), PromptSampler(30, seed=0, shuffle=False), prompts, _Tok(), cfg, 0,
-                               info, [])
+    rb = _dynamic_sampling(prompts, _FakeEngine(), cfg)(0)
     assert rb.metrics["ds_rounds"] == 2 and rb.metrics["ds_groups_filled"] == 2 and len(rb.samples) == 4
-    steps.compute_advantages(rb, cfg.algorithm)
-    assert all(s.advantage == 0.0 for s in rb.samples)
+    packed = pack(rb.samples, 0)
+    info = SimpleNamespace(pp_size=1)
+    rewards = torch.tensor([s.reward for s in rb.samples])
+    assert rewards.tolist() == [1.0] * 4
+    advantages, _ = Algorithm(cfg, info, None, None).advantages(rewards, packed, None, rb.group_size)
+    assert torch.equal(advantages, torch.zeros(4))

@@ -232,7 +232,7 @@ def test_bad_literal_in_recipe_names_recipe(tmp_path):
     with pytest.raises(ConfigError) as e:
         parse_args([str(path)])
     assert f"recipe {path}" in str(e.value)
-    assert "builtin, sglang" in str(e.value)
+    assert "choose one of: builtin, megatron, sglang" in str(e.value)
 
 
 @pytest.mark.parametrize("flag, raw, kind", [("--num-steps", "ten", "int"), ("--num-steps", "2.5", "int"),
@@ -334,7 +334,7 @@ def test_help_text_lists_every_field_with_its_help():
         assert f"(default {f.default!r})" in lines[0]
     for section in SECTIONS:
         assert f"{section}:" in text.splitlines()
-    assert "<grpo|dr_grpo|rloo|reinforce_pp|reinforce_pp_baseline" in text
+    assert "<dr_grpo|gae|grpo|reinforce_pp|reinforce_pp_baseline|rloo>" in text  # the registry's names
 
 
 def test_every_field_default_builds_a_valid_config():
@@ -369,7 +369,7 @@ def test_tiny_cpu_recipe(clean_env):
     assert cfg.data.rollout_batch_size == 8
     assert (cfg.algorithm.advantage_estimator, cfg.algorithm.eps_clip, cfg.algorithm.kl_coef) == ("grpo", 0.2, 0.0)
     assert (cfg.algorithm.kl_estimator, cfg.algorithm.loss_aggregation) == ("k3", "token-mean")
-    assert (cfg.training.num_steps, cfg.training.max_train_minutes, cfg.training.lr) == (5400, 9.5, 1.5e-4)
+    assert (cfg.training.num_steps, cfg.training.max_train_minutes, cfg.training.lr) == (5400, 0.0, 1.5e-4)
     assert (cfg.training.min_lr, cfg.training.lr_decay_style) == (1e-5, "linear")
     assert (cfg.training.micro_batch_size, cfg.training.seed) == (32, 1234)
     assert cfg.logging.output_dir == f"{root}/runs/tiny_cpu"
@@ -401,3 +401,40 @@ def test_r1_math_recipe(clean_env):
     assert (cfg.training.micro_batch_size, cfg.training.updates_per_rollout, cfg.training.seed) == (4, 4, 42)
     assert (cfg.checkpoint.save, cfg.checkpoint.save_interval) == (f"{root}/checkpoints/r1_math", 20)
     assert (cfg.logging.output_dir, cfg.logging.log_interval) == (f"{root}/runs/r1_math", 1)
+
+
+def test_rules_across_sections_are_checked_when_parsing():
+    with pytest.raises(ConfigError, match="--max-tokens-per-micro-batch needs --pipeline-model-parallel-size 1"):
+        parse_args(["--max-tokens-per-micro-batch", "64", "--pipeline-model-parallel-size", "2"])
+    with pytest.raises(ConfigError, match="--context-parallel-size > 1 is not supported with --advantage-estimator "
+                                          "gae: its critic"):
+        parse_args(["--context-parallel-size", "2", "--advantage-estimator", "gae"])
+    assert parse_args(["--context-parallel-size", "2"]).model.context_parallel_size == 2  # the machine decides
+
+
+def test_plugins_that_do_not_import_stop_the_parse(tmp_path):
+    bad = tmp_path / "broken_plugin.py"
+    bad.write_text("raise RuntimeError('boom')\n")
+    with pytest.raises(ConfigError, match="--plugins .*broken_plugin.py: importing 'broken_plugin' failed: "
+                                          "RuntimeError: boom"):
+        parse_args(["--plugins", str(bad)])
+    with pytest.raises(ConfigError, match="no such file"):
+        parse_args(["--plugins", str(tmp_path / "absent.py")])
+    with pytest.raises(ConfigError, match="importing 'no_such_module_anywhere' failed: ModuleNotFoundError"):
+        parse_args(["--plugins", "no_such_module_anywhere"])
+
+
+def test_verifier_options_are_the_verifiers_own_arguments():
+    from megarl.config import verifier_options
+    from megarl.verifiers import get_verifier
+
+    cfg = parse_args(["--code-reward", "fraction", "--code-early-stop", "--code-extract", "first", "--sandbox",
+                      "docker", "--sandbox-workers", "3", "--sandbox-image", "img:1", "--code-test-seconds", "2.5",
+                      "--code-memory-mb", "512", "--math-strategy", "strict"])
+    options = verifier_options(cfg.reward, cfg.sandbox)
+    code, math = get_verifier("code", **options["code"]), get_verifier("math", **options["math"])
+    assert (code.reward, code.early_stop, code.extract, code.backend, code.workers, code.image, code.time_s,
+            code.memory_mb) == ("fraction", True, "first", "docker", 3, "img:1", 2.5, 512)
+    assert math.strategy == "strict"
+    defaults = verifier_options(parse_args([]).reward, parse_args([]).sandbox)
+    assert defaults["code"]["image"] is None and defaults["code"]["backend"] == "local"

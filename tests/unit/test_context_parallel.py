@@ -100,7 +100,7 @@ def test_config_and_launch_count_cp():
 def test_train_preflight_refuses_cp_without_transformer_engine():
     from megarl.config import ConfigError, parse_args
     from megarl.mcore.parallel import transformer_engine_available
-    from megarl.train import preflight
+    from megarl.stages.setup import preflight
 
     if transformer_engine_available():
         pytest.skip("Transformer Engine is importable here")

@@ -46,12 +46,14 @@ def test_save_refuses_an_offloaded_policy(tmp_path):
 
 
 def test_disaggregated_servers_take_the_tp_size_flag(monkeypatch):
-    from megarl import steps
-    from megarl.config import parse_args
+    import torch.distributed as dist
 
-    monkeypatch.setattr(steps.dist, "get_rank", lambda: 1)  # not the pushing rank: no weight-update group
+    from megarl.config import parse_args
+    from megarl.rollout.backends import build_engine
+
+    monkeypatch.setattr(dist, "get_rank", lambda: 1)  # not the pushing rank: no weight-update group
     cfg = parse_args(["--rollout-backend", "sglang", "--rollout-servers", "a:1,b:2", "--sglang-tp-size", "2"])
-    servers = steps.build_engine("unused", "auto", cfg)
+    servers = build_engine(cfg)
     assert servers.tp_sizes == [2, 2] and not servers.push
     cfg = parse_args(["--rollout-backend", "sglang", "--rollout-servers", "a:1"])
-    assert steps.build_engine("unused", "auto", cfg).tp_sizes is None  # asked from each server at connect()
+    assert build_engine(cfg).tp_sizes is None  # asked from each server at connect()

@@ -5,10 +5,11 @@ from __future__ import annotations
 import json
 import struct
 import sys
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import pytest
+import torch
 
 from megarl.config import LoggingConfig
 from megarl.metrics import MetricsLog, eta_seconds, format_step, open_sinks, plot_run, rollout_sample_rows
@@ -52,15 +53,23 @@ def test_eta_uses_the_run_pace_and_the_time_budget():
 # -- samples ---------------------------------------------------------------------------------------------------
 
 
-@dataclass
-class FakeSample:
-    prompt_index: int
-    response_text: str
-    reward: float
-    outcome: str
-    advantage: float
-    response_ids: list
-    finish_reason: str = "stop"
+def sample(prompt_index, text, reward, outcome, response_ids):
+    from megarl.types import Sample, SampleStatus
+
+    return Sample(group=0, prompt_index=prompt_index, prompt_ids=[1], response_ids=response_ids,
+                  loss_mask=[1] * len(response_ids), rollout_logprobs=[0.0] * len(response_ids), weight_version=4,
+                  status=SampleStatus.COMPLETED, response_text=text, reward=reward, outcome=outcome)
+
+
+def batch_of(samples, advantages):
+    """The step's TrainBatch as far as the sample rows read it: final rewards, advantages, the loss mask."""
+    from megarl.types import TrainBatch
+
+    n = len(samples)
+    adv = torch.tensor(advantages)
+    return TrainBatch(tokens=torch.zeros(n, 4, dtype=torch.long), loss_mask=torch.ones(n, 3),
+                      rollout_logp=torch.zeros(n, 3), lengths=torch.full((n,), 4),
+                      rewards=torch.tensor([s.reward for s in samples]), advantages=adv)
 
 
 @dataclass
@@ -70,21 +79,26 @@ class FakePrompt:
 
 def samples_and_prompts():
     prompts = [FakePrompt("1+1="), FakePrompt("2+3=")]
-    samples = [FakeSample(1, "5", 1.0, "correct", 0.7, [7, 0]), FakeSample(1, "6", 0.0, "wrong", -0.7, [8, 0]),
-               FakeSample(0, "2", 1.0, "correct", 0.0, [4, 0])]
-    return samples, prompts
+    samples = [sample(1, "5", 1.0, "correct", [7, 0]), sample(1, "6", 0.0, "wrong", [8, 0]),
+               sample(0, "2", 1.0, "correct", [4, 0])]
+    return samples, prompts, batch_of(samples, [0.7, -0.7, 0.0])
 
 
 def test_samples_rows_and_file(tmp_path):
-    samples, prompts = samples_and_prompts()
-    rows = rollout_sample_rows(10, samples, prompts, limit=2)
+    samples, prompts, batch = samples_and_prompts()
+    rows = rollout_sample_rows(10, samples, prompts, limit=2, batch=batch)
     assert [(r["prompt"], r["response"], r["reward"], r["outcome"]) for r in rows] == [
         ("2+3=", "5", 1.0, "correct"), ("2+3=", "6", 0.0, "wrong")]
-    assert rows[0]["step"] == 10 and rows[0]["advantage"] == 0.7 and rows[0]["response_len"] == 2
+    assert rows[0]["step"] == 10 and rows[0]["advantage"] == pytest.approx(0.7) and rows[0]["response_len"] == 2
+    assert rows[0]["status"] == "completed" and rows[0]["weight_version"] == 4
+    # Per-token advantages [B, T]: each row gets their mean over its loss mask.
+    tokens = replace(batch_of(samples, [[0.5, 1.0, 9.0], [2.0, 2.0, 9.0], [0.0, 0.0, 9.0]]),
+                     loss_mask=torch.tensor([[1.0, 1.0, 0.0]] * 3))
+    assert [r["advantage"] for r in rollout_sample_rows(10, samples, prompts, 3, tokens)] == [0.75, 2.0, 0.0]
 
     log = MetricsLog(str(tmp_path), enabled=True)
     log.write_samples(10, rows)
-    log.write_samples(20, rollout_sample_rows(20, samples, prompts, limit=8))
+    log.write_samples(20, rollout_sample_rows(20, samples, prompts, limit=8, batch=batch))
     lines = [json.loads(x) for x in (tmp_path / "samples.jsonl").read_text().splitlines()]
     assert [x["step"] for x in lines] == [10, 10, 20, 20, 20]
     assert lines[-1]["prompt"] == "1+1=" and lines[-1]["response"] == "2"
@@ -115,8 +129,8 @@ def test_tensorboard_event_file_holds_the_scalars_and_samples(tmp_path):
     log = MetricsLog(cfg.output_dir, enabled=True, sinks=open_sinks(cfg, cfg.output_dir, {}, resumed=False))
     for step in (1, 2, 3):
         log.write(make_row(step))
-    samples, prompts = samples_and_prompts()
-    log.write_samples(3, rollout_sample_rows(3, samples, prompts, limit=3))
+    samples, prompts, batch = samples_and_prompts()
+    log.write_samples(3, rollout_sample_rows(3, samples, prompts, limit=3, batch=batch))
     log.close()
 
     acc = EventAccumulator(str(tb), size_guidance={"scalars": 0, "tensors": 0})
@@ -176,8 +190,8 @@ def test_wandb_offline_run_holds_the_metrics_and_samples(tmp_path, monkeypatch):
     log = MetricsLog(cfg.output_dir, enabled=True, sinks=open_sinks(cfg, cfg.output_dir, {"lr": 1e-4}, resumed=False))
     for step in (1, 2):
         log.write(make_row(step))
-    samples, prompts = samples_and_prompts()
-    log.write_samples(2, rollout_sample_rows(2, samples, prompts, limit=3))
+    samples, prompts, batch = samples_and_prompts()
+    log.write_samples(2, rollout_sample_rows(2, samples, prompts, limit=3, batch=batch))
     log.close()
 
     run_id = (out / "wandb-run-id").read_text()
@@ -189,7 +203,7 @@ def test_wandb_offline_run_holds_the_metrics_and_samples(tmp_path, monkeypatch):
     (table_file,) = run_file.parent.glob("files/media/table/rollout_samples_2_*.table.json")
     table = json.loads(table_file.read_text())
     assert table["columns"] == ["step", "prompt", "response", "reward", "outcome", "advantage"]
-    assert table["data"][0] == [2, "2+3=", "5", 1.0, "correct", 0.7]
+    assert table["data"][0][:5] == [2, "2+3=", "5", 1.0, "correct"] and table["data"][0][5] == pytest.approx(0.7)
 
     # A resumed megarl run continues the same wandb run.
     resumed = open_sinks(cfg, cfg.output_dir, {}, resumed=True)

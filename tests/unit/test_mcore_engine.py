@@ -1,6 +1,6 @@
 """`--rollout-backend megatron` on CPU: what runs without a GPU (the mapping of sampling params onto Megatron's,
 finished requests to completions, the identity weight sync, the clear errors). The engine itself needs CUDA and
-flash-attn: tests/gpu/test_mcore_engine_gpu.py."""
+flash-attn: tools/gpu_check.sh's `dynamic` part (tests/gpu/test_colocated_path.py)."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ import torch
 from megarl.config import ConfigError, parse_args
 from megarl.rollout import weight_sync
 from megarl.rollout.base import SamplingParams
-from megarl.rollout.mcore_engine import (
+from megarl.mcore.inference_engine import (
     MegatronEngine,
     group,
     megatron_engine_available,
@@ -61,16 +61,16 @@ def test_unavailable_on_cpu_with_a_reason():
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the CPU-only answer")
-def test_preflight_names_what_the_megatron_backend_needs():
-    from megarl.train import preflight
+def test_what_the_megatron_backend_needs_is_named_before_any_work():
+    from megarl.stages.setup import preflight
 
     assert parse_args(["--rollout-backend", "megatron"]).rollout.rollout_backend == "megatron"
     with pytest.raises(ConfigError, match="--rollout-backend megatron: .*CUDA.*use --rollout-backend builtin"):
-        preflight(parse_args(["--rollout-backend", "megatron"]))
-    with pytest.raises(ConfigError, match="needs --tensor-model-parallel-size 1"):
-        preflight(parse_args(["--rollout-backend", "megatron", "--tensor-model-parallel-size", "2"]))
+        preflight(parse_args(["--rollout-backend", "megatron"]))  # the machine, before any process group
+    with pytest.raises(ConfigError, match="needs --tensor-model-parallel-size 1"):  # the flags, when parsed
+        parse_args(["--rollout-backend", "megatron", "--tensor-model-parallel-size", "2"])
     with pytest.raises(ConfigError, match="--offload-params"):
-        preflight(parse_args(["--rollout-backend", "megatron", "--offload-params"]))
+        parse_args(["--rollout-backend", "megatron", "--offload-params"])
 
 
 class _SharingEngine:
@@ -88,11 +88,15 @@ class _NoExportActor:
 
 
 def test_sync_of_a_weight_sharing_engine_moves_nothing():
-    from megarl import steps
+    from megarl.mcore.parallel import ParallelInfo
+    from megarl.rollout.builtin import BuiltinEngine
+    from megarl.stages.colocation import WeightSync
 
     engine = _SharingEngine()
-    metrics = steps.sync_weights(_NoExportActor(), engine, version=3, cfg=parse_args(["--rollout-backend", "megatron"]))
+    one_rank = ParallelInfo(rank=0, world_size=1, tp_rank=0, tp_size=1, pp_rank=0, pp_size=1, dp_rank=0, dp_size=1)
+    metrics = WeightSync(_NoExportActor(), engine, parse_args(["--rollout-backend", "megatron"]).rollout,
+                         one_rank)(version=3)
     assert engine.weight_version == 3
     assert (metrics["weight_version"], metrics["sync_bytes"], metrics["sync_buckets"]) == (3, 0, 0)
     with pytest.raises(weight_sync.WeightSyncError, match="holds weights of its own"):
-        weight_sync.stamp(object(), 1)
+        weight_sync.stamp(BuiltinEngine.__new__(BuiltinEngine), 1)

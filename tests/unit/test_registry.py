@@ -1,13 +1,12 @@
 """Registries: one behaviour for every plugin slot, and the config's choices agree with what is registered."""
 
-import typing
-
 import pytest
 
 from megarl.algorithms import advantages, losses
-from megarl.config import AlgorithmConfig
+from megarl.config import ConfigError, _valid_names, flag_specs, parse_args
 from megarl.registry import Registry
-from megarl.verifiers import get_verifier, verifier_names
+from megarl.rollout import backends, functions
+from megarl.verifiers import base, get_verifier, verifier_names
 
 
 def test_registry_register_get_and_errors():
@@ -21,18 +20,23 @@ def test_registry_register_get_and_errors():
         reg.get("z")
 
 
-def _choices(field: str) -> list[str]:
-    return sorted(typing.get_args(typing.get_type_hints(AlgorithmConfig)[field]))
-
-
-@pytest.mark.parametrize("field, registry", [
-    ("advantage_estimator", advantages._ADVANTAGES),
-    ("policy_loss", losses._POLICY_LOSSES),
-    ("kl_estimator", losses._KL_ESTIMATORS),
+@pytest.mark.parametrize("flag, registry", [
+    ("--advantage-estimator", advantages._ADVANTAGES),
+    ("--policy-loss", losses._POLICY_LOSSES),
+    ("--kl-estimator", losses._KL_ESTIMATORS),
+    ("--rollout-backend", backends._BACKENDS),
+    ("--rollout-function", functions._ROLLOUTS),
+    ("--default-verifier", base._VERIFIERS),
 ])
-def test_config_choices_match_registries(field, registry):
-    # The flag's allowed values are checked before any work starts; each must resolve in the registry.
-    assert _choices(field) == registry.names()
+def test_flags_naming_registry_entries_take_exactly_the_registered_names(flag, registry, monkeypatch):
+    spec = flag_specs()[flag]
+    assert _valid_names(spec) == registry.names()
+    with pytest.raises(ConfigError, match=f"command line: {flag} 'no_such_entry' is not registered; choose one of: "
+                                          + ", ".join(registry.names())):
+        parse_args([flag, "no_such_entry"])
+    # A name registered later (a plugin's) is as valid as the built-in ones.
+    monkeypatch.setitem(registry._items, "no_such_entry", registry.get(registry.names()[0]))
+    assert getattr(getattr(parse_args([flag, "no_such_entry"]), spec.section), spec.name) == "no_such_entry"
 
 
 def test_verifier_registry():

@@ -80,36 +80,33 @@ def test_mixed_verifiers_in_one_batch_and_errors_from_the_verifier():
 
 
 def test_pool_settings():
-    assert shared_pool(0, 10.0) is None
+    assert shared_pool(1, 10.0) is shared_pool(1, 10.0), "one pool per process and settings"
+    assert shared_pool(1, 10.0, options={"code": {"reward": "fraction"}}) is not shared_pool(1, 10.0)
     assert 1 <= default_workers() <= 16
     with pytest.raises(ValueError, match="timeout_s"):
         RewardPool(workers=1, timeout_s=0)
 
 
-class _Tokenizer:
-    def decode(self, ids, skip_special_tokens=True):
-        return "".join(chr(i) for i in ids)
-
-
-def test_score_a_rollout_batch_through_the_pool_and_in_process():
+def test_reward_functions_score_samples_by_their_rows_verifier_with_the_runs_options():
     from megarl.data import PromptRecord
-    from megarl.samples import RolloutBatch, Sample, score
+    from megarl.reward import InProcessReward, PoolReward, RewardMeter
+    from megarl.types import Sample, SampleStatus
 
-    prompts = [PromptRecord(0, "1+1=", [1], "2", "arithmetic"), PromptRecord(1, "half?", [2], "1/2", "math")]
-    answers = [["2", "3"], ["$\\boxed{0.5}$", "$\\boxed{2}$"]]
-
-    def batch():
-        samples = [Sample(group=g, prompt_index=g, prompt_ids=[1], response_ids=[ord(c) for c in text],
-                          rollout_logprobs=[0.0] * len(text), finish_reason="stop")
-                   for g, group in enumerate(answers) for text in group]
-        return RolloutBatch(samples, group_size=2)
-
-    here, pooled = batch(), batch()
-    score(here, prompts, _Tokenizer())
-    with RewardPool(workers=2, timeout_s=30) as pool:
-        score(pooled, prompts, _Tokenizer(), pool=pool)
-    for b in (here, pooled):
-        assert [(s.reward, s.outcome) for s in b.samples] == [(1.0, "correct"), (0.0, "incorrect"),
-                                                               (1.0, "correct"), (0.0, "incorrect")]
-        assert b.metrics["reward_n"] == 4 and b.metrics["reward_uniform_group_frac"] == 0.0
-        assert b.samples[2].response_text == "$\\boxed{0.5}$"
+    rows = [PromptRecord(0, "1+1=", [1], "2", "arithmetic"), PromptRecord(1, "half?", [2], "1/2", "math")]
+    answers = [["2", "3"], ["$\\boxed{0.5}$", "The answer is 0.5"]]
+    samples = [Sample(group=g, prompt_index=g, prompt_ids=[1], response_ids=[7], loss_mask=[1], rollout_logprobs=[0.0],
+                      weight_version=0, status=SampleStatus.COMPLETED, response_text=text)
+               for g, group in enumerate(answers) for text in group]
+    records = [rows[s.group] for s in samples]
+    lenient = [("correct", 1.0), ("incorrect", 0.0), ("correct", 1.0), ("correct", 1.0)]
+    strict = lenient[:3] + [("no_answer", 0.0)]  # `--math-strategy strict` takes only a \boxed{} answer
+    with RewardPool(workers=2, timeout_s=30, options={"math": {"strategy": "strict"}}) as pool:
+        for reward, want in ((InProcessReward(), lenient), (InProcessReward({"math": {"strategy": "strict"}}), strict),
+                             (PoolReward(pool), strict)):
+            meter = RewardMeter(reward)
+            assert [(r.outcome, r.score) for r in meter(samples, records)] == want
+            health = meter.health(group_size=2)
+            assert health["reward_n"] == 4 and health["reward_worker_restarts"] == 0 and meter.seconds > 0
+    assert samples[3].reward == 0.0 and samples[3].outcome == "", "a reward function changes no sample"
+    with pytest.raises(ValueError, match="4 samples but 2 data rows"):
+        InProcessReward()(samples, rows)

@@ -92,20 +92,23 @@ def _engine(log, sessions=True, **kw):
 
 
 def test_colocation_cycle_order():
-    from megarl import steps
+    from megarl.mcore.parallel import ParallelInfo
+    from megarl.stages.colocation import WeightSync, enter_rollout, enter_training
 
     log = []
     engine, actor = _engine(log), FakeActor(log)
     cfg = build_config({"offload_optimizer": True, "offload_params": True, "sync_bucket_mb": 1})
+    one_rank = ParallelInfo(rank=0, world_size=1, tp_rank=0, tp_size=1, pp_rank=0, pp_size=1, dp_rank=0, dp_size=1)
+    sync = WeightSync(actor, engine, cfg.rollout, one_rank)
     params = SamplingParams(n=2, max_new_tokens=3)
     for step in range(2):
-        steps.enter_rollout(actor, engine, cfg)
+        enter_rollout(actor, engine, cfg.training)
         engine.generate([[1, 2, 3]], params)
-        steps.enter_training(actor, engine, cfg)
+        enter_training(actor, engine)
         log.append("train")
-        metrics = steps.sync_weights(actor, engine, version=step + 1, cfg=cfg)
+        metrics = sync(version=step + 1)
         assert metrics["weight_version"] == step + 1 and metrics["sync_bytes"] == 3 * 8 * 8 * 4
-    steps.enter_rollout(actor, engine, cfg)
+    enter_rollout(actor, engine, cfg.training)
     one_step = [("offload", True, True), ("resume", ("kv_cache",)), "flush_cache", "generate",
                 ("release", ("kv_cache", "weights")), "onload", "train", "export",
                 ("resume", ("weights",)), "begin_weight_update", ("update", "flattened_bucket", False, 2),

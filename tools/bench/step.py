@@ -44,8 +44,9 @@ Kernels. Without Transformer Engine megarl runs Megatron's local layer spec with
 RMSNorm and SwiGLU (`megarl/mcore/local_kernels.py`); `--megarl-kernels stock` runs the spec as Megatron ships it.
 
 Phases. megarl: the named steps of `megarl/train.py`'s loop, with its real components (BuiltinEngine generate,
-reward via `megarl.samples.score`, `MegatronPolicy` log-probs and train step through `megarl/steps.py`, weight
-sync to the engine) on a world of one process (gloo). TRL: `_generate` (tokenize, `model.generate`, decode),
+the `single_turn` rollout function, whose reward calls (the verifier) are the reward phase and whose decoding
+is part of generation, `MegatronPolicy` log-probs and train step through `megarl/stages/`, weight sync to the
+engine) on a world of one process (gloo). TRL: `_generate` (tokenize, `model.generate`, decode),
 `_calculate_rewards`, reference/old log-probs (`_get_per_token_logps_and_entropies` under no_grad), update
 (forward + backward of every micro-batch, clipping, optimizer step), from the trainer's own step callbacks.
 `other` is the rest of the step (advantages, batching, ...). TRL has no weight sync: it generates with the
@@ -205,14 +206,17 @@ class MegarlStep:
     def __init__(self, model_dir: Path, data_path: Path, size: Size, args):
         from transformers import AutoTokenizer
 
-        from megarl import steps
         from megarl.config import parse_args
         from megarl.data import PromptSampler, load_prompts
         from megarl.mcore import parallel
         from megarl.mcore.actor import MegatronPolicy
         from megarl.model_shape import ModelShape
+        from megarl.reward import InProcessReward
+        from megarl.rollout.backends import build_engine
+        from megarl.stages.algorithm import Algorithm
+        from megarl.stages.colocation import WeightSync
+        from megarl.stages.setup import optim_config
 
-        self.steps = steps
         self.size = size
         self.cfg = parse_args([
             "--hf-checkpoint", str(model_dir), "--prompt-data", str(data_path),
@@ -235,46 +239,63 @@ class MegarlStep:
         bf16 = self.cfg.model.bf16
         fused = args.megarl_kernels == "fused"
         self.actor = MegatronPolicy(shape, tp=1, pp=1, trainable=True, bf16=bf16, local_kernels=fused,
-                                    optim=steps.optim_config(self.cfg.training), use_transformer_engine=False)
+                                    optim=optim_config(self.cfg.training), use_transformer_engine=False)
         self.actor.load_hf(str(model_dir))
         self.reference = MegatronPolicy(shape, tp=1, pp=1, trainable=False, bf16=bf16, use_transformer_engine=False,
                                         local_kernels=fused)
         self.reference.load_hf(str(model_dir))
-        self.engine = steps.build_engine(str(model_dir), "cpu", self.cfg)
-        steps.sync_weights(self.actor, self.engine, version=0, cfg=self.cfg)
+        self.engine = build_engine(self.cfg)
+        self.sync = WeightSync(self.actor, self.engine, self.cfg.rollout, self.info)
+        self.sync(version=0)
+        self.algorithm = Algorithm(self.cfg, self.info, self.reference, None)
+        self.reward = InProcessReward()
         self.sampler = PromptSampler(len(self.prompts), seed=args.seed)
         self.version = 0
 
     def step(self) -> dict[str, Clock]:
-        from megarl.rollout.base import SamplingParams
-        from megarl.samples import generate, score
+        from megarl.rollout import SamplingParams, single_turn
+        from megarl.stages.algorithm import pack
+        from megarl.stages.colocation import enter_rollout, enter_training
+        from megarl.stages.update import update
+        from megarl.types import RolloutBatch
 
-        steps, cfg, size, t = self.steps, self.cfg, self.size, PhaseTimer()
+        cfg, size, t = self.cfg, self.size, PhaseTimer()
         with t("total"):
-            steps.enter_rollout(self.actor, self.engine, cfg)
-            batch_prompts = steps.prompts_for_rank(self.sampler, self.prompts, size.prompts, self.info)
-            # As steps.sampling_params, but with no stop token: every response has exactly response_len tokens.
+            enter_rollout(self.actor, self.engine, cfg.training)
+            batch_prompts = [self.prompts[i] for i in self.sampler.next_indices(size.prompts)]
+            # As the trainer's sampling params, but with no stop token: every response has exactly response_len tokens.
             params = SamplingParams(n=size.group, temperature=1.0, top_p=1.0, top_k=-1,
                                     max_new_tokens=size.response_len, stop_token_ids=(), seed=1000 + self.version)
-            with t("generation"):
-                rollout = generate(self.engine, batch_prompts, params)
-            with t("reward"):
-                score(rollout, batch_prompts, self.tokenizer)
-            batch = steps.make_train_batch(rollout, self.tokenizer)
-            steps.enter_training(self.actor, self.engine, cfg)
+            with t("rollout"):
+                samples = single_turn(self.engine, batch_prompts, params, _TimedReward(self.reward, t), self.tokenizer)
+            t.phases["generation"] += t.phases.pop("rollout") - t.phases["reward"]
+            rollout = RolloutBatch(samples, params.n)
+            enter_training(self.actor, self.engine)
             with t("log-probs"):
-                steps.add_logprobs(batch, self.actor, self.reference, cfg)
-            steps.compute_advantages(rollout, cfg.algorithm, batch)
+                packed = pack(rollout.samples, self.tokenizer.pad_token_id or 0)
+                logp = self.algorithm.logprobs(self.actor, packed)
+            batch, _ = self.algorithm.train_batch(rollout, packed, logp)
             with t("update"):
-                steps.update(self.actor, batch, cfg)
+                update(self.actor, batch, cfg.algorithm, cfg.training, cfg.rollout)
             self.version += 1
             with t("sync"):
-                steps.sync_weights(self.actor, self.engine, version=self.version, cfg=cfg)
+                self.sync(version=self.version)
         assert all(len(s.response_ids) == size.response_len for s in rollout.samples)
         return t.result()
 
     def close(self) -> None:
-        self.steps.close_engine(self.engine)
+        self.engine.shutdown()
+
+
+class _TimedReward:
+    """A reward function whose calls count as the step's reward phase."""
+
+    def __init__(self, inner, timer: PhaseTimer):
+        self.inner, self.timer, self.restarts = inner, timer, 0
+
+    def __call__(self, samples, records):
+        with self.timer("reward"):
+            return self.inner(samples, records)
 
 
 # -- TRL ----------------------------------------------------------------------------------------------------

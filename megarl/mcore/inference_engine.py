@@ -1,5 +1,9 @@
 """Megatron's own dynamic inference engine as a rollout backend (`--rollout-backend megatron`).
 
+It lives in `megarl/mcore/` because it is the one rollout engine that knows Megatron: it wraps megatron-core's
+inference API around the actor's model. The rest of megarl reaches it only through the `RolloutEngine` protocol
+and the backend registry (`megarl.rollout.backends`).
+
 The engine drives the actor's own Megatron model (megatron-core's `DynamicInferenceEngine` over a
 `DynamicInferenceContext`: a paged KV cache, requests batched in flight), so no weights are copied: a weight sync
 only stamps the version (`shares_actor_weights`). Token ids in; output ids, log-probs and finish reasons out, `n`
@@ -20,11 +24,11 @@ first rank only, while Megatron's engine needs every rank of the replica steppin
 (the engine generates with the actor's weights). The engine needs CUDA and flash-attn >= 2.7.3 (or FA3) for its
 paged attention; `megatron_engine_available` says why when it cannot run.
 
-What was verified where: written against megatron-core 0.16.1's API. On CPU (where the engine cannot run) the
-tests cover the mapping of sampling params, the conversion of finished requests to completions, the grouping, and
-the clear errors (tests/unit/test_mcore_engine.py). The engine itself is exercised by
-tests/gpu/test_mcore_engine_gpu.py (greedy outputs equal the built-in engine's, log-probs close) and by
-tools/gpu_check.sh's `dynamic` part; at the time of writing neither had been run on a GPU.
+Tests: written against megatron-core 0.16.1's API. On CPU, where the engine cannot run, tests/unit/
+test_mcore_engine.py covers the mapping of sampling params, the conversion of finished requests to completions,
+the grouping and the clear errors. The engine itself runs only in tools/gpu_check.sh's `dynamic` part (greedy
+outputs against the built-in engine's, log-probs close, GRPO steps), through tests/gpu/test_colocated_path.py,
+which skips where the engine cannot run; no GPU run of it is recorded in this repository.
 """
 
 from __future__ import annotations
@@ -35,6 +39,7 @@ import torch
 
 from megarl.model_shape import ModelShape
 from megarl.rollout.base import Completion, SamplingParams
+from megarl.rollout.weight_sync import WeightBucket
 
 
 def megatron_engine_available() -> tuple[bool, str]:
@@ -195,6 +200,10 @@ class MegatronEngine:
         if next(iter(named_tensors), None) is not None:
             raise RuntimeError("the Megatron engine shares the actor's weights; megarl's sync only stamps a version")
         self.weight_version = self.weight_version + 1 if version is None else version
+
+    def load_weight_buckets(self, buckets: Iterable[WeightBucket], version: int) -> None:
+        """As `update_weights`: buckets of weights have nowhere to go (`weight_sync.stamp` sends none)."""
+        self.update_weights((t for bucket in buckets for t in bucket.tensors()), version)
 
     def release_memory(self) -> None:
         """Free the KV cache (Megatron's `suspend`) before training."""

@@ -1,0 +1,170 @@
+"""Rollout-engine backends by name (`--rollout-backend NAME`): how each builds its engine, what it asks of the
+configuration, and whether it can run on this machine.
+
+    @register_backend("mine", check=..., available=...)
+    def build(cfg, actor) -> RolloutEngine: ...
+
+`build(cfg, actor)` runs on each model-parallel leader once process groups and the actor exist; `check(cfg)` is a
+configuration rule run when flags are parsed (raise `ConfigError` naming the flags); `available(cfg)` says
+whether the engine can run here, `(True, "")` or `(False, why)`, checked before any work starts. Built in:
+`builtin` (plain PyTorch, CPU or GPU), `sglang` (colocated, or servers elsewhere with `--rollout-servers`) and
+`megatron` (megatron-core's inference engine over the actor's own model, `megarl/mcore/inference_engine.py`).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Callable
+
+import torch
+
+from megarl.registry import Registry
+from megarl.rollout.base import RolloutEngine
+
+if TYPE_CHECKING:
+    from megarl.config import Config
+    from megarl.mcore.actor import MegatronPolicy
+
+
+def _no_rule(cfg: Config) -> None:
+    return None
+
+
+def _runs_anywhere(cfg: Config) -> tuple[bool, str]:
+    return True, ""
+
+
+@dataclass(frozen=True)
+class Backend:
+    name: str
+    build: Callable[[Config, MegatronPolicy | None], RolloutEngine]
+    check: Callable[[Config], None] = _no_rule
+    available: Callable[[Config], tuple[bool, str]] = _runs_anywhere
+
+
+_BACKENDS: Registry[Backend] = Registry("rollout backend")
+
+
+def register_backend(name: str, *, check: Callable[[Config], None] = _no_rule,
+                     available: Callable[[Config], tuple[bool, str]] = _runs_anywhere):
+    """Decorator on a backend's `build(cfg, actor) -> RolloutEngine` (see the module docstring)."""
+
+    def decorate(build):
+        _BACKENDS.register(name)(Backend(name, build, check, available))
+        return build
+
+    return decorate
+
+
+def get_backend(name: str) -> Backend:
+    """The backend registered as `name`; an unknown name raises ValueError listing the valid ones."""
+    return _BACKENDS.get(name)
+
+
+def backend_names() -> list[str]:
+    return _BACKENDS.names()
+
+
+def build_engine(cfg: Config, actor: MegatronPolicy | None = None) -> RolloutEngine:
+    """This model-parallel leader's engine, from `--rollout-backend`."""
+    return get_backend(cfg.rollout.rollout_backend).build(cfg, actor)
+
+
+# -- built-in ------------------------------------------------------------------------------------------------------
+
+
+def _builtin_available(cfg: Config) -> tuple[bool, str]:
+    if cfg.rollout.rollout_device == "cuda" and not torch.cuda.is_available():
+        return False, "--rollout-device cuda: this machine has no CUDA GPU; allowed here: auto, cpu"
+    return True, ""
+
+
+@register_backend("builtin", available=_builtin_available)
+def build_builtin(cfg: Config, actor: MegatronPolicy | None = None) -> RolloutEngine:
+    """megarl's PyTorch engine with zero weights: the actor's arrive right after, through the first sync."""
+    from megarl.rollout.builtin import BuiltinEngine
+
+    device = cfg.rollout.rollout_device
+    if device == "auto":
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+    dtype = torch.bfloat16 if cfg.model.bf16 else torch.float32  # CPUs with bf16 units too
+    config = json.loads((Path(cfg.model.hf_checkpoint) / "config.json").read_text())
+    return BuiltinEngine(config, device=device, dtype=dtype)
+
+
+# -- SGLang --------------------------------------------------------------------------------------------------------
+
+
+def _sglang_available(cfg: Config) -> tuple[bool, str]:
+    if cfg.rollout.rollout_servers:  # servers on other nodes: nothing to run here
+        return True, ""
+    if not torch.cuda.is_available():
+        return False, ("--rollout-backend sglang needs a CUDA GPU and this machine has none; use --rollout-backend "
+                       "builtin (the CPU default)")
+    from megarl.rollout.sglang_engine import sglang_available
+
+    ok, why = sglang_available()
+    return ok, "" if ok else (f"--rollout-backend sglang: {why}; install it (pip install 'megarl[sglang]') or use "
+                              "--rollout-backend builtin")
+
+
+@register_backend("sglang", available=_sglang_available)
+def build_sglang(cfg: Config, actor: MegatronPolicy | None = None) -> RolloutEngine:
+    """An in-process SGLang engine on this rank's GPUs, or a client of `--rollout-servers`."""
+    import torch.distributed as dist
+
+    from megarl.rollout.sglang_engine import SGLangEngine, SGLangServers
+
+    r = cfg.rollout
+    if not r.rollout_servers:
+        tp = r.sglang_tp_size or cfg.model.tensor_model_parallel_size
+        return SGLangEngine.launch(cfg.model.hf_checkpoint, tp_size=tp, base_gpu_id=torch.cuda.current_device(),
+                                   mem_fraction=r.sglang_mem_fraction, dtype="bfloat16" if cfg.model.bf16 else "auto",
+                                   seed=cfg.training.seed)
+    pusher = dist.get_rank() == 0  # every DP leader generates; one rank pushes weights for all
+    urls = r.rollout_servers.split(",")
+    # The servers' TP size sizes the weight-update group: one trainer rank plus every server's TP ranks.
+    servers = SGLangServers(urls, tp_sizes=[r.sglang_tp_size] * len(urls) if r.sglang_tp_size else None, push=pusher)
+    if pusher:
+        from megarl.mcore.parallel import default_backend
+
+        port = r.weight_sync_port or int(os.environ.get("MASTER_PORT", 29500)) + 17
+        servers.connect(os.environ.get("MASTER_ADDR", "127.0.0.1"), port, backend=default_backend())
+    return servers
+
+
+# -- Megatron's inference engine -----------------------------------------------------------------------------------
+
+
+def _megatron_rule(cfg: Config) -> None:
+    from megarl.config import ConfigError
+
+    m = cfg.model
+    if (m.tensor_model_parallel_size, m.pipeline_model_parallel_size, m.context_parallel_size) != (1, 1, 1):
+        raise ConfigError("--rollout-backend megatron needs --tensor-model-parallel-size 1, "
+                          "--pipeline-model-parallel-size 1 and --context-parallel-size 1 (the engine runs on each "
+                          "replica's first rank only); use --rollout-backend sglang for sharded rollout")
+    if cfg.training.offload_params:
+        raise ConfigError("--rollout-backend megatron generates with the actor's own weights: --offload-params "
+                          "would move them away (--offload-optimizer is fine)")
+
+
+def _megatron_available(cfg: Config) -> tuple[bool, str]:
+    from megarl.mcore.inference_engine import megatron_engine_available
+
+    ok, why = megatron_engine_available()
+    return ok, "" if ok else f"--rollout-backend megatron: {why}; use --rollout-backend builtin (the CPU default)"
+
+
+@register_backend("megatron", check=_megatron_rule, available=_megatron_available)
+def build_megatron(cfg: Config, actor: MegatronPolicy | None = None) -> RolloutEngine:
+    """Megatron's dynamic inference engine over `actor`'s own model: no weight copies."""
+    from megarl.mcore.inference_engine import MegatronEngine
+
+    if actor is None:
+        raise ValueError("--rollout-backend megatron generates with the actor's model: build_engine needs the actor")
+    return MegatronEngine.for_actor(actor, max_sequence_length=actor.shape.max_position_embeddings,
+                                    seed=cfg.training.seed)

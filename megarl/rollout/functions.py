@@ -1,0 +1,69 @@
+"""Rollout functions: how a group of prompts becomes finished, scored trajectories.
+
+    @register_rollout("my_rollout")
+    def my_rollout(engine, prompts, params, reward, tokenizer) -> list[Sample]: ...
+
+`engine` is the `RolloutEngine`, `prompts` this rank's prompt records (`megarl.data.PromptRecord`), `params` the
+step's `SamplingParams` (`params.n` trajectories per prompt), `reward` the `megarl.reward.RewardFn` to score
+them with and `tokenizer` the run's tokenizer (to decode what the verifier reads, or to encode a tool's output).
+It returns `params.n` samples per prompt, group by group in prompt order, each with `group` = its prompt's index
+in `prompts`, scored by `reward`. `--rollout-function NAME` picks one; `get_rollout(name)` returns a registered
+one, so a user's function can call the default and change what it returns.
+
+What wraps a rollout function, not what is inside one: the trainer broadcasts its result within a model-parallel
+group, and dynamic sampling and overlong shaping (`megarl.stages.collect`) apply to any rollout function.
+"""
+
+from __future__ import annotations
+
+from dataclasses import replace
+from typing import Callable, Protocol, Sequence
+
+from megarl.data import PromptRecord
+from megarl.registry import Registry
+from megarl.reward import RewardFn
+from megarl.rollout.base import Completion, RolloutEngine, SamplingParams
+from megarl.types import Sample, SampleStatus
+
+
+class RolloutFn(Protocol):
+    def __call__(self, engine: RolloutEngine, prompts: Sequence[PromptRecord], params: SamplingParams,
+                 reward: RewardFn, tokenizer) -> list[Sample]: ...
+
+
+_ROLLOUTS: Registry[RolloutFn] = Registry("rollout function")
+
+
+def register_rollout(name: str) -> Callable[[RolloutFn], RolloutFn]:
+    """Register a rollout function under `name` (a second registration of a name is an error)."""
+    return _ROLLOUTS.register(name)
+
+
+def get_rollout(name: str) -> RolloutFn:
+    """The rollout function registered as `name`; an unknown name raises ValueError listing the valid ones."""
+    return _ROLLOUTS.get(name)
+
+
+def rollout_names() -> list[str]:
+    return _ROLLOUTS.names()
+
+
+def policy_sample(group: int, record: PromptRecord, completion: Completion, tokenizer) -> Sample:
+    """A sample whose every response token is the policy's (loss mask 1), unscored."""
+    ids = list(completion.token_ids)
+    return Sample(group=group, prompt_index=record.index, prompt_ids=list(record.prompt_ids), response_ids=ids,
+                  loss_mask=[1] * len(ids), rollout_logprobs=list(completion.logprobs),
+                  weight_version=completion.weight_version,
+                  status=SampleStatus.COMPLETED if completion.finish_reason == "stop" else SampleStatus.TRUNCATED,
+                  response_text=tokenizer.decode(ids, skip_special_tokens=True))
+
+
+@register_rollout("single_turn")
+def single_turn(engine: RolloutEngine, prompts: Sequence[PromptRecord], params: SamplingParams, reward: RewardFn,
+                tokenizer) -> list[Sample]:
+    """One completion per trajectory: the engine samples `params.n` per prompt, the reward function scores them."""
+    groups = engine.generate([p.prompt_ids for p in prompts], params)
+    samples = [policy_sample(g, record, c, tokenizer)
+               for g, (record, completions) in enumerate(zip(prompts, groups)) for c in completions]
+    results = reward(samples, [prompts[s.group] for s in samples])
+    return [replace(s, reward=float(r.score), outcome=r.outcome) for s, r in zip(samples, results)]

@@ -1,0 +1,127 @@
+"""From scored samples to the actor's `TrainBatch`: packing, log-probs, final rewards, advantages.
+
+    packed  = pack(rollout.samples, pad_id)                     padded rows, the per-token loss mask
+    logp    = algorithm.logprobs(actor, packed)                 the reference's (a KL term, or the estimator needs
+                                                                it) and the actor's own before the update (more
+                                                                than one update per rollout)
+    batch   = algorithm.train_batch(rollout, packed, logp)      rewards with --kl-in-reward folded in, then the
+                                                                registered estimator's advantages -> TrainBatch
+
+The estimator declares what it needs (`megarl.algorithms.Needs`) and `Algorithm` provides exactly that: a frozen
+reference, a critic (`megarl.stages.critic`, trained here, before the actor), per-token inputs. Nothing here
+knows an estimator by name.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple, Sequence
+
+import torch
+
+from megarl.algorithms import get_advantage, get_kl_fn
+from megarl.config import Config
+from megarl.mcore.actor import MegatronPolicy
+from megarl.mcore.parallel import ParallelInfo, broadcast_from_last_stage
+from megarl.stages.critic import Critic
+from megarl.types import PackedSamples, RolloutBatch, Sample, SampleStatus, TrainBatch
+
+
+def pack(samples: Sequence[Sample], pad_id: int, mask_truncated: bool = False) -> PackedSamples:
+    """Right-padded rows of `prompt + response`; the loss mask is each sample's own (1 = the policy's token), and
+    with `mask_truncated` (DAPO) responses cut at the length limit are left out of the loss."""
+    seqs = [s.prompt_ids + s.response_ids for s in samples]
+    width = max(len(x) for x in seqs)
+    tokens = torch.full((len(seqs), width), pad_id, dtype=torch.long)
+    loss_mask = torch.zeros(len(seqs), width - 1, dtype=torch.float32)
+    rollout_logp = torch.zeros(len(seqs), width - 1, dtype=torch.float32)
+    for b, (s, seq) in enumerate(zip(samples, seqs)):
+        tokens[b, : len(seq)] = torch.tensor(seq)
+        lo, hi = len(s.prompt_ids) - 1, len(seq) - 1  # column t predicts token t + 1
+        if not (mask_truncated and s.status is SampleStatus.TRUNCATED):
+            loss_mask[b, lo:hi] = torch.tensor(s.loss_mask, dtype=torch.float32)
+        rollout_logp[b, lo:hi] = torch.tensor(s.rollout_logprobs, dtype=torch.float32)
+    return PackedSamples(tokens, loss_mask, rollout_logp, torch.tensor([len(x) for x in seqs]))
+
+
+class LogProbs(NamedTuple):
+    old: torch.Tensor | None  # the actor before this step's updates; None when the ratio's denominator is logp itself
+    ref: torch.Tensor | None  # the frozen reference; None without one, and on pipeline stages other than the last
+
+
+class Algorithm:
+    """The models the algorithm needs besides the actor, and the batch it trains the actor on."""
+
+    def __init__(self, cfg: Config, info: ParallelInfo, reference: MegatronPolicy | None, critic: Critic | None):
+        self.cfg, self.info, self.reference, self.critic = cfg, info, reference, critic
+        self.estimator = get_advantage(cfg.algorithm.advantage_estimator)
+
+    @staticmethod
+    def needs_reference(cfg: Config) -> bool:
+        return cfg.algorithm.kl_coef > 0 or get_advantage(cfg.algorithm.advantage_estimator).needs.reference
+
+    @staticmethod
+    def needs_critic(cfg: Config) -> bool:
+        return get_advantage(cfg.algorithm.advantage_estimator).needs.critic
+
+    def logprobs(self, actor: MegatronPolicy, packed: PackedSamples) -> LogProbs:
+        """With a single update per rollout the old log-probs equal the current ones (ratio 1, as in TRL), so
+        computing them would be a wasted forward pass."""
+        t = self.cfg.training
+        kw = dict(micro_batch_size=t.micro_batch_size, temperature=self.cfg.rollout.rollout_temperature,
+                  lengths=packed.lengths, max_tokens_per_micro_batch=t.max_tokens_per_micro_batch)
+        ref = self.reference.logprobs(packed.tokens, **kw) if self.reference is not None else None
+        old = actor.logprobs(packed.tokens, **kw) if t.updates_per_rollout > 1 else None
+        return LogProbs(old=old, ref=ref)
+
+    def train_batch(self, rollout: RolloutBatch, packed: PackedSamples,
+                    logp: LogProbs) -> tuple[TrainBatch, dict[str, float]]:
+        """Collective. The batch and the metrics of what ran for it (the critic's)."""
+        rewards = self.final_rewards(rollout.samples, packed, logp.ref)
+        advantages, metrics = self.advantages(rewards, packed, logp.ref, rollout.group_size)
+        batch = TrainBatch(tokens=packed.tokens, loss_mask=packed.loss_mask, rollout_logp=packed.rollout_logp,
+                           lengths=packed.lengths, rewards=rewards, advantages=advantages, old_logp=logp.old,
+                           ref_logp=logp.ref)
+        return batch, metrics
+
+    def final_rewards(self, samples: Sequence[Sample], packed: PackedSamples, ref: torch.Tensor | None) -> torch.Tensor:
+        """[B] float32. With `--kl-in-reward`: r_i - kl_coef * sum_t kl_t, the KL of each response to the reference
+        summed over its tokens (estimator `--kl-estimator`, on the rollout's own log-probs, the policy that sampled
+        it). The reference log-probs live on the last pipeline stage; the sums are broadcast to the others."""
+        a = self.cfg.algorithm
+        rewards = [s.reward for s in samples]
+        if a.kl_in_reward and a.kl_coef > 0:
+            kl = torch.zeros(len(samples), dtype=torch.float64)
+            if ref is not None:
+                mask = packed.loss_mask.bool()
+                zero = torch.zeros_like(packed.rollout_logp)
+                per_token = get_kl_fn(a.kl_estimator)(torch.where(mask, packed.rollout_logp, zero),
+                                                      torch.where(mask, ref.to(zero.dtype), zero))
+                kl = torch.where(mask, per_token, zero).sum(dim=-1).double()
+            if self.info.pp_size > 1:
+                kl = broadcast_from_last_stage(kl)
+            rewards = [r - a.kl_coef * k for r, k in zip(rewards, kl.tolist())]
+        return torch.tensor(rewards, dtype=torch.float32)
+
+    def advantages(self, rewards: torch.Tensor, packed: PackedSamples, ref: torch.Tensor | None,
+                   group_size: int) -> tuple[torch.Tensor, dict[str, float]]:
+        """[B] float32 (outcome estimators), or [B, S - 1] (token-level ones), from the registered estimator."""
+        a, needs = self.cfg.algorithm, self.estimator.needs
+        inputs: dict = {}
+        if needs.token_level:
+            inputs.update(mask=packed.loss_mask, gamma=a.gae_gamma, lam=a.gae_lambda)
+        if needs.reference:
+            inputs["ref_logp"] = ref
+            if ref is None and self.critic is None:  # not the last pipeline stage: its advantages are never read
+                shape = packed.loss_mask.shape if needs.token_level else rewards.shape
+                return torch.zeros(shape, dtype=torch.float32), {}
+        if self.critic is not None:  # the critic's values, like the reference's log-probs, live on the last stage
+            return self.critic.advantages_and_update(self.estimator.fn, rewards, packed, inputs)
+        if needs.token_level:
+            return self.estimator.fn(rewards, a.advantage_eps, **inputs).float(), {}
+        advantages = self.estimator.fn(rewards.view(-1, group_size), eps=a.advantage_eps, **inputs)
+        return advantages.flatten().to(torch.float32), {}
+
+    def save(self, root: str, step: int, keep_last: int) -> None:
+        """Collective. The algorithm's own models' state (the critic's), saved before the actor's."""
+        if self.critic is not None:
+            self.critic.save(root, step, keep_last)

@@ -1,0 +1,163 @@
+"""What a step and a run report: a step's metrics reduced over ranks, held-out evaluation, the final report and
+the HF export."""
+
+from __future__ import annotations
+
+import json
+import resource
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+from megarl.config import Config
+from megarl.mcore import parallel
+from megarl.mcore.actor import MegatronPolicy
+from megarl.mcore.parallel import ParallelInfo
+from megarl.metrics import MetricsLog, plot_run, reduce_over_ranks
+from megarl.rollout import get_rollout
+from megarl.stages.collect import sampling_params
+from megarl.stages.setup import Run
+from megarl.types import RolloutBatch, SampleStatus, TrainBatch
+
+_SUM_KEYS = ["n_samples", "reward_sum", "correct", "response_tokens", "truncated", "groups", "uniform_groups",
+             "loss_num", "loss_den", "tokens", "clip_frac_sum", "kl_sum", "entropy_sum", "mismatch_abs_sum",
+             "mismatch_abs_max", "mismatch_kl_sum", "is_weight_sum", "is_weight_max", "is_weight_negmin_max",
+             "tis_weight_sum", "tis_clip_sum"]
+_DS_KEYS = ["ds_prompts_drawn", "ds_groups_dropped", "ds_rounds", "ds_groups_filled"]
+# reward health (`megarl.verifiers.pool.batch_health`): counts add up over ranks, latencies take the worst rank
+_REWARD_KEYS = ["reward_n_timeout", "reward_n_no_answer", "reward_n_parse_error", "reward_worker_restarts",
+                "reward_latency_p50_max", "reward_latency_p99_max"]
+
+
+def step_metrics(step: int, rollout: RolloutBatch, batch: TrainBatch, update: dict, timings: dict, seconds: float,
+                 info: ParallelInfo) -> dict:
+    """Reduce this step's metrics over ranks (rollout metrics from MP leaders, loss metrics from last stages).
+    Rewards are the final ones the advantages came from (shaped, KL folded in)."""
+    local: dict[str, float] = {}
+    meta = _metadata_keys(rollout.samples)
+    if info.is_mp_leader:
+        rewards = batch.rewards.view(-1, rollout.group_size)
+        local.update(
+            n_samples=len(rollout.samples), reward_sum=float(rewards.sum()),
+            correct=sum(s.outcome == "correct" for s in rollout.samples),
+            response_tokens=sum(len(s.response_ids) for s in rollout.samples),
+            truncated=sum(s.status is SampleStatus.TRUNCATED for s in rollout.samples),
+            groups=rewards.shape[0], uniform_groups=int((rewards.max(1).values == rewards.min(1).values).sum()),
+            **{k: rollout.metrics.get(k, 0.0) for k in _DS_KEYS},
+            **{k: rollout.metrics.get(k.removesuffix("_max"), 0.0) for k in _REWARD_KEYS},
+            **{f"sample_{k}": sum(float(s.metadata.get(k, 0.0)) for s in rollout.samples) for k in meta},
+        )
+    if info.is_last_stage and info.tp_rank == 0 and info.cp_rank == 0:  # CP ranks hold the same whole-sequence sums
+        local.update({k: update.get(k, 0.0) for k in _SUM_KEYS if k in update})
+    g = reduce_over_ranks(local, _SUM_KEYS + _DS_KEYS + _REWARD_KEYS + [f"sample_{k}" for k in meta])
+    n, tok = max(g["n_samples"], 1), max(g["tokens"], 1)
+    return {
+        "step": step,
+        "reward_mean": g["reward_sum"] / n, "accuracy": g["correct"] / n,
+        "response_len": g["response_tokens"] / n, "truncated_frac": g["truncated"] / n,
+        "uniform_group_frac": g["uniform_groups"] / max(g["groups"], 1),
+        "reward_timeout_rate": g["reward_n_timeout"] / n, "reward_no_answer_rate": g["reward_n_no_answer"] / n,
+        "reward_parse_error_rate": g["reward_n_parse_error"] / n, "reward_worker_restarts": g["reward_worker_restarts"],
+        "reward_latency_p50": g["reward_latency_p50_max"], "reward_latency_p99": g["reward_latency_p99_max"],
+        "loss": g["loss_num"] / max(g["loss_den"], 1e-12), "kl": g["kl_sum"] / tok,
+        "clip_frac": g["clip_frac_sum"] / tok, "grad_norm": update["grad_norm"], "lr": update["lr"],
+        "entropy": g["entropy_sum"] / tok,
+        "rollout_actor_logp_absdiff_mean": g["mismatch_abs_sum"] / tok,
+        "rollout_actor_logp_absdiff_max": g["mismatch_abs_max"],
+        "rollout_actor_kl": g["mismatch_kl_sum"] / tok,
+        "is_weight_mean": g["is_weight_sum"] / tok, "is_weight_max": g["is_weight_max"],
+        "is_weight_min": -g["is_weight_negmin_max"],
+        **({"tis_weight_mean": g["tis_weight_sum"] / tok, "tis_clip_frac": g["tis_clip_sum"] / tok}
+           if g["tis_weight_sum"] > 0 else {}),
+        **({"ds_prompts_drawn": g["ds_prompts_drawn"], "ds_groups_dropped": g["ds_groups_dropped"],
+            "ds_rounds": g["ds_rounds"] / info.dp_size,
+            "ds_groups_filled": g["ds_groups_filled"]} if g["ds_rounds"] > 0 else {}),
+        **{f"sample_{k}": g[f"sample_{k}"] / n for k in meta},  # per-sample numbers of the rollout function
+        "step_seconds": seconds, "tokens_per_second": g["response_tokens"] / max(seconds, 1e-9),
+        **timings,
+    }
+
+
+def _metadata_keys(samples) -> list[str]:
+    """The names in any sample's metadata on any rank (every rank must reduce the same keys)."""
+    mine = sorted({k for s in samples for k in s.metadata})
+    everyone: list = [None] * dist.get_world_size()
+    dist.all_gather_object(everyone, mine)
+    return sorted({k for keys in everyone for k in keys})
+
+
+def evaluate(run: Run) -> dict:
+    """Held-out accuracy, sampled (temperature, `--eval-samples-per-prompt` each) and greedy, through the run's
+    rollout function and reward function; DP ranks split the prompts, each model replica's leader runs its share."""
+    cfg, info = run.cfg, run.info
+    mine = run.eval_prompts[info.dp_rank :: info.dp_size]
+    counts = torch.zeros(4, dtype=torch.float64)  # sampled correct, sampled total, greedy correct, greedy total
+    if info.is_mp_leader and mine:
+        seed = cfg.training.seed + 17 + info.dp_rank
+        rollout_fn = get_rollout(cfg.rollout.rollout_function)
+        for slot, params in ((0, sampling_params(cfg.rollout, run.tokenizer, seed=seed,
+                                                 n=cfg.logging.eval_samples_per_prompt)),
+                             (2, sampling_params(cfg.rollout, run.tokenizer, seed=seed, n=1, greedy=True))):
+            samples = rollout_fn(run.engine, mine, params, run.reward, run.tokenizer)
+            counts[slot] += sum(s.outcome == "correct" for s in samples)
+            counts[slot + 1] += len(samples)
+    counts = parallel.all_reduce_host(counts)
+    return {"sampled": float(counts[0] / counts[1].clamp(min=1)), "greedy": float(counts[2] / counts[3].clamp(min=1))}
+
+
+def save_hf(actor: MegatronPolicy, tokenizer, src_dir: str, out_dir: str, info: ParallelInfo,
+            shard_bytes: int = 0) -> None:
+    """Export the actor as an ordinary HF checkpoint directory (config and tokenizer copied from the source).
+    Streamed: the weights arrive one tensor at a time and go out in safetensors shards (`write_hf_shards`), so
+    rank 0 never holds a second copy of the whole model."""
+    import shutil
+
+    from megarl.mcore.checkpoint import write_hf_shards
+
+    named = actor.iter_hf()
+    if info.rank == 0:
+        out = Path(out_dir)
+        write_hf_shards(named, out, **({"max_shard_bytes": shard_bytes} if shard_bytes else {}))
+        shutil.copy(Path(src_dir) / "config.json", out / "config.json")
+        tokenizer.save_pretrained(str(out))
+    else:
+        for _ in named:  # the gathers and pipeline broadcasts are collective
+            pass
+    dist.barrier()
+
+
+def finish(run: Run, log: MetricsLog, before: dict | None, after: dict | None, minutes: float, steps: int) -> None:
+    """The end of a run on every rank: peak memory, the before/after table and figure (rank 0), the log closed."""
+    say = run.say
+    say(f"megarl: peak memory per process {peak_rss_mib():.0f} MiB (max over ranks)")
+    if after:
+        _report(say, log, before, after, minutes, steps, len(run.eval_prompts), run.cfg)
+    elif run.info.rank == 0 and log.all_rows():
+        plot_run(log.all_rows(), log.dir / "training.png")
+    log.close()
+
+
+def peak_rss_mib() -> float:
+    return parallel.max_over_ranks(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024.0)
+
+
+def _report(say, log, before: dict | None, after: dict, minutes: float, steps: int, n_prompts: int,
+            cfg: Config) -> None:
+    result = {"after": after, "before": before, "train_minutes": minutes, "steps": steps, "eval_prompts": n_prompts}
+    say("")
+    say(f"held-out accuracy on {n_prompts} prompts never trained on ({steps} steps, {minutes:.1f} min of training):")
+    say(f"  {'':<30}{'before':>8}{'after':>8}")
+    sampled = f"sampled (temp {cfg.rollout.rollout_temperature:g}, {cfg.logging.eval_samples_per_prompt}/prompt)"
+    for key, label in (("sampled", sampled), ("greedy", "greedy")):
+        b = f"{100 * before[key]:7.1f}%" if before else "      -"
+        say(f"  {label:<30}{b}{100 * after[key]:7.1f}%")
+    if log.enabled:
+        (log.dir / "eval.json").write_text(json.dumps(result, indent=2))
+        rows = log.all_rows()
+        if rows:
+            png = plot_run(rows, log.dir / "training.png",
+                           {"before": before["sampled"], "after": after["sampled"]} if before else None)
+            say(f"training curves: {png}")
+    if before:
+        say(f"held-out accuracy (sampled): before {100 * before['sampled']:.1f}% -> after {100 * after['sampled']:.1f}%")

@@ -1,0 +1,83 @@
+"""The actor's update: its loss over a `TrainBatch`, and `--updates-per-rollout` optimizer steps."""
+
+from __future__ import annotations
+
+import torch
+
+from megarl.algorithms import aggregate, grpo_token_loss
+from megarl.config import AlgorithmConfig, RolloutConfig, TrainingConfig
+from megarl.mcore.actor import MegatronPolicy
+from megarl.types import TrainBatch
+
+
+def make_loss_fn(a: AlgorithmConfig, max_response_len: int):
+    """The actor's `loss_fn(logp, micro_batch)` for `MegatronPolicy.train_step`: the registered policy loss,
+    KL and entropy terms per token (`grpo_token_loss`), aggregated as `--loss-aggregation` says, with the step's
+    metrics as sums (divided once all ranks are summed, `megarl.stages.report`)."""
+    kl_coef = 0.0 if a.kl_in_reward else a.kl_coef  # folded into the reward instead (`megarl.stages.algorithm`)
+
+    def loss_fn(logp: torch.Tensor, mb: dict):
+        n = mb["_real_rows"]
+        logp, mask = logp[:n], mb["loss_mask"][:n]
+        old = mb["old_logp"][:n] if "old_logp" in mb else logp.detach()
+        ref = mb["ref_logp"][:n] if "ref_logp" in mb else None
+        rollout_logp = mb["rollout_logp"][:n]
+        entropy = mb["entropy"][:n] if "entropy" in mb else None
+        per_token, m = grpo_token_loss(
+            logp, old, ref, mb["advantages"][:n], mask, a.eps_clip, a.eps_clip_high, kl_coef, a.kl_estimator,
+            a.policy_loss, rollout_logp=rollout_logp, tis_cap=a.tis_cap, entropy=entropy, entropy_coef=a.entropy_coef,
+            clip_ratio_c=a.clip_ratio_c,
+        )
+        num, den = aggregate(per_token, mask, a.loss_aggregation, max_len=max_response_len)
+        tokens = mask.sum()
+        metrics = {
+            "loss_num": num.detach(), "loss_den": den.detach(), "tokens": tokens,
+            "clip_frac_sum": m["clip_frac"] * tokens, "kl_sum": m.get("kl_mean", 0.0) * tokens,
+            "entropy_sum": m.get("entropy_mean", 0.0) * tokens,
+            **mismatch_metrics(logp.detach(), rollout_logp, mask),
+        }
+        if a.tis_cap > 0:
+            metrics["tis_weight_sum"] = m["tis_weight_mean"] * tokens
+            metrics["tis_clip_sum"] = m["tis_clip_frac"] * tokens
+        return num, den, metrics
+
+    loss_fn.needs_entropy = True  # reported every step; differentiated only when there is an entropy bonus
+    loss_fn.entropy_grad = a.entropy_coef != 0
+    return loss_fn
+
+
+def mismatch_metrics(actor_logp: torch.Tensor, rollout_logp: torch.Tensor, mask: torch.Tensor) -> dict:
+    """Train/rollout mismatch on the sampled tokens, as sums over masked tokens (divided by the token count once
+    all ranks are summed): |actor - rollout| (mean and max), KL(rollout || actor) by the k3 estimator (samples come
+    from the rollout engine), and the importance weight exp(actor - rollout) (mean, max, min)."""
+    m = mask.bool()
+    if not m.any():
+        return {"mismatch_abs_sum": 0.0, "mismatch_abs_max": 0.0, "mismatch_kl_sum": 0.0, "is_weight_sum": 0.0}
+    d = (actor_logp - rollout_logp)[m]
+    w = torch.exp(d)
+    return {
+        "mismatch_abs_sum": d.abs().sum(), "mismatch_abs_max": d.abs().max(),
+        "mismatch_kl_sum": (w - d - 1).sum(), "is_weight_sum": w.sum(), "is_weight_max": w.max(),
+        "is_weight_negmin_max": (-w).max(),
+    }
+
+
+def update(actor: MegatronPolicy, batch: TrainBatch, a: AlgorithmConfig, t: TrainingConfig,
+           r: RolloutConfig) -> dict[str, float]:
+    """`--updates-per-rollout` optimizer steps over consecutive slices of this rank's batch."""
+    tensors, k = batch.tensors(), t.updates_per_rollout
+    rows = batch.tokens.shape[0]
+    if rows % k:
+        raise ValueError(f"{rows} samples per rank cannot be split into --updates-per-rollout {k} mini-batches")
+    size = rows // k
+    totals: dict[str, float] = {}
+    loss_fn = make_loss_fn(a, r.max_response_len)
+    for i in range(k):
+        mini = {key: v[i * size : (i + 1) * size] for key, v in tensors.items()}
+        out = actor.train_step(mini, loss_fn, micro_batch_size=t.micro_batch_size, temperature=r.rollout_temperature,
+                               max_tokens_per_micro_batch=t.max_tokens_per_micro_batch)
+        for key, v in out.items():
+            totals[key] = max(totals.get(key, v), v) if key.endswith("_max") else totals.get(key, 0.0) + v
+    totals["grad_norm"] /= k
+    totals["lr"] = out["lr"]
+    return totals

@@ -1,0 +1,42 @@
+"""A user's plugin module, outside the megarl package (tests/e2e/test_plugins.py): a verifier and a rollout
+function, registered by name, usable from a recipe with `--plugins tests/e2e/example_plugin.py`.
+
+Each records the process it ran in as an empty file `<what>.<pid>` under $EXAMPLE_PLUGIN_TRACE (when set), so
+the test can tell the trainer's processes from the reward workers'.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import replace
+
+from megarl.rollout import get_rollout, register_rollout
+from megarl.verifiers import VerifyResult, register_verifier
+
+
+def _trace(what: str) -> None:
+    where = os.environ.get("EXAMPLE_PLUGIN_TRACE")
+    if where:
+        open(os.path.join(where, f"{what}.{os.getpid()}"), "a").close()
+
+
+@register_verifier("starts_with_digit")
+class StartsWithDigit:
+    """Reward 1 when the response starts with a digit, whatever the row's ground truth."""
+
+    name = "starts_with_digit"
+
+    def verify(self, response: str, ground_truth) -> VerifyResult:
+        _trace("verifier")
+        ok = response[:1].isdigit()
+        return VerifyResult(float(ok), "correct" if ok else "incorrect", extracted=response[:1])
+
+
+@register_rollout("tagged_single_turn")
+def tagged_single_turn(engine, prompts, params, reward, tokenizer):
+    """The default rollout function, each sample tagged with the number of turns it took (one) and whether its
+    response ends with the stop token."""
+    _trace("rollout")
+    samples = get_rollout("single_turn")(engine, prompts, params, reward, tokenizer)
+    return [replace(s, metadata={**s.metadata, "turns": 1.0, "stopped": float(s.status.value == "completed")})
+            for s in samples]

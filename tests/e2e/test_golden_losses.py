@@ -1,0 +1,67 @@
+"""The demo recipe's first 20 steps against curves recorded before a refactor (torchtitan's golden-loss check).
+
+`recipes/tiny_cpu.sh` on the test starter at DP=2 with the recipe's seed, for 20 steps (so its learning rate decays
+over those 20 steps); once as the recipe stands, and once with a KL penalty and two updates per rollout. The
+recipe alone has no KL penalty (so no reference model) and one update per rollout (so the ratio is 1 and nothing
+is clipped): the variant runs the reference model and clips, making KL and clip fraction numbers worth comparing. Reward, loss, KL,
+clip fraction, gradient norm (and a few more) must equal the recorded ones bit for bit: same code path, same seeds,
+same CPU arithmetic. A change that is meant to alter them re-records the files:
+
+    python tests/e2e/test_golden_losses.py --record
+
+and says why in its commit. The files were recorded on this project's CPU machines (x86-64, AVX-512); another
+CPU may round differently.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # helpers, when run as a script
+from helpers import REPO, build_test_starter, torchrun  # noqa: E402
+
+pytestmark = [pytest.mark.distributed, pytest.mark.slow]
+ASSETS = REPO / "tests" / "assets" / "losses"
+STEPS = 20
+COMPARED = ("reward_mean", "loss", "kl", "clip_frac", "grad_norm", "accuracy", "entropy", "lr", "response_len",
+            "rollout_actor_kl")
+RUNS = {"tiny_cpu": [], "tiny_cpu_kl_clip": ["--kl-coef", "0.001", "--updates-per-rollout", "2", "--micro-batch-size",
+                                              "16", "--eps-clip", "0.05", "--eps-clip-high", "0.05"]}
+
+
+def run(starter: Path, out: Path, extra: list[str]) -> list[dict]:
+    torchrun(2, "megarl/train.py", "recipes/tiny_cpu.sh", "--hf-checkpoint", starter, "--prompt-data",
+             starter / "train.jsonl", "--eval-data", "", "--max-train-minutes", "0", "--num-steps", STEPS,
+             "--output-dir", out, "--log-interval", STEPS, "--log-samples-interval", 0, *extra, timeout=400)
+    rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    return [{"step": r["step"], **{k: r[k] for k in COMPARED}} for r in rows]
+
+
+@pytest.mark.parametrize("name", sorted(RUNS))
+def test_first_steps_equal_the_recorded_ones(starter, tmp_path, name):
+    golden = [json.loads(line) for line in (ASSETS / f"{name}.jsonl").read_text().splitlines()]
+    rows = run(starter, tmp_path, RUNS[name])
+    assert [r["step"] for r in rows] == list(range(1, STEPS + 1))
+    assert any(g["loss"] != 0.0 for g in golden), "a vacuous recording"
+    if name == "tiny_cpu_kl_clip":
+        assert any(g["kl"] > 0 for g in golden) and any(g["clip_frac"] > 0 for g in golden), "nothing to compare"
+    for r, g in zip(rows, golden):
+        for key in COMPARED:
+            assert r[key] == g[key], f"step {r['step']} {key}: {r[key]!r} != recorded {g[key]!r}"
+
+
+if __name__ == "__main__":
+    if sys.argv[1:] != ["--record"]:
+        sys.exit("usage: python tests/e2e/test_golden_losses.py --record")
+    import tempfile
+
+    ASSETS.mkdir(parents=True, exist_ok=True)
+    for name, extra in RUNS.items():
+        with tempfile.TemporaryDirectory() as tmp:
+            rows = run(build_test_starter(), Path(tmp), extra)
+        (ASSETS / f"{name}.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+        print(f"recorded {ASSETS / name}.jsonl")

@@ -1,0 +1,67 @@
+"""`--plugins`: a module outside the package registers a verifier and a rollout function; `train.py` trains with
+both (the verifier inside the reward pool's workers, the rollout function in the trainer's ranks) and
+`megarl-verify` scores rows with the verifier (in its own workers)."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from helpers import REPO, env, torchrun
+
+pytestmark = [pytest.mark.distributed, pytest.mark.slow]
+PLUGIN = "tests/e2e/example_plugin.py"
+
+
+def _traced(trace: Path, what: str) -> set[int]:
+    return {int(p.suffix[1:]) for p in trace.glob(f"{what}.*")}
+
+
+def test_train_with_a_plugin_verifier_and_rollout_function(starter, tmp_path):
+    rows = [json.loads(line) for line in (starter / "train.jsonl").read_text().splitlines()[:8]]
+    data = tmp_path / "rows.jsonl"
+    data.write_text("".join(json.dumps({**r, "verifier": "starts_with_digit"}) + "\n" for r in rows))
+    trace, out = tmp_path / "trace", tmp_path / "run"
+    trace.mkdir()
+    torchrun(2, "megarl/train.py", "recipes/tiny_cpu.sh", "--hf-checkpoint", starter, "--prompt-data", data,
+             "--eval-data", "", "--max-train-minutes", "0", "--num-steps", 2, "--rollout-batch-size", 4,
+             "--n-samples-per-prompt", 4, "--micro-batch-size", 8, "--reward-workers", 2, "--plugins", PLUGIN,
+             "--rollout-function", "tagged_single_turn", "--output-dir", out, "--log-interval", 1,
+             "--log-samples-interval", 1, "--log-samples-count", 8, timeout=400,
+             extra_env={"EXAMPLE_PLUGIN_TRACE": str(trace)})
+
+    metrics = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    assert [m["step"] for m in metrics] == [1, 2]
+    assert all(m["sample_turns"] == 1.0 and 0.0 <= m["sample_stopped"] <= 1.0 for m in metrics)  # its metadata
+    samples = [json.loads(line) for line in (out / "samples.jsonl").read_text().splitlines()]
+    assert len(samples) == 16 and all(s["turns"] == 1.0 for s in samples)
+    for s in samples:  # the plugin's rule, not the arithmetic verifier's
+        assert s["reward"] == float(s["response"][:1].isdigit()), s
+    rollout_pids, verifier_pids = _traced(trace, "rollout"), _traced(trace, "verifier")
+    assert len(rollout_pids) == 2, "one rollout per data-parallel rank, in the trainer's processes"
+    assert verifier_pids and not verifier_pids & rollout_pids, "the verifier runs in the reward workers"
+
+
+def test_megarl_verify_scores_rows_with_a_plugin_verifier(tmp_path):
+    rows = tmp_path / "rows.jsonl"
+    rows.write_text("".join(json.dumps({"response": r, "gold": "", "label": r[:1].isdigit()}) + "\n"
+                            for r in ("7 apples", "apples", "", "3")))
+    trace = tmp_path / "trace"
+    trace.mkdir()
+    cmd = [sys.executable, "-m", "megarl.cli.verify", str(rows), "--plugins", PLUGIN, "--verifier",
+           "starts_with_digit", "--workers", "1", "--output", str(tmp_path / "scored.jsonl"), "--no-progress"]
+    proc = subprocess.Popen(cmd, cwd=REPO, env={**env(), "EXAMPLE_PLUGIN_TRACE": str(trace)},
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    stdout, stderr = proc.communicate(timeout=120)
+    assert proc.returncode == 0, stderr
+    scored = [json.loads(line) for line in (tmp_path / "scored.jsonl").read_text().splitlines()]
+    assert [s["score"] for s in scored] == [1.0, 0.0, 0.0, 1.0]
+    assert "accuracy 100.0% on 4 labelled rows" in stdout
+    assert _traced(trace, "verifier") and proc.pid not in _traced(trace, "verifier"), "scored in a worker process"
+
+    unknown = subprocess.run([*cmd[:6], "--verifier", "starts_with_a_letter"], cwd=REPO, env=env(),
+                             capture_output=True, text=True, timeout=120)
+    assert unknown.returncode == 2 and "starts_with_digit" in unknown.stderr  # the registered names are listed
