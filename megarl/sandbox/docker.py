@@ -150,8 +150,7 @@ class DockerSandbox:
                 "--pids-limit", str(lim.processes + (4 if harness else 2)), "--cpus", "1", "--cap-drop", "ALL",
                 "--security-opt", "no-new-privileges", "--user", "65534:65534",
                 "--ulimit", f"nofile={lim.open_files}", "--ulimit", f"fsize={lim.file_mb << 20}",
-                "--log-driver", "none", "--shm-size", "1m", "-e", f"MEGARL_PREIMPORTS={self.preimports}",
-                "--security-opt", f"seccomp={self._profile_path()}"]
+                "--log-driver", "none", "--shm-size", "1m", "--security-opt", f"seccomp={self._profile_path()}"]
         return args
 
     @staticmethod
@@ -177,7 +176,7 @@ class DockerSandbox:
             command = [self.python, "-I", "-c", _BOOT, "--serve", json.dumps(cfg)]
         else:
             code = _bundle("jobexec.py", _RUNNER_FILES)
-            command = [self.python, "-I", "-c", _BOOT]
+            command = [self.python, "-I", "-c", _BOOT, json.dumps({"preimports": self.preimports})]
         container = (_HarnessContainer if harness else _Container)(
             name, self._run_args(harness) + ["--name", name, self.image] + command, self.docker, code,
             self._memory_mb(self.limits.memory_mb, harness))

@@ -362,8 +362,9 @@ def main() -> None:
     if os.getpid() != 1:  # it SIGKILLs every process it may signal after each job: only ever as a container's init
         sys.exit("jobexec.main runs only as pid 1 of a container (it kills every other process it can signal)")
     stdin, stdout = sys.stdin.buffer, sys.stdout.buffer
-    base = os.environ.get("MEGARL_JOB_ROOT", "/tmp")
-    for name in os.environ.get("MEGARL_PREIMPORTS", "").split():  # imports done once, shared by every fork
+    base = "/tmp"
+    cfg = json.loads(sys.argv[1]) if len(sys.argv) > 1 else {}
+    for name in cfg.get("preimports", "").split():  # imports done once, shared by every fork
         try:
             __import__(name)
         except ImportError:
