@@ -26,15 +26,16 @@ local (the default, `LocalSandbox`): pre-forked workers, each in a network names
   plain jobs stat()-ing host paths (metadata only: reading is refused).
 
 docker (production, `DockerSandbox`): a pool of warm containers (`--network none --read-only --tmpfs /tmp
-  --memory --pids-limit --cpus --cap-drop ALL --security-opt no-new-privileges --user 65534 --log-driver none`).
-  Plain jobs go to containers running `jobexec.main` as pid 1, which forks each job under the program seccomp
-  filter and afterwards SIGKILLs every other process and empties /tmp and /dev/shm; a container is recycled
-  after a timeout, an out-of-memory kill or N jobs. Code-verifier cases go to containers running the harness as
-  pid 1, with megarl's seccomp profile (Docker's own would refuse the spawner its user namespace): the spawner
-  makes a user namespace and gives each program what the local backend gives it; the container's memory follows
-  the case's. The code (harness, runner, sibling modules) goes in on stdin; the image needs only `python3`.
-  Does NOT protect against: kernel exploits (a container is not a VM); plain jobs seeing the container's pid
-  counter advance between jobs.
+  --memory --pids-limit --cpus --cap-drop ALL --security-opt no-new-privileges --user 65534 --log-driver none`,
+  and megarl's seccomp profile: Docker's own would refuse the user namespace below). Plain jobs go to containers
+  running `jobexec.main` as pid 1, code-verifier cases to containers running the harness as pid 1; either makes a
+  user namespace once and gives each job (each program process) what the local backend gives it: a pid
+  namespace of its own, a minimal root, fresh tmpfs mounts, Landlock, the program seccomp filter. A container's
+  memory follows its job's (`docker update`), so its cgroup counts the job's memory as a whole; a container is
+  recycled after a timeout, an out-of-memory kill or N jobs. The code (runner or harness, and their sibling
+  modules) goes in on stdin; the image needs only `python3`. Where the engine allows no user namespace, the
+  pid-1 process kills everything and empties /tmp and /dev/shm after each job instead, and says so.
+  Does NOT protect against: kernel exploits (a container is not a VM).
 
 Neither backend trusts the program's exit code for grading: see `megarl/sandbox/code_harness.py`.
 """
