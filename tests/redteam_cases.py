@@ -1,6 +1,6 @@
 """Issue 13's red-team review as data: the attack programs and the correct programs, one group per class of the
-issue, plus the host-side helpers the regression tests need (`tests/unit/test_redteam_local.py`,
-`tests/docker/test_redteam_docker.py`).
+issue, plus the host-side helpers the regression tests need (`tests/redteam_checks.py`,
+`tests/unit/test_redteam_local.py`, `tests/docker/test_redteam_docker.py`).
 
 Every group is a function whose docstring names the class and what it checks; it returns `Case`s (a program, the
 gold it is verified against, what must happen) or, where the test needs more than a verdict, the programs alone.
@@ -26,6 +26,8 @@ import subprocess
 import threading
 import time
 from dataclasses import dataclass
+
+from sandbox_cases import Listener
 
 # ---- shared ------------------------------------------------------------------------------------------------
 
@@ -123,6 +125,38 @@ def is_prime(n):
     return guess
 '''
 
+_ORACLE_FILE = r'''
+import {imports}
+_PATH = "{path}"
+
+
+def _load_raw():
+    try:
+        return open(_PATH).read()
+    except OSError:
+        return None
+
+
+def _save_raw(text):
+'''
+_WRITE = '''    with open(_PATH, "w") as f:
+        f.write(text)
+'''
+_WRITE_LOCKED = '''    try:
+        os.chmod(".", 0o700)
+    except OSError:
+        pass
+    with open(_PATH, "w") as f:
+        f.write(text)
+    os.chmod(".", 0o500)  # whoever empties this directory for the next case cannot remove the file now
+'''
+
+
+def _oracle_file(imports: str, path: str, save: str = _WRITE) -> str:
+    """A channel that keeps the oracle's state in the file `path`; `save`: the body of its `_save_raw(text)`."""
+    return _ORACLE_FILE.replace("{imports}", imports).replace("{path}", path) + save
+
+
 _ORACLE_CHANNELS = {
     "sysv_shm": r'''
 import ctypes, json
@@ -147,59 +181,9 @@ def _save_raw(text):
         data = text.encode()
         ctypes.memmove(_addr, len(data).to_bytes(4, "little") + data, 4 + len(data))
 ''',
-    "cwd_file_chmod_500": r'''
-import json, os
-_PATH = "oracle-{token}.json"
-
-
-def _load_raw():
-    try:
-        return open(_PATH).read()
-    except OSError:
-        return None
-
-
-def _save_raw(text):
-    try:
-        os.chmod(".", 0o700)
-    except OSError:
-        pass
-    with open(_PATH, "w") as f:
-        f.write(text)
-    os.chmod(".", 0o500)  # whoever empties this directory for the next case cannot remove the file now
-''',
-    "tmp_file": r'''
-import json
-_PATH = "/tmp/megarl-oracle-{token}.json"
-
-
-def _load_raw():
-    try:
-        return open(_PATH).read()
-    except OSError:
-        return None
-
-
-def _save_raw(text):
-    with open(_PATH, "w") as f:
-        f.write(text)
-''',
-    "dev_shm_file": r'''
-import json
-_PATH = "/dev/shm/megarl-oracle-{token}.json"
-
-
-def _load_raw():
-    try:
-        return open(_PATH).read()
-    except OSError:
-        return None
-
-
-def _save_raw(text):
-    with open(_PATH, "w") as f:
-        f.write(text)
-''',
+    "cwd_file_chmod_500": _oracle_file("json, os", "oracle-{token}.json", _WRITE_LOCKED),
+    "tmp_file": _oracle_file("json", "/tmp/megarl-oracle-{token}.json"),
+    "dev_shm_file": _oracle_file("json", "/dev/shm/megarl-oracle-{token}.json"),
     "posix_mqueue": r'''
 import ctypes, json, os
 _libc = ctypes.CDLL(None, use_errno=True)
@@ -456,8 +440,9 @@ def unix_probe_gold() -> dict:
                     "    assert report.count('refused') == 3, report\n", "entry_point": "probe"}
 
 
-class UnixListener:
-    """A listening AF_UNIX socket on the host; `accepted()` says whether anything connected to it."""
+class UnixListener(Listener):
+    """A listening AF_UNIX socket on the host; `accepted()` (the TCP `Listener`'s) says whether anything connected
+    to it."""
 
     def __init__(self, address: str, mode: int | None = None):
         self.address = address
@@ -467,14 +452,6 @@ class UnixListener:
             os.chmod(address, mode)
         self.sock.listen(8)
         self.sock.setblocking(False)
-
-    def accepted(self) -> bool:
-        try:
-            conn, _ = self.sock.accept()
-            conn.close()
-            return True
-        except BlockingIOError:
-            return False
 
     def close(self) -> None:
         self.sock.close()

@@ -1,11 +1,13 @@
 """Issue 13's red-team classes as regression tests on the local backend (the Docker twin:
-`tests/docker/test_redteam_docker.py`; the programs: `tests/redteam_cases.py`).
+`tests/docker/test_redteam_docker.py`; the tests and checks both run: `tests/redteam_checks.py`; the programs:
+`tests/redteam_cases.py`).
 
 Code-verifier cases run both ways the verifier runs its trusted harness here (`persistent_harness=True`: the
 worker's persistent harness; `False`: one sandbox job per case), on a single worker restarted for each test, so
 that what one test leaves cannot reach the next; plain-job variants go through `LocalSandbox.run(Job(...))` where
 the class applies to any job (IPC, unix sockets, memory, deep trees, clone flags). Only the public API is used
-(plus `LocalSandbox._root`, to check what is left on disk).
+(plus `LocalSandbox._root`, to check what is left on disk). The tests both backends run alike are imported from
+`redteam_checks` where they run (the place sets the order); the fixtures below give them the local backend.
 """
 
 from __future__ import annotations
@@ -22,54 +24,48 @@ from pathlib import Path
 import pytest
 
 import redteam_cases as rc
+import redteam_checks as checks
 from megarl.sandbox import Job, Limits
 from megarl.sandbox.local import LocalSandbox
 from megarl.verifiers.code import CodeVerifier
-from sandbox_cases import humaneval_problems
+from redteam_checks import host_segment, host_sockets, persistent, problems  # noqa: F401 - the shared fixtures
 
 REPO = Path(__file__).resolve().parents[2]
-MODES = {"persistent harness": True, "harness as a job": False}
 ROOT = os.geteuid() == 0
 
 
-@pytest.fixture(params=list(MODES), scope="module")
-def persistent(request) -> bool:
-    return MODES[request.param]
+def verifier(persistent: bool, **kwargs) -> CodeVerifier:
+    return CodeVerifier(workers=1, persistent_harness=persistent, **kwargs)
+
+
+def sandbox(limits: Limits) -> LocalSandbox:
+    """A single-worker sandbox for plain jobs (`new_sandbox`'s; the class 4 and 7 checks take it directly)."""
+    return LocalSandbox(workers=1, limits=limits)
 
 
 @pytest.fixture
 def fresh():
     """Make a single-worker code verifier on a freshly started sandbox; closed again after the test. (Verifiers
     with the same backend and worker count share one sandbox per process: closing it restarts its worker.)"""
-    made = []
-
-    def make(persistent: bool, **kwargs) -> CodeVerifier:
-        v = CodeVerifier(workers=1, persistent_harness=persistent, **kwargs)
-        rc.close_quietly(v.sandbox)
-        made.append(v)
-        return v
-
-    yield make
-    for v in made:
-        rc.close_quietly(v.sandbox)
+    with checks.fresh_verifiers(verifier) as make:
+        yield make
 
 
-@pytest.fixture(scope="module")
-def problems():
-    return humaneval_problems()
+@pytest.fixture
+def shared(fresh):
+    """For cases that leave nothing (Docker runs them on its shared pool): here too a freshly started worker."""
+    return fresh
+
+
+@pytest.fixture
+def new_sandbox():
+    """What the shared plain-job tests make their sandbox with."""
+    return sandbox
 
 
 # ---- class 1 ---------------------------------------------------------------------------------------------------
 
-CLASS1 = [f"HumanEval/{n} {kind}" for n in rc.HELPER_HACKS
-          for kind in ("helpers redefined", "canonical, prompt + body", "canonical, entry point only")]
-
-
-@pytest.mark.parametrize("name", CLASS1)
-def test_class1_helpers_come_from_the_row(fresh, persistent, problems, name):
-    case = next(c for c in rc.class1_helpers(problems) if c.name == name)
-    r = fresh(persistent).verify(case.program, case.gold)
-    assert r.score == case.score, (case.why, rc.describe(r))
+from redteam_checks import class1_helpers_come_from_the_row as test_class1_helpers_come_from_the_row
 
 
 # ---- class 2 ---------------------------------------------------------------------------------------------------
@@ -89,118 +85,30 @@ def test_class2_control_the_oracle_passes_when_its_state_persists(problems, tmp_
     assert 1 < n <= 15, f"the {channel} oracle did not learn is_prime's answers even with its state kept ({n})"
 
 
-@pytest.mark.slow
-@pytest.mark.parametrize("channel", rc.ORACLE_CHANNELS)
-def test_class2_no_oracle_across_cases(fresh, persistent, problems, channel):
-    token = uuid.uuid4().hex
-    problem = rc.humaneval(problems, rc.ORACLE_PROBLEM)
-    program, gold = rc.class2_oracle(channel, token), rc.humaneval_gold(problem)
-    v = fresh(persistent, time_s=10.0)
-    try:
-        for k in range(1, 16):
-            r = v.verify(program, gold)
-            assert r.score == 0.0, f"the oracle passed is_prime on submission {k}, its state kept in {channel}"
-    finally:
-        rc.close_quietly(v.sandbox)
-        rc.oracle_leftovers_cleanup(token)
+from redteam_checks import class2_no_oracle_across_cases as test_class2_no_oracle_across_cases
 
 
 # ---- class 3 ---------------------------------------------------------------------------------------------------
 
-@pytest.mark.parametrize("writer", list(rc.class3_writers()))
-@pytest.mark.parametrize("saboteur", ["none"] + list(rc.class3_saboteurs()))
-def test_class3_no_sabotage_of_later_cases(fresh, persistent, saboteur, writer):
-    """`none`: the writer alone on a fresh worker (what it scores without sabotage)."""
-    v = fresh(persistent)
-    if saboteur != "none":
-        v.verify(rc.class3_saboteurs()[saboteur], rc.ADD)
-    case = rc.class3_writers()[writer]
-    r = v.verify(case.program, case.gold)
-    assert r.score == 1.0, (f"after {saboteur!r}", rc.describe(r))
+from redteam_checks import class3_no_sabotage_of_later_cases as test_class3_no_sabotage_of_later_cases
 
 
 # ---- class 4 ---------------------------------------------------------------------------------------------------
 
 @pytest.mark.parametrize("where", [".", "/tmp"])
 def test_class4_deep_tree_code_verifier(fresh, persistent, where):
-    before = rc.sandbox_dirs()
-    v = fresh(persistent, time_s=10.0)
-    sandbox = v.sandbox
-    made = v.verify(rc.deep_tree_program(where), rc.ADD)
-    after = v.verify(rc.AFTER_DEEP_TREE, rc.AFTER_DEEP_TREE_GOLD)
-    root = sandbox._root
-    raised = rc.close_error(sandbox)
-    left = os.path.exists(root)
-    rc.close_quietly(sandbox)
-    problems = rc.deep_tree_problems(made=None if rc.no_sandbox_error(made) else rc.describe(made),
-                                     after=None if after.score == 1.0 and rc.no_sandbox_error(after)
-                                     else rc.describe(after), raised=raised,
-                                     left=root if left or rc.stray_sandbox_dirs(before) else None)
-    assert not problems, problems
+    checks.class4_deep_tree_code_verifier(fresh, persistent, where, root_on_host=True)
 
 
 @pytest.mark.parametrize("where", [".", "/tmp"])
 def test_class4_deep_tree_plain_job(where):
-    before = rc.sandbox_dirs()
-    sb = LocalSandbox(workers=1, limits=Limits(wall_s=20, cpu_s=20))
-    try:
-        made = sb.run(Job(rc.deep_tree_program(where, then="")))
-        after = sb.run(Job(rc.AFTER_DEEP_TREE_JOB))
-        root = sb._root
-        raised = rc.close_error(sb)
-        left = os.path.exists(root)
-    finally:
-        rc.close_quietly(sb)
-    problems = rc.deep_tree_problems(
-        made=None if made.status == "ok" else f"{made.status} {made.detail}",
-        after=None if (after.status, after.stdout) == ("ok", "clean\n") else f"{after.status} {after.stdout!r}",
-        raised=raised, left=root if left or rc.stray_sandbox_dirs(before) else None)
-    assert not problems, problems
-    if where == ".":
-        assert "DEEP-TREE-MADE" in made.stdout, made.stdout[-300:]  # the attack happened
+    checks.class4_deep_tree_plain_job(sandbox, where, root_on_host=True, attack_shown=where == ".")
 
 
 # ---- class 5 ---------------------------------------------------------------------------------------------------
 
-@pytest.fixture
-def host_sockets(tmp_path):
-    """(a) a 0777 socket in a root-owned 0700 directory, (b) a 0600 socket in a 0700 directory, (c) an abstract
-    socket; the tmp dir is made traversable like `make_secret` does."""
-    tmp_path.chmod(0o755)
-    listeners = {}
-    try:
-        for name, mode in (("a-0777-in-0700-dir", 0o777), ("b-0600-in-0700-dir", 0o600)):
-            d = tmp_path / name
-            d.mkdir(mode=0o700)
-            listeners[name] = rc.UnixListener(str(d / "s.sock"), mode)
-        listeners["c-abstract"] = rc.UnixListener("\0megarl-redteam-" + uuid.uuid4().hex)
-        yield listeners
-    finally:
-        for listener in listeners.values():
-            listener.close()
-
-
-def _reached(listeners) -> list[str]:
-    return [name for name, listener in listeners.items() if listener.accepted()]
-
-
-def test_class5_host_unix_sockets_plain_job(host_sockets):
-    addresses = {name: listener.address for name, listener in host_sockets.items()}
-    sb = LocalSandbox(workers=1, limits=Limits(wall_s=10, cpu_s=10))
-    try:
-        r = sb.run(Job(rc.unix_probe_program(addresses, as_function=False)))
-    finally:
-        rc.close_quietly(sb)
-    reached = _reached(host_sockets)
-    assert r.status == "ok" and r.stdout.count("refused") == 3, (r.status, r.stdout, r.stderr[-300:])
-    assert "CONNECTED" not in r.stdout and not reached, (r.stdout, reached)
-
-
-def test_class5_host_unix_sockets_code_verifier(fresh, persistent, host_sockets):
-    addresses = {name: listener.address for name, listener in host_sockets.items()}
-    r = fresh(persistent).verify(rc.unix_probe_program(addresses, as_function=True), rc.unix_probe_gold())
-    reached = _reached(host_sockets)
-    assert r.score == 1.0 and not reached, (rc.describe(r), reached)
+from redteam_checks import class5_host_unix_sockets_plain_job as test_class5_host_unix_sockets_plain_job
+from redteam_checks import class5_host_unix_sockets_code_verifier as test_class5_host_unix_sockets_code_verifier
 
 
 _NONROOT_SOCKET = r'''
@@ -250,35 +158,8 @@ def test_class5_user_agent_socket_as_non_root():
 
 # ---- class 6 ---------------------------------------------------------------------------------------------------
 
-@pytest.fixture
-def host_segment():
-    token = uuid.uuid4().hex
-    content = b"HOST-" + token.encode()
-    rc.remove_sysv_by_key(rc.token_key(token))
-    seg = rc.HostSegment(rc.token_key(token), content)
-    try:
-        yield seg, content
-    finally:
-        seg.remove()
-
-
-def test_class6_host_segment_plain_job(host_segment):
-    seg, content = host_segment
-    sb = LocalSandbox(workers=1, limits=Limits(wall_s=10, cpu_s=10))
-    try:
-        r = sb.run(Job(rc.host_ipc_program(seg.key, as_function=False)))
-    finally:
-        rc.close_quietly(sb)
-    assert r.status == "ok" and r.stdout.startswith("refused"), (r.status, r.stdout, r.stderr[-300:])
-    assert seg.read(len(content)) == content, "a job overwrote the host's segment"
-
-
-def test_class6_host_segment_code_verifier(fresh, persistent, host_segment):
-    seg, content = host_segment
-    gold = rc.HOST_IPC_GOLD
-    r = fresh(persistent).verify(rc.host_ipc_program(seg.key, as_function=True), gold)
-    assert r.score == 1.0, rc.describe(r)
-    assert seg.read(len(content)) == content, "a case overwrote the host's segment"
+from redteam_checks import class6_host_segment_plain_job as test_class6_host_segment_plain_job
+from redteam_checks import class6_host_segment_code_verifier as test_class6_host_segment_code_verifier
 
 
 def _outlived(before, after, keys, made) -> list:
@@ -333,59 +214,44 @@ def test_class6_objects_do_not_outlive_a_case(fresh, persistent):
 
 # ---- class 7 ---------------------------------------------------------------------------------------------------
 
+class _FilesHeld:
+    """Class 7's meter here: the bytes left in the sandbox's root (/dev/shm) after the attack, and the files the
+    attacks write (`rc.HOST_HELD_PATHS`) if they reached the host."""
+
+    def start(self, warm) -> None:
+        pass  # nothing to measure before: the root holds nothing of the attack yet
+
+    def stop(self, sandbox) -> None:
+        self.left = rc.tree_bytes(sandbox._root)
+
+    def on_host(self) -> list[str]:
+        return [f"wrote {path} on the host" for path in rc.host_held_cleanup()]
+
+    def held(self, case: bool) -> list[str]:
+        if self.left < 32 << 20:
+            return []
+        if case:
+            return [f"{self.left >> 20} MB of the case's files still held after verify() returned"]
+        return [f"{self.left >> 20} MB of the job's files still held after it ended"]
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("attack", list(rc.MEMORY_ATTACKS))
 def test_class7_memory_code_verifier(fresh, persistent, attack):
-    v = fresh(persistent, memory_mb=rc.MEMORY_LIMIT_MB, time_s=20.0)
-    r = v.verify(rc.MEMORY_ATTACKS[attack], rc.MEMORY_GOLD)
-    left = rc.tree_bytes(v.sandbox._root)
-    problems = [f"wrote {path} on the host" for path in rc.host_held_cleanup()]
-    if r.score != 0.0:
-        problems.append(f"~1 GB held at once under a {rc.MEMORY_LIMIT_MB} MB limit ({rc.describe(r)})")
-    if left >= 32 << 20:
-        problems.append(f"{left >> 20} MB of the case's files still held after verify() returned")
-    assert not problems, (attack, problems)
+    checks.class7_memory_code_verifier(fresh, persistent, attack, _FilesHeld(), memory_mb=rc.MEMORY_LIMIT_MB)
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("attack", list(rc.MEMORY_ATTACKS))
 def test_class7_memory_plain_job(attack):
-    sb = LocalSandbox(workers=1, limits=Limits(wall_s=30, cpu_s=30, memory_mb=rc.MEMORY_LIMIT_MB))
-    try:
-        r = sb.run(Job(rc.memory_job(attack)))
-        left = rc.tree_bytes(sb._root)
-    finally:
-        rc.close_quietly(sb)
-    problems = [f"wrote {path} on the host" for path in rc.host_held_cleanup()]
-    if "HELD" in r.stdout:
-        problems.append(f"~1 GB held at once under a {rc.MEMORY_LIMIT_MB} MB limit")
-    if left >= 32 << 20:
-        problems.append(f"{left >> 20} MB of the job's files still held after it ended")
-    assert not problems, (attack, problems, r.status, r.stdout[-200:])
+    checks.class7_memory_plain_job(sandbox, attack, _FilesHeld(),
+                                   Limits(wall_s=30, cpu_s=30, memory_mb=rc.MEMORY_LIMIT_MB))
 
 
 # ---- class 8 ---------------------------------------------------------------------------------------------------
 
-@pytest.mark.parametrize("name", [c.name for c in rc.class8_crashes()])
-def test_class8_crashes_lose_nothing(fresh, persistent, name):
-    case = next(c for c in rc.class8_crashes() if c.name == name)
-    v = fresh(persistent)
-    r = v.verify(case.program, case.gold)
-    after = v.verify(rc.GOOD_F, rc.F_CHECK)
-    problems = []
-    if r.score != 0.0 or not rc.no_sandbox_error(r):
-        problems.append(f"the case: {rc.describe(r)}")
-    if after.score != 1.0 or not rc.no_sandbox_error(after):
-        problems.append(f"the next case on the worker: {rc.describe(after)}")
-    assert not problems, problems
-
-
-@pytest.mark.parametrize("name", [c.name for c in rc.class8_fraction()])
-def test_class8_partial_score_survives_a_crash(fresh, persistent, name):
-    case = next(c for c in rc.class8_fraction() if c.name == name)
-    v = fresh(persistent, reward=case.reward)
-    r = v.verify(case.program, case.gold)
-    assert r.score == pytest.approx(case.score), rc.describe(r)
+from redteam_checks import class8_crashes_lose_nothing as test_class8_crashes_lose_nothing
+from redteam_checks import class8_partial_score_survives_a_crash as test_class8_partial_score_survives_a_crash
 
 
 # ---- class 9 ---------------------------------------------------------------------------------------------------
@@ -434,48 +300,28 @@ def test_class9_harness_work_is_bounded(persistent, name):
             proc.wait()
     result = json.loads(out.strip().splitlines()[-1])
     assert result["warm"] == 1.0, result
-    assert not rc.class9_problems(result, mem.drop_mb), (name, rc.class9_problems(result, mem.drop_mb))
+    checks.class9_bounded(name, result, mem.drop_mb)
 
 
 # ---- class 10 --------------------------------------------------------------------------------------------------
 
-@pytest.mark.parametrize("name", [c.name for c in rc.class10_forged_status()])
-def test_class10_forged_exit_status(fresh, persistent, name):
-    case = next(c for c in rc.class10_forged_status() if c.name == name)
-    r = fresh(persistent).verify(case.program, case.gold)
-    assert r.score == case.score, rc.describe(r)
+from redteam_checks import class10_forged_exit_status as test_class10_forged_exit_status
 
 
 # ---- class 11 --------------------------------------------------------------------------------------------------
 
-def test_class11_clone_namespaces_plain_job():
-    sb = LocalSandbox(workers=1, limits=Limits(wall_s=10, cpu_s=10))
-    try:
-        r = sb.run(Job(rc.class11_clone(as_function=False)))
-    finally:
-        rc.close_quietly(sb)
-    assert r.status == "ok" and r.stdout.count("refused") == 2, (r.status, r.stdout, r.stderr[-300:])
-    assert "CREATED" not in r.stdout, r.stdout
-
-
-def test_class11_clone_namespaces_code_verifier(fresh, persistent):
-    r = fresh(persistent).verify(rc.class11_clone(as_function=True), rc.CLONE_GOLD)
-    assert r.score == 1.0, rc.describe(r)
+from redteam_checks import class11_clone_namespaces_plain_job as test_class11_clone_namespaces_plain_job
+from redteam_checks import class11_clone_namespaces_code_verifier as test_class11_clone_namespaces_code_verifier
 
 
 # ---- class 12 --------------------------------------------------------------------------------------------------
 
-@pytest.mark.parametrize("name", [c.name for c in rc.class12_correct()])
-def test_class12_correct_programs_pass(fresh, persistent, name):
-    case = next(c for c in rc.class12_correct() if c.name == name)
-    r = fresh(persistent, time_s=10.0).verify(case.program, case.gold)
-    assert r.score == 1.0, rc.describe(r)
+from redteam_checks import class12_correct_programs_pass as test_class12_correct_programs_pass
 
 
 def test_class12_numpy_program_passes(fresh, persistent):
     pytest.importorskip("numpy", reason="the host Python has no numpy: nothing for the sandbox to offer")
-    case = rc.NUMPY_CASE
-    r = fresh(persistent, time_s=10.0).verify(case.program, case.gold)
+    r = checks.class12_numpy_verdict(fresh, persistent)
     assert r.score == 1.0, rc.describe(r)
 
 
@@ -484,18 +330,4 @@ def test_class12_numpy_program_passes(fresh, persistent):
 @pytest.mark.slow
 def test_property_no_case_sees_what_another_did(fresh, persistent):
     """20 observers interleaved with polluters on one worker: every observer sees the same state."""
-    v = fresh(persistent)
-    observer, dirty = rc.observer_program(), rc.polluters()
-    seen, ipc_before = [], rc.sysvipc()
-    try:
-        for i in range(20):
-            r = v.verify(observer, rc.OBSERVE_GOLD)
-            seen.append(rc.observation(r.normalized))
-            assert seen[-1], f"observer {i} reported nothing: {rc.describe(r)}"
-            v.verify(dirty[i % len(dirty)], rc.ADD)
-    finally:
-        v.sandbox.close()
-        rc.property_cleanup(ipc_before)
-    distinct = sorted(set(seen))
-    assert len(distinct) == 1, (f"{len(distinct)} different states seen over 20 runs; changing: "
-                                f"{rc.differences(seen)}; first two: {distinct[:2]}")
+    checks.property_no_case_sees_what_another_did(fresh, persistent, strict_close=True)
