@@ -25,8 +25,9 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path[:] = [p for p in sys.path if os.path.abspath(p or ".") != str(ROOT / "launch")]
 sys.path.insert(0, str(ROOT))
 
-from launch.render import LaunchError, check_parallel  # noqa: E402
+from launch.render import LaunchError  # noqa: E402
 from megarl.config import ConfigError, parse_args  # noqa: E402
+from megarl.preflight import check_run  # noqa: E402
 
 NOT_INSTALLED = ("nemo-run is not installed: pip install -e '.[nemo-run]' (or use launch/slurm/*.sbatch, which "
                  "need only Slurm)")
@@ -46,8 +47,9 @@ def recipe_argv(recipe: str, flags: list[str], ckpt_dir: str | None = None) -> l
 
 
 def check(argv: list[str], world_size: int):
-    """The recipe's TP x PP x DP against the GPUs asked for, before nemo-run is even imported."""
-    return check_parallel(parse_args(argv, check_registries=False), world_size)
+    """The recipe against the GPUs asked for, as train.py's preflight checks it (`megarl.preflight`: the layout,
+    the checkpoint's config.json when readable here, --load), before nemo-run is even imported."""
+    return check_run(parse_args(argv, check_registries=False), world_size, required=False)[0]
 
 
 def task(argv: list[str]):

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import json
 import random
-from dataclasses import dataclass
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any, Iterator
 
@@ -19,11 +19,12 @@ from megarl.config import ConfigError
 
 @dataclass
 class PromptRecord:
-    index: int  # row number in the file (0-based)
+    index: int  # position in the loaded dataset (0-based; what samples' `prompt_index` refers to)
     prompt: str  # the text the model sees: a chat is stored rendered through the chat template
     prompt_ids: list[int]
     label: Any  # the verifier's ground truth
     verifier: str
+    source: str = field(default="", compare=False)  # where the row came from: `file:line` or `file: row N`
 
 
 def load_prompts(path: str, tokenizer, *, input_key: str, label_key: str, verifier_key: str,
@@ -54,10 +55,18 @@ def load_prompts(path: str, tokenizer, *, input_key: str, label_key: str, verifi
         if verifier not in known:
             raise ConfigError(f"{where}: unknown verifier {verifier!r}; registered: {', '.join(sorted(known))}")
         text, ids = _render_prompt(row[input_key], tokenizer, apply_chat_template, f"{where}: field {input_key!r}")
-        records.append(PromptRecord(len(records), text, ids, row[label_key], verifier))
+        records.append(PromptRecord(len(records), text, ids, row[label_key], verifier, where))
     if not records:
         raise ConfigError(f"{flag} {path}: the file has no rows")
     return records
+
+
+def split_by_length(records: list[PromptRecord], limit: int) -> tuple[list[PromptRecord], list[PromptRecord]]:
+    """(the prompts of at most `limit` tokens, renumbered in order; the longer ones), as peers filter over-long
+    prompts rather than truncate them: a cut prompt would ask a different question."""
+    kept = [r for r in records if len(r.prompt_ids) <= limit]
+    long = [r for r in records if len(r.prompt_ids) > limit]
+    return [replace(r, index=i) for i, r in enumerate(kept)], long
 
 
 def _jsonl_rows(path: Path) -> Iterator[tuple[str, Any]]:

@@ -163,8 +163,11 @@ class MetricsLog:
     (`metrics.<time>.jsonl`) rather than mixing the two or deleting them."""
 
     def __init__(self, output_dir: str, enabled: bool, resumed: bool = False, sinks: Sequence[Sink] = (),
-                 resume_step: int | None = None):
+                 resume_step: int | None = None, constants: dict | None = None):
+        """`constants`: numbers fixed for the run (prompts left out at load...), repeated in every row so that any
+        row of the file tells them."""
         self.enabled = enabled
+        self.constants = dict(constants or {})
         self.dir = Path(output_dir)
         self.path = self.dir / "metrics.jsonl"
         self.samples_path = self.dir / "samples.jsonl"
@@ -183,7 +186,7 @@ class MetricsLog:
     def write(self, row: dict) -> None:
         if not self.enabled:
             return
-        row = {"time": time.time(), **row}
+        row = {"time": time.time(), **row, **self.constants}
         self.rows.append(row)
         with self.path.open("a") as fh:
             fh.write(json.dumps(row) + "\n")

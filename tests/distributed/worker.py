@@ -253,7 +253,42 @@ def scenario_trl_parity(args, info):
     return results
 
 
-SCENARIOS = {"forward": scenario_forward, "dp_step": scenario_dp_step, "sync": scenario_sync,
+def scenario_padded_vocab(args, info):
+    """A vocabulary TP does not divide, padded as Megatron pads it: log-probs and entropy, the HF export before and
+    after an update, and a checkpoint of the updated actor (with the config.json train.py writes beside it)."""
+    from megatron.core import tensor_parallel
+
+    from megarl.config import build_config, saved_config
+    from megarl.mcore import checkpoint, cpu_compat
+    from megarl.mcore.actor import MegatronPolicy, OptimConfig, token_entropy
+    from megarl.model_shape import ModelShape
+    from megarl.preflight import padded_vocab_size
+    from megarl.stages.update import make_loss_fn
+
+    shape = ModelShape.from_pretrained(args.hf)
+    padded = padded_vocab_size(shape.vocab_size, 4, args.tp)
+    actor = MegatronPolicy(shape, tp=args.tp, pp=1, trainable=True, optim=OptimConfig(lr=1e-2, adam_eps=1e-4),
+                           padded_vocab_size=padded)
+    actor.load_hf(args.hf)
+    tokens = _fixed_tokens(shape.vocab_size).to(parallel_device())
+    out = {"rows": padded, "logprobs": actor.logprobs(tokens, micro_batch_size=2, temperature=0.7),
+           "exported": {k: v.clone() for k, v in actor.export_hf()}}  # unsharded tensors alias the weights
+    with cpu_compat.megatron_scope(), torch.no_grad():
+        logits = actor.model(tokens, torch.arange(tokens.shape[1]).expand_as(tokens), None)
+        out["entropy"] = token_entropy(logits, 0.7, shape.vocab_size)
+        out["local_rows"] = logits.shape[-1]
+        out["padding_logits"] = tensor_parallel.gather_from_tensor_model_parallel_region(logits)[..., shape.vocab_size:]
+    cfg = build_config({"hf_checkpoint": args.hf, "tensor_model_parallel_size": args.tp,
+                        "make_vocab_size_divisible_by": 4})
+    actor.train_step(_synthetic_batch(shape.vocab_size), make_loss_fn(cfg.algorithm, 64), micro_batch_size=2)
+    checkpoint.save(args.ckpt, 1, actor, {"sampler": {"epoch": 0, "position": 0}},
+                    config=saved_config(cfg, padded_vocab_size=padded))
+    out["logprobs_after"] = actor.logprobs(tokens, micro_batch_size=2, temperature=0.7)
+    out["exported_after"] = dict(actor.export_hf())
+    return out
+
+
+SCENARIOS = {"padded_vocab": scenario_padded_vocab, "forward": scenario_forward, "dp_step": scenario_dp_step, "sync": scenario_sync,
              "ckpt_save": scenario_ckpt_save, "ckpt_load": scenario_ckpt_load, "dynbatch": scenario_dynbatch,
              "entropy": scenario_entropy, "trl_parity": scenario_trl_parity}
 
