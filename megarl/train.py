@@ -83,6 +83,8 @@ def run(cfg: Config, checked) -> int:
         step += 1
         row = {**report.step_metrics(step, rollout, batch, update_metrics, {**timer.seconds, **sync_metrics},
                                      time.perf_counter() - t0, info), **algorithm_metrics}
+        if run.eval_prompts and lg.eval_interval and step % lg.eval_interval == 0 and step < t.num_steps:
+            row.update(report.evaluate_between_steps(run, step))  # the last step's evaluation follows the loop
         log.write(row)
         if log.enabled and lg.log_samples_interval and step % lg.log_samples_interval == 0:
             rows = rollout_sample_rows(step, rollout.samples, run.prompts, lg.log_samples_count, batch)

@@ -288,7 +288,34 @@ def scenario_padded_vocab(args, info):
     return out
 
 
-SCENARIOS = {"padded_vocab": scenario_padded_vocab, "forward": scenario_forward, "dp_step": scenario_dp_step, "sync": scenario_sync,
+def scenario_recompute(args, info):
+    """One update per --recompute-granularity from the same weights: the loss, the updated weights, and how many
+    times the first layer and its core attention ran (recomputation runs them again in the backward pass)."""
+    from megarl.config import build_config
+    from megarl.mcore.actor import MegatronPolicy, OptimConfig
+    from megarl.mcore.convert import unwrap
+    from megarl.model_shape import ModelShape
+    from megarl.stages.update import make_loss_fn
+
+    shape = ModelShape.from_pretrained(args.hf)
+    out = {}
+    for granularity in ("none", "selective", "full"):
+        actor = MegatronPolicy(shape, tp=args.tp, pp=1, trainable=True, recompute_granularity=granularity,
+                               optim=OptimConfig(lr=1e-2, adam_eps=1e-4))
+        actor.load_hf(args.hf)
+        layer = unwrap(actor.model).decoder.layers[0]
+        calls = {"layer": 0, "core_attention": 0}
+        layer.register_forward_hook(lambda *a: calls.__setitem__("layer", calls["layer"] + 1))
+        layer.self_attention.core_attention.register_forward_hook(
+            lambda *a: calls.__setitem__("core_attention", calls["core_attention"] + 1))
+        stats = actor.train_step(_synthetic_batch(shape.vocab_size), make_loss_fn(build_config({}).algorithm, 64),
+                                 micro_batch_size=4)
+        out[granularity] = {"loss": stats["loss_num"] / stats["loss_den"], "calls": calls,
+                            "exported": dict(actor.export_hf())}
+    return out
+
+
+SCENARIOS = {"padded_vocab": scenario_padded_vocab, "recompute": scenario_recompute, "forward": scenario_forward, "dp_step": scenario_dp_step, "sync": scenario_sync,
              "ckpt_save": scenario_ckpt_save, "ckpt_load": scenario_ckpt_load, "dynbatch": scenario_dynbatch,
              "entropy": scenario_entropy, "trl_parity": scenario_trl_parity}
 
