@@ -76,6 +76,8 @@ def batch_of(samples, advantages):
 @dataclass
 class FakePrompt:
     prompt: str
+    label: str = "2"
+    verifier: str = "arithmetic"
 
 
 def samples_and_prompts():
