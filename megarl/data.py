@@ -39,6 +39,11 @@ def load_prompts(path: str, tokenizer, *, input_key: str, label_key: str, verifi
         raise ConfigError(f"{flag} is required")
     if not p.is_file():
         raise ConfigError(f"{flag} {path}: no such file")
+    if apply_chat_template and not getattr(tokenizer, "chat_template", None):
+        raise ConfigError("--apply-chat-template: the --hf-checkpoint's tokenizer has no chat template (neither its "
+                          "tokenizer_config.json nor a chat_template.jinja defines one); drop --apply-chat-template "
+                          f"to give the {flag} prompts to the model as the plain text they are, or use a checkpoint "
+                          "whose tokenizer has a chat template")
     known = set(verifier_names())
     records = []
     rows = _parquet_rows(p, flag) if p.suffix == ".parquet" else _jsonl_rows(p)
@@ -113,8 +118,9 @@ def _render_prompt(value: Any, tokenizer, apply_chat_template: bool, where: str)
             raise ConfigError(f"{where}: message {i} must be an object with string 'role' and 'content', got {m!r}")
         messages.append({k: v for k, v in m.items() if v is not None})  # parquet fills absent struct fields with None
     if not getattr(tokenizer, "chat_template", None):
-        raise ConfigError(f"{where} is a chat, but the tokenizer has no chat template: give plain-text prompts "
-                          "or a checkpoint whose tokenizer_config.json (or chat_template.jinja) defines one")
+        raise ConfigError(f"{where} is a chat (a list of messages), but the --hf-checkpoint's tokenizer has no chat "
+                          "template: give plain-text prompts, or a checkpoint whose tokenizer_config.json (or "
+                          "chat_template.jinja) defines one")
     text = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
     # The template already wrote any BOS / special tokens it wants: adding them again would double them.
     return text, tokenizer.encode(text, add_special_tokens=False)

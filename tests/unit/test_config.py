@@ -392,7 +392,7 @@ def test_r1_math_recipe(clean_env):
     assert (cfg.model.tensor_model_parallel_size, cfg.model.pipeline_model_parallel_size) == (2, 1)
     assert cfg.model.transformer_impl == "transformer_engine" and cfg.model.bf16 is True
     assert cfg.rollout.rollout_backend == "sglang"
-    assert (cfg.rollout.n_samples_per_prompt, cfg.rollout.max_response_len) == (8, 4096)
+    assert (cfg.rollout.n_samples_per_prompt, cfg.rollout.max_response_len, cfg.data.max_prompt_len) == (8, 3072, 1024)
     assert cfg.data.prompt_data == "/data/dapo-math/train.jsonl"
     assert cfg.data.eval_data == "/data/dapo-math/aime24.jsonl"
     assert cfg.data.default_verifier == "math" and cfg.data.rollout_batch_size == 128
