@@ -224,7 +224,8 @@ def rollout_sample_rows(step: int, samples: Sequence, prompts: Sequence, limit: 
         record = prompts[s.prompt_index]
         # `answer` and `verifier` as in training data, so `megarl-verify samples.jsonl` re-scores saved rollouts
         row = {"step": step, "prompt_index": s.prompt_index, "prompt": record.prompt, "answer": record.label,
-               "verifier": record.verifier, "response": s.response_text, "reward": float(s.reward), "outcome": s.outcome,
+               "verifier": record.verifier, "response": s.response_text, "reward": float(s.reward),
+               "outcome": s.outcome,
                "advantage": None, "response_len": len(s.response_ids), "status": s.status.value,
                "weight_version": s.weight_version, **s.metadata}
         if batch is not None:

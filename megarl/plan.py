@@ -392,7 +392,8 @@ def recommend(s: ModelShape, r: Run, cluster: Cluster) -> tuple[str, str, Plan, 
     colo = plan(s, replace(r, mode="colocated", rollout_gpus=0), cluster)
     dis = best_split(s, replace(r, rollout_gpus=0), cluster) if cluster.gpus > 1 else None
     if colo.fits and (dis is None or not dis.fits or colo.time.total <= dis.time.total):
-        why = (f"it fits ({colo.memory[0].peak / GIB:.0f} of {cluster.gpu.memory_bytes / GIB:.0f} GiB at peak) and every "
+        why = (f"it fits ({colo.memory[0].peak / GIB:.0f} of {cluster.gpu.memory_bytes / GIB:.0f} GiB at peak) and "
+               "every "
                f"GPU works in both phases: ~{colo.time.total:.0f} s a step")
         if dis is not None and dis.fits:
             why += (f" vs ~{dis.time.total:.0f} s disaggregated ({dis.run.rollout_gpus} rollout + "

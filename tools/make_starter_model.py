@@ -141,8 +141,9 @@ def pretrain(model, tokenizer, train: list[Problem], steps: int, seed: int, nois
                             "step count: run it without --minutes, or with a larger one")
         if minutes and step == 20 and not warned and elapsed / step * steps > 60 * minutes:
             warned = True  # say it now, not when the deadline strikes
-            print(f"warning: at {elapsed / step:.2f} s a step the {steps} steps need ~{elapsed / step * steps / 60:.1f} "
-                  f"min, past --minutes {minutes:g}: the build will stop then and write nothing", flush=True)
+            print(f"warning: at {elapsed / step:.2f} s a step the {steps} steps need "
+                  f"~{elapsed / step * steps / 60:.1f} min, past --minutes {minutes:g}: the build will stop then and "
+                  "write nothing", flush=True)
         for group in optim.param_groups:
             group["lr"] = learning_rate(step, step / steps)
         loss = model(**make_batch(rng.sample(train, BATCH), tokenizer, rng, noise_p), use_cache=False).loss
@@ -150,7 +151,8 @@ def pretrain(model, tokenizer, train: list[Problem], steps: int, seed: int, nois
         loss.backward()
         optim.step()
         now = time.perf_counter()
-        if step == 0 or (step + 1) % 100 == 0 or step + 1 == steps or now - last_said > 30:  # a line at least every 30 s
+        # a line at the first step, every 100 steps and at least every 30 s
+        if step == 0 or (step + 1) % 100 == 0 or step + 1 == steps or now - last_said > 30:
             last_said, pace = now, (now - start) / (step + 1)
             print(f"step {step + 1:5d}/{steps}  loss {loss.item():.4f}  lr {optim.param_groups[0]['lr']:.2e}  "
                   f"({pace:.2f} s a step, ~{pace * (steps - step - 1) / 60:.1f} min left)", flush=True)

@@ -118,9 +118,9 @@ def _layout_that_divides(run: Run, shape: ModelShape, gpus: int) -> Run:
               "lower TP divides them: change --pipeline-model-parallel-size or the GPU count")
         return run
     tp = lower[0]
+    off = " --no-sequence-parallel" if tp == 1 and run.sequence_parallel else ""
     print(f"! TP {run.tp} x PP {run.pp} x CP {run.cp} needs a multiple of {run.tp * unit} GPUs, not {gpus}: planned "
-          f"at --tensor-model-parallel-size {tp} instead{' --no-sequence-parallel' if tp == 1 and run.sequence_parallel else ''}"
-          " (pass it after --, or use more GPUs)")
+          f"at --tensor-model-parallel-size {tp}{off} instead (pass it after --, or use more GPUs)")
     return replace(run, tp=tp, sequence_parallel=run.sequence_parallel and tp > 1)
 
 
@@ -160,8 +160,9 @@ def main(argv: list[str] | None = None) -> int:
     refused = model_problems(cfg, shape, "train.py would stop")
     run = _layout_that_divides(run, shape, gpus)
     print(f"cluster: {gpus} x {cluster.gpu.name}; TP {run.tp} x PP {run.pp}; {run.rollout_batch_size} prompts x "
-          f"{run.n_samples_per_prompt} samples, prompt ~{run.prompt_len} (at most {max(0, prompt_limit(cfg, shape))}) + "
-          f"response <= {run.max_response_len} tokens, micro-batch {run.micro_batch_size}")
+          f"{run.n_samples_per_prompt} samples, prompt ~{run.prompt_len} (at most "
+          f"{max(0, prompt_limit(cfg, shape))}) + response <= {run.max_response_len} tokens, micro-batch "
+          f"{run.micro_batch_size}")
     for problem in refused:
         print(f"! {problem}")
     if args.mode == "auto":

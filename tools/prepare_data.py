@@ -212,7 +212,8 @@ def convert(layout: str, src: str | Path, dst: str | Path, *, template: str | No
 
 def main(argv: list[str] | None = None) -> int:
     summary, _usage, notes = __doc__.split("\n\n", 2)  # notes: the output rows, the layouts, what is skipped
-    ap = argparse.ArgumentParser(description=summary, epilog=notes, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = argparse.ArgumentParser(description=summary, epilog=notes,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("layout", choices=sorted(LAYOUTS))
     ap.add_argument("input", help="a downloaded file: .parquet, .jsonl, .json (optionally .gz)")
     ap.add_argument("output", help="megarl jsonl to write")

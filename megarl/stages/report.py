@@ -95,8 +95,8 @@ def evaluate(run: Run, quiet: bool = False) -> dict:
     The engine must hold the GPU (`enter_rollout`)."""
     cfg, info = run.cfg, run.info
     if not quiet:
-        run.say(f"megarl: evaluating on {len(run.eval_prompts)} held-out prompts ({cfg.logging.eval_samples_per_prompt} "
-                "samples each, and greedy)", flush=True)
+        run.say(f"megarl: evaluating on {len(run.eval_prompts)} held-out prompts "
+                f"({cfg.logging.eval_samples_per_prompt} samples each, and greedy)", flush=True)
     mine = run.eval_prompts[info.dp_rank :: info.dp_size]
     counts = torch.zeros(4, dtype=torch.float64)  # sampled correct, sampled total, greedy correct, greedy total
     if info.is_mp_leader and mine:

@@ -315,7 +315,8 @@ def scenario_recompute(args, info):
     return out
 
 
-SCENARIOS = {"padded_vocab": scenario_padded_vocab, "recompute": scenario_recompute, "forward": scenario_forward, "dp_step": scenario_dp_step, "sync": scenario_sync,
+SCENARIOS = {"padded_vocab": scenario_padded_vocab, "recompute": scenario_recompute,
+              "forward": scenario_forward, "dp_step": scenario_dp_step, "sync": scenario_sync,
              "ckpt_save": scenario_ckpt_save, "ckpt_load": scenario_ckpt_load, "dynbatch": scenario_dynbatch,
              "entropy": scenario_entropy, "trl_parity": scenario_trl_parity}
 

@@ -122,7 +122,8 @@ def test_load_resolves_latest_a_step_or_nothing(tmp_path):
     assert resolve_load(str(root)) == second
     assert resolve_load(str(root), 5) == first
     assert resolve_load(str(first)) == first, "an iter_N directory itself"
-    with pytest.raises(ConfigError, match=r"--ckpt-step 7: no iter_0000007 under --load .* \(complete steps there: 5, 10\)"):
+    with pytest.raises(ConfigError, match=r"--ckpt-step 7: no iter_0000007 under --load .* "
+                                          r"\(complete steps there: 5, 10\)"):
         resolve_load(str(root), 7)
     (root / "latest").write_text("iter_0000099\n")
     with pytest.raises(ConfigError, match="'latest' names iter_0000099, which does not exist"):

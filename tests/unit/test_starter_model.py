@@ -47,6 +47,6 @@ def test_the_build_speaks_at_once_and_warns_before_a_deadline_strikes(tmp_path, 
     lines = capsys.readouterr().out.splitlines()
     assert lines[0].startswith("step     1/1000")
     warning = next(i for i, line in enumerate(lines) if line.startswith("warning:"))
-    assert "at 2.05 s a step the 1000 steps need ~34.2 min, past --minutes 1: the build will stop then" in lines[warning]
+    assert "at 2.05 s a step the 1000 steps need ~34.2 min, past --minutes 1: the build will stop" in lines[warning]
     steps = [int(line.split()[1].split("/")[0]) for line in lines if line.startswith("step")]
     assert steps == [1, 17] and warning == 2, lines  # step 17: more than 30 s after step 1

@@ -124,7 +124,8 @@ def test_saved_rollouts_are_rescored_with_no_key_flags(tmp_path, capsys):
 
     prompts = [PromptRecord(0, "12+7=", [1], "19", "arithmetic"), PromptRecord(1, "Area?", [1], "\\pi", "math")]
     samples = [Sample(group=i, prompt_index=i, prompt_ids=[1], response_ids=[2], loss_mask=[1], rollout_logprobs=[0.0],
-                      weight_version=1, status=SampleStatus.COMPLETED, response_text=text, reward=1.0, outcome="correct")
+                      weight_version=1, status=SampleStatus.COMPLETED, response_text=text, reward=1.0,
+                      outcome="correct")
                for i, text in enumerate(["19", "It is $\\boxed{\\pi}$."])]
     rows = rollout_sample_rows(3, samples, prompts, limit=8)
     assert [(r["answer"], r["verifier"]) for r in rows] == [("19", "arithmetic"), ("\\pi", "math")]
