@@ -18,6 +18,7 @@ setup(
     version=VERSION,
     description="Megatron-native RL post-training with verifiable rewards (GRPO / RLVR)",
     packages=find_packages(include=["megarl", "megarl.*"]),
+    license="Apache-2.0",
     python_requires=">=3.11",
     install_requires=[
         "torch>=2.4",
@@ -35,7 +36,8 @@ setup(
     ],
     extras_require={
         "transformer-engine": ["transformer-engine[pytorch]"],
-        "sglang": ["sglang"],
+        # The version megarl's adapter is written against; it pins torch 2.14.1 (docs/gpu-stack.md).
+        "sglang": ["sglang==0.5.23"],
         "docker": ["docker"],
         "wandb": ["wandb"],
         "tensorboard": ["tensorboard"],

@@ -25,8 +25,9 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path[:] = [p for p in sys.path if os.path.abspath(p or ".") != str(ROOT / "launch")]
 sys.path.insert(0, str(ROOT))
 
-from launch.render import LaunchError, check_parallel  # noqa: E402
+from launch.render import LaunchError  # noqa: E402
 from megarl.config import ConfigError, parse_args  # noqa: E402
+from megarl.preflight import check_run  # noqa: E402
 
 NOT_INSTALLED = ("nemo-run is not installed: pip install -e '.[nemo-run]' (or use launch/slurm/*.sbatch, which "
                  "need only Slurm)")
@@ -46,8 +47,9 @@ def recipe_argv(recipe: str, flags: list[str], ckpt_dir: str | None = None) -> l
 
 
 def check(argv: list[str], world_size: int):
-    """The recipe's TP x PP x DP against the GPUs asked for, before nemo-run is even imported."""
-    return check_parallel(parse_args(argv, check_registries=False), world_size)
+    """The recipe against the GPUs asked for, as train.py's preflight checks it (`megarl.preflight`: the layout,
+    the checkpoint's config.json when readable here, --load), before nemo-run is even imported."""
+    return check_run(parse_args(argv, check_registries=False), world_size, required=False)[0]
 
 
 def task(argv: list[str]):
@@ -55,9 +57,24 @@ def task(argv: list[str]):
     return _nemo_run().Script(path=str(ROOT / "launch" / "resume.py"), args=list(argv), entrypoint="python")
 
 
+# Without a container, nemo-run's Slurm script replaces every "/nemo_run" in its text with the job's directory
+# (its in-container mount point, `nemo_run.config.RUNDIR_NAME`), so a path holding it comes out doubled.
+_RUNDIR = "/nemo_run"
+
+
+def check_paths(paths: list[str], container_image: str | None) -> None:
+    """LaunchError for a path nemo-run's Slurm script would rewrite (see `_RUNDIR`)."""
+    bad = [p for p in paths if _RUNDIR in str(p)]
+    if bad and not container_image:
+        raise LaunchError(f"nemo-run rewrites every '{_RUNDIR}' in its Slurm script to the job's directory, so these "
+                          f"paths would be changed: {', '.join(map(str, bad))}; rename them (e.g. --job-dir "
+                          "logs/nemo-run), or run in a container (--container-image)")
+
+
 def slurm_executor(*, nodes: int, gpus_per_node: int = 8, account: str = "", partition: str | None = None,
                    time: str = "04:00:00", container_image: str | None = None, container_mounts: list[str] = (),
                    job_dir: str, retries: int = 3, env_vars: dict[str, str] | None = None):
+    check_paths([job_dir, str(ROOT)], container_image)
     run = _nemo_run()
     mounts = [f"{ROOT}:{ROOT}", *container_mounts] if container_image else []
     return run.SlurmExecutor(
@@ -115,7 +132,7 @@ def main(argv: list[str] | None = None) -> int:
     s.add_argument("--container-image")
     s.add_argument("--container-mounts", default="", help="src:dst[,src:dst]; the checkout is always mounted")
     s.add_argument("--retries", type=int, default=3, help="requeues after a failure")
-    s.add_argument("--job-dir", default=str(ROOT / "logs" / "nemo_run"), help="nemo-run's job and log directory")
+    s.add_argument("--job-dir", default=str(ROOT / "logs" / "nemo-run"), help="nemo-run's job and log directory")
     loc = sub.add_parser("local", help="torchrun on this machine through nemo-run's LocalExecutor")
     loc.add_argument("--gpus", type=int, required=True, help="processes (GPUs) on this machine")
     for q in (s, loc):
@@ -131,6 +148,7 @@ def main(argv: list[str] | None = None) -> int:
         cp = f" x CP={layout.cp}" if layout.cp > 1 else ""
         print(f"megarl: TP={layout.tp} x PP={layout.pp}{cp} x DP={layout.dp} = {world} GPUs", file=sys.stderr)
         if args.where == "slurm":
+            check_paths(run_argv, args.container_image)
             mounts = [m for m in args.container_mounts.split(",") if m]
             executor = slurm_executor(nodes=args.nodes, gpus_per_node=args.gpus_per_node, account=args.account,
                                       partition=args.partition, time=args.time, container_image=args.container_image,

@@ -18,7 +18,6 @@ import re
 import shlex
 import subprocess
 import sys
-from dataclasses import dataclass
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -28,44 +27,34 @@ sys.path[:] = [p for p in sys.path if os.path.abspath(p or ".") != str(ROOT / "l
 sys.path.insert(0, str(ROOT))
 
 from megarl.config import Config, ConfigError, parse_args  # noqa: E402
+from megarl.preflight import Layout, check_run, parallel_layout  # noqa: E402
 
 
 class LaunchError(ValueError):
     """A launch that cannot work as asked; the message says why."""
 
 
-@dataclass(frozen=True)
-class Layout:
-    tp: int
-    pp: int
-    dp: int
-    world_size: int
-    cp: int = 1  # context parallel: CP ranks share one DP rank's samples
-
-
 def check_parallel(cfg: Config, world_size: int) -> Layout:
     """TP x PP x CP x DP = world size, and the prompts split evenly over DP; else LaunchError naming the flags."""
-    tp, pp = cfg.model.tensor_model_parallel_size, cfg.model.pipeline_model_parallel_size
-    cp = getattr(cfg.model, "context_parallel_size", 1)
-    if world_size % (tp * pp * cp):
-        raise LaunchError(f"{world_size} GPUs are not divisible by --tensor-model-parallel-size {tp} x "
-                          f"--pipeline-model-parallel-size {pp} x --context-parallel-size {cp}; use a node count "
-                          "that makes them a multiple")
-    dp = world_size // (tp * pp * cp)
-    if cfg.data.rollout_batch_size % dp:
-        raise LaunchError(f"--rollout-batch-size {cfg.data.rollout_batch_size} is not divisible by the data-parallel "
-                          f"size {dp} ({world_size} GPUs / TP {tp} / PP {pp} / CP {cp})")
-    return Layout(tp, pp, dp, world_size, cp)
+    try:
+        return parallel_layout(cfg, world_size)
+    except ConfigError as e:
+        raise LaunchError(str(e)) from None
 
 
 def check_main(world_size: int, recipe_argv: list[str]) -> int:
-    """Print shell assignments for the sbatch scripts (HF_CHECKPOINT, TP, PP, DP, SAVE_DIR), or the error."""
+    """Print shell assignments for the sbatch scripts (HF_CHECKPOINT, TP, PP, DP, SAVE_DIR), or the error. The
+    recipe is checked as train.py's preflight checks it (`megarl.preflight`): the layout, the checkpoint's
+    config.json when this host can read it, --load."""
     try:
         cfg = parse_args(recipe_argv, check_registries=False)  # the batch host's python: standard library only
-        layout = check_parallel(cfg, world_size)
+        layout, shape, _ = check_run(cfg, world_size, required=False)
     except (ConfigError, LaunchError) as e:
         print(f"megarl: {e}", file=sys.stderr)
         return 2
+    if shape is None:
+        print(f"megarl: note: {cfg.model.hf_checkpoint}/config.json is not readable on this host; the model is "
+              "checked when the job starts", file=sys.stderr)
     values = {"HF_CHECKPOINT": cfg.model.hf_checkpoint, "TP": layout.tp, "PP": layout.pp, "CP": layout.cp,
               "DP": layout.dp, "SAVE_DIR": cfg.checkpoint.save}
     for k, v in values.items():

@@ -18,6 +18,7 @@ from __future__ import annotations
 import dataclasses
 import difflib
 import importlib
+import json
 import os
 import subprocess
 import typing
@@ -53,6 +54,13 @@ class ModelConfig:
     context_parallel_size: int = _f(1, "context-parallel size (CP): each sequence is split over this many ranks in "
                                     "Megatron's load-balanced 2 x CP chunks; world size = TP x PP x CP x DP (GPU "
                                     "with Transformer Engine attention)")
+    make_vocab_size_divisible_by: int = _f(1, "pad the Megatron embedding and output layer to a multiple of this "
+                                           "times TP rows, as Megatron does (the padding rows are never a token: "
+                                           "their logits are masked and HF exports drop them); 1 = only as much as "
+                                           "TP needs")
+    recompute_granularity: Literal["none", "selective", "full"] = _f(
+        "none", "activation recomputation in the backward pass: selective (core attention only) or full (every "
+        "transformer layer's input is kept, the rest recomputed), trading compute for activation memory")
 
     @property
     def use_transformer_engine(self) -> bool | None:
@@ -60,9 +68,12 @@ class ModelConfig:
         return {"auto": None, "local": False, "transformer_engine": True}[self.transformer_impl]
 
     def __post_init__(self):
-        _positive(self, "tensor_model_parallel_size", "pipeline_model_parallel_size", "context_parallel_size")
+        _positive(self, "tensor_model_parallel_size", "pipeline_model_parallel_size", "context_parallel_size",
+                  "make_vocab_size_divisible_by")
         if self.sequence_parallel and self.tensor_model_parallel_size < 2:
-            raise ConfigError("--sequence-parallel needs --tensor-model-parallel-size >= 2")
+            raise ConfigError(f"--sequence-parallel needs --tensor-model-parallel-size >= 2, got "
+                              f"{self.tensor_model_parallel_size}: add --no-sequence-parallel (sequence parallelism "
+                              "shards activations over TP ranks; with one there is nothing to shard)")
         if self.context_parallel_size > 1 and self.transformer_impl == "local":
             raise ConfigError("--context-parallel-size > 1 needs Transformer Engine's attention: Megatron's local "
                               "attention does not split sequences; use --transformer-impl auto or transformer_engine")
@@ -121,6 +132,9 @@ class DataConfig:
                         "(a list of {role, content} messages, e.g. --input-key messages) rendered through the "
                         "tokenizer's chat template with the assistant turn opened")
     apply_chat_template: bool = _f(False, "render string prompts too through the chat template, as one user message")
+    max_prompt_len: int = _f(0, "prompts longer than this many tokens (after any chat template) are left out of "
+                             "training and evaluation, counted in the log and in metrics.jsonl; 0 = whatever the "
+                             "model's max_position_embeddings leaves after --max-response-len")
     label_key: str = _f("answer", "field of a data row that holds the ground truth given to the verifier")
     verifier_key: str = _f("verifier", "field of a data row that names its verifier")
     default_verifier: str = _name("", "verifier for rows without a verifier field; empty = such rows are an error",
@@ -130,6 +144,9 @@ class DataConfig:
 
     def __post_init__(self):
         _positive(self, "rollout_batch_size")
+        if self.max_prompt_len < 0:
+            raise ConfigError(f"--max-prompt-len must be >= 0 (0 = what the model's context leaves), got "
+                              f"{self.max_prompt_len}")
 
 
 @dataclass
@@ -265,9 +282,20 @@ class TrainingConfig:
 class CheckpointConfig:
     save: str = _f("", "directory for checkpoints (megatron dist_checkpointing); empty = no checkpoints")
     save_interval: int = _f(0, "save every this many steps (0 = only at the end)")
-    load: str = _f("", "resume from this checkpoint directory (its latest complete step)")
+    load: str = _f("", "resume from this checkpoint directory: its latest complete step (--ckpt-step: another), "
+                   "or a step's own iter_N directory; a directory with no checkpoint yet starts the run afresh from "
+                   "--hf-checkpoint, so one command serves the first start and every restart")
+    ckpt_step: int = _f(-1, "with --load: resume from this step's checkpoint (iter_N) instead of the latest; -1 = "
+                        "the latest")
     keep_last: int = _f(2, "checkpoints kept; older ones are deleted after a newer one is complete")
     save_hf: str = _f("", "export the final actor as an HF checkpoint directory here")
+
+    def __post_init__(self):
+        _positive(self, "keep_last")
+        if self.ckpt_step < -1:
+            raise ConfigError(f"--ckpt-step must be a step number, or -1 for the latest, got {self.ckpt_step}")
+        if self.ckpt_step >= 0 and not self.load:
+            raise ConfigError(f"--ckpt-step {self.ckpt_step} needs --load (the directory holding iter_N)")
 
 
 @dataclass
@@ -284,9 +312,14 @@ class LoggingConfig:
     wandb_run_name: str = _f("", "wandb run name; empty = wandb picks one")
     eval_samples_per_prompt: int = _f(4, "samples per held-out prompt for the sampled accuracy")
     eval_max_prompts: int = _f(0, "evaluate on at most this many held-out prompts (0 = all)")
+    eval_interval: int = _f(0, "also evaluate on --eval-data every this many steps (held-out accuracy curves in "
+                            "metrics.jsonl and the plot); 0 = only before and after training")
 
     def __post_init__(self):
         _positive(self, "log_interval", "eval_samples_per_prompt", "log_samples_count")
+        if self.eval_interval < 0 or self.eval_max_prompts < 0:
+            raise ConfigError(f"--eval-interval and --eval-max-prompts must be >= 0, got {self.eval_interval} and "
+                              f"{self.eval_max_prompts}")
         if self.log_samples_interval < 0:
             raise ConfigError(f"--log-samples-interval must be >= 0, got {self.log_samples_interval}")
 
@@ -304,8 +337,25 @@ class Config:
     logging: LoggingConfig
     plugins: PluginConfig
 
+    # Where each non-default value came from (`parse_args`): a recipe, the command line, a saved config.
+    origins: dict[str, str] = field(default_factory=dict, compare=False, repr=False)
+
     def to_dict(self) -> dict[str, Any]:
-        return dataclasses.asdict(self)
+        """Every setting, by section: the form `config.json` stores and `parse_args` reads back."""
+        return {section: dataclasses.asdict(getattr(self, section)) for section in SECTIONS}
+
+    def non_default_flags(self) -> dict[str, list[str]]:
+        """Per section, the `--flag value` words of every setting that differs from its default."""
+        out: dict[str, list[str]] = {}
+        for spec in flag_specs().values():
+            cls = SECTIONS[spec.section]
+            default = next(f.default for f in dataclasses.fields(cls) if f.name == spec.name)
+            value = getattr(getattr(self, spec.section), spec.name)
+            if value != default:
+                words = [spec.flag] if value is True else [f"--no-{spec.flag[2:]}"] if value is False else \
+                    [spec.flag, str(value)]
+                out.setdefault(spec.section, []).extend(words)
+        return out
 
     def __post_init__(self):
         """Rules across sections (rules within one live in its own `__post_init__`)."""
@@ -507,25 +557,72 @@ def read_recipe(path: str | os.PathLike) -> list[str]:
 
 
 def parse_args(argv: list[str], check_registries: bool = True) -> Config:
-    """`[recipe.sh] [--flag value ...]` -> Config. Raises ConfigError naming the problem. With `check_registries`
-    (the trainer) `--plugins` are imported and named entries checked against their registries (`check_names`);
-    without, nothing beyond the standard library is imported (the launch scripts' pre-flight check)."""
+    """`[recipe.sh | config.json] [--flag value ...]` -> Config. The first argument may be a recipe or a run's
+    saved `config.json` (`saved_config`), which gives back that run's settings. Raises ConfigError naming the
+    problem. With `check_registries` (the trainer) `--plugins` are imported and named entries checked against
+    their registries (`check_names`); without, nothing beyond the standard library is imported (the launch
+    scripts' pre-flight check)."""
     values: dict[str, Any] = {}
     origins: dict[str, str] = {}
     rest = list(argv)
     if rest and not rest[0].startswith("--"):
-        recipe = rest.pop(0)
-        values = parse_flags(read_recipe(recipe), f"recipe {recipe}", values, origins)
+        source = rest.pop(0)
+        if source.endswith(".json"):
+            values = read_saved_config(source, origins)
+        else:
+            values = parse_flags(read_recipe(source), f"recipe {source}", values, origins)
     values = parse_flags(rest, "command line", values, origins)
     cfg = build_config(values)
+    cfg.origins = origins
     if check_registries:
         load_plugin_modules(cfg)
         check_names(cfg, origins)
     return cfg
 
 
+# ---------------------------------------------------------------------------------------------------------
+# The resolved config, saved beside a run's metrics and in every checkpoint, and read back.
+
+SAVED_CONFIG = "config.json"
+
+
+def saved_config(cfg: Config, **facts: Any) -> dict[str, Any]:
+    """What `config.json` holds: every setting by section, where each non-default one came from, and `facts`
+    about the run (command line, world size, the padded vocabulary...)."""
+    from megarl import __version__
+
+    return {"megarl_version": __version__, **facts, "config": cfg.to_dict(), "origins": dict(cfg.origins)}
+
+
+def read_saved_config(path: str | os.PathLike, origins: dict[str, str] | None = None) -> dict[str, Any]:
+    """The settings of a saved `config.json` as flag values, each checked as a flag is; `origins` records them."""
+    where = f"config {path}"
+    try:
+        saved = json.loads(Path(path).read_text())
+    except FileNotFoundError:
+        raise ConfigError(f"{where}: no such file") from None
+    except (OSError, ValueError) as e:
+        raise ConfigError(f"{where}: not a readable JSON file ({e})") from None
+    sections = saved.get("config") if isinstance(saved, dict) else None
+    if not isinstance(sections, dict):
+        raise ConfigError(f"{where}: no \"config\" object (a run's saved config.json has one)")
+    specs = {(s.section, s.name): s for s in flag_specs().values()}
+    values: dict[str, Any] = {}
+    for section, fields in sections.items():
+        for name, value in (fields.items() if isinstance(fields, dict) else ()):
+            spec = specs.get((section, name))
+            if spec is None:
+                raise ConfigError(f"{where}: unknown setting {section}.{name} (written by megarl "
+                                  f"{saved.get('megarl_version', '?')}; this is a different version)")
+            values[name] = _convert(spec, value if isinstance(value, str) else json.dumps(value), where)
+            if origins is not None:
+                origins[name] = where
+    return values
+
+
 def help_text() -> str:
-    lines = ["usage: torchrun --nproc-per-node N megarl/train.py [recipe.sh] [--flag value ...]", ""]
+    lines = ["usage: torchrun --nproc-per-node N megarl/train.py [recipe.sh | run/config.json] [--flag value ...]",
+             ""]
     for section, cls in SECTIONS.items():
         lines.append(f"{section}:")
         for spec in flag_specs().values():

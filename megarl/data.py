@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import json
 import random
-from dataclasses import dataclass
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any, Iterator
 
@@ -19,11 +19,12 @@ from megarl.config import ConfigError
 
 @dataclass
 class PromptRecord:
-    index: int  # row number in the file (0-based)
+    index: int  # position in the loaded dataset (0-based; what samples' `prompt_index` refers to)
     prompt: str  # the text the model sees: a chat is stored rendered through the chat template
     prompt_ids: list[int]
     label: Any  # the verifier's ground truth
     verifier: str
+    source: str = field(default="", compare=False)  # where the row came from: `file:line` or `file: row N`
 
 
 def load_prompts(path: str, tokenizer, *, input_key: str, label_key: str, verifier_key: str,
@@ -38,6 +39,11 @@ def load_prompts(path: str, tokenizer, *, input_key: str, label_key: str, verifi
         raise ConfigError(f"{flag} is required")
     if not p.is_file():
         raise ConfigError(f"{flag} {path}: no such file")
+    if apply_chat_template and not getattr(tokenizer, "chat_template", None):
+        raise ConfigError("--apply-chat-template: the --hf-checkpoint's tokenizer has no chat template (neither its "
+                          "tokenizer_config.json nor a chat_template.jinja defines one); drop --apply-chat-template "
+                          f"to give the {flag} prompts to the model as the plain text they are, or use a checkpoint "
+                          "whose tokenizer has a chat template")
     known = set(verifier_names())
     records = []
     rows = _parquet_rows(p, flag) if p.suffix == ".parquet" else _jsonl_rows(p)
@@ -54,10 +60,18 @@ def load_prompts(path: str, tokenizer, *, input_key: str, label_key: str, verifi
         if verifier not in known:
             raise ConfigError(f"{where}: unknown verifier {verifier!r}; registered: {', '.join(sorted(known))}")
         text, ids = _render_prompt(row[input_key], tokenizer, apply_chat_template, f"{where}: field {input_key!r}")
-        records.append(PromptRecord(len(records), text, ids, row[label_key], verifier))
+        records.append(PromptRecord(len(records), text, ids, row[label_key], verifier, where))
     if not records:
         raise ConfigError(f"{flag} {path}: the file has no rows")
     return records
+
+
+def split_by_length(records: list[PromptRecord], limit: int) -> tuple[list[PromptRecord], list[PromptRecord]]:
+    """(the prompts of at most `limit` tokens, renumbered in order; the longer ones), as peers filter over-long
+    prompts rather than truncate them: a cut prompt would ask a different question."""
+    kept = [r for r in records if len(r.prompt_ids) <= limit]
+    long = [r for r in records if len(r.prompt_ids) > limit]
+    return [replace(r, index=i) for i, r in enumerate(kept)], long
 
 
 def _jsonl_rows(path: Path) -> Iterator[tuple[str, Any]]:
@@ -104,8 +118,9 @@ def _render_prompt(value: Any, tokenizer, apply_chat_template: bool, where: str)
             raise ConfigError(f"{where}: message {i} must be an object with string 'role' and 'content', got {m!r}")
         messages.append({k: v for k, v in m.items() if v is not None})  # parquet fills absent struct fields with None
     if not getattr(tokenizer, "chat_template", None):
-        raise ConfigError(f"{where} is a chat, but the tokenizer has no chat template: give plain-text prompts "
-                          "or a checkpoint whose tokenizer_config.json (or chat_template.jinja) defines one")
+        raise ConfigError(f"{where} is a chat (a list of messages), but the --hf-checkpoint's tokenizer has no chat "
+                          "template: give plain-text prompts, or a checkpoint whose tokenizer_config.json (or "
+                          "chat_template.jinja) defines one")
     text = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
     # The template already wrote any BOS / special tokens it wants: adding them again would double them.
     return text, tokenizer.encode(text, add_special_tokens=False)

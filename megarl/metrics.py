@@ -163,8 +163,11 @@ class MetricsLog:
     (`metrics.<time>.jsonl`) rather than mixing the two or deleting them."""
 
     def __init__(self, output_dir: str, enabled: bool, resumed: bool = False, sinks: Sequence[Sink] = (),
-                 resume_step: int | None = None):
+                 resume_step: int | None = None, constants: dict | None = None):
+        """`constants`: numbers fixed for the run (prompts left out at load...), repeated in every row so that any
+        row of the file tells them."""
         self.enabled = enabled
+        self.constants = dict(constants or {})
         self.dir = Path(output_dir)
         self.path = self.dir / "metrics.jsonl"
         self.samples_path = self.dir / "samples.jsonl"
@@ -183,7 +186,7 @@ class MetricsLog:
     def write(self, row: dict) -> None:
         if not self.enabled:
             return
-        row = {"time": time.time(), **row}
+        row = {"time": time.time(), **row, **self.constants}
         self.rows.append(row)
         with self.path.open("a") as fh:
             fh.write(json.dumps(row) + "\n")
@@ -218,8 +221,11 @@ def rollout_sample_rows(step: int, samples: Sequence, prompts: Sequence, limit: 
     reward is the final one and each row gets its advantage (per-token advantages: their mean over the loss mask)."""
     rows = []
     for i, s in enumerate(list(samples)[:limit]):
-        row = {"step": step, "prompt_index": s.prompt_index, "prompt": prompts[s.prompt_index].prompt,
-               "response": s.response_text, "reward": float(s.reward), "outcome": s.outcome,
+        record = prompts[s.prompt_index]
+        # `answer` and `verifier` as in training data, so `megarl-verify samples.jsonl` re-scores saved rollouts
+        row = {"step": step, "prompt_index": s.prompt_index, "prompt": record.prompt, "answer": record.label,
+               "verifier": record.verifier, "response": s.response_text, "reward": float(s.reward),
+               "outcome": s.outcome,
                "advantage": None, "response_len": len(s.response_ids), "status": s.status.value,
                "weight_version": s.weight_version, **s.metadata}
         if batch is not None:
@@ -296,10 +302,11 @@ def _smooth(values: list[float], window: int) -> list[float]:
     return out
 
 
-def plot_run(rows: list[dict], path: Path, before_after: dict | None = None) -> Path:
-    """One PNG: reward, accuracy, KL, response length, and the time per step split by phase (each a raw and a
-    smoothed curve); a sixth panel shows held-out accuracy before/after when given. Missing metrics leave their
-    panel empty rather than failing the run's last step."""
+def plot_run(rows: list[dict], path: Path, held_out: list[tuple] | None = None, kl: bool = True) -> Path:
+    """One PNG: reward, accuracy, KL to the reference (`kl`; without a reference the policy's entropy instead),
+    response length, the time per step split by phase (each a raw and a smoothed curve), and the held-out
+    accuracy curve, `held_out` = (step, sampled, greedy) points (before training, every --eval-interval, after).
+    Missing metrics leave their panel empty rather than failing the run's last step."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -308,8 +315,9 @@ def plot_run(rows: list[dict], path: Path, before_after: dict | None = None) -> 
     steps = [r["step"] for r in rows]
     window = max(1, len(rows) // 20)
     fig, axes = plt.subplots(2, 3, figsize=(15, 8))
-    panels = (("reward_mean", "mean reward", None), ("accuracy", "accuracy (train rollouts)", None),
-              ("kl", "KL(actor || ref)", "symlog"), ("response_len", "response length (tokens)", None))
+    third = ("kl", "KL(actor || ref)", "symlog") if kl else ("entropy", "entropy (no reference model)", None)
+    panels = (("reward_mean", "mean reward", None), ("accuracy", "accuracy (train rollouts)", None), third,
+              ("response_len", "response length (tokens)", None))
     for ax, (key, title, scale) in zip(axes.flat, panels):
         ax.set_title(title)
         ax.set_xlabel("step")
@@ -332,18 +340,33 @@ def plot_run(rows: list[dict], path: Path, before_after: dict | None = None) -> 
         ax.stackplot(steps, *[_smooth([r[k] for r in rows], window) for k, _ in present],
                      labels=[label for _, label in present], alpha=0.8)
         ax.legend(loc="upper left", fontsize=8)
-
-    ax = axes.flat[5]
-    if before_after:
-        ax.set_title("held-out accuracy (sampled)")
-        bars = ax.bar(["before", "after"], [100 * before_after["before"], 100 * before_after["after"]],
-                      color=["tab:gray", "tab:green"])
-        ax.bar_label(bars, fmt="%.1f%%")
-        ax.set_ylim(0, 100)
-        ax.set_ylabel("%")
-    else:
-        ax.axis("off")
+    _plot_held_out(axes.flat[5], held_out or [])
     fig.tight_layout()
     fig.savefig(path, dpi=100)
     plt.close(fig)
     return path
+
+
+def held_out_curve(rows: list[dict], before: dict | None, after: dict | None, steps: int) -> list[tuple]:
+    """(step, sampled, greedy) of every held-out evaluation: before training (step 0), each --eval-interval (the
+    rows' `eval_sampled` / `eval_greedy`), after training (`steps`)."""
+    points = [(0, before["sampled"], before["greedy"])] if before else []
+    points += [(r["step"], r["eval_sampled"], r["eval_greedy"]) for r in rows if "eval_sampled" in r]
+    return points + ([(steps, after["sampled"], after["greedy"])] if after else [])
+
+
+def _plot_held_out(ax, points: list[tuple]) -> None:
+    if not points:
+        ax.axis("off")
+        return
+    ax.set_title("held-out accuracy")
+    ax.set_xlabel("step")
+    at = [p[0] for p in points]
+    for column, label in ((1, "sampled"), (2, "greedy")):
+        values = [100 * p[column] for p in points]
+        ax.plot(at, values, marker="o", label=label)
+        ax.annotate(f"{values[-1]:.1f}%", (at[-1], values[-1]), textcoords="offset points", xytext=(4, 4),
+                    fontsize=8)
+    ax.set_ylim(0, 100)
+    ax.set_ylabel("%")
+    ax.legend(loc="best", fontsize=8)

@@ -18,7 +18,7 @@ command line. Memory, in bytes, for P parameters held by one GPU (its TP shard o
   weights (2 x all parameters / engine TP) and a KV pool; colocated, it releases both while the actor trains,
   and the actor's optimizer (and weights) can leave the GPU while the engine generates (--offload-optimizer,
   --offload-params).
-- 4 GB per GPU for the CUDA context, NCCL buffers and allocator fragmentation.
+- 4 GiB per GPU for the CUDA context, NCCL buffers and allocator fragmentation.
 
 Time: rollout = prefill (2P FLOPs per prompt token) + decoding to --max-response-len, each decode step bounded
 by reading the engine's weights and the live KV cache from HBM (or by its FLOPs); training = 6P FLOPs per token
@@ -35,9 +35,9 @@ from typing import Literal
 
 from megarl.model_shape import ModelShape
 
-GB = 1e9
+GIB = 2**30  # memory is reported in GiB, as nvidia-smi's MiB and the GPUs' nominal sizes are binary
 MIB = 2**20
-OVERHEAD_BYTES = 4 * GB
+OVERHEAD_BYTES = 4 * GIB
 
 
 @dataclass(frozen=True)
@@ -239,8 +239,8 @@ def memory_plan(s: ModelShape, r: Run, cluster: Cluster) -> list[MemoryPlan]:
         for ph in phases:
             if ph.total > cap:
                 big = max(ph.components, key=ph.components.get)
-                problems.append(f"{pool}, {ph.name}: {ph.total / GB:.1f} GB > {cap / GB:.1f} GB "
-                                f"(largest: {big}, {ph.components[big] / GB:.1f} GB)")
+                problems.append(f"{pool}, {ph.name}: {ph.total / GIB:.1f} GiB > {cap / GIB:.1f} GiB "
+                                f"(largest: {big}, {ph.components[big] / GIB:.1f} GiB)")
         plans.append(MemoryPlan(pool, gpus, phases, cap, kv_needed, kv_pool, problems))
 
     problems: list[str] = []
@@ -256,7 +256,7 @@ def memory_plan(s: ModelShape, r: Run, cluster: Cluster) -> list[MemoryPlan]:
         rollout = {"engine weights": engine_weights, "KV cache": max(0.0, reserve - engine_weights),
                    "CUDA context, NCCL, fragmentation": OVERHEAD_BYTES}
         rproblems = [] if reserve > engine_weights else [
-            f"rollout GPUs: the engine's weights ({engine_weights / GB:.1f} GB) exceed its share of the GPU; "
+            f"rollout GPUs: the engine's weights ({engine_weights / GIB:.1f} GiB) exceed its share of the GPU; "
             f"raise the engine TP"]
         check("rollout GPUs", rollout_gpus, [Phase("rollout", rollout)], rollout["KV cache"], rproblems)
         return plans
@@ -269,7 +269,7 @@ def memory_plan(s: ModelShape, r: Run, cluster: Cluster) -> list[MemoryPlan]:
         resident["actor weights"] = 0.0
     rollout = {**resident, "engine weights": engine_weights, "KV cache": kv_pool}
     if reserve <= engine_weights:
-        problems.append(f"the engine's weights ({engine_weights / GB:.1f} GB) exceed --sglang-mem-fraction "
+        problems.append(f"the engine's weights ({engine_weights / GIB:.1f} GiB) exceed --sglang-mem-fraction "
                         f"{r.engine_mem_fraction} of the GPU")
     check("all GPUs", cluster.gpus, [Phase("training (engine released)", train), Phase("rollout", rollout)],
           kv_pool, problems)
@@ -392,7 +392,8 @@ def recommend(s: ModelShape, r: Run, cluster: Cluster) -> tuple[str, str, Plan, 
     colo = plan(s, replace(r, mode="colocated", rollout_gpus=0), cluster)
     dis = best_split(s, replace(r, rollout_gpus=0), cluster) if cluster.gpus > 1 else None
     if colo.fits and (dis is None or not dis.fits or colo.time.total <= dis.time.total):
-        why = (f"it fits ({colo.memory[0].peak / GB:.0f} of {cluster.gpu.memory_bytes / GB:.0f} GB at peak) and every "
+        why = (f"it fits ({colo.memory[0].peak / GIB:.0f} of {cluster.gpu.memory_bytes / GIB:.0f} GiB at peak) and "
+               "every "
                f"GPU works in both phases: ~{colo.time.total:.0f} s a step")
         if dis is not None and dis.fits:
             why += (f" vs ~{dis.time.total:.0f} s disaggregated ({dis.run.rollout_gpus} rollout + "

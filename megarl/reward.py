@@ -67,12 +67,20 @@ class InProcessReward:
         self._verifiers: dict[str, Any] = {}
 
     def __call__(self, samples: Sequence[Sample], records: Sequence[PromptRecord]) -> list[VerifyResult]:
-        return [self._verifier(name).verify(response, label) for name, response, label in _requests(samples, records)]
+        return self.score(_requests(samples, records))
+
+    def score(self, requests: Sequence[tuple[str, str, Any]]) -> list[VerifyResult]:
+        """One result per (verifier name, response, ground truth), in order."""
+        return [self._verifier(name).verify(response, label) for name, response, label in requests]
 
     def _verifier(self, name: str):
         if name not in self._verifiers:
             self._verifiers[name] = get_verifier(name, **self.options.get(name, {}))
         return self._verifiers[name]
+
+    def close(self) -> None:
+        for verifier in self._verifiers.values():
+            getattr(verifier, "close", lambda: None)()
 
 
 class RewardMeter:

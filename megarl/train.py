@@ -34,18 +34,21 @@ def main(argv: list[str]) -> int:
         cfg = parse_args(argv)
         from megarl.stages.setup import preflight
 
-        preflight(cfg)
-        return run(cfg)
+        return run(cfg, preflight(cfg))
     except ConfigError as e:
-        if os.environ.get("RANK", "0") == "0":  # every rank sees the same config: say it once
-            print(f"megarl: error: {e}", file=sys.stderr)
+        rank = os.environ.get("RANK", "0")
+        if rank != "0":
+            # Every rank sees the same config, so rank 0 says it once: the others wait for torchrun to stop them
+            # once rank 0 has exited, and speak only if it does not (an error of their own: a path not mounted).
+            time.sleep(5)
+        print(f"megarl: error: {e}" if rank == "0" else f"megarl: rank {rank}: error: {e}", file=sys.stderr)
         return 2
     except BaseException as e:  # torchrun then stops the other ranks; say which one failed first
         print(f"megarl: rank {os.environ.get('RANK', '0')} failed: {type(e).__name__}: {e}", file=sys.stderr, flush=True)
         raise
 
 
-def run(cfg: Config) -> int:
+def run(cfg: Config, checked) -> int:
     from megarl.metrics import PhaseTimer, eta_seconds, format_step, rollout_sample_rows
     from megarl.stages import report, setup
     from megarl.stages.algorithm import pack
@@ -53,7 +56,7 @@ def run(cfg: Config) -> int:
     from megarl.stages.update import update
 
     t, c, lg = cfg.training, cfg.checkpoint, cfg.logging
-    run = setup.start(cfg)  # process groups, data, actor (+ what the algorithm needs), engine, resume
+    run = setup.start(cfg, checked)  # process groups, data, actor (+ what the algorithm needs), engine, resume
     actor, engine, info, say = run.actor, run.engine, run.info, run.say
     log = setup.open_log(run)
     eval_before = report.evaluate(run) if run.eval_prompts and run.start_step == 0 else None
@@ -80,6 +83,8 @@ def run(cfg: Config) -> int:
         step += 1
         row = {**report.step_metrics(step, rollout, batch, update_metrics, {**timer.seconds, **sync_metrics},
                                      time.perf_counter() - t0, info), **algorithm_metrics}
+        if run.eval_prompts and lg.eval_interval and step % lg.eval_interval == 0 and step < t.num_steps:
+            row.update(report.evaluate_between_steps(run, step))  # the last step's evaluation follows the loop
         log.write(row)
         if log.enabled and lg.log_samples_interval and step % lg.log_samples_interval == 0:
             rows = rollout_sample_rows(step, rollout.samples, run.prompts, lg.log_samples_count, batch)

@@ -26,6 +26,7 @@ DATA_ARGS=(
   --prompt-data "$DATA_DIR/train.jsonl"
   --eval-data "$DATA_DIR/humaneval.jsonl"
   --default-verifier code
+  --max-prompt-len 2048         # longer problem statements are left out (counted in the log)
   --rollout-batch-size 64
 )
 

@@ -11,17 +11,20 @@ REPO_ROOT=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
 source "$REPO_ROOT/recipes/models/${RECIPE_MODEL:-qwen2.5-math-1.5b}.sh"
 DATA_DIR=${DATA_DIR:-/data/dapo-math}
 
+# Qwen2.5-Math has 4,096 positions: prompt + response must fit in them (train.py refuses more at start), so
+# responses get 3,072 and prompts up to 1,024 tokens; longer prompts are left out and counted.
 ROLLOUT_ARGS=(
   --rollout-backend sglang
   --n-samples-per-prompt 8
   --rollout-temperature 1.0
-  --max-response-len 4096
+  --max-response-len 3072
 )
 
 DATA_ARGS=(
   --prompt-data "$DATA_DIR/train.jsonl"
   --eval-data "$DATA_DIR/aime24.jsonl"
   --default-verifier math
+  --max-prompt-len 1024
   --rollout-batch-size 128
 )
 

@@ -11,16 +11,17 @@ REPO = Path(__file__).resolve().parents[1]
 
 
 def make_tiny_hf_model(out: Path, family: str = "qwen2", tie: bool = False, seed: int = 0, layers: int = 2,
-                       vocab: int = 96, with_tokenizer: bool = False, rope: dict | None = None) -> Path:
-    """A random Llama/Qwen2 created with `transformers` (no hub) and saved as an HF checkpoint directory."""
+                       vocab: int = 96, with_tokenizer: bool = False, rope: dict | None = None, **config) -> Path:
+    """A random Llama/Qwen2 created with `transformers` (no hub) and saved as an HF checkpoint directory;
+    `config`: other config.json fields (heads, widths...)."""
     import torch
     from transformers import AutoModelForCausalLM, LlamaConfig, Qwen2Config
 
     torch.manual_seed(seed)
     cls = {"qwen2": Qwen2Config, "llama": LlamaConfig}[family]
-    cfg = cls(vocab_size=vocab, hidden_size=64, intermediate_size=128, num_hidden_layers=layers,
-              num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64, tie_word_embeddings=tie,
-              **({"rope_parameters": rope} if rope else {}))
+    shape = dict(hidden_size=64, intermediate_size=128, num_attention_heads=4, num_key_value_heads=2,
+                 max_position_embeddings=64, **({"rope_parameters": rope} if rope else {}))
+    cfg = cls(vocab_size=vocab, num_hidden_layers=layers, tie_word_embeddings=tie, **{**shape, **config})
     model = AutoModelForCausalLM.from_config(cfg).float().eval()
     model.save_pretrained(out)
     if with_tokenizer:

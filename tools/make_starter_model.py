@@ -130,7 +130,8 @@ def pretrain(model, tokenizer, train: list[Problem], steps: int, seed: int, nois
     `minutes` > 0, raises OutOfTime once that much wall time has passed (the schedule is never shortened)."""
     rng = random.Random(seed)
     optim = torch.optim.AdamW(model.parameters(), lr=LR, betas=ADAM_BETAS, weight_decay=0.0)
-    start = time.perf_counter()
+    start = last_said = time.perf_counter()
+    warned = False
     model.train()
     for step in range(steps):
         elapsed = time.perf_counter() - start
@@ -138,14 +139,21 @@ def pretrain(model, tokenizer, train: list[Problem], steps: int, seed: int, nois
             raise OutOfTime(f"pre-training passed --minutes {minutes:g} at step {step} of {steps} "
                             f"({elapsed / max(step, 1):.2f} s a step); nothing was written. The build is bound by its "
                             "step count: run it without --minutes, or with a larger one")
+        if minutes and step == 20 and not warned and elapsed / step * steps > 60 * minutes:
+            warned = True  # say it now, not when the deadline strikes
+            print(f"warning: at {elapsed / step:.2f} s a step the {steps} steps need "
+                  f"~{elapsed / step * steps / 60:.1f} min, past --minutes {minutes:g}: the build will stop then and "
+                  "write nothing", flush=True)
         for group in optim.param_groups:
             group["lr"] = learning_rate(step, step / steps)
         loss = model(**make_batch(rng.sample(train, BATCH), tokenizer, rng, noise_p), use_cache=False).loss
         optim.zero_grad(set_to_none=True)
         loss.backward()
         optim.step()
-        if (step + 1) % 100 == 0:
-            pace = (time.perf_counter() - start) / (step + 1)
+        now = time.perf_counter()
+        # a line at the first step, every 100 steps and at least every 30 s
+        if step == 0 or (step + 1) % 100 == 0 or step + 1 == steps or now - last_said > 30:
+            last_said, pace = now, (now - start) / (step + 1)
             print(f"step {step + 1:5d}/{steps}  loss {loss.item():.4f}  lr {optim.param_groups[0]['lr']:.2e}  "
                   f"({pace:.2f} s a step, ~{pace * (steps - step - 1) / 60:.1f} min left)", flush=True)
     return steps
@@ -199,8 +207,8 @@ def build(tmp: Path, args: argparse.Namespace) -> None:
     train, heldout = split_problems(seed=args.split_seed)
     tokenizer = build_tokenizer(tmp)
     model = build_model(tokenizer)
-    print(f"parameters: {count_parameters(model):,}  vocab: {len(tokenizer)} -> {model.config.vocab_size}")
-    print(f"problems: {len(train)} train, {len(heldout)} held out")
+    print(f"parameters: {count_parameters(model):,}  vocab: {len(tokenizer)} -> {model.config.vocab_size}", flush=True)
+    print(f"problems: {len(train)} train, {len(heldout)} held out", flush=True)
 
     start = time.perf_counter()
     steps = pretrain(model, tokenizer, train, args.steps, args.seed, args.noise_p, minutes=args.minutes)
@@ -211,6 +219,7 @@ def build(tmp: Path, args: argparse.Namespace) -> None:
     write_jsonl(tmp / "train.jsonl", train)
     write_jsonl(tmp / "heldout.jsonl", heldout)
 
+    print(f"evaluating on the {len(heldout)} held-out problems (greedy, then 4 samples each)", flush=True)
     greedy, greedy_clean = evaluate(model, tokenizer, heldout, samples=1, temperature=0.0)
     sampled, sampled_clean = evaluate(model, tokenizer, heldout, samples=4, temperature=1.0, seed=args.seed)
     print(f"held-out greedy accuracy {greedy:.2%} (clean format {greedy_clean:.2%})")

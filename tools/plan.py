@@ -25,7 +25,8 @@ sys.path.insert(0, str(ROOT))
 
 from megarl.config import ConfigError, parse_args  # noqa: E402
 from megarl.model_shape import ModelShape  # noqa: E402
-from megarl.plan import GB, GPUS, Cluster, Plan, Run, kv_bytes_per_token, num_params, plan, recommend  # noqa: E402
+from megarl.plan import GIB, GPUS, Cluster, Plan, Run, kv_bytes_per_token, num_params, plan, recommend  # noqa: E402
+from megarl.preflight import model_problems, prompt_limit  # noqa: E402
 
 _SHAPE_DUMP = 'source "$1" >/dev/null; for k in "${!MODEL_SHAPE[@]}"; do printf "%s\\0%s\\0" "$k" "${MODEL_SHAPE[$k]}"; done'
 
@@ -74,7 +75,7 @@ def load_shape(model: str | None, recipe: str | None, hf_checkpoint: str) -> Mod
 
 
 def _gb(x: float) -> str:
-    return f"{x / GB:7.1f}"
+    return f"{x / GIB:7.1f}"
 
 
 def format_plan(p: Plan, title: str, gpus_per_node: int = 8) -> str:
@@ -82,15 +83,15 @@ def format_plan(p: Plan, title: str, gpus_per_node: int = 8) -> str:
     lines = [f"== {title}"]
     for m in p.memory:
         names = list(dict.fromkeys(k for ph in m.phases for k in ph.components))
-        head = f"  {m.pool} ({m.gpus}), GB per GPU"
+        head = f"  {m.pool} ({m.gpus}), GiB per GPU"
         lines.append(f"{head:<48}" + "".join(f"{ph.name:>28}" for ph in m.phases))
         for k in names:
             lines.append(f"    {k:<44}" + "".join(f"{_gb(ph.components.get(k, 0.0)):>28}" for ph in m.phases))
         lines.append(f"    {'total':<44}" + "".join(f"{_gb(ph.total):>28}" for ph in m.phases)
-                     + f"   of {m.capacity / GB:.1f}: {'fits' if m.fits else 'DOES NOT FIT'}")
+                     + f"   of {m.capacity / GIB:.1f}: {'fits' if m.fits else 'DOES NOT FIT'}")
         if m.kv_pool:
-            lines.append(f"    KV cache for the whole batch at once: {m.kv_needed / GB:.1f} GB per GPU, pool "
-                         f"{m.kv_pool / GB:.1f} GB -> {p.time.waves} decoding wave(s)")
+            lines.append(f"    KV cache for the whole batch at once: {m.kv_needed / GIB:.1f} GiB per GPU, pool "
+                         f"{m.kv_pool / GIB:.1f} GiB -> {p.time.waves} decoding wave(s)")
         lines += [f"    ! {msg}" for msg in m.problems]
     t = p.time
     lines.append(f"  step time ~{t.total:.0f} s: rollout {t.rollout:.0f} s, training {t.training:.0f} s, "
@@ -102,6 +103,25 @@ def format_plan(p: Plan, title: str, gpus_per_node: int = 8) -> str:
             lines.append(f"  launch: ROLLOUT_NODES={nodes} SGLANG_TP={r.engine_tp} sbatch --nodes "
                          f"{(r.rollout_gpus + p.memory[0].gpus) // gpus_per_node} launch/slurm/disaggregated.sbatch <recipe>")
     return "\n".join(lines)
+
+
+def _layout_that_divides(run: Run, shape: ModelShape, gpus: int) -> Run:
+    """`run`, or, when its TP x PP x CP does not divide the GPUs, the same run at the largest lower TP that does
+    (and divides the model's heads), said on stdout: a layout that cannot start is no memory verdict."""
+    unit = run.pp * run.cp
+    if gpus % (run.tp * unit) == 0:
+        return run
+    lower = [t for t in range(run.tp - 1, 0, -1) if gpus % (t * unit) == 0 and shape.num_attention_heads % t == 0
+             and shape.num_kv_heads % t == 0]
+    if not lower:
+        print(f"! TP {run.tp} x PP {run.pp} x CP {run.cp} needs a multiple of {run.tp * unit} GPUs, not {gpus}, and no "
+              "lower TP divides them: change --pipeline-model-parallel-size or the GPU count")
+        return run
+    tp = lower[0]
+    off = " --no-sequence-parallel" if tp == 1 and run.sequence_parallel else ""
+    print(f"! TP {run.tp} x PP {run.pp} x CP {run.cp} needs a multiple of {run.tp * unit} GPUs, not {gpus}: planned "
+          f"at --tensor-model-parallel-size {tp}{off} instead (pass it after --, or use more GPUs)")
+    return replace(run, tp=tp, sequence_parallel=run.sequence_parallel and tp > 1)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -134,21 +154,27 @@ def main(argv: list[str] | None = None) -> int:
     run = Run.from_config(cfg, prompt_len=args.prompt_len, mean_response_frac=args.mean_response_frac, mfu=args.mfu)
     if args.engine_tp:
         run = replace(run, engine_tp=args.engine_tp)
-    print(f"model: {shape.family}, {num_params(shape) / 1e9:.2f}B parameters ({2 * num_params(shape) / GB:.1f} GB "
-          f"in bf16), {shape.num_layers} layers, KV cache {kv_bytes_per_token(shape) / 1024:.0f} KiB/token")
+    print(f"model: {shape.family}, {num_params(shape) / 1e9:.2f}B parameters ({2 * num_params(shape) / GIB:.1f} GiB "
+          f"in bf16), {shape.num_layers} layers, {shape.max_position_embeddings} positions, KV cache "
+          f"{kv_bytes_per_token(shape) / 1024:.0f} KiB/token")
+    refused = model_problems(cfg, shape, "train.py would stop")
+    run = _layout_that_divides(run, shape, gpus)
     print(f"cluster: {gpus} x {cluster.gpu.name}; TP {run.tp} x PP {run.pp}; {run.rollout_batch_size} prompts x "
-          f"{run.n_samples_per_prompt} samples, prompt ~{run.prompt_len} + response <= {run.max_response_len} tokens, "
-          f"micro-batch {run.micro_batch_size}")
+          f"{run.n_samples_per_prompt} samples, prompt ~{run.prompt_len} (at most "
+          f"{max(0, prompt_limit(cfg, shape))}) + response <= {run.max_response_len} tokens, micro-batch "
+          f"{run.micro_batch_size}")
+    for problem in refused:
+        print(f"! {problem}")
     if args.mode == "auto":
         choice, why, colo, dis = recommend(shape, run, cluster)
         print(format_plan(colo, "colocated"))
         if dis is not colo:
             print(format_plan(dis, "disaggregated (best split)", cluster.gpus_per_node))
         print(f"recommendation: {choice}: {why}")
-        return 0 if choice != "neither" else 1
+        return 0 if choice != "neither" and not refused else 1
     p = plan(shape, replace(run, mode=args.mode, rollout_gpus=args.rollout_gpus), cluster)
     print(format_plan(p, args.mode, cluster.gpus_per_node))
-    return 0 if p.fits else 1
+    return 0 if p.fits and not refused else 1
 
 
 if __name__ == "__main__":

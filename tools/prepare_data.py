@@ -43,6 +43,10 @@ class Skip(Exception):
     """This row cannot be converted; the message is the reason counted in the summary."""
 
 
+class InputError(Exception):
+    """The input cannot be read; the message names the file (and line)."""
+
+
 # ------------------------------------------------------------------------------------------------ reading
 
 def read_rows(path: str | Path) -> Iterator[dict]:
@@ -53,18 +57,28 @@ def read_rows(path: str | Path) -> Iterator[dict]:
             import pyarrow.parquet as pq
         except ImportError:
             raise SystemExit("reading parquet needs pyarrow: pip install pyarrow") from None
-        for batch in pq.ParquetFile(p).iter_batches(batch_size=1024):
+        try:
+            reader = pq.ParquetFile(p)
+        except Exception as e:  # pyarrow's ArrowInvalid and friends for a file that is not parquet
+            raise InputError(f"{p}: not a readable parquet file ({e})") from None
+        for batch in reader.iter_batches(batch_size=1024):
             yield from batch.to_pylist()
         return
     opener = gzip.open if name.endswith(".gz") else open
     with opener(p, "rt", encoding="utf-8") as fh:
         if name.removesuffix(".gz").endswith(".json"):
-            data = json.load(fh)
+            try:
+                data = json.load(fh)
+            except json.JSONDecodeError as e:
+                raise InputError(f"{p}: not valid JSON ({e})") from None
             yield from (data if isinstance(data, list) else data.get("data", []))
             return
-        for line in fh:
+        for lineno, line in enumerate(fh, start=1):
             if line.strip():
-                yield json.loads(line)
+                try:
+                    yield json.loads(line)
+                except json.JSONDecodeError as e:
+                    raise InputError(f"{p}:{lineno}: not valid JSON ({e.msg})") from None
 
 
 # ------------------------------------------------------------------------------------------------ answers
@@ -173,24 +187,32 @@ def convert(layout: str, src: str | Path, dst: str | Path, *, template: str | No
     fn = LAYOUTS[layout]
     kw = {"max_tests": max_tests} if layout in ("code-contests", "apps") else {}
     counts: Counter = Counter()
+    if not Path(src).is_file():
+        raise InputError(f"{src}: no such file")
     Path(dst).parent.mkdir(parents=True, exist_ok=True)
-    with open(dst, "w", encoding="utf-8") as out:
-        for i, row in enumerate(read_rows(src)):
-            if limit and counts["written"] >= limit:
-                break
-            try:
-                prompt, answer, verifier = fn(row, template, **kw)
-            except Skip as e:
-                counts[f"skipped: {e}"] += 1
-                continue
-            out.write(json.dumps({"prompt": prompt, "answer": answer, "verifier": verifier,
-                                  "source": f"{layout}:{i}"}, ensure_ascii=False) + "\n")
-            counts["written"] += 1
+    tmp = Path(dst).with_name(Path(dst).name + ".partial")  # renamed when complete: a failure leaves no half file
+    try:
+        with open(tmp, "w", encoding="utf-8") as out:
+            for i, row in enumerate(read_rows(src)):
+                if limit and counts["written"] >= limit:
+                    break
+                try:
+                    prompt, answer, verifier = fn(row, template, **kw)
+                except Skip as e:
+                    counts[f"skipped: {e}"] += 1
+                    continue
+                out.write(json.dumps({"prompt": prompt, "answer": answer, "verifier": verifier,
+                                      "source": f"{layout}:{i}"}, ensure_ascii=False) + "\n")
+                counts["written"] += 1
+        tmp.replace(dst)
+    finally:
+        tmp.unlink(missing_ok=True)
     return counts
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], epilog=__doc__.split("\n\n")[2],
+    summary, _usage, notes = __doc__.split("\n\n", 2)  # notes: the output rows, the layouts, what is skipped
+    ap = argparse.ArgumentParser(description=summary, epilog=notes,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("layout", choices=sorted(LAYOUTS))
     ap.add_argument("input", help="a downloaded file: .parquet, .jsonl, .json (optionally .gz)")
@@ -199,8 +221,12 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--limit", type=int, default=0, help="write at most this many rows (0 = all)")
     ap.add_argument("--max-tests", type=int, default=32, help="code: keep at most this many test cases a problem")
     args = ap.parse_args(argv)
-    counts = convert(args.layout, args.input, args.output, template=args.template, limit=args.limit,
-                     max_tests=args.max_tests)
+    try:
+        counts = convert(args.layout, args.input, args.output, template=args.template, limit=args.limit,
+                         max_tests=args.max_tests)
+    except InputError as e:
+        print(f"prepare_data: error: {e}", file=sys.stderr)
+        return 2
     print(f"{args.output}: {counts.pop('written', 0)} rows written", file=sys.stderr)
     for reason, n in counts.most_common():
         print(f"  {n} {reason}", file=sys.stderr)

@@ -1,19 +1,27 @@
-"""`megarl-verify`: score a jsonl of responses offline with a registered verifier and summarise the result.
+"""`megarl-verify`: score a jsonl of responses offline with the registered verifiers and summarise the result.
 
-    megarl-verify rows.jsonl --verifier math [--response-key response] [--gold-key gold] [--label-key label]
-                  [--category-key category] [--output scored.jsonl] [--compare math-verify] [--strict]
-                  [--plugins my_verifiers] [--code-reward fraction --sandbox docker ...]
+    megarl-verify runs/<run>/samples.jsonl                 # saved rollouts: each row names its verifier and answer
+    megarl-verify rows.jsonl [--verifier math] [--response-key response] [--label-key answer]
+                  [--verifier-key verifier] [--correct-key correct] [--category-key category] [--output scored.jsonl]
+                  [--compare math-verify] [--strict] [--workers -1] [--plugins my_verifiers]
+                  [--code-reward fraction --sandbox docker ...]
 
-Rows are scored in reward worker processes, as in training: `--plugins` imports modules (or .py files) here and in
-every worker, so a verifier they register can be named; the verifier and sandbox flags are the trainer's own
-(`megarl.config.RewardConfig`, `SandboxConfig`) and reach the verifiers the same way.
+Rows follow the training data's conventions: the ground truth is the row's `answer` (`--label-key`, as in
+training), the verifier is the row's own `verifier` field (`--verifier-key`), and `--verifier` is the one for rows
+without such a field (the trainer's `--default-verifier`). The trainer's `samples.jsonl` carries all three, so
+saved rollouts are re-scored with no flags. `--workers` means what the trainer's `--reward-workers` means: -1 one
+process per CPU, 0 this process (each verifier under its own budget), N that many; a row's limit is the smaller
+of `--timeout` and its verifier's own budget (the math verifier's 5 s). `--plugins` imports modules (or .py files)
+here and in every worker, so a verifier they register can be named; the verifier and sandbox flags are the
+trainer's own (`megarl.config.RewardConfig`, `SandboxConfig`) and reach the verifiers the same way.
 
-Prints outcome counts, accuracy against labels when rows carry one (with false-positive and false-negative
-rates), a per-category breakdown when rows carry a category, latency percentiles and the slowest cases.
-`--output` writes one JSON object per input line, in input order (bad lines too, with their `error`).
-A bad line (not JSON, not an object, a missing key) is reported with its line number and skipped; `--strict`
-stops at the first one instead. Exit status: 0 all lines scored, 1 some lines were bad, 2 usage error or
-`--strict` failure.
+Prints outcome counts, accuracy against the `--correct-key` field when rows carry one (true/false: is the response
+correct; with false-positive and false-negative rates), a per-category breakdown when rows carry a category,
+latency percentiles and the slowest cases. `--compare math-verify` also runs HF math-verify on the rows scored
+by the `math` verifier. `--output` writes one JSON object per input line, in input order (bad lines too, with
+their `error`). A bad line (not JSON, not an object, a missing key, an unknown verifier) is reported with its line
+number and skipped; `--strict` stops at the first one instead. Exit status: 0 all lines scored, 1 some lines were
+bad, 2 usage error or `--strict` failure.
 """
 
 from __future__ import annotations
@@ -34,18 +42,26 @@ _VERIFIER_FLAGS = {flag: spec for flag, spec in flag_specs().items()
 
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="megarl-verify", description=__doc__.split("\n\n")[0])
-    p.add_argument("data", help="jsonl file, one object per line")
-    p.add_argument("--verifier", default="math", help="registered verifier name (default: math)")
+    p.add_argument("data", help="jsonl file, one object per line (a training-data or samples.jsonl row)")
+    p.add_argument("--verifier", "--default-verifier", dest="verifier", default="",
+                   help="registered verifier for rows without a --verifier-key field (as the trainer's "
+                   "--default-verifier); rows that name one use theirs")
+    p.add_argument("--verifier-key", default="verifier", help="field naming a row's verifier (default: verifier)")
     p.add_argument("--response-key", default="response", help="field holding the model response")
-    p.add_argument("--gold-key", default="gold", help="field holding the ground truth")
-    p.add_argument("--label-key", default="label", help="optional field: is the response correct (true/false)")
+    p.add_argument("--label-key", "--gold-key", dest="label_key", default="answer",
+                   help="field holding the ground truth, as the trainer's --label-key (default: answer)")
+    p.add_argument("--correct-key", default="correct",
+                   help="optional field: whether the response is correct (true/false), to measure the verifier")
     p.add_argument("--category-key", default="category", help="optional field for a per-category breakdown")
     p.add_argument("--id-key", default="id", help="optional field copied to --output rows")
     p.add_argument("--output", help="write per-row results here (jsonl, input order)")
-    p.add_argument("--compare", choices=["math-verify"], help="also run HF math-verify and list disagreements")
+    p.add_argument("--compare", choices=["math-verify"], help="also run HF math-verify on the rows the math "
+                   "verifier scores, and list disagreements")
     p.add_argument("--strict", action="store_true", help="stop at the first bad line instead of skipping it")
-    p.add_argument("--workers", type=int, default=0, help="reward worker processes (0 = one per CPU, max 16)")
-    p.add_argument("--timeout", type=float, default=10.0, help="seconds allowed per row before it is a timeout")
+    p.add_argument("--workers", "--reward-workers", dest="workers", type=int, default=-1,
+                   help="as the trainer's --reward-workers: -1 one per CPU (at most 16), 0 in this process, N workers")
+    p.add_argument("--timeout", "--reward-timeout", dest="timeout", type=float, default=10.0,
+                   help="seconds a row may take in a worker (the verifier's own budget, when smaller, applies)")
     p.add_argument("--slowest", type=int, default=5, help="how many of the slowest rows to list")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
     p.add_argument("--plugins", default="", help="comma-separated modules (or .py files) to import here and in every "
@@ -74,50 +90,83 @@ class InputError(Exception):
     pass
 
 
-def read_rows(path: str, keys: tuple[str, str], strict: bool) -> tuple[list[dict], list[dict]]:
-    """(good rows with their line numbers, bad lines with the reason), both in file order."""
+def check_usage(args) -> tuple[str, ...]:
+    """Everything the flags alone can tell, before a row is read: the plugins import, `--verifier` is
+    registered, the verifier flags are valid, math-verify is there. Returns the plugin modules."""
+    from megarl.registry import load_plugins
+    from megarl.verifiers import verifier_names
+
+    if args.workers < -1:
+        raise InputError(f"--workers must be -1 (one per CPU), 0 (in this process) or more, got {args.workers}")
+    if args.timeout <= 0:
+        raise InputError(f"--timeout must be > 0 seconds, got {args.timeout}")
+    try:
+        plugins = load_plugins(args.plugins)
+    except ValueError as e:
+        raise InputError(str(e)) from None
+    if args.verifier and args.verifier not in verifier_names():
+        raise InputError(f"--verifier: unknown verifier {args.verifier!r}; registered: {', '.join(verifier_names())}")
+    if args.compare == "math-verify":
+        try:
+            import math_verify  # noqa: F401
+        except ImportError:
+            raise InputError("--compare math-verify needs the math-verify package (pip install math-verify)") from None
+    verifier_settings(args)  # a bad value stops here
+    return plugins
+
+
+def _row_error(row, args, known: set[str]) -> str | None:
+    """Why a parsed line cannot be scored, or None."""
+    if not isinstance(row, dict):
+        return f"expected a JSON object, got {type(row).__name__}"
+    for key, flag in ((args.response_key, "--response-key"), (args.label_key, "--label-key")):
+        if key not in row:
+            return (f"missing key {key!r} (keys: {', '.join(row) or 'none'}); {flag} names the field holding the "
+                    f"{'response' if flag == '--response-key' else 'ground truth'}")
+    name = row.get(args.verifier_key) or args.verifier
+    if not name:
+        return f"no {args.verifier_key!r} field and no --verifier for rows without one"
+    if name not in known:
+        return f"unknown verifier {name!r}; registered: {', '.join(sorted(known))}"
+    return None
+
+
+def read_rows(path: str, args) -> tuple[list[dict], list[dict]]:
+    """(good rows with their line numbers and verifier, bad lines with the reason), both in file order."""
+    from megarl.verifiers import verifier_names
+
     p = Path(path)
     if not p.is_file():
         raise InputError(f"{path}: no such file")
+    known = set(verifier_names())
     good, bad = [], []
     with p.open(encoding="utf-8", errors="replace") as fh:
         for lineno, line in enumerate(fh, start=1):
             if not line.strip():
                 continue
-            error = None
             try:
                 row = json.loads(line)
+                error = _row_error(row, args, known)
             except json.JSONDecodeError as e:
                 row, error = None, f"not valid JSON ({e.msg})"
-            if error is None and not isinstance(row, dict):
-                error = f"expected a JSON object, got {type(row).__name__}"
             if error is None:
-                missing = [k for k in keys if k not in row]
-                if missing:
-                    error = f"missing key {missing[0]!r} (keys: {', '.join(row) or 'none'})"
-            if error is not None:
-                message = f"{path}:{lineno}: {error}"
-                if strict:
-                    raise InputError(message + " (--strict)")
-                print(f"megarl-verify: {message}; line skipped", file=sys.stderr)
-                bad.append({"line": lineno, "error": error})
-            else:
-                good.append({"line": lineno, "row": row})
+                good.append({"line": lineno, "row": row, "verifier": row.get(args.verifier_key) or args.verifier})
+                continue
+            message = f"{path}:{lineno}: {error}"
+            if args.strict:
+                raise InputError(message + " (--strict)")
+            print(f"megarl-verify: {message}; line skipped", file=sys.stderr)
+            bad.append({"line": lineno, "error": error})
     return good, bad
 
 
-def score_rows(rows: list[dict], args) -> list:
-    from megarl.registry import load_plugins
-    from megarl.verifiers import verifier_names
+def score_rows(rows: list[dict], args, plugins: tuple[str, ...]) -> list:
+    """One result per row, in order: in reward workers as in training, or in this process with --workers 0."""
+    from megarl.reward import InProcessReward
     from megarl.verifiers.pool import RewardPool
 
-    try:
-        plugins = load_plugins(args.plugins)
-    except ValueError as e:
-        raise InputError(str(e)) from None
-    if args.verifier not in verifier_names():
-        raise InputError(f"unknown verifier {args.verifier!r}; registered: {', '.join(verifier_names())}")
-    requests = [(args.verifier, str(r["row"][args.response_key]), r["row"][args.gold_key]) for r in rows]
+    requests = [(r["verifier"], str(r["row"][args.response_key]), r["row"][args.label_key]) for r in rows]
+    options = verifier_settings(args)
     chunk = 256
     bar = None
     if not args.no_progress and len(requests) > chunk:
@@ -125,15 +174,19 @@ def score_rows(rows: list[dict], args) -> list:
 
         bar = tqdm(total=len(requests), unit="row", file=sys.stderr, desc="megarl-verify")
     results = []
-    with RewardPool(workers=args.workers, timeout_s=args.timeout, preload=plugins,
-                    options=verifier_settings(args)) as pool:
+    in_process = args.workers == 0
+    scorer = InProcessReward(options) if in_process else \
+        RewardPool(workers=max(args.workers, 0), timeout_s=args.timeout, preload=plugins, options=options)
+    try:
         for i in range(0, len(requests), chunk):
-            batch, _ = pool.score(requests[i : i + chunk])
-            results.extend(batch)
+            batch = scorer.score(requests[i : i + chunk])
+            results.extend(batch if in_process else batch[0])
             if bar is not None:
-                bar.update(len(batch))
-    if bar is not None:
-        bar.close()
+                bar.update(len(requests[i : i + chunk]))
+    finally:
+        scorer.close()
+        if bar is not None:
+            bar.close()
     return results
 
 
@@ -158,56 +211,73 @@ def _label(value):
 
 
 def summarize(rows: list[dict], results: list, args, compare: list | None, out=None) -> None:
+    """The report on stdout. `compare[i]`: math-verify's verdict on row i, None where it was not asked (a row the
+    math verifier does not score)."""
     out = out or sys.stdout
     n = len(results)
     say = lambda s="": print(s, file=out)  # noqa: E731
-    say(f"megarl-verify: {n} rows scored with verifier {args.verifier!r}")
+    used = Counter(r["verifier"] for r in rows)
+    say(f"megarl-verify: {n} rows scored with verifier {', '.join(f'{k!r} ({v})' for k, v in sorted(used.items()))}")
     counts = Counter(r.outcome for r in results)
     say(f"  {'outcome':<14}{'rows':>7}{'share':>9}")
     for o in OUTCOMES:
         say(f"  {o:<14}{counts[o]:>7}{100 * counts[o] / max(n, 1):>8.1f}%")
-    labels = [_label(r["row"].get(args.label_key)) for r in rows]
+    labels = [_label(r["row"].get(args.correct_key)) for r in rows]
     labelled = [(lab, res, i) for i, (lab, res) in enumerate(zip(labels, results)) if lab is not None]
     if labelled:
         say()
         say(_accuracy_line("megarl", [(lab, res.score == 1.0) for lab, res, _ in labelled]))
-        if compare is not None:
-            say(_accuracy_line("math-verify", [(lab, compare[i]) for lab, _, i in labelled]))
-        cats = defaultdict(list)
-        for lab, res, i in labelled:
-            cat = rows[i]["row"].get(args.category_key)
-            if cat is not None:
-                cats[str(cat)].append((lab, res.score == 1.0, compare[i] if compare is not None else None))
-        if cats:
-            say()
-            head = f"  {'category':<22}{'rows':>6}{'megarl':>9}" + (f"{'math-verify':>13}" if compare else "")
-            say(head)
-            for cat in sorted(cats):
-                items = cats[cat]
-                line = f"  {cat:<22}{len(items):>6}{100 * sum(l == m for l, m, _ in items) / len(items):>8.1f}%"
-                if compare is not None:
-                    line += f"{100 * sum(l == c for l, _, c in items) / len(items):>12.1f}%"
-                say(line)
-    secs = sorted(r.seconds for r in results)
-    if secs:
-        pick = lambda q: secs[min(len(secs) - 1, int(q * len(secs)))]  # noqa: E731
-        say()
-        say(f"latency: p50 {1000 * pick(0.5):.1f} ms, p90 {1000 * pick(0.9):.1f} ms, p99 {1000 * pick(0.99):.1f} ms, "
-            f"max {1000 * secs[-1]:.1f} ms")
-        slow = sorted(range(n), key=lambda i: -results[i].seconds)[: args.slowest]
-        say("slowest:")
-        for i in slow:
-            say(f"  line {rows[i]['line']:>6}  {1000 * results[i].seconds:9.1f} ms  {results[i].outcome:<12}"
-                f"{_short(rows[i]['row'].get(args.id_key, ''))}")
+        compared = [(lab, compare[i]) for lab, _, i in labelled if compare is not None and compare[i] is not None]
+        if compared:
+            say(_accuracy_line("math-verify", compared))
+        _categories(say, rows, labelled, args, compare)
+    _latency(say, rows, results, args)
     if compare is not None:
-        diff = [i for i in range(n) if (results[i].score == 1.0) != compare[i]]
-        say()
-        say(f"disagreements with math-verify: {len(diff)} of {n}")
-        for i in diff:
-            lab = labels[i]
-            say(f"  line {rows[i]['line']:>6}  megarl {results[i].outcome:<11} math-verify "
-                f"{'correct' if compare[i] else 'not':<8} label {lab!s:<5} gold {_short(rows[i]['row'][args.gold_key])}"
-                f"  extracted {_short(results[i].extracted)}")
+        _disagreements(say, rows, results, labels, args, compare)
+
+
+def _categories(say, rows, labelled, args, compare) -> None:
+    cats = defaultdict(list)
+    for lab, res, i in labelled:
+        cat = rows[i]["row"].get(args.category_key)
+        if cat is not None:
+            cats[str(cat)].append((lab, res.score == 1.0, compare[i] if compare is not None else None))
+    if not cats:
+        return
+    say()
+    say(f"  {'category':<22}{'rows':>6}{'megarl':>9}" + (f"{'math-verify':>13}" if compare else ""))
+    for cat in sorted(cats):
+        items = cats[cat]
+        line = f"  {cat:<22}{len(items):>6}{100 * sum(lab == m for lab, m, _ in items) / len(items):>8.1f}%"
+        seen = [(lab, c) for lab, _, c in items if c is not None]
+        if seen:
+            line += f"{100 * sum(lab == c for lab, c in seen) / len(seen):>12.1f}%"
+        say(line)
+
+
+def _latency(say, rows, results, args) -> None:
+    secs = sorted(r.seconds for r in results)
+    if not secs:
+        return
+    pick = lambda q: secs[min(len(secs) - 1, int(q * len(secs)))]  # noqa: E731
+    say()
+    say(f"latency: p50 {1000 * pick(0.5):.1f} ms, p90 {1000 * pick(0.9):.1f} ms, p99 {1000 * pick(0.99):.1f} ms, "
+        f"max {1000 * secs[-1]:.1f} ms")
+    say("slowest:")
+    for i in sorted(range(len(results)), key=lambda i: -results[i].seconds)[: args.slowest]:
+        say(f"  line {rows[i]['line']:>6}  {1000 * results[i].seconds:9.1f} ms  {results[i].outcome:<12}"
+            f"{_short(rows[i]['row'].get(args.id_key, ''))}")
+
+
+def _disagreements(say, rows, results, labels, args, compare) -> None:
+    asked = [i for i in range(len(results)) if compare[i] is not None]
+    diff = [i for i in asked if (results[i].score == 1.0) != compare[i]]
+    say()
+    say(f"disagreements with math-verify: {len(diff)} of {len(asked)} rows scored by the math verifier")
+    for i in diff:
+        say(f"  line {rows[i]['line']:>6}  megarl {results[i].outcome:<11} math-verify "
+            f"{'correct' if compare[i] else 'not':<8} correct {labels[i]!s:<5} "
+            f"answer {_short(rows[i]['row'][args.label_key])}  extracted {_short(results[i].extracted)}")
 
 
 def _accuracy_line(name: str, pairs: list[tuple[bool, bool]]) -> str:
@@ -233,9 +303,9 @@ def write_output(path: str, rows: list[dict], results: list, bad: list[dict], ar
         obj = {"line": r["line"]}
         if args.id_key in r["row"]:
             obj["id"] = r["row"][args.id_key]
-        obj.update(score=float(res.score), outcome=res.outcome, extracted=res.extracted, normalized=res.normalized,
-                   seconds=res.seconds)
-        if compare is not None:
+        obj.update(verifier=r["verifier"], score=float(res.score), outcome=res.outcome, extracted=res.extracted,
+                   normalized=res.normalized, seconds=res.seconds)
+        if compare is not None and compare[i] is not None:
             obj["math_verify"] = compare[i]
         out.append(obj)
     out.extend(bad)
@@ -248,20 +318,18 @@ def write_output(path: str, rows: list[dict], results: list, bad: list[dict], ar
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
-        if args.compare == "math-verify":
-            try:
-                import math_verify  # noqa: F401
-            except ImportError:
-                raise InputError("--compare math-verify needs the math-verify package (pip install math-verify)")
-        verifier_settings(args)  # a bad value stops here, before any row is read
-        rows, bad = read_rows(args.data, (args.response_key, args.gold_key), args.strict)
-        results = score_rows(rows, args) if rows else []
+        plugins = check_usage(args)
+        rows, bad = read_rows(args.data, args)
+        if args.compare and not any(r["verifier"] == "math" for r in rows):
+            raise InputError("--compare math-verify compares math answers, but no row is scored by the math verifier")
+        results = score_rows(rows, args, plugins) if rows else []
     except (InputError, ConfigError) as e:
         print(f"megarl-verify: error: {e}", file=sys.stderr)
         return 2
     compare = None
     if args.compare:
-        compare = [mathverify_check(str(r["row"][args.response_key]), r["row"][args.gold_key]) for r in rows]
+        compare = [mathverify_check(str(r["row"][args.response_key]), r["row"][args.label_key])
+                   if r["verifier"] == "math" else None for r in rows]
     summarize(rows, results, args, compare)
     if bad:
         print(f"{len(bad)} bad line(s) skipped: {', '.join(str(b['line']) for b in bad[:20])}", file=sys.stderr)

@@ -15,35 +15,48 @@ import torch.distributed as dist
 from megarl.mcore import convert
 from megarl.mcore.base_model import LossFn, MegatronModel, OptimConfig
 
-__all__ = ["LossFn", "MegatronPolicy", "OptimConfig", "label_logprobs", "position_entropy", "token_entropy",
-           "token_logprobs"]
+__all__ = ["LossFn", "MegatronPolicy", "OptimConfig", "label_logprobs", "mask_vocab_padding", "position_entropy",
+           "token_entropy", "token_logprobs"]
 
 
-def label_logprobs(logits: torch.Tensor, labels: torch.Tensor, temperature: float) -> torch.Tensor:
+def mask_vocab_padding(x: torch.Tensor, vocab_size: int) -> torch.Tensor:
+    """`x` [..., v/tp], this TP rank's shard of a padded vocabulary (`megarl.preflight.padded_vocab_size`), with
+    the padding rows' entries at the dtype's lowest value, so they take no probability, no entropy and no
+    gradient; in place (pass a fresh tensor). `vocab_size` 0: nothing is masked."""
+    from megatron.core import parallel_state
+
+    local = x.shape[-1]
+    start = parallel_state.get_tensor_model_parallel_rank() * local
+    if vocab_size and start + local > vocab_size:
+        x[..., max(0, vocab_size - start):] = torch.finfo(x.dtype).min
+    return x
+
+
+def _scaled(logits: torch.Tensor, temperature: float, vocab_size: int) -> torch.Tensor:
+    # A fresh float tensor: vocab_parallel_cross_entropy overwrites its input, and masking writes into it.
+    return mask_vocab_padding(logits.float() / (temperature if temperature > 0 else 1.0), vocab_size)
+
+
+def label_logprobs(logits: torch.Tensor, labels: torch.Tensor, temperature: float, vocab_size: int = 0) -> torch.Tensor:
     """log p(labels[b, t]) at every position from vocab-parallel logits [b, s, v/tp]: [b, s] (differentiable).
-    Context parallelism needs this form: a rank's positions are not contiguous, so the labels come split alongside."""
+    Context parallelism needs this form: a rank's positions are not contiguous, so the labels come split alongside.
+    `vocab_size`: the real vocabulary of a padded one (0 = no padding)."""
     from megatron.core import tensor_parallel
 
-    scaled = logits.float() / (temperature if temperature > 0 else 1.0)
-    # vocab_parallel_cross_entropy overwrites its input: `scaled` is a fresh tensor, never the model's logits.
-    return -tensor_parallel.vocab_parallel_cross_entropy(scaled, labels.contiguous())
+    return -tensor_parallel.vocab_parallel_cross_entropy(_scaled(logits, temperature, vocab_size), labels.contiguous())
 
 
-def token_logprobs(logits: torch.Tensor, tokens: torch.Tensor, temperature: float) -> torch.Tensor:
+def token_logprobs(logits: torch.Tensor, tokens: torch.Tensor, temperature: float, vocab_size: int = 0) -> torch.Tensor:
     """log p(tokens[:, 1:]) from vocab-parallel logits [b, s, v/tp] (differentiable)."""
-    from megatron.core import tensor_parallel
-
-    scaled = logits[:, :-1].float() / (temperature if temperature > 0 else 1.0)
-    # vocab_parallel_cross_entropy overwrites its input: `scaled` is a fresh tensor, never the model's logits.
-    return -tensor_parallel.vocab_parallel_cross_entropy(scaled, tokens[:, 1:].contiguous())
+    return label_logprobs(logits[:, :-1], tokens[:, 1:], temperature, vocab_size)
 
 
-def token_entropy(logits: torch.Tensor, temperature: float) -> torch.Tensor:
+def token_entropy(logits: torch.Tensor, temperature: float, vocab_size: int = 0) -> torch.Tensor:
     """Entropy of the next-token distribution at each position but the last, [b, s - 1] (see `position_entropy`)."""
-    return position_entropy(logits[:, :-1], temperature)
+    return position_entropy(logits[:, :-1], temperature, vocab_size)
 
 
-def position_entropy(logits: torch.Tensor, temperature: float) -> torch.Tensor:
+def position_entropy(logits: torch.Tensor, temperature: float, vocab_size: int = 0) -> torch.Tensor:
     """Entropy of the next-token distribution at every position, [b, s], from vocab-parallel logits [b, s, v/tp]
     without gathering the vocabulary (differentiable).
 
@@ -53,7 +66,7 @@ def position_entropy(logits: torch.Tensor, temperature: float) -> torch.Tensor:
     from megatron.core import parallel_state
     from megatron.core.tensor_parallel.mappings import reduce_from_tensor_model_parallel_region
 
-    x = logits.float() / (temperature if temperature > 0 else 1.0)
+    x = _scaled(logits, temperature, vocab_size)
     m = x.detach().max(dim=-1, keepdim=True).values
     if parallel_state.get_tensor_model_parallel_world_size() > 1:
         dist.all_reduce(m, op=dist.ReduceOp.MAX, group=parallel_state.get_tensor_model_parallel_group())
@@ -66,11 +79,16 @@ def position_entropy(logits: torch.Tensor, temperature: float) -> torch.Tensor:
 class MegatronPolicy(MegatronModel):
     """A GPTModel shard with its language-model head (actor when trainable, reference when frozen)."""
 
+    @property
+    def _vocab_mask(self) -> int:
+        """The real vocabulary when the output layer has padding rows to mask, else 0."""
+        return self.shape.vocab_size if self.padded_vocab_size != self.shape.vocab_size else 0
+
     def _per_token(self, output: torch.Tensor, tokens: torch.Tensor, temperature: float) -> torch.Tensor:
-        return token_logprobs(output, tokens, temperature)
+        return token_logprobs(output, tokens, temperature, self._vocab_mask)
 
     def _per_position(self, output: torch.Tensor, labels: torch.Tensor, temperature: float) -> torch.Tensor:
-        return label_logprobs(output, labels, temperature)
+        return label_logprobs(output, labels, temperature, self._vocab_mask)
 
     def _loss_inputs(self, output: torch.Tensor, mb: dict, loss_fn: LossFn, temperature: float, whole) -> dict:
         """Adds the per-token entropy [b, S - 1] when the loss asks for it (differentiated only when the loss
@@ -79,8 +97,8 @@ class MegatronPolicy(MegatronModel):
             return mb
         with torch.set_grad_enabled(torch.is_grad_enabled() and getattr(loss_fn, "entropy_grad", True)):
             if self.config.context_parallel_size > 1:
-                return {**mb, "entropy": whole(position_entropy(output, temperature))}
-            return {**mb, "entropy": token_entropy(output, temperature)}
+                return {**mb, "entropy": whole(position_entropy(output, temperature, self._vocab_mask))}
+            return {**mb, "entropy": token_entropy(output, temperature, self._vocab_mask)}
 
     def export_hf(self) -> list[tuple[str, torch.Tensor]]:
         """Full HF-named weights on the model-parallel leader, [] elsewhere."""

@@ -25,7 +25,7 @@ from typing import Callable
 import torch
 
 from megarl.mcore import context_parallel, convert, cpu_compat, parallel
-from megarl.mcore.model import build_gpt_model, in_model_precision, transformer_config
+from megarl.mcore.model import build_gpt_model, in_model_precision, recompute_options, transformer_config
 from megarl.model_shape import ModelShape
 
 LossFn = Callable[[torch.Tensor, dict], tuple[torch.Tensor, torch.Tensor, dict[str, torch.Tensor]]]
@@ -115,7 +115,11 @@ class MegatronModel:
 
     def __init__(self, shape: ModelShape, *, tp: int, pp: int, trainable: bool, optim: OptimConfig | None = None,
                  use_transformer_engine: bool | None = None, bf16: bool = False, sequence_parallel: bool = False,
-                 cp: int = 1, local_kernels: bool = True):
+                 cp: int = 1, local_kernels: bool = True, padded_vocab_size: int = 0,
+                 recompute_granularity: str = "none"):
+        """`padded_vocab_size`: rows of the embedding and output layer (`megarl.preflight.padded_vocab_size`;
+        0 = the HF vocabulary padded only as TP needs). `recompute_granularity`: none, selective or full
+        (`--recompute-granularity`)."""
         from megatron.core import parallel_state
         from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
         from megatron.core.distributed.finalize_model_grads import finalize_model_grads
@@ -131,9 +135,14 @@ class MegatronModel:
                              "over ranks")
         # Without TE, Megatron's local spec with megarl's fused kernels (local_kernels=False: the stock local spec).
         self.local_kernels = local_kernels and not parallel.uses_transformer_engine(use_transformer_engine)
+        self.padded_vocab_size = padded_vocab_size or -(-shape.vocab_size // tp) * tp
+        if self.padded_vocab_size % tp or self.padded_vocab_size < shape.vocab_size:
+            raise ValueError(f"a padded vocabulary of {self.padded_vocab_size} rows does not hold the model's "
+                             f"{shape.vocab_size} in equal shards over TP {tp}")
         self.config = transformer_config(shape, tp=tp, pp=pp, bf16=bf16, sequence_parallel=sequence_parallel,
                                          params_dtype=torch.bfloat16 if bf16 else torch.float32,
-                                         context_parallel_size=cp, local_kernels=self.local_kernels)
+                                         context_parallel_size=cp, local_kernels=self.local_kernels,
+                                         **recompute_options(recompute_granularity))
         module = in_model_precision(self._build_module(shape, use_transformer_engine), self.config)
         self.optimizer = self.scheduler = None
         if not trainable:
@@ -159,7 +168,7 @@ class MegatronModel:
     def _build_module(self, shape: ModelShape, use_transformer_engine: bool | None):
         """The GPTModel with its output layer; a subclass with another head replaces that layer."""
         return build_gpt_model(shape, self.config, use_transformer_engine=use_transformer_engine,
-                               local_kernels=self.local_kernels)
+                               local_kernels=self.local_kernels, vocab_size=self.padded_vocab_size)
 
     def _per_token(self, output: torch.Tensor, tokens: torch.Tensor, temperature: float) -> torch.Tensor:
         """The head's number for each position but the last, [b, s - 1], from the model's output."""

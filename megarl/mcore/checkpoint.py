@@ -8,6 +8,7 @@ replaced atomically after that, so a crash mid-save never damages the last good 
 
 from __future__ import annotations
 
+import json
 import os
 import pickle
 import random
@@ -18,28 +19,16 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from megarl.config import ConfigError
+from megarl.config import SAVED_CONFIG, ConfigError
 from megarl.mcore import cpu_compat
 from megarl.mcore.convert import unwrap
-
-LATEST = "latest"
-
-
-def _iter_name(step: int) -> str:
-    return f"iter_{step:07d}"
-
+from megarl.preflight import LATEST, iter_name, resolve_load
 
 def find_latest(root: str | os.PathLike, flag: str = "--load") -> Path:
     """The newest complete checkpoint under `root`, or a ConfigError naming what is wrong."""
-    root = Path(root)
-    if not root.is_dir():
-        raise ConfigError(f"{flag} {root}: no such checkpoint directory")
-    marker = root / LATEST
-    if not marker.is_file():
+    path = resolve_load(str(root)) if Path(root).is_dir() else None
+    if path is None:
         raise ConfigError(f"{flag} {root}: no complete checkpoint there (no '{LATEST}' file)")
-    path = root / marker.read_text().strip()
-    if not path.is_dir():
-        raise ConfigError(f"{flag} {root}: '{LATEST}' names {path.name}, which does not exist")
     return path
 
 
@@ -63,9 +52,10 @@ def _sharded_state_dict(policy, is_loading: bool) -> dict:
 
 @cpu_compat.in_megatron_scope
 def save(root: str | os.PathLike, step: int, policy, trainer_state: dict, keep_last: int = 2,
-         rank_state: dict | None = None) -> Path:
+         rank_state: dict | None = None, config: dict | None = None) -> Path:
     """Collective: every rank calls it. `trainer_state` is the same on all ranks (step, data position...);
-    `rank_state` is this rank's own (e.g. its dynamic-sampling buffer), saved next to its RNG states.
+    `rank_state` is this rank's own (e.g. its dynamic-sampling buffer), saved next to its RNG states; `config`
+    (the run's resolved config, `megarl.config.saved_config`) is written beside them as `config.json`.
 
     The policy must be on its device: in colocated mode the train loop saves after `enter_training` (actor
     onloaded) and the weight sync, never between `enter_rollout` and `enter_training`, when its weights and
@@ -79,8 +69,8 @@ def save(root: str | os.PathLike, step: int, policy, trainer_state: dict, keep_l
                            "before saving, or the checkpoint would hold empty storages")
 
     root = Path(root)
-    final = root / _iter_name(step)
-    tmp = root / (_iter_name(step) + ".tmp")
+    final = root / iter_name(step)
+    tmp = root / (iter_name(step) + ".tmp")
     rank = dist.get_rank()
     if rank == 0:
         root.mkdir(parents=True, exist_ok=True)
@@ -93,6 +83,8 @@ def save(root: str | os.PathLike, step: int, policy, trainer_state: dict, keep_l
     if rank == 0:
         with open(tmp / "trainer_state.pkl", "wb") as fh:
             pickle.dump({**trainer_state, "scheduler": policy.scheduler.state_dict(), "step": step}, fh)
+        if config is not None:
+            (tmp / SAVED_CONFIG).write_text(json.dumps(config, indent=1) + "\n")
     dist.barrier()
     if rank == 0:
         if final.exists():
@@ -139,6 +131,17 @@ def load(path: str | os.PathLike, policy, *, load_optimizer: bool = True, load_r
             _set_rng_state(mine["rng"])
         state["rank_state"] = mine.get("rank_state", {})
     return state
+
+
+@cpu_compat.in_megatron_scope
+def load_weights(path: str | os.PathLike, policy) -> None:
+    """The model's weights only, from a checkpoint saved at any TP/PP layout (no optimizer, scheduler or RNG
+    states: what an offline conversion needs)."""
+    from megatron.core import dist_checkpointing
+
+    model = unwrap(policy.model)
+    loaded = dist_checkpointing.load({"model": model.sharded_state_dict()}, str(path))
+    model.load_state_dict(loaded["model"])
 
 
 HF_SHARD_BYTES = 2 << 30  # like transformers' save_pretrained default ("5GB" there; smaller shards load lazily)

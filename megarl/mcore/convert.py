@@ -9,6 +9,9 @@ Reshapes:
   fused tensor are plain row chunks.
 - `gate_up`: HF's gate/up -> Megatron's fused `linear_fc1` = [gate ; up]. Each TP rank holds
   [gate shard ; up shard], so sharding and gathering split the two halves separately.
+- `vocab`: the embedding and the output layer. Megatron's may have more rows than the HF vocabulary
+  (`--make-vocab-size-divisible-by`, `megarl.preflight.padded_vocab_size`): loading appends zero rows, exporting
+  drops them, so a checkpoint converts back exactly.
 """
 
 from __future__ import annotations
@@ -29,7 +32,7 @@ from megarl.model_shape import ModelShape
 class Rule:
     mcore: str  # Megatron name; {i} is the global layer index
     hf: tuple[str, ...]  # HF names, in the order the reshape expects
-    kind: str = "copy"  # copy | qkv | gate_up
+    kind: str = "copy"  # copy | qkv | gate_up | vocab
     when: str | None = None  # a ModelShape flag that must be true (or "untied") for the rule to apply
 
 
@@ -37,9 +40,9 @@ _LAYER = "decoder.layers.{i}."
 _HF_LAYER = "model.layers.{i}."
 
 _DECODER_RULES = (
-    Rule("embedding.word_embeddings.weight", ("model.embed_tokens.weight",)),
+    Rule("embedding.word_embeddings.weight", ("model.embed_tokens.weight",), kind="vocab"),
     Rule("decoder.final_layernorm.weight", ("model.norm.weight",)),
-    Rule("output_layer.weight", ("lm_head.weight",), when="untied"),
+    Rule("output_layer.weight", ("lm_head.weight",), kind="vocab", when="untied"),
     Rule(_LAYER + "input_layernorm.weight", (_HF_LAYER + "input_layernorm.weight",)),
     Rule(
         _LAYER + "self_attention.linear_qkv.weight",
@@ -117,11 +120,16 @@ def _qkv_to_hf(qkv: torch.Tensor, shape: ModelShape) -> tuple[torch.Tensor, ...]
     return tuple(t.reshape(-1, *tail).contiguous() for t in (q, k, v))
 
 
-def hf_to_mcore_tensor(rule: Rule, hf_tensors: list[torch.Tensor], shape: ModelShape) -> torch.Tensor:
+def hf_to_mcore_tensor(rule: Rule, hf_tensors: list[torch.Tensor], shape: ModelShape,
+                       padded_vocab: int = 0) -> torch.Tensor:
+    """`padded_vocab`: the rows of Megatron's embedding and output layer (0 = the HF vocabulary's)."""
     if rule.kind == "qkv":
         return _qkv_to_mcore(*hf_tensors, shape)
     if rule.kind == "gate_up":
         return torch.cat(hf_tensors, dim=0)
+    if rule.kind == "vocab" and padded_vocab > hf_tensors[0].shape[0]:
+        pad = hf_tensors[0].new_zeros(padded_vocab - hf_tensors[0].shape[0], *hf_tensors[0].shape[1:])
+        return torch.cat([hf_tensors[0], pad], dim=0)
     return hf_tensors[0]
 
 
@@ -130,6 +138,8 @@ def mcore_to_hf_tensors(rule: Rule, tensor: torch.Tensor, shape: ModelShape) -> 
         return list(_qkv_to_hf(tensor, shape))
     if rule.kind == "gate_up":
         return [t.contiguous() for t in torch.chunk(tensor, 2, dim=0)]
+    if rule.kind == "vocab" and tensor.shape[0] > shape.vocab_size:
+        return [tensor[: shape.vocab_size].contiguous()]  # the padding rows are no token
     return [tensor]
 
 
@@ -238,7 +248,9 @@ def load_hf_weights(model: torch.nn.Module, hf_dir: str | Path, shape: ModelShap
             plan[local_name] = _match(global_name, rules)
     hf = _read_safetensors(Path(hf_dir), (n for rule, layer in plan.values() for n in hf_names(rule, layer)))
     for local_name, (rule, layer) in plan.items():
-        full = hf_to_mcore_tensor(rule, [hf[n] for n in hf_names(rule, layer)], shape)
+        param = params[local_name]
+        rows = param.shape[0] * (tp_size if _is_tp_sharded(param) and param.partition_dim == 0 else 1)
+        full = hf_to_mcore_tensor(rule, [hf[n] for n in hf_names(rule, layer)], shape, padded_vocab=rows)
         shard = shard_for_tp(rule, full, params[local_name], tp_rank, tp_size)
         if shard.shape != params[local_name].shape:
             raise ValueError(f"{local_name}: checkpoint gives shape {tuple(shard.shape)}, model has {tuple(params[local_name].shape)}")

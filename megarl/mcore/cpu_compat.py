@@ -1,12 +1,13 @@
 """Run megatron-core on a machine without CUDA.
 
-megatron-core assumes CUDA in four places that training needs (measured one patch at a time, see
-`shared/notes/megatron-on-cpu.md`):
+megatron-core assumes CUDA in four places that training needs (found by disabling one patch at a time with
+megatron-core 0.16.1 on torch 2.13 CPU; docs/megatron-on-cpu.md has the measurements):
 
 1. `torch.cuda.current_device()` is used as a device everywhere (RoPE `inv_freq`, global memory buffer, ...).
 2. Factory calls with a hard-coded `device="cuda"` or `.cuda()` (default causal mask, optimizer `found_inf`,
    token counts in the schedules, grad scaler, grad clipping).
-3. The model-parallel RNG tracker forks CUDA generator state.
+3. The model-parallel RNG tracker forks CUDA generator state; activation recomputation (`--recompute-granularity`)
+   saves and restores the CUDA generator's state around each recomputed block.
 4. The optimizers check `param.type()` against `torch.cuda.*Tensor` names.
 
 This module handles exactly those, and only when CUDA is absent: `install()` is a no-op on a GPU machine, so the
@@ -149,6 +150,7 @@ def patch_points() -> dict[str, tuple[object, str]]:
         "megatron RNG tracker class": (mp_random, "CudaRNGStatesTracker"),
         "megatron RNG tracker singleton": (mp_random, "_CUDA_RNG_STATE_TRACKER"),
         "megatron RNG tracker init flag": (mp_random, "_CUDA_RNG_STATE_TRACKER_INITIALIZED"),
+        "megatron CUDA generator state (recomputation)": (mp_random, "_get_cuda_rng_state"),
     }
 
 
@@ -175,6 +177,9 @@ def install() -> bool:
     mp_random.CudaRNGStatesTracker = CpuRNGStatesTracker
     mp_random._CUDA_RNG_STATE_TRACKER = CpuRNGStatesTracker()
     mp_random._CUDA_RNG_STATE_TRACKER_INITIALIZED = True
+    # A recomputed block saves the CUDA generator's state beside the CPU one; without CUDA there is none to save
+    # (restoring it is already a no-op: torch queues CUDA calls until CUDA initialises, which it never does).
+    mp_random._get_cuda_rng_state = lambda *args, **kwargs: torch.empty(0, dtype=torch.uint8)
     _INSTALLED = True
     return True
 

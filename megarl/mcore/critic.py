@@ -49,9 +49,10 @@ class MegatronCritic(MegatronModel):
     _hf_skip = ("output_layer.",)
 
     def __init__(self, shape: ModelShape, *, tp: int, pp: int, optim: OptimConfig | None = None,
-                 use_transformer_engine: bool | None = None, bf16: bool = False):
+                 use_transformer_engine: bool | None = None, bf16: bool = False, **model_options):
+        """`model_options`: `MegatronModel`'s other keywords (vocabulary padding, recomputation)."""
         super().__init__(replace(shape, tie_word_embeddings=False), tp=tp, pp=pp, trainable=True, optim=optim,
-                         use_transformer_engine=use_transformer_engine, bf16=bf16)
+                         use_transformer_engine=use_transformer_engine, bf16=bf16, **model_options)
 
     def _build_module(self, shape: ModelShape, use_transformer_engine: bool | None):
         module = super()._build_module(shape, use_transformer_engine)

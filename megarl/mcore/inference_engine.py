@@ -147,6 +147,11 @@ class MegatronEngine:
     @classmethod
     def for_actor(cls, actor, max_sequence_length: int, **kw) -> MegatronEngine:
         """The engine over a `MegatronPolicy`'s model (inside Megatron's DDP wrapper, where there is one)."""
+        if actor.padded_vocab_size != actor.shape.vocab_size:
+            # Megatron's sampler draws from every row of the output layer, padding rows included.
+            raise ValueError(f"--rollout-backend megatron samples from the actor's whole output layer, which has "
+                             f"{actor.padded_vocab_size - actor.shape.vocab_size} padding rows here: use "
+                             "--make-vocab-size-divisible-by 1 (at TP 1 nothing is then padded)")
         model = actor.model
         model = getattr(model, "module", model) if type(model).__name__ == "DistributedDataParallel" else model
         return cls(model, actor.shape, max_sequence_length=max_sequence_length, **kw)

@@ -16,8 +16,6 @@ def transformer_config(shape: ModelShape, *, tp: int, pp: int, params_dtype=torc
     megarl's fused RoPE."""
     from megatron.core.transformer import TransformerConfig
 
-    if shape.vocab_size % tp:
-        raise ValueError(f"vocab size {shape.vocab_size} is not divisible by --tensor-model-parallel-size {tp}")
     if shape.num_kv_heads % tp:
         raise ValueError(f"{shape.num_kv_heads} KV heads are not divisible by --tensor-model-parallel-size {tp}")
     if shape.num_layers % pp:
@@ -63,17 +61,31 @@ def transformer_config(shape: ModelShape, *, tp: int, pp: int, params_dtype=torc
     return TransformerConfig(**kwargs)
 
 
+def recompute_options(granularity: str) -> dict:
+    """`TransformerConfig` fields for `--recompute-granularity`. full: every layer's input is kept and the layer
+    recomputed in the backward pass (Megatron's uniform method, one layer per checkpoint); selective: only the
+    core attention, whose activations grow with the square of the sequence length."""
+    if granularity == "none":
+        return {}
+    if granularity == "full":
+        return dict(recompute_granularity="full", recompute_method="uniform", recompute_num_layers=1)
+    if granularity == "selective":
+        return dict(recompute_granularity="selective")
+    raise ValueError(f"recompute granularity {granularity!r}; choose one of: none, selective, full")
+
+
 @cpu_compat.in_megatron_scope
 def build_gpt_model(shape: ModelShape, config, *, use_transformer_engine: bool | None = None,
-                    local_kernels: bool = False):
-    """A `GPTModel` holding this rank's TP shard of this rank's PP stage, randomly initialised."""
+                    local_kernels: bool = False, vocab_size: int = 0):
+    """A `GPTModel` holding this rank's TP shard of this rank's PP stage, randomly initialised; `vocab_size`:
+    the padded vocabulary (0 = the model's own)."""
     from megatron.core import parallel_state as ps
     from megatron.core.models.gpt import GPTModel
 
     model = GPTModel(
         config=config,
         transformer_layer_spec=parallel.layer_spec(use_transformer_engine, local_kernels=local_kernels),
-        vocab_size=shape.vocab_size,
+        vocab_size=vocab_size or shape.vocab_size,
         max_sequence_length=shape.max_position_embeddings,
         pre_process=ps.is_pipeline_first_stage(),
         post_process=ps.is_pipeline_last_stage(),

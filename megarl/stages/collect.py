@@ -49,15 +49,27 @@ def check_groups(samples: Sequence[Sample], num_prompts: int, n: int, who: str) 
                            "index")
 
 
+def check_lengths(samples: Sequence[Sample], context: int, who: str) -> None:
+    """Prompt + response within the model's positions: prompts are filtered at load and responses capped by
+    --max-response-len, so only a rollout function that adds tokens of its own (a tool's output) can overrun."""
+    over = [s for s in samples if context and len(s.prompt_ids) + len(s.response_ids) > context]
+    if over:
+        s = over[0]
+        raise RuntimeError(f"rollout function {who!r} returned {len(over)} trajectories longer than the model's "
+                           f"{context} positions (the first: {len(s.prompt_ids)} prompt + {len(s.response_ids)} "
+                           "response tokens); keep prompt + response within max_position_embeddings")
+
+
 class Collector:
     """The step's prompts through the rollout function (see the module docstring)."""
 
     def __init__(self, engine: RolloutEngine | None, rollout_fn: RolloutFn, reward: RewardFn, tokenizer,
                  prompts: list[PromptRecord], sampler: PromptSampler, rollout: RolloutConfig, global_batch: int,
-                 seed: int, info: ParallelInfo):
+                 seed: int, info: ParallelInfo, context: int = 0):
+        """`context`: the model's positions; a trajectory longer than that stops the run (0 = unchecked)."""
         self.engine, self.rollout_fn, self.reward, self.tokenizer = engine, rollout_fn, reward, tokenizer
         self.prompts, self.sampler, self.rollout, self.seed, self.info = prompts, sampler, rollout, seed, info
-        self.global_batch = global_batch
+        self.global_batch, self.context = global_batch, context
         self.share = global_batch // info.dp_size  # prompts per data-parallel rank
 
     def draw(self) -> list[PromptRecord]:
@@ -77,6 +89,7 @@ class Collector:
             samples = self.rollout_fn(self.engine, prompts, params, meter, self.tokenizer)
             seconds = time.perf_counter() - start
             check_groups(samples, len(prompts), params.n, self.rollout.rollout_function)
+            check_lengths(samples, self.context, self.rollout.rollout_function)
             rollout = RolloutBatch(samples, params.n, generate_seconds=seconds - meter.seconds,
                                    reward_seconds=meter.seconds, metrics=meter.health(params.n))
         if self.info.replica_size > 1:

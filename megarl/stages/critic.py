@@ -43,18 +43,22 @@ class Critic:
     """The critic stage (see the module docstring): built from the actor's checkpoint, or from the critic's own
     checkpoint when resuming; its state is saved under `<save>/critic/`."""
 
-    def __init__(self, cfg: Config, shape: ModelShape, info: ParallelInfo, start_step: int, actor_optim: OptimConfig):
-        m, t, c = cfg.model, cfg.training, cfg.checkpoint
+    def __init__(self, cfg: Config, shape: ModelShape, info: ParallelInfo, actor_optim: OptimConfig,
+                 padded_vocab_size: int, resumed_from: Path | None = None):
+        """`resumed_from`: the actor's checkpoint (`<save>/iter_N`) the run resumes from; None = a fresh start."""
+        m, t = cfg.model, cfg.training
         self.cfg, self.info = cfg, info
         # Same schedule shape as the actor's, scaled to the critic's learning rate.
         optim = replace(actor_optim, lr=t.critic_lr, min_lr=t.critic_lr * t.min_lr / t.lr)
         self.model = MegatronCritic(shape, tp=info.tp_size, pp=info.pp_size, optim=optim, bf16=m.bf16,
-                                    use_transformer_engine=m.use_transformer_engine)
-        if c.load and start_step > 0:
-            path = Path(c.load) / CRITIC_DIR / checkpoint._iter_name(start_step)
+                                    use_transformer_engine=m.use_transformer_engine,
+                                    padded_vocab_size=padded_vocab_size,
+                                    recompute_granularity=m.recompute_granularity)
+        if resumed_from is not None:
+            path = resumed_from.parent / CRITIC_DIR / resumed_from.name
             if not path.is_dir():
-                raise ConfigError(f"--load {c.load}: no critic checkpoint for step {start_step} ({path}); "
-                                  "was it saved by a run whose advantage estimator needs a critic?")
+                raise ConfigError(f"--load {cfg.checkpoint.load}: no critic checkpoint for {resumed_from.name} "
+                                  f"({path}); was it saved by a run whose advantage estimator needs a critic?")
             checkpoint.load(path, self.model, load_rng=False)  # the actor's checkpoint holds the RNG states
         else:
             self.model.load_hf(m.hf_checkpoint)

@@ -14,9 +14,11 @@ from megarl.config import Config
 from megarl.mcore import parallel
 from megarl.mcore.actor import MegatronPolicy
 from megarl.mcore.parallel import ParallelInfo
-from megarl.metrics import MetricsLog, plot_run, reduce_over_ranks
+from megarl.metrics import MetricsLog, held_out_curve, plot_run, reduce_over_ranks
 from megarl.rollout import get_rollout
+from megarl.stages.algorithm import Algorithm
 from megarl.stages.collect import sampling_params
+from megarl.stages.colocation import enter_rollout, enter_training
 from megarl.stages.setup import Run
 from megarl.types import RolloutBatch, SampleStatus, TrainBatch
 
@@ -87,10 +89,14 @@ def _metadata_keys(samples) -> list[str]:
     return sorted({k for keys in everyone for k in keys})
 
 
-def evaluate(run: Run) -> dict:
+def evaluate(run: Run, quiet: bool = False) -> dict:
     """Held-out accuracy, sampled (temperature, `--eval-samples-per-prompt` each) and greedy, through the run's
-    rollout function and reward function; DP ranks split the prompts, each model replica's leader runs its share."""
+    rollout function and reward function; DP ranks split the prompts, each model replica's leader runs its share.
+    The engine must hold the GPU (`enter_rollout`)."""
     cfg, info = run.cfg, run.info
+    if not quiet:
+        run.say(f"megarl: evaluating on {len(run.eval_prompts)} held-out prompts "
+                f"({cfg.logging.eval_samples_per_prompt} samples each, and greedy)", flush=True)
     mine = run.eval_prompts[info.dp_rank :: info.dp_size]
     counts = torch.zeros(4, dtype=torch.float64)  # sampled correct, sampled total, greedy correct, greedy total
     if info.is_mp_leader and mine:
@@ -104,6 +110,16 @@ def evaluate(run: Run) -> dict:
             counts[slot + 1] += len(samples)
     counts = parallel.all_reduce_host(counts)
     return {"sampled": float(counts[0] / counts[1].clamp(min=1)), "greedy": float(counts[2] / counts[3].clamp(min=1))}
+
+
+def evaluate_between_steps(run: Run, step: int) -> dict:
+    """`--eval-interval`: held-out accuracy after `step`, as metrics.jsonl keys, the GPU handed to the engine for it
+    and back. The seeds are those of every evaluation, so the curve compares like with like."""
+    enter_rollout(run.actor, run.engine, run.cfg.training)
+    result = evaluate(run, quiet=True)
+    enter_training(run.actor, run.engine)
+    run.say(f"step {step}: held-out sampled {100 * result['sampled']:.1f}%, greedy {100 * result['greedy']:.1f}%")
+    return {"eval_sampled": result["sampled"], "eval_greedy": result["greedy"]}
 
 
 def save_hf(actor: MegatronPolicy, tokenizer, src_dir: str, out_dir: str, info: ParallelInfo,
@@ -131,11 +147,16 @@ def finish(run: Run, log: MetricsLog, before: dict | None, after: dict | None, m
     """The end of a run on every rank: peak memory, the before/after table and figure (rank 0), the log closed."""
     say = run.say
     say(f"megarl: peak memory per process {peak_rss_mib():.0f} MiB (max over ranks)")
+    rows = log.all_rows()
+    if rows:  # rank 0
+        plot_run(rows, log.dir / "training.png", held_out_curve(rows, before, after, steps),
+                 kl=Algorithm.needs_reference(run.cfg))
     if after:
         _report(say, log, before, after, minutes, steps, len(run.eval_prompts), run.cfg)
-    elif run.info.rank == 0 and log.all_rows():
-        plot_run(log.all_rows(), log.dir / "training.png")
+    elif rows:
+        say(f"training curves: {log.dir / 'training.png'}")
     log.close()
+
 
 
 def peak_rss_mib() -> float:
@@ -154,10 +175,6 @@ def _report(say, log, before: dict | None, after: dict, minutes: float, steps: i
         say(f"  {label:<30}{b}{100 * after[key]:7.1f}%")
     if log.enabled:
         (log.dir / "eval.json").write_text(json.dumps(result, indent=2))
-        rows = log.all_rows()
-        if rows:
-            png = plot_run(rows, log.dir / "training.png",
-                           {"before": before["sampled"], "after": after["sampled"]} if before else None)
-            say(f"training curves: {png}")
+        say(f"training curves: {log.dir / 'training.png'}")
     if before:
         say(f"held-out accuracy (sampled): before {100 * before['sampled']:.1f}% -> after {100 * after['sampled']:.1f}%")

@@ -7,19 +7,24 @@ states in between, and every later random draw depends on it.
 
 from __future__ import annotations
 
+import json
+import os
+import sys
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
 
 import torch
 
-from megarl.config import Config, ConfigError, TrainingConfig, load_plugin_modules, verifier_options
-from megarl.data import PromptRecord, PromptSampler, load_prompts
+from megarl.config import (SAVED_CONFIG, Config, ConfigError, TrainingConfig, load_plugin_modules, saved_config,
+                           verifier_options)
+from megarl.data import PromptRecord, PromptSampler, load_prompts, split_by_length
 from megarl.mcore import checkpoint, parallel
 from megarl.mcore.actor import MegatronPolicy, OptimConfig
 from megarl.mcore.parallel import ParallelInfo
 from megarl.metrics import MetricsLog, open_sinks
 from megarl.model_shape import ModelShape
+from megarl.preflight import Layout, check_run, padded_vocab_size, prompt_limit
 from megarl.reward import RewardFn, build_reward
 from megarl.rollout import RolloutEngine, get_rollout
 from megarl.rollout.backends import build_engine, get_backend
@@ -29,9 +34,20 @@ from megarl.stages.colocation import WeightSync
 from megarl.stages.critic import Critic
 
 
-def preflight(cfg: Config) -> None:
-    """What this machine must offer for the run, checked before any process group or model exists (the flags'
-    own rules were checked when they were parsed, `megarl.config`)."""
+@dataclass(frozen=True)
+class Checked:
+    """What `preflight` found: the layout, the actor's architecture, the checkpoint to resume from (None: a
+    fresh start)."""
+
+    layout: Layout
+    shape: ModelShape
+    resume_from: Path | None
+
+
+def preflight(cfg: Config) -> Checked:
+    """Every check that needs no process group, model or data, on every rank before any work: what this machine
+    must offer, then the layout, the checkpoint's config.json and `--load` (`megarl.preflight`, which the
+    launchers run on the batch host too). The flags' own rules were checked when they were parsed."""
     from megarl.mcore.parallel import transformer_engine_available
 
     ok, why = get_backend(cfg.rollout.rollout_backend).available(cfg)
@@ -43,13 +59,7 @@ def preflight(cfg: Config) -> None:
         raise ConfigError(f"--context-parallel-size {cfg.model.context_parallel_size} needs Transformer Engine's "
                           "attention on a CUDA GPU (transformer_engine importable); Megatron's local attention, the "
                           "only one on CPU, cannot split a sequence over ranks. Use --context-parallel-size 1")
-    if not cfg.model.hf_checkpoint:
-        raise ConfigError("--hf-checkpoint is required")
-    for flag, path in (("--hf-checkpoint", cfg.model.hf_checkpoint), ("--ref-checkpoint", cfg.model.ref_checkpoint)):
-        if path and not (Path(path) / "config.json").is_file():
-            raise ConfigError(f"{flag} {path}: not an HF checkpoint directory (no config.json)")
-    if cfg.checkpoint.load:
-        checkpoint.find_latest(cfg.checkpoint.load)
+    return Checked(*check_run(cfg, int(os.environ.get("WORLD_SIZE", "1"))))
 
 
 def optim_config(t: TrainingConfig) -> OptimConfig:
@@ -76,69 +86,102 @@ class Run:
     collect: Collect
     sync: WeightSync
     start_step: int
+    record: dict  # the resolved config and the run's facts: `config.json` in the output directory and checkpoints
 
     def agree_any(self, flag: bool) -> bool:
         return parallel.agree_any(flag)
 
 
-def start(cfg: Config) -> Run:
-    """Process groups, data, models, engine and rollout stage, resumed from `--load` when given."""
+def start(cfg: Config, checked: Checked) -> Run:
+    """Process groups, data, models, engine and rollout stage, resumed from `checked.resume_from` when set."""
     from transformers import AutoTokenizer
 
-    m, d, t, c = cfg.model, cfg.data, cfg.training, cfg.checkpoint
+    m, d, t = cfg.model, cfg.data, cfg.training
     torch.set_num_threads(t.threads_per_rank)
     torch.manual_seed(t.seed)
     info = parallel.init_distributed(m.tensor_model_parallel_size, m.pipeline_model_parallel_size,
                                      timeout_s=t.distributed_timeout_seconds, seed=t.seed, cp=m.context_parallel_size)
     say = print if info.rank == 0 else (lambda *x, **k: None)
-    if d.rollout_batch_size % info.dp_size:
-        raise ConfigError(f"--rollout-batch-size {d.rollout_batch_size} is not divisible by the data-parallel size "
-                          f"{info.dp_size}")
+    shape = checked.shape
     tokenizer = AutoTokenizer.from_pretrained(m.hf_checkpoint)
-    prompts, eval_prompts = _load_data(cfg, tokenizer)
-    shape = ModelShape.from_pretrained(m.hf_checkpoint)
+    prompts, eval_prompts, counts = _load_data(cfg, tokenizer, prompt_limit(cfg, shape), say)
+    padded = padded_vocab_size(shape.vocab_size, m.make_vocab_size_divisible_by, info.tp_size)
+    record = saved_config(cfg, command=sys.argv, world_size=info.world_size, padded_vocab_size=padded, **counts)
     cp = f" x CP {info.cp_size}" if info.cp_size > 1 else ""
     say(f"megarl: {info.world_size} ranks (TP {info.tp_size} x PP {info.pp_size}{cp} x DP {info.dp_size}), "
         f"{shape.family} {shape.num_layers} layers hidden {shape.hidden_size}, {len(prompts)} prompts")
+    say(_config_lines(cfg))
 
-    actor = MegatronPolicy(shape, tp=info.tp_size, pp=info.pp_size, trainable=True, bf16=m.bf16,
-                           optim=optim_config(t), use_transformer_engine=m.use_transformer_engine,
-                           sequence_parallel=m.sequence_parallel, cp=info.cp_size)
+    model = dict(tp=info.tp_size, pp=info.pp_size, bf16=m.bf16, use_transformer_engine=m.use_transformer_engine,
+                 cp=info.cp_size, padded_vocab_size=padded)
+    say(f"megarl: building the actor{' and the reference' if Algorithm.needs_reference(cfg) else ''}")
+    actor = MegatronPolicy(shape, trainable=True, optim=optim_config(t), sequence_parallel=m.sequence_parallel,
+                           recompute_granularity=m.recompute_granularity, **model)
     reference = None
     if Algorithm.needs_reference(cfg):
-        reference = MegatronPolicy(shape, tp=info.tp_size, pp=info.pp_size, trainable=False, bf16=m.bf16,
-                                   use_transformer_engine=m.use_transformer_engine, cp=info.cp_size)
+        reference = MegatronPolicy(shape, trainable=False, **model)
         reference.load_hf(m.ref_checkpoint or m.hf_checkpoint)
     sampler = PromptSampler(len(prompts), seed=t.seed, shuffle=d.shuffle)
-    start_step, rank_state = 0, {}
-    if c.load:
-        state = checkpoint.load(checkpoint.find_latest(c.load), actor)
-        sampler.load_state_dict(state["sampler"])
-        start_step, rank_state = state["step"], state["rank_state"]
-        say(f"megarl: resumed from {c.load} at step {start_step}")
-    else:
-        actor.load_hf(m.hf_checkpoint)
-    critic = Critic(cfg, shape, info, start_step, optim_config(t)) if Algorithm.needs_critic(cfg) else None
+    start_step, rank_state = _resume(cfg, checked.resume_from, actor, sampler, say)
+    critic = (Critic(cfg, shape, info, optim_config(t), padded, checked.resume_from)
+              if Algorithm.needs_critic(cfg) else None)
     engine = build_engine(cfg, actor) if info.is_mp_leader else None
     sync = WeightSync(actor, engine, cfg.rollout, info)
     sync(version=start_step)
 
     reward = build_reward(cfg.reward, verifier_options(cfg.reward, cfg.sandbox), load_plugin_modules(cfg))
     collect = _collect(cfg, Collector(engine, get_rollout(cfg.rollout.rollout_function), reward, tokenizer, prompts,
-                                      sampler, cfg.rollout, d.rollout_batch_size, t.seed, info))
+                                      sampler, cfg.rollout, d.rollout_batch_size, t.seed, info,
+                                      context=shape.max_position_embeddings))
     collect.load_rank_state(rank_state)
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
     return Run(cfg, info, say, tokenizer, pad_id, prompts, eval_prompts, sampler, actor,
-               Algorithm(cfg, info, reference, critic), engine, reward, collect, sync, start_step)
+               Algorithm(cfg, info, reference, critic), engine, reward, collect, sync, start_step, record)
 
 
-def _load_data(cfg: Config, tokenizer) -> tuple[list[PromptRecord], list[PromptRecord]]:
+def _config_lines(cfg: Config) -> str:
+    """The settings that differ from their defaults, a line per section, for the start of the log."""
+    lines = ["megarl: config (non-default settings; all of them: config.json in --output-dir):"]
+    lines += [f"  {section}: {' '.join(words)}" for section, words in cfg.non_default_flags().items()]
+    return "\n".join(lines)
+
+
+def _resume(cfg: Config, path: Path | None, actor: MegatronPolicy, sampler: PromptSampler, say) -> tuple[int, dict]:
+    """Load `path` (the actor, its optimizer and RNG states, the data position), or the HF weights when None;
+    returns the step to start from and this rank's saved rollout state."""
+    if path is None:
+        if cfg.checkpoint.load:
+            say(f"megarl: --load {cfg.checkpoint.load} holds no checkpoint yet: starting afresh from --hf-checkpoint")
+        actor.load_hf(cfg.model.hf_checkpoint)
+        return 0, {}
+    state = checkpoint.load(path, actor)
+    sampler.load_state_dict(state["sampler"])
+    say(f"megarl: resumed from {path} at step {state['step']}")
+    return state["step"], state["rank_state"]
+
+
+def _load_data(cfg: Config, tokenizer, limit: int, say) -> tuple[list[PromptRecord], list[PromptRecord], dict]:
+    """Training and held-out prompts, without those longer than `limit` tokens; the counts left out."""
     d, lg = cfg.data, cfg.logging
     keys = dict(input_key=d.input_key, label_key=d.label_key, verifier_key=d.verifier_key,
                 default_verifier=d.default_verifier, apply_chat_template=d.apply_chat_template)
-    prompts = load_prompts(d.prompt_data, tokenizer, **keys)
-    eval_prompts = load_prompts(d.eval_data, tokenizer, flag="--eval-data", **keys) if d.eval_data else []
-    return prompts, eval_prompts[: lg.eval_max_prompts] if lg.eval_max_prompts else eval_prompts
+    counts = {}
+    sets = []
+    for flag, path, name in (("--prompt-data", d.prompt_data, "prompts"), ("--eval-data", d.eval_data, "eval_prompts")):
+        records = load_prompts(path, tokenizer, flag=flag, **keys) if path else []
+        kept, long = split_by_length(records, limit)
+        if long:
+            first = ", ".join(f"{r.source} ({len(r.prompt_ids)} tokens)" for r in long[:3])
+            say(f"megarl: left out {len(long)} of {len(records)} {flag} prompts longer than {limit} tokens "
+                f"(--max-prompt-len, or the model's context less --max-response-len): {first}"
+                f"{', ...' if len(long) > 3 else ''}")
+        if records and not kept:
+            raise ConfigError(f"{flag} {path}: every prompt is longer than {limit} tokens (--max-prompt-len); "
+                              "raise it, or lower --max-response-len to leave more of the context to prompts")
+        counts[f"{name}_too_long"] = len(long)
+        sets.append(kept)
+    prompts, eval_prompts = sets
+    return prompts, eval_prompts[: lg.eval_max_prompts] if lg.eval_max_prompts else eval_prompts, counts
 
 
 def _collect(cfg: Config, collector: Collector) -> Collect:
@@ -153,19 +196,24 @@ def _collect(cfg: Config, collector: Collector) -> Collect:
 
 
 def open_log(run: Run) -> MetricsLog:
+    """The run's metrics log, with the resolved config written beside it (`config.json`, rank 0)."""
     lg, resumed = run.cfg.logging, run.start_step > 0
     sinks = open_sinks(lg, lg.output_dir, run.cfg.to_dict(), resumed=resumed) if run.info.rank == 0 else []
-    return MetricsLog(lg.output_dir, enabled=run.info.rank == 0, resumed=resumed, sinks=sinks,
-                      resume_step=run.start_step if resumed else None)
+    counts = {k: v for k, v in run.record.items() if k.endswith("_too_long")}
+    log = MetricsLog(lg.output_dir, enabled=run.info.rank == 0, resumed=resumed, sinks=sinks,
+                     resume_step=run.start_step if resumed else None, constants=counts)
+    if log.enabled:
+        (log.dir / SAVED_CONFIG).write_text(json.dumps(run.record, indent=1) + "\n")
+    return log
 
 
 def save(run: Run, step: int) -> None:
-    """Collective. The algorithm's own models first (a critic), then the actor, the data position and this rank's
-    rollout state, so the actor's `latest` step always has everything next to it."""
+    """Collective. The algorithm's own models first (a critic), then the actor, the data position, this rank's
+    rollout state and the resolved config, so the actor's `latest` step always has everything next to it."""
     c = run.cfg.checkpoint
     run.algorithm.save(c.save, step, c.keep_last)
     checkpoint.save(c.save, step, run.actor, {"sampler": run.sampler.state_dict()}, keep_last=c.keep_last,
-                    rank_state=run.collect.rank_state())
+                    rank_state=run.collect.rank_state(), config=run.record)
 
 
 def close(run: Run) -> None:

@@ -26,11 +26,22 @@ _PROSE_WORD = re.compile(r"(?<![\\A-Za-z])[A-Za-z]{3,}(?![A-Za-z(])")
 _SEPARATOR_WORDS = {"and", "or", "pct", "percent", "percentage"}
 _BOX_GAP = re.compile(r"^(?:\s|\$|\\[()\[\]]|\\q?quad|\\text\{[^{}]{0,30}\}|\*\*[^*]{0,20}\*\*|[,;.]|and|or"
                       r"|[A-Za-z](?:_\{?\w+\}?)?\s*=)*$")
+# Phrases that say there is no answer: a response (or a marker's sentence) that is only one of these is no answer,
+# not a wrong one, and counts in `reward_no_answer_rate`.
+_NON_ANSWER = re.compile(r"(?:no\s+idea|i\s+(?:do\s+not|don'?t)\s+know|idk|dunno|not\s+sure|unsure|no\s+clue|unknown"
+                         r"|cannot\s+(?:be\s+)?(?:determined|solve[d]?)|n/?a|\?+|\.{2,}|…)", re.I)
 MAX_CHARS = 20_000
 _SPAN_WINDOW = 2_000  # only the tail is searched: answers live at the end, and this bounds the work
 
 
 def final_answer(response: str, strategy: str = "lenient") -> str | None:
+    found = _find(response, strategy)
+    if found is not None and _NON_ANSWER.fullmatch(found.strip().rstrip(".!").strip()):
+        return None  # "No idea.", "The answer is unknown."
+    return found
+
+
+def _find(response: str, strategy: str) -> str | None:
     text = _final_text(response)
     boxed = _boxed(text)
     if strategy == "strict":

@@ -46,11 +46,16 @@ def verifier_names() -> list[str]:
     return _VERIFIERS.names()
 
 
+def verifier_class(name: str) -> Callable[..., Verifier]:
+    """What is registered as `name` (a class, usually); an unknown name raises ValueError listing the valid ones."""
+    _import_builtin()
+    return _VERIFIERS.get(name)
+
+
 def get_verifier(name: str, **options) -> Verifier:
     """A new instance of the verifier registered as `name`, built with `options`; an unknown name raises
     ValueError listing the valid ones."""
-    _import_builtin()
-    return _VERIFIERS.get(name)(**options)
+    return verifier_class(name)(**options)
 
 
 def _import_builtin():

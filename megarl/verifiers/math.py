@@ -32,6 +32,7 @@ _JUDGE = "megarl.verifiers.math:judge"
 @register_verifier("math")
 class MathVerifier:
     name = "math"
+    budget_s = DEFAULT_BUDGET_S  # seconds a check may take; a reward pool's worker is held to it too
 
     def __init__(self, strategy: str = "lenient", budget_s: float = DEFAULT_BUDGET_S):
         if strategy not in ("lenient", "strict"):

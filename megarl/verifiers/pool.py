@@ -10,7 +10,8 @@
   replaced. A worker that dies (a crash, `os._exit`, the OOM killer) is replaced too and its sample gets
   `parse_error` with the reason in `normalized`. Either way every sample gets exactly one result, in input order.
 - Inside a worker a verifier's own budget hop is skipped (`verify_unguarded` when it has one): the pool's kill
-  already bounds it.
+  already bounds it, at the smaller of `timeout_s` and the verifier's own budget (`budget_s`, e.g. the math
+  verifier's 5 s), so a sample gets the same limit in a worker as in the trainer's process.
 - Workers import `preload` (the run's `--plugins`) when they start, so verifiers registered there exist in them,
   and build each verifier with `options[name]` (the run's verifier and sandbox flags, `verifier_options`).
 
@@ -26,7 +27,7 @@ import time
 from typing import Any, Sequence
 
 from megarl.verifiers._budget import BudgetExceeded, Guard, HelperFailed
-from megarl.verifiers.base import OUTCOMES, VerifyResult
+from megarl.verifiers.base import OUTCOMES, VerifyResult, verifier_class
 
 Request = tuple[str, str, Any]  # (verifier name, response, ground truth)
 
@@ -56,6 +57,7 @@ class RewardPool:
         self._guards = [Guard(preload=modules, memory_mib=memory_mib) for _ in range(self.size)]
         self.restarts = 0  # workers replaced so far (hung or died)
         self._lock = threading.Lock()
+        self._limits: dict[str, float] = {}  # seconds a sample of each verifier may take
 
     def __enter__(self):
         return self
@@ -93,12 +95,22 @@ class RewardPool:
         health["reward_pool_seconds"] = time.perf_counter() - start
         return results, health
 
+    def _limit(self, name: str) -> float:
+        """`timeout_s`, or the verifier's own budget when smaller (its option, else its class's `budget_s`)."""
+        if name not in self._limits:
+            try:
+                budget = self.options.get(name, {}).get("budget_s", getattr(verifier_class(name), "budget_s", None))
+            except ValueError:  # not registered in this process: the worker says so
+                budget = None
+            self._limits[name] = min(self.timeout_s, budget) if budget else self.timeout_s
+        return self._limits[name]
+
     def _score_one(self, guard: Guard, request: Request) -> VerifyResult:
         guard.last_seconds = 0.0
         try:
             name = request[0]
             call = (*request, self.options.get(name, {}))
-            result = VerifyResult(*guard.call("megarl.verifiers.pool:_verify_here", call, self.timeout_s))
+            result = VerifyResult(*guard.call("megarl.verifiers.pool:_verify_here", call, self._limit(name)))
         except BudgetExceeded:
             self._count_restart()
             result = VerifyResult(0.0, "timeout")

@@ -141,3 +141,19 @@ def test_llama31_rope_scaling_logits_match_hf(tmp_path):
     err = (results[0]["logits"] - ref_logits).abs().max().item()
     assert err < 2e-6, err
     assert (_last_stage_logprobs(results) - ref_logp).abs().max() < 1e-4
+
+
+@pytest.mark.parametrize("layout", ["tp1", "tp2"])
+def test_activation_recomputation_changes_nothing_but_the_work(layout, tiny_qwen2, tmp_path):
+    """--recompute-granularity selective / full: the same loss and update as none, with the core attention (selective)
+    or the whole layer (full) run again in the backward pass; 8 rows in 2 micro-batches."""
+    nproc, tp, pp = LAYOUTS[layout]
+    r = _run("recompute", tiny_qwen2, tmp_path, nproc, tp, pp)[0]
+    none = r["none"]
+    assert none["calls"] == {"layer": 2, "core_attention": 2}
+    assert r["selective"]["calls"] == {"layer": 2, "core_attention": 4}
+    assert r["full"]["calls"] == {"layer": 4, "core_attention": 4}
+    for granularity in ("selective", "full"):
+        assert abs(r[granularity]["loss"] - none["loss"]) < 1e-6, granularity
+        for name, tensor in none["exported"].items():
+            assert (r[granularity]["exported"][name] - tensor).abs().max() < 1e-6, (granularity, name)

@@ -253,7 +253,70 @@ def scenario_trl_parity(args, info):
     return results
 
 
-SCENARIOS = {"forward": scenario_forward, "dp_step": scenario_dp_step, "sync": scenario_sync,
+def scenario_padded_vocab(args, info):
+    """A vocabulary TP does not divide, padded as Megatron pads it: log-probs and entropy, the HF export before and
+    after an update, and a checkpoint of the updated actor (with the config.json train.py writes beside it)."""
+    from megatron.core import tensor_parallel
+
+    from megarl.config import build_config, saved_config
+    from megarl.mcore import checkpoint, cpu_compat
+    from megarl.mcore.actor import MegatronPolicy, OptimConfig, token_entropy
+    from megarl.model_shape import ModelShape
+    from megarl.preflight import padded_vocab_size
+    from megarl.stages.update import make_loss_fn
+
+    shape = ModelShape.from_pretrained(args.hf)
+    padded = padded_vocab_size(shape.vocab_size, 4, args.tp)
+    actor = MegatronPolicy(shape, tp=args.tp, pp=1, trainable=True, optim=OptimConfig(lr=1e-2, adam_eps=1e-4),
+                           padded_vocab_size=padded)
+    actor.load_hf(args.hf)
+    tokens = _fixed_tokens(shape.vocab_size).to(parallel_device())
+    out = {"rows": padded, "logprobs": actor.logprobs(tokens, micro_batch_size=2, temperature=0.7),
+           "exported": {k: v.clone() for k, v in actor.export_hf()}}  # unsharded tensors alias the weights
+    with cpu_compat.megatron_scope(), torch.no_grad():
+        logits = actor.model(tokens, torch.arange(tokens.shape[1]).expand_as(tokens), None)
+        out["entropy"] = token_entropy(logits, 0.7, shape.vocab_size)
+        out["local_rows"] = logits.shape[-1]
+        out["padding_logits"] = tensor_parallel.gather_from_tensor_model_parallel_region(logits)[..., shape.vocab_size:]
+    cfg = build_config({"hf_checkpoint": args.hf, "tensor_model_parallel_size": args.tp,
+                        "make_vocab_size_divisible_by": 4})
+    actor.train_step(_synthetic_batch(shape.vocab_size), make_loss_fn(cfg.algorithm, 64), micro_batch_size=2)
+    checkpoint.save(args.ckpt, 1, actor, {"sampler": {"epoch": 0, "position": 0}},
+                    config=saved_config(cfg, padded_vocab_size=padded))
+    out["logprobs_after"] = actor.logprobs(tokens, micro_batch_size=2, temperature=0.7)
+    out["exported_after"] = dict(actor.export_hf())
+    return out
+
+
+def scenario_recompute(args, info):
+    """One update per --recompute-granularity from the same weights: the loss, the updated weights, and how many
+    times the first layer and its core attention ran (recomputation runs them again in the backward pass)."""
+    from megarl.config import build_config
+    from megarl.mcore.actor import MegatronPolicy, OptimConfig
+    from megarl.mcore.convert import unwrap
+    from megarl.model_shape import ModelShape
+    from megarl.stages.update import make_loss_fn
+
+    shape = ModelShape.from_pretrained(args.hf)
+    out = {}
+    for granularity in ("none", "selective", "full"):
+        actor = MegatronPolicy(shape, tp=args.tp, pp=1, trainable=True, recompute_granularity=granularity,
+                               optim=OptimConfig(lr=1e-2, adam_eps=1e-4))
+        actor.load_hf(args.hf)
+        layer = unwrap(actor.model).decoder.layers[0]
+        calls = {"layer": 0, "core_attention": 0}
+        layer.register_forward_hook(lambda *a: calls.__setitem__("layer", calls["layer"] + 1))
+        layer.self_attention.core_attention.register_forward_hook(
+            lambda *a: calls.__setitem__("core_attention", calls["core_attention"] + 1))
+        stats = actor.train_step(_synthetic_batch(shape.vocab_size), make_loss_fn(build_config({}).algorithm, 64),
+                                 micro_batch_size=4)
+        out[granularity] = {"loss": stats["loss_num"] / stats["loss_den"], "calls": calls,
+                            "exported": dict(actor.export_hf())}
+    return out
+
+
+SCENARIOS = {"padded_vocab": scenario_padded_vocab, "recompute": scenario_recompute,
+              "forward": scenario_forward, "dp_step": scenario_dp_step, "sync": scenario_sync,
              "ckpt_save": scenario_ckpt_save, "ckpt_load": scenario_ckpt_load, "dynbatch": scenario_dynbatch,
              "entropy": scenario_entropy, "trl_parity": scenario_trl_parity}
 

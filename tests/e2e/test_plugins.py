@@ -47,7 +47,7 @@ def test_train_with_a_plugin_verifier_and_rollout_function(starter, tmp_path):
 
 def test_megarl_verify_scores_rows_with_a_plugin_verifier(tmp_path):
     rows = tmp_path / "rows.jsonl"
-    rows.write_text("".join(json.dumps({"response": r, "gold": "", "label": r[:1].isdigit()}) + "\n"
+    rows.write_text("".join(json.dumps({"response": r, "answer": "", "correct": r[:1].isdigit()}) + "\n"
                             for r in ("7 apples", "apples", "", "3")))
     trace = tmp_path / "trace"
     trace.mkdir()

@@ -2,7 +2,7 @@
 
 Expected values are written out (or computed with `math` on plain floats), never by calling the function under
 test; the TRL parity test re-implements TRL 1.16's formulas as described in
-/work/shared/notes/trl-grpo-reference.md.
+docs/trl-grpo.md.
 """
 
 import math

@@ -88,9 +88,17 @@ def test_apply_chat_template_wraps_a_string_prompt_as_a_user_turn(tmp_path, chat
 def test_chat_without_a_chat_template_is_a_clear_error(tmp_path, plain_tokenizer):
     assert not plain_tokenizer.chat_template
     path = write_jsonl(tmp_path / "chat.jsonl", [{"prompt": CHAT, "answer": "19", "verifier": "arithmetic"}])
-    with pytest.raises(ConfigError, match=r"chat.jsonl:1: field 'prompt' is a chat, but the tokenizer has no chat "
-                                          r"template"):
+    with pytest.raises(ConfigError, match=r"chat.jsonl:1: field 'prompt' is a chat \(a list of messages\), but the "
+                                          r"--hf-checkpoint's tokenizer has no chat template"):
         load_prompts(path, plain_tokenizer, **KEYS)
+
+
+def test_apply_chat_template_without_a_chat_template_names_the_flag(tmp_path, plain_tokenizer):
+    path = write_jsonl(tmp_path / "plain.jsonl", [{"prompt": "What is 2+3?", "answer": "5", "verifier": "arithmetic"}])
+    with pytest.raises(ConfigError) as e:
+        load_prompts(path, plain_tokenizer, **KEYS, apply_chat_template=True)
+    assert str(e.value).startswith("--apply-chat-template: the --hf-checkpoint's tokenizer has no chat template")
+    assert "is a chat" not in str(e.value) and "drop --apply-chat-template" in str(e.value)
 
 
 @pytest.mark.parametrize("messages, pattern", [

@@ -13,6 +13,8 @@ import subprocess
 import sys
 import time
 
+from pathlib import Path
+
 import pytest
 
 from helpers import REPO
@@ -220,6 +222,28 @@ def test_nemo_run_slurm_dryrun_2x8(nemo, tmp_path):
     torchrun = cmd[cmd.index("torchrun"):]
     assert world_of(torchrun) == 16
     assert cmd[cmd.index(str(REPO / "launch/resume.py")) + 1:] == argv
+
+
+def test_nemo_run_slurm_dryrun_paths_without_a_container(nemo, tmp_path, capsys):
+    """The CLI's own dry run, as a user runs it: every path of the script is the job directory's, once."""
+    job_dir = tmp_path / "logs" / "nemo-run"
+    assert nemo.main(["slurm", "--nodes", "2", "--account", "A", "--job-dir", str(job_dir), "--dryrun", RECIPE]) == 0
+    script = capsys.readouterr().out
+    [output] = [ln.split("=", 1)[1] for ln in script.splitlines() if ln.startswith("#SBATCH --output=")]
+    [srun] = [ln for ln in script.splitlines() if ln.startswith("srun ")]
+    words = srun.split()
+    chdir = words[words.index("--chdir") + 1]
+    task_dir = Path(chdir).parent
+    assert task_dir.parent.parent.parent == job_dir and task_dir.name == "train"  # <job-dir>/megarl/<id>/train
+    assert output == f"{task_dir}/sbatch_megarl-train_%j.out" and chdir == f"{task_dir}/code"
+    assert words[words.index("--output") + 1].startswith(f"{task_dir}/log-megarl-train_")
+    assert script.count(str(job_dir)) == script.count(str(task_dir)), "no path outside the job's own directory"
+
+
+def test_nemo_run_refuses_paths_it_would_rewrite(nemo, tmp_path, capsys):
+    job_dir = tmp_path / "nemo_run"
+    assert nemo.main(["slurm", "--nodes", "2", "--job-dir", str(job_dir), "--dryrun", RECIPE]) == 2
+    assert "rewrites every '/nemo_run'" in capsys.readouterr().err
 
 
 def test_nemo_run_local_dryrun(nemo):

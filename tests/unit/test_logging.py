@@ -12,7 +12,8 @@ import pytest
 import torch
 
 from megarl.config import LoggingConfig
-from megarl.metrics import MetricsLog, eta_seconds, format_step, open_sinks, plot_run, rollout_sample_rows
+from megarl.metrics import (MetricsLog, eta_seconds, format_step, held_out_curve, open_sinks, plot_run,
+                            rollout_sample_rows)
 
 TIMINGS = {"t_generate": 0.5, "t_reward": 0.01, "t_logprobs": 0.2, "t_update": 0.7, "t_sync": 0.05}
 
@@ -75,6 +76,8 @@ def batch_of(samples, advantages):
 @dataclass
 class FakePrompt:
     prompt: str
+    label: str = "2"
+    verifier: str = "arithmetic"
 
 
 def samples_and_prompts():
@@ -248,7 +251,11 @@ def test_disabled_wandb_imports_nothing(tmp_path, monkeypatch):
 def test_plot_run_writes_one_png_with_and_without_optional_metrics(tmp_path):
     pytest.importorskip("matplotlib")
     rows = [make_row(s) for s in range(1, 30)]
-    png = plot_run(rows, tmp_path / "training.png", {"before": 0.2, "after": 0.6})
-    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    rows[9].update(eval_sampled=0.4, eval_greedy=0.6)  # an --eval-interval evaluation after step 10
+    curve = held_out_curve(rows, {"sampled": 0.2, "greedy": 0.5}, {"sampled": 0.6, "greedy": 0.7}, 29)
+    assert curve == [(0, 0.2, 0.5), (10, 0.4, 0.6), (29, 0.6, 0.7)]
+    for kl in (True, False):  # without a reference the third panel shows the entropy
+        png = plot_run(rows, tmp_path / f"training-{kl}.png", curve, kl=kl)
+        assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     sparse = [{"step": s, "reward_mean": 0.1} for s in range(1, 4)]  # no accuracy, KL, length or timings
     assert plot_run(sparse, tmp_path / "sparse.png").stat().st_size > 0

@@ -1,7 +1,8 @@
 """The math verifier: extraction, each answer family (with look-alikes that must NOT match), the time budget, and
 the same verdicts from the main thread, a thread and a subprocess.
 
-Expectations are written out by hand here; the benchmark file in ../shared/bench is deliberately not used.
+Expectations are written out by hand here; the labelled cases of `tools/bench/verifier_math.py` are deliberately
+not used.
 Most cases call `judge` (the verdict without the helper process) to stay fast; the budget tests use the verifier.
 """
 

@@ -11,7 +11,7 @@ import pytest
 from helpers import REPO
 
 sys.path.insert(0, str(REPO / "tools"))
-from prepare_data import convert, last_boxed, main  # noqa: E402
+from prepare_data import LAYOUTS, convert, last_boxed, main  # noqa: E402
 
 
 def rows(path):
@@ -164,3 +164,20 @@ def test_converted_math_rows_are_what_the_math_verifier_grades(tmp_path):
     [row] = rows(tmp_path / "out.jsonl")
     assert math.verify("So the total is \\boxed{1200}.", row["answer"]).score == 1.0
     assert math.verify("So the total is \\boxed{1100}.", row["answer"]).score == 0.0
+
+
+def test_help_shows_every_layout_and_bad_input_is_a_clear_error(tmp_path, capsys):
+    with pytest.raises(SystemExit):
+        main(["--help"])
+    text = capsys.readouterr().out
+    assert all(f"  {layout} " in text for layout in LAYOUTS) and "nothing is guessed" in text
+    out = tmp_path / "out.jsonl"
+    assert main(["gsm8k", str(tmp_path / "missing.parquet"), str(out)]) == 2
+    assert "missing.parquet: no such file" in capsys.readouterr().err
+    (tmp_path / "bad.parquet").write_text("not parquet")
+    assert main(["gsm8k", str(tmp_path / "bad.parquet"), str(out)]) == 2
+    assert "bad.parquet: not a readable parquet file" in capsys.readouterr().err
+    (tmp_path / "bad.jsonl").write_text('{"question": "q", "answer": "#### 1"}\n{oops\n')
+    assert main(["gsm8k", str(tmp_path / "bad.jsonl"), str(out)]) == 2
+    assert "bad.jsonl:2: not valid JSON" in capsys.readouterr().err
+    assert list(tmp_path.glob("out.jsonl*")) == [], "a failed conversion leaves no file behind"

@@ -110,3 +110,15 @@ def test_reward_functions_score_samples_by_their_rows_verifier_with_the_runs_opt
     assert samples[3].reward == 0.0 and samples[3].outcome == "", "a reward function changes no sample"
     with pytest.raises(ValueError, match="4 samples but 2 data rows"):
         InProcessReward()(samples, rows)
+
+
+def test_a_sample_in_a_worker_keeps_its_verifiers_own_budget():
+    """The pool's limit is the smaller of its timeout and the verifier's budget (the math verifier's 5 s, or the
+    run's option): a pathological answer ends as a timeout at the budget, not at the pool's timeout."""
+    with RewardPool(workers=1, timeout_s=30) as pool:
+        assert pool._limit("math") == 5.0 and pool._limit("arithmetic") == 30
+    with RewardPool(workers=1, timeout_s=2) as pool:
+        assert pool._limit("math") == 2
+    with RewardPool(workers=1, timeout_s=30, options={"math": {"budget_s": 1.0}}) as pool:
+        (result,), _ = pool.score([("math", r"The answer is $\boxed{10^{10^{10^{10}}}}$.", "1")])
+    assert result.outcome == "timeout" and 1.0 <= result.seconds < 4.0, result

@@ -11,11 +11,15 @@ import pytest
 from helpers import REPO, env
 from megarl.cli.verify import main
 
+# Rows as training data and samples.jsonl hold them: `answer` is the ground truth, `verifier` names the verifier.
 ROWS = [
-    {"id": "a", "response": "So $\\boxed{\\frac{1}{2}}$.", "gold": "0.5", "label": True, "category": "fraction"},
-    {"id": "b", "response": "The answer is $(1, 2)$.", "gold": "[1, 2]", "label": False, "category": "interval"},
-    {"id": "c", "response": "I give up.", "gold": "3", "label": False, "category": "fraction"},
-    {"id": "d", "response": "$\\boxed{x \\ge 5}$", "gold": "5 \\le x", "label": True, "category": "interval"},
+    {"id": "a", "response": "So $\\boxed{\\frac{1}{2}}$.", "answer": "0.5", "verifier": "math", "correct": True,
+     "category": "fraction"},
+    {"id": "b", "response": "The answer is $(1, 2)$.", "answer": "[1, 2]", "verifier": "math", "correct": False,
+     "category": "interval"},
+    {"id": "c", "response": "I give up.", "answer": "3", "verifier": "math", "correct": False, "category": "fraction"},
+    {"id": "d", "response": "$\\boxed{x \\ge 5}$", "answer": "5 \\le x", "verifier": "math", "correct": True,
+     "category": "interval"},
 ]
 
 
@@ -52,7 +56,8 @@ def test_bad_lines_are_reported_with_their_number_and_skipped(tmp_path, capsys):
     code, out, err = run([write(tmp_path, lines), "--output", str(out_path)], capsys)
     assert code == 1
     assert "rows.jsonl:2: not valid JSON" in err
-    assert "rows.jsonl:3: missing key 'gold'" in err
+    assert "rows.jsonl:3: missing key 'answer' (keys: id, response); --label-key names the field holding the " \
+        "ground truth" in err
     assert "rows.jsonl:4: expected a JSON object, got list" in err
     assert "2 rows scored" in out
     rows = [json.loads(line) for line in out_path.read_text().splitlines()]
@@ -69,21 +74,72 @@ def test_strict_stops_at_the_first_bad_line(tmp_path, capsys):
 def test_missing_file_and_unknown_verifier(tmp_path, capsys):
     code, _, err = run([str(tmp_path / "nope.jsonl")], capsys)
     assert code == 2 and "nope.jsonl: no such file" in err
-    code, _, err = run([write(tmp_path, ROWS), "--verifier", "nope"], capsys)
-    assert code == 2 and "unknown verifier 'nope'" in err and "math" in err
+    code, _, err = run([str(tmp_path / "nope.jsonl"), "--verifier", "nope"], capsys)
+    assert code == 2 and "--verifier: unknown verifier 'nope'" in err and "math" in err, "caught before any row"
+    lines = [ROWS[0], {**ROWS[1], "verifier": "chess"}, {k: v for k, v in ROWS[2].items() if k != "verifier"}]
+    code, out, err = run([write(tmp_path, lines)], capsys)
+    assert code == 1 and "1 rows scored" in out
+    assert ":2: unknown verifier 'chess'" in err and ":3: no 'verifier' field and no --verifier" in err
 
 
 def test_custom_keys(tmp_path, capsys):
-    data = write(tmp_path, [{"completion": "$\\boxed{4}$", "answer": "4", "ok": True}])
-    code, out, err = run([data, "--response-key", "completion", "--gold-key", "answer", "--label-key", "ok"], capsys)
+    data = write(tmp_path, [{"completion": "$\\boxed{4}$", "gold": "4", "ok": True}])
+    code, out, err = run([data, "--response-key", "completion", "--gold-key", "gold", "--correct-key", "ok",
+                          "--verifier", "math"], capsys)
     assert code == 0 and "accuracy 100.0% on 1 labelled rows" in out
+
+
+def test_rows_follow_their_own_verifier_and_workers_0_is_in_process(tmp_path, capsys):
+    lines = [{"response": "12", "answer": "12", "verifier": "arithmetic"},
+             {"response": "The answer is 12.", "answer": "12", "verifier": "arithmetic"},  # not a bare number there
+             {"response": "The answer is 12.", "answer": "12", "verifier": "math"},
+             {"response": "No idea.", "answer": "12"}]  # --verifier's
+    out_path = tmp_path / "scored.jsonl"
+    code = main([write(tmp_path, lines), "--verifier", "math", "--workers", "0", "--no-progress", "--output",
+                 str(out_path)])
+    out, err = capsys.readouterr()
+    assert code == 0, err
+    assert "'arithmetic' (2), 'math' (2)" in out
+    scored = [json.loads(line) for line in out_path.read_text().splitlines()]
+    assert [(r["verifier"], r["outcome"]) for r in scored] == [
+        ("arithmetic", "correct"), ("arithmetic", "no_answer"), ("math", "correct"), ("math", "no_answer")]
+
+
+def test_compare_only_compares_math_rows(tmp_path, capsys):
+    pytest.importorskip("math_verify")
+    code, _, err = run([write(tmp_path, [{"response": "1", "answer": "1", "verifier": "arithmetic"}]),
+                        "--compare", "math-verify"], capsys)
+    assert code == 2 and "no row is scored by the math verifier" in err
+    code, out, err = run([write(tmp_path, [ROWS[0], {"response": "13", "answer": "12", "verifier": "arithmetic"}]),
+                          "--compare", "math-verify"], capsys)
+    assert code == 0, err
+    assert "disagreements with math-verify: 0 of 1 rows scored by the math verifier" in out
+
+
+def test_saved_rollouts_are_rescored_with_no_key_flags(tmp_path, capsys):
+    """samples.jsonl as the trainer writes it (`rollout_sample_rows`): response, answer and verifier per row."""
+    from megarl.data import PromptRecord
+    from megarl.metrics import rollout_sample_rows
+    from megarl.types import Sample, SampleStatus
+
+    prompts = [PromptRecord(0, "12+7=", [1], "19", "arithmetic"), PromptRecord(1, "Area?", [1], "\\pi", "math")]
+    samples = [Sample(group=i, prompt_index=i, prompt_ids=[1], response_ids=[2], loss_mask=[1], rollout_logprobs=[0.0],
+                      weight_version=1, status=SampleStatus.COMPLETED, response_text=text, reward=1.0,
+                      outcome="correct")
+               for i, text in enumerate(["19", "It is $\\boxed{\\pi}$."])]
+    rows = rollout_sample_rows(3, samples, prompts, limit=8)
+    assert [(r["answer"], r["verifier"]) for r in rows] == [("19", "arithmetic"), ("\\pi", "math")]
+    data = write(tmp_path, [json.dumps(r) for r in rows])
+    code, out, err = main([data, "--workers", "1", "--no-progress"]), *capsys.readouterr()
+    assert code == 0, err
+    assert "2 rows scored" in out and f"  {'correct':<14}{2:>7}" in out
 
 
 def test_compare_with_math_verify(tmp_path, capsys):
     pytest.importorskip("math_verify")
     code, out, err = run([write(tmp_path, ROWS), "--compare", "math-verify"], capsys)
     assert code == 0, err
-    assert "math-verify  accuracy" in out and "disagreements with math-verify:" in out
+    assert "math-verify  accuracy" in out and "disagreements with math-verify:" in out and "of 4 rows" in out
 
 
 def test_console_entry_point_runs_as_a_module(tmp_path):

@@ -13,8 +13,7 @@ The two sizes:
   8 samples, 128-token responses, micro-batches of 8. Compute dominates here.
 Both use the arithmetic task's character-level tokenizer and `a+b=` / `a-b=` prompts.
 
-How the two are matched (TRL 1.16 defaults differ from megarl's in several places; see
-shared/notes/trl-grpo-reference.md):
+How the two are matched (TRL 1.16 defaults differ from megarl's in several places; see docs/trl-grpo.md):
 - responses have exactly `max_new_tokens` tokens on both sides: megarl samples with no stop token, TRL gets
   `min_new_tokens` = `max_completion_length` (EOS suppressed), so both train on the same number of tokens;
 - sampling at temperature 1, no top-p / top-k, on both;
@@ -40,8 +39,8 @@ of each are dropped and the median of the rest reported, as wall seconds and as 
 torch thread by default: on an oversubscribed machine several threads spin against each other and the wall
 times stop meaning anything.
 
-Kernels. Without Transformer Engine megarl runs Megatron's local layer spec with its own fused attention, RoPE,
-RMSNorm and SwiGLU (`megarl/mcore/local_kernels.py`); `--megarl-kernels stock` runs the spec as Megatron ships it.
+Kernels. Without Transformer Engine megarl runs Megatron's local layer spec with its own fused attention, RoPE and
+RMSNorm (`megarl/mcore/local_kernels.py`); `--megarl-kernels stock` runs the spec as Megatron ships it.
 
 Phases. megarl: the named steps of `megarl/train.py`'s loop, with its real components (BuiltinEngine generate,
 the `single_turn` rollout function, whose reward calls (the verifier) are the reward phase and whose decoding

@@ -1,7 +1,13 @@
 """Math verifier benchmark: megarl's `math` verifier against HF math-verify, side by side, in one run.
 
-    python tools/bench/verifier_math.py                       # ../shared/bench/math_peer_cases.jsonl
-    python tools/bench/verifier_math.py --data cases.jsonl --json result.json --show-disagreements
+    python tools/bench/verifier_math.py --data cases.jsonl [--json result.json] [--show-disagreements]
+    python tools/bench/verifier_math.py                        # without labelled cases: the pathological set only
+
+The labelled cases are not part of this repository. The README's figures come from 408 of them, taken from the
+expectations in the public test suites of huggingface/Math-Verify (`tests/*.py`) and hendrycks/math
+(`modeling/math_equivalence_test.py`), plus negatives made by changing the gold's last integer. Any jsonl with
+`id`, `response`, `gold`, `label` (is the response correct) and `category` per row works; category `policy` holds
+the cases where reasonable graders disagree and is reported apart.
 
 Both verifiers run sequentially on one CPU core (the process pins itself, and megarl's budget helper inherits the
 pin), each after a warm-up call that pays its imports. Reported per verifier: accuracy outside category `policy`
@@ -29,8 +35,6 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO))
-
-DEFAULT_DATA = REPO.parent / "shared" / "bench" / "math_peer_cases.jsonl"
 
 PATHOLOGICAL = [
     ("exponent tower", r"The answer is $\boxed{10^{10^{10^{10}}}}$.", "1"),
@@ -133,8 +137,8 @@ def pathological(budget: float, hard_limit: float, with_mv: bool, verifier) -> l
 
 
 def main() -> int:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--data", default=str(DEFAULT_DATA))
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--data", help="labelled cases, jsonl (see above); without it only the pathological set runs")
     p.add_argument("--budget", type=float, default=5.0, help="megarl's per-check budget, seconds")
     p.add_argument("--hard-limit", type=float, default=60.0, help="kill math-verify on a pathological case after this")
     p.add_argument("--no-math-verify", action="store_true")
@@ -143,9 +147,8 @@ def main() -> int:
     p.add_argument("--json", help="also write the figures here")
     args = p.parse_args()
 
-    rows = [json.loads(line) for line in open(args.data) if line.strip()]
     cpu = pin_one_core()
-    print(f"{len(rows)} cases from {args.data}; pinned to CPU {cpu}")
+    print(f"pinned to CPU {cpu}")
     with_mv = not args.no_math_verify
     if with_mv:
         try:
@@ -153,9 +156,31 @@ def main() -> int:
         except ImportError:
             print("math-verify is not installed (pip install math-verify==0.9.0): megarl only")
             with_mv = False
+    report: dict = {}
+    if args.data and Path(args.data).is_file():
+        verifier = labelled(args, with_mv, report)
+    else:
+        print(f"no labelled cases{f' at {args.data}' if args.data else ''}: skipping the accuracy comparison. "
+              "They are not in this repository; `--data FILE` takes any jsonl of the form this script's docstring "
+              "describes (python tools/bench/verifier_math.py --help)")
+        from megarl.verifiers.math import MathVerifier
 
+        verifier = MathVerifier(budget_s=args.budget)
+    if not args.no_pathological:
+        report_pathological(args, with_mv, verifier, report)
+    verifier.close()
+    if args.json:
+        Path(args.json).write_text(json.dumps(report, indent=2))
+    return 0
+
+
+def labelled(args, with_mv: bool, report: dict):
+    """The labelled cases through both verifiers: accuracy, error rates, speed, by category; returns megarl's
+    verifier (warm) for the pathological set."""
+    rows = [json.loads(line) for line in open(args.data) if line.strip()]
+    print(f"{len(rows)} cases from {args.data}")
     mine, mine_s, verifier = run_megarl(rows, args.budget)
-    report = {"megarl": summarize(rows, mine, mine_s)}
+    report["megarl"] = summarize(rows, mine, mine_s)
     theirs = None
     if with_mv:
         theirs, theirs_s = run_math_verify(rows)
@@ -189,38 +214,30 @@ def main() -> int:
             if v["ok"] != r["label"]:
                 print(f"  {r['id']:<10} {r['category']:<18} label {r['label']!s:<5} {v['outcome']:<11} "
                       f"gold {r['gold'][:40]!r} extracted {str(v['extracted'])[:40]!r}")
-
-    if not args.no_pathological:
-        patho = pathological(args.budget, args.hard_limit, with_mv, verifier)
-        report["pathological"] = patho
-        print("\npathological inputs (seconds; megarl budget %.1f s, math-verify killed after %.0f s):"
-              % (args.budget, args.hard_limit))
-        for row in patho:
-            mv = ""
-            if with_mv:
-                mv = "HANG (killed)" if row["mv_hang"] else f"{row['mv_s']:.2f} s {'correct' if row['mv_ok'] else 'not'}"
-            print(f"  {row['case']:<20} megarl {row['megarl_s']:6.2f} s {row['megarl_outcome']:<12} "
-                  f"{'HANG' if row['megarl_hang'] else '':<5} math-verify {mv}")
-        report["hangs"] = {"megarl": sum(r["megarl_hang"] for r in patho)}
-        if with_mv:
-            report["hangs"]["math-verify"] = sum(r["mv_hang"] for r in patho)
-        print(f"  hangs: {report['hangs']}")
-
     if with_mv:
         m, t = report["megarl"], report["math-verify"]
-        speedup = m["checks_per_s"] / t["checks_per_s"]
-        report["speedup"] = speedup
-        print("\nacceptance:")
-        print(f"  accuracy outside policy {100 * m['accuracy']:.1f}% vs math-verify {100 * t['accuracy']:.1f}%: "
-              f"{'ok' if m['accuracy'] >= t['accuracy'] else 'FAIL'}")
-        print(f"  false-positive rate {100 * m['fpr']:.2f}% <= 0.5%: {'ok' if m['fpr'] <= 0.005 else 'FAIL'}")
-        print(f"  throughput {speedup:.1f}x math-verify's (one core) >= 10x: {'ok' if speedup >= 10 else 'FAIL'}")
-        if "hangs" in report:
-            print(f"  hangs: {report['hangs']['megarl']}: {'ok' if report['hangs']['megarl'] == 0 else 'FAIL'}")
-    verifier.close()
-    if args.json:
-        Path(args.json).write_text(json.dumps(report, indent=2))
-    return 0
+        report["speedup"] = m["checks_per_s"] / t["checks_per_s"]
+        print(f"\nmegarl: accuracy outside policy {100 * m['accuracy']:.1f}% vs math-verify's "
+              f"{100 * t['accuracy']:.1f}%, false positives {100 * m['fpr']:.2f}%, {report['speedup']:.1f}x its "
+              "checks per second (one core)")
+    return verifier
+
+
+def report_pathological(args, with_mv: bool, verifier, report: dict) -> None:
+    patho = pathological(args.budget, args.hard_limit, with_mv, verifier)
+    report["pathological"] = patho
+    print("\npathological inputs (seconds; megarl budget %.1f s, math-verify killed after %.0f s):"
+          % (args.budget, args.hard_limit))
+    for row in patho:
+        mv = ""
+        if with_mv:
+            mv = "HANG (killed)" if row["mv_hang"] else f"{row['mv_s']:.2f} s {'correct' if row['mv_ok'] else 'not'}"
+        print(f"  {row['case']:<20} megarl {row['megarl_s']:6.2f} s {row['megarl_outcome']:<12} "
+              f"{'HANG' if row['megarl_hang'] else '':<5} math-verify {mv}")
+    report["hangs"] = {"megarl": sum(r["megarl_hang"] for r in patho)}
+    if with_mv:
+        report["hangs"]["math-verify"] = sum(r["mv_hang"] for r in patho)
+    print(f"  hangs: {report['hangs']}")
 
 
 if __name__ == "__main__":
