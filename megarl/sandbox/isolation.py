@@ -25,6 +25,7 @@ CLONE_NEWPID = 0x20000000
 CLONE_NEW_ANY = 0x7E020000  # NEWNS | NEWCGROUP | NEWUTS | NEWIPC | NEWUSER | NEWPID | NEWNET
 MS_NOSUID, MS_NODEV, MS_NOEXEC, MS_NOATIME, MS_REC, MS_PRIVATE = 0x2, 0x4, 0x8, 0x400, 0x4000, 1 << 18
 MNT_DETACH = 2
+MS_MOVE = 0x2000
 PR_SET_DUMPABLE = 4
 PR_SET_KEEPCAPS = 8
 PR_SET_SECCOMP = 22
@@ -97,33 +98,71 @@ def memfds_not_executable() -> str:
 _PIVOT_ROOT = {"x86_64": 155, "aarch64": 41}
 _MS_BIND, _MS_REMOUNT, _MS_RDONLY = 0x1000, 0x20, 0x1
 DEVICES = ("/dev/null", "/dev/zero", "/dev/random", "/dev/urandom")
+STAGE = "/.next"  # in a minimal root: where the next case's tmpfs is made ready before it replaces /tmp
+
+
+def beneath(mount_point: str, paths: list[str]) -> list[str]:
+    """The `paths` a mount at `mount_point` would hide (a checkout or virtualenv under /tmp)."""
+    return [p for p in paths if p.startswith(mount_point.rstrip("/") + "/")]
+
+
+def bind_readonly(source: str, dest: str, is_dir: bool = True) -> None:
+    """Bind `source` at `dest` (created: a directory, or an empty file), read-only, nosuid, nodev."""
+    if is_dir:
+        os.makedirs(dest, 0o755, exist_ok=True)
+    else:
+        os.makedirs(os.path.dirname(dest), 0o755, exist_ok=True)
+        open(dest, "w").close()
+    mount(source, dest, None, _MS_BIND | MS_REC)
+    mount(None, dest, None, _MS_BIND | _MS_REMOUNT | _MS_RDONLY | MS_NOSUID | MS_NODEV)
+
+
+def tmpfs_keeping(target: str, size_mb: int, inodes: int, keep: list[str], mode: int = 0o1777) -> None:
+    """`tmpfs`, with the paths of `keep` that lie beneath `target` bound back into it, read-only: a job's fresh
+    /tmp must not hide the interpreter or its packages when they live under /tmp. Needs /proc (the paths are held
+    open across the mount and bound from /proc/self/fd)."""
+    kept = [(p, os.open(p, os.O_PATH | os.O_CLOEXEC), os.path.isdir(p)) for p in beneath(target, keep)
+            if os.path.exists(p)]
+    try:
+        tmpfs(target, size_mb, inodes, mode)
+        for path, fd, is_dir in kept:
+            bind_readonly(f"/proc/self/fd/{fd}", path, is_dir)
+    finally:
+        for _, fd, _ in kept:
+            os.close(fd)
 
 
 def minimal_root(target: str, read_roots: list[str]) -> None:
     """Build at `target` (in a private mount namespace) a root that holds only `read_roots` (bound read-only, at
     the same paths), the usual device files, and empty /tmp and /dev/shm for tmpfs mounts. After
     `pivot_into(target)` nothing else of the host exists, not even to stat(); no /proc either (its pids would
-    show the host's activity, a channel between runs)."""
-    tmpfs(target, 4, 4096, 0o755)
-    bound: list[str] = []
+    show the host's activity, a channel between runs). The roots are opened before `target` is mounted over,
+    so a root beneath `target` (a virtualenv under /tmp) is bound too."""
+    sources: list[tuple[str, int | None, bool]] = []  # (path, O_PATH fd or None for a symlink, is a directory)
     for path in sorted(set(read_roots) | set(DEVICES)):
-        if any(path.startswith(b + "/") for b in bound) or not os.path.lexists(path):
+        if any(path.startswith(b + "/") for b, _, _ in sources) or not os.path.lexists(path):
             continue
-        dest = target + path
-        os.makedirs(os.path.dirname(dest), 0o755, exist_ok=True)
-        if os.path.islink(path):  # e.g. /lib -> usr/lib on merged-/usr systems
-            os.symlink(os.readlink(path), dest)
-            continue
-        if os.path.isdir(path):
-            os.makedirs(dest, 0o755, exist_ok=True)
-        else:
-            open(dest, "w").close()
-        mount(path, dest, None, _MS_BIND | MS_REC)
-        if path not in DEVICES:
-            mount(None, dest, None, _MS_BIND | _MS_REMOUNT | _MS_RDONLY | MS_NOSUID | MS_NODEV)
-        bound.append(path)
-    for empty in ("/tmp", "/dev/shm"):
-        os.makedirs(target + empty, 0o755, exist_ok=True)
+        link = os.path.islink(path)  # e.g. /lib -> usr/lib on merged-/usr systems
+        sources.append((path, None if link else os.open(path, os.O_PATH | os.O_CLOEXEC), os.path.isdir(path)))
+    try:
+        tmpfs(target, 4, 4096, 0o755)
+        for path, fd, is_dir in sources:
+            dest = target + path
+            if fd is None:
+                os.makedirs(os.path.dirname(dest), 0o755, exist_ok=True)
+                os.symlink(os.readlink(path), dest)
+            elif path in DEVICES:  # bound writable (writes to /dev/null)
+                os.makedirs(os.path.dirname(dest), 0o755, exist_ok=True)
+                open(dest, "w").close()
+                mount(f"/proc/self/fd/{fd}", dest, None, _MS_BIND | MS_REC)
+            else:
+                bind_readonly(f"/proc/self/fd/{fd}", dest, is_dir)
+        for empty in ("/tmp", "/dev/shm", STAGE):
+            os.makedirs(target + empty, 0o755 if empty != STAGE else 0o700, exist_ok=True)
+    finally:
+        for _, fd, _ in sources:
+            if fd is not None:
+                os.close(fd)
 
 
 def pivot_into(target: str) -> None:

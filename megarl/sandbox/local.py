@@ -263,7 +263,8 @@ class _WorkerSide:
             except ImportError:
                 pass
         # Opened once: the read-only roots, for each job's Landlock ruleset.
-        self.read_fds = [(os.open(p, os.O_PATH | os.O_CLOEXEC), os.path.isdir(p)) for p in iso_mod.read_roots()]
+        self.read_roots = iso_mod.read_roots()
+        self.read_fds = [(os.open(p, os.O_PATH | os.O_CLOEXEC), os.path.isdir(p)) for p in self.read_roots]
         self.cgroups = {}
         if cfg.get("cgroup"):  # harness (and its spawner), case (program processes), job (plain jobs)
             base = cgroups.MemoryRoot(cfg["cgroup"]["path"], cfg["cgroup"]["version"])
@@ -404,8 +405,8 @@ class _WorkerSide:
         iso_mod.unshare(iso_mod.CLONE_NEWNS | iso_mod.CLONE_NEWIPC)
         iso_mod.make_mounts_private()
         size = max(1, job["limits"]["memory_mb"] // 2)
-        for target in (_TMP, _SHM):
-            iso_mod.tmpfs(target, size, _TMPFS_INODES)
+        for target in (_TMP, _SHM):  # (what lies beneath of the interpreter's files, e.g. a venv, stays)
+            iso_mod.tmpfs_keeping(target, size, _TMPFS_INODES, self.read_roots)
         os.mkdir(_WORK, 0o700)
         write_files(_WORK, job.get("files", {}))
         self._chown_tree(_WORK)

@@ -435,9 +435,18 @@ class FreshSetup(PlainSetup):
         against the case's memory (half of it each at most, and the cgroup counts them too)."""
         iso = self.iso_mod
         for target in (_TMP, _SHM):
+            size, kept = max(1, self.memory_mb // 2), iso.beneath(target, self.cfg["read_roots"])
+            if kept and self.minimal_root:  # e.g. a virtualenv under /tmp, which the new tmpfs must not hide: made
+                iso.tmpfs(iso.STAGE, size, _INODES)  # ready aside, with the roots bound from where they are now,
+                for path in kept:  # then moved over the old one
+                    iso.bind_readonly(path, iso.STAGE + path[len(target):], os.path.isdir(path))
+                if self.mounted:
+                    iso.umount(target)
+                iso.mount(iso.STAGE, target, None, iso.MS_MOVE)
+                continue
             if self.mounted:
                 iso.umount(target)
-            iso.tmpfs(target, max(1, self.memory_mb // 2), _INODES)
+            iso.tmpfs_keeping(target, size, _INODES, kept)
         os.mkdir(_WORK, 0o700)
         uid = self.iso.uid if self.iso.uid is not None else os.getuid()
         os.chown(_WORK, uid, uid)

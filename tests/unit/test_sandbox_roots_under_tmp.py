@@ -1,0 +1,75 @@
+"""A sandbox whose interpreter files live under /tmp (a checkout and its virtualenv cloned there): each job's and
+each case's fresh /tmp must not hide them. Before the fix, every code case failed (the spawner could not open its
+read roots: `sandbox_error`) and every harness-as-a-job case ended `nonzero_exit`.
+
+The read root here is a `*-packages` directory under /tmp on the PYTHONPATH of a fresh interpreter (and so of its
+sandbox workers), which is how `isolation.read_roots()` finds a virtualenv's site-packages; programs read a file
+in it and list /tmp.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import textwrap
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[2]
+
+SCRIPT = textwrap.dedent("""
+    import json, sys
+    root = sys.argv[1]
+    from megarl.sandbox import Job
+    from megarl.sandbox.local import LocalSandbox
+    from megarl.verifiers.code import CodeVerifier
+    from megarl.sandbox.isolation import read_roots
+    assert root in read_roots(), read_roots()
+    program = "import os\\nprint(open(%r).read().strip(), sorted(os.listdir('/tmp')))\\n" % (root + "/probe.txt")
+    out = {}
+    for persistent in (True, False):
+        v = CodeVerifier(workers=1, persistent_harness=persistent)
+        gold = {"inputs": [""], "outputs": ["seen " + repr(sorted(["w", root.split("/")[2]]))]}
+        r = v.verify(program, gold)
+        out["persistent" if persistent else "job"] = [r.score, r.outcome, r.normalized]
+    sandbox = LocalSandbox(workers=1)
+    try:
+        r = sandbox.run(Job(source=program))
+        out["plain"] = [str(r.status), r.stdout.strip(), r.stderr[-300:]]
+        w = sandbox.run(Job(source="open(%r, 'w').write('x')\\n" % (root + "/probe.txt")))
+        out["write"] = [str(w.status), w.stderr.strip().splitlines()[-1:]]
+    finally:
+        sandbox.close()
+    print(json.dumps(out))
+""")
+
+
+@pytest.mark.skipif(sys.platform != "linux", reason="the local sandbox is Linux-only")
+def test_interpreter_files_under_tmp_stay_visible_and_read_only():
+    base = Path(tempfile.mkdtemp(prefix="megarl-roots-", dir="/tmp"))
+    try:
+        root = base / "site-packages"
+        root.mkdir()
+        (root / "probe.txt").write_text("seen\n")
+        for p in (base, root):
+            p.chmod(0o755)
+        (root / "probe.txt").chmod(0o644)
+        proc = subprocess.run([sys.executable, "-c", SCRIPT, str(root)], capture_output=True, text=True, cwd=REPO,
+                              timeout=300, env={**os.environ, "PYTHONPATH": f"{REPO}:{root}"})
+        assert proc.returncode == 0, proc.stderr[-3000:]
+        out = json.loads(proc.stdout.strip().splitlines()[-1])
+        listing = repr(sorted(["w", base.name]))
+        # the code verifier, both ways its harness runs: the program read the file and saw only its own /tmp
+        assert out["persistent"][:2] == [1.0, "correct"], out
+        assert out["job"][:2] == [1.0, "correct"], out
+        # a plain job: the same (its cwd /tmp/w is beside the bound root); the root stays read-only
+        assert out["plain"][:2] == ["ok", f"seen {listing}"], out
+        assert out["write"][0] == "nonzero_exit" and "Read-only file system" in out["write"][1][0], out
+        assert (root / "probe.txt").read_text() == "seen\n"
+    finally:
+        shutil.rmtree(base, ignore_errors=True)
