@@ -95,11 +95,16 @@ def test_qwen3_moe_grpo_step_is_the_same_at_every_expert_split(qwen3_moe, tmp_pa
     first = results[0]
     _same_update(first, layouts[1], [layouts[0], *layouts[2:]], qwen3_moe[0])
     saved = first[layouts[0]]
+    moved = max((saved["continued_update"][k] - saved["exported"][k]).abs().max().item() for k in saved["exported"])
+    assert moved > 1e-3, "the second update did not move the weights"
     for name in layouts[1:]:
         assert first[name]["step"] == 1
         for r in results:
             if r[name]["resumed_logprobs"] is not None:
                 assert (r[name]["resumed_logprobs"] - saved["saved_logprobs"]).abs().max() < 1e-5, name
+        # the optimizer's state came back too: a second update on another batch equals the saving run's
+        for key, tensor in saved["continued_update"].items():
+            assert (first[name]["resumed_update"][key] - tensor).abs().max() < 1e-5, (name, key)
     _check_sync(saved, qwen3_moe[0])
 
 

@@ -49,8 +49,8 @@ def scenario_forward(args, info):
     return out
 
 
-def _synthetic_batch(vocab: int, rows: int = 8, seq: int = 12) -> dict[str, torch.Tensor]:
-    g = torch.Generator().manual_seed(99)
+def _synthetic_batch(vocab: int, rows: int = 8, seq: int = 12, seed: int = 99) -> dict[str, torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
     tokens = torch.randint(0, vocab, (rows, seq), generator=g)
     mask = torch.zeros(rows, seq - 1)
     for b in range(rows):
@@ -141,7 +141,8 @@ def scenario_layouts(args, info):
 def scenario_train_layouts(args, info):
     """Per layout, one GRPO update of the same HF weights on the same global batch: loss, gradient norm, updated
     weights. The first layout also syncs the built-in engine and scores the probe tokens with both, and with
-    `--ckpt` saves a checkpoint, which every later layout loads first (its log-probs then)."""
+    `--ckpt` saves a checkpoint, which every later layout loads first (its log-probs then, and the weights after
+    a second update on another batch, which the first layout also makes after saving: Adam's state matters)."""
     from megarl.config import build_config
     from megarl.mcore import checkpoint
     from megarl.mcore.actor import MegatronPolicy, OptimConfig
@@ -151,16 +152,30 @@ def scenario_train_layouts(args, info):
     from megarl.stages.update import make_loss_fn
 
     out = {}
+
+    def second_update(actor, info, shape):
+        batch = _synthetic_batch(shape.vocab_size, seed=7)
+        per = batch["tokens"].shape[0] // info.dp_size
+        mine = {k: v[info.dp_rank * per : (info.dp_rank + 1) * per] for k, v in batch.items()}
+        actor.train_step(mine, make_loss_fn(build_config({}).algorithm, 64), micro_batch_size=2)
+        return {k: v.clone() for k, v in actor.export_hf()}  # unsharded tensors alias the weights
+
     for index, layout in enumerate(_layouts(args)):
         info, moe = _relayout(layout)
         shape = ModelShape.from_pretrained(layout["hf"])
-        actor = MegatronPolicy(shape, tp=info.tp_size, pp=info.pp_size, trainable=True, moe=moe,
-                               sequence_parallel=layout["sp"], optim=OptimConfig(lr=1e-2, adam_eps=1e-4))
+        def build():
+            return MegatronPolicy(shape, tp=info.tp_size, pp=info.pp_size, trainable=True, moe=moe,
+                                  sequence_parallel=layout["sp"], optim=OptimConfig(lr=1e-2, adam_eps=1e-4))
+
         tokens = _fixed_tokens(shape.vocab_size)
         r = {}
         if index > 0 and args.ckpt:
-            r["step"] = checkpoint.load(checkpoint.find_latest(args.ckpt), actor)["step"]
-            r["resumed_logprobs"] = actor.logprobs(tokens, micro_batch_size=2)
+            resumed = build()
+            r["step"] = checkpoint.load(checkpoint.find_latest(args.ckpt), resumed)["step"]
+            r["resumed_logprobs"] = resumed.logprobs(tokens, micro_batch_size=2)
+            r["resumed_update"] = second_update(resumed, info, shape)
+            del resumed
+        actor = build()
         actor.load_hf(layout["hf"])
         batch = _synthetic_batch(shape.vocab_size)
         per = batch["tokens"].shape[0] // info.dp_size
@@ -168,7 +183,8 @@ def scenario_train_layouts(args, info):
         stats = actor.train_step(mine, make_loss_fn(build_config({}).algorithm, 64), micro_batch_size=2)
         sums = torch.tensor([stats.get("loss_num", 0.0), stats.get("loss_den", 0.0)], dtype=torch.float64)
         torch.distributed.all_reduce(sums)  # each TP rank of the last stage reports its replica's sums
-        r.update(loss=float(sums[0] / sums[1]), grad_norm=stats["grad_norm"], exported=dict(actor.export_hf()))
+        r.update(loss=float(sums[0] / sums[1]), grad_norm=stats["grad_norm"],
+                 exported={k: v.clone() for k, v in actor.export_hf()})  # unsharded tensors alias the weights
         if index == 0:
             if args.ckpt:
                 checkpoint.save(args.ckpt, 1, actor, {"sampler": {"epoch": 0, "position": 0}})
@@ -179,6 +195,8 @@ def scenario_train_layouts(args, info):
             r["actor_logprobs"] = actor.logprobs(tokens, micro_batch_size=2, temperature=0.7)
             if engine is not None:
                 r["engine_logprobs"] = torch.tensor(engine.score(tokens.tolist(), [1] * len(tokens), temperature=0.7))
+            if args.ckpt:
+                r["continued_update"] = second_update(actor, info, shape)
         out[layout["name"]] = r
     return out
 
