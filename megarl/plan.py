@@ -276,6 +276,9 @@ def memory_plan(s: ModelShape, r: Run, cluster: Cluster) -> list[MemoryPlan]:
     if dp < 1 or rem:
         problems.append(f"{train_gpus} training GPUs are not a multiple of TP {r.tp} x PP {r.pp} x CP {r.cp}")
         dp = max(dp, 1)
+    if s.is_moe and train_gpus % ((r.etp or r.tp) * r.ep * r.pp):
+        problems.append(f"{train_gpus} training GPUs are not a multiple of expert-TP {r.etp or r.tp} x EP {r.ep} x "
+                        f"PP {r.pp}")
     train = _train_phase(s, r, dp)
     train["CUDA context, NCCL, fragmentation"] = OVERHEAD_BYTES
     if r.mode == "disaggregated":

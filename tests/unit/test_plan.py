@@ -45,6 +45,8 @@ def test_a_mixture_of_experts_counts_active_parameters_and_splits_experts_over_e
     assert P.expert_bytes_per_gpu(s, r) == 2 * experts / 8
     dense = shape("qwen3-8b")
     assert P.active_params(dense) == P.num_params(dense) and P.expert_bytes_per_gpu(dense, r) == 0
+    [mem] = P.memory_plan(s, r, P.Cluster(H100, 12))  # 12 GPUs: TP 2 divides them, expert-TP 1 x EP 8 does not
+    assert "12 training GPUs are not a multiple of expert-TP 1 x EP 8 x PP 1" in mem.problems
 
 
 def test_70b_in_bf16_is_140_gb_of_weights_per_instance():
