@@ -395,3 +395,46 @@ def test_qwen3_moe_names_round_trip_with_global_expert_index():
     assert [n for n, _ in router] == ["model.layers.0.mlp.gate.weight"]
     assert [n for n, _ in mcore_to_hf("decoder.layers.2.self_attention.q_layernorm.weight", w[0, :24], s)] == [
         "model.layers.2.self_attn.q_norm.weight"]
+
+
+def test_expert_names_of_both_specs_map_to_global_expert_indices(monkeypatch):
+    """The local spec's `mlp.experts.local_experts.<j>.linear_fc*` and Transformer Engine's
+    `mlp.experts.linear_fc*.weight<j>` on EP rank 1 of 2 with 8 experts: local expert j is global expert 4 + j, and
+    layer indices are global too."""
+    from types import SimpleNamespace
+
+    from megatron.core import parallel_state as ps
+
+    from megarl.mcore.convert import global_param_names
+
+    monkeypatch.setattr(ps, "get_expert_model_parallel_rank", lambda: 1)
+    monkeypatch.setattr(ps, "get_expert_model_parallel_world_size", lambda: 2)
+
+    def layer(number: int, te: bool) -> torch.nn.Module:
+        m = torch.nn.Module()
+        m.layer_number = number
+        m.mlp = torch.nn.Module()
+        m.mlp.experts = torch.nn.Module()
+        if te:
+            m.mlp.experts.linear_fc1 = torch.nn.Module()
+            m.mlp.experts.linear_fc1.register_parameter("weight1", torch.nn.Parameter(torch.zeros(1)))
+        else:
+            expert = torch.nn.Module()
+            expert.linear_fc2 = torch.nn.Linear(1, 1, bias=False)
+            m.mlp.experts.local_experts = torch.nn.ModuleList([torch.nn.Module(), expert])
+        return m
+
+    model = torch.nn.Module()
+    model.config = SimpleNamespace(num_moe_experts=8)
+    model.decoder = torch.nn.Module()
+    model.decoder.layers = torch.nn.ModuleList([layer(3, te=True), layer(4, te=False)])  # a PP stage from layer 2
+    assert global_param_names(model) == {
+        "decoder.layers.0.mlp.experts.linear_fc1.weight1":
+            "decoder.layers.2.mlp.experts.local_experts.5.linear_fc1.weight",
+        "decoder.layers.1.mlp.experts.local_experts.1.linear_fc2.weight":
+            "decoder.layers.3.mlp.experts.local_experts.5.linear_fc2.weight",
+    }
+    s = ModelShape.from_hf_config(moe_config())
+    names = [n for n, _ in mcore_to_hf("decoder.layers.2.mlp.experts.local_experts.5.linear_fc1.weight",
+                                       torch.zeros(64, 64), s)]
+    assert names == ["model.layers.2.mlp.experts.5.gate_proj.weight", "model.layers.2.mlp.experts.5.up_proj.weight"]
