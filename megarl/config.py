@@ -50,7 +50,8 @@ class ModelConfig:
         "auto", "Megatron layer spec: Transformer Engine (GPU) or Megatron's local modules; auto picks TE when importable")
     bf16: bool = _f(False, "train and generate in bf16, fp32 main params (GPU, or a CPU with bf16 units)")
     sequence_parallel: bool = _f(False, "Megatron sequence parallelism: norms and dropout sharded over the sequence "
-                                 "on TP ranks (GPU with Transformer Engine, TP > 1)")
+                                 "on TP ranks (TP > 1; Transformer Engine's norms, or megarl's on the local spec); "
+                                 "a mixture-of-experts model needs it to train at TP > 1")
     context_parallel_size: int = _f(1, "context-parallel size (CP): each sequence is split over this many ranks in "
                                     "Megatron's load-balanced 2 x CP chunks; world size = TP x PP x CP x DP (GPU "
                                     "with Transformer Engine attention)")
@@ -58,9 +59,29 @@ class ModelConfig:
                                            "times TP rows, as Megatron does (the padding rows are never a token: "
                                            "their logits are masked and HF exports drop them); 1 = only as much as "
                                            "TP needs")
+    expert_model_parallel_size: int = _f(1, "expert-parallel size (EP) of a mixture-of-experts model: each rank "
+                                         "holds num_experts / EP experts; the experts' grid (expert-TP x EP x "
+                                         "expert-DP x PP) spans the same ranks as the rest of the model's, so the "
+                                         "world size must be a multiple of expert-TP x EP x PP")
+    expert_tensor_parallel_size: int = _f(0, "tensor-parallel size of each expert (expert-TP); 0 = "
+                                          "--tensor-model-parallel-size")
+    moe_token_dispatcher_type: Literal["auto", "allgather", "alltoall"] = _f(
+        "auto", "how tokens reach their experts over EP ranks (Megatron's dispatcher); auto = alltoall on a GPU, "
+        "allgather on a CPU")
+    moe_aux_loss_coeff: float = _f(0.0, "weight of Megatron's load-balancing loss for the router (RL post-training "
+                                   "keeps the pretrained routing: 0)")
     recompute_granularity: Literal["none", "selective", "full"] = _f(
         "none", "activation recomputation in the backward pass: selective (core attention only) or full (every "
         "transformer layer's input is kept, the rest recomputed), trading compute for activation memory")
+
+    @property
+    def token_dispatcher(self) -> str:
+        """`--moe-token-dispatcher-type` resolved: auto = alltoall on a GPU, allgather on a CPU."""
+        if self.moe_token_dispatcher_type != "auto":
+            return self.moe_token_dispatcher_type
+        import torch
+
+        return "alltoall" if torch.cuda.is_available() else "allgather"
 
     @property
     def use_transformer_engine(self) -> bool | None:
@@ -69,7 +90,10 @@ class ModelConfig:
 
     def __post_init__(self):
         _positive(self, "tensor_model_parallel_size", "pipeline_model_parallel_size", "context_parallel_size",
-                  "make_vocab_size_divisible_by")
+                  "make_vocab_size_divisible_by", "expert_model_parallel_size")
+        if self.expert_tensor_parallel_size < 0 or self.moe_aux_loss_coeff < 0:
+            raise ConfigError(f"--expert-tensor-parallel-size (0 = the TP size) and --moe-aux-loss-coeff must be >= "
+                              f"0, got {self.expert_tensor_parallel_size} and {self.moe_aux_loss_coeff}")
         if self.sequence_parallel and self.tensor_model_parallel_size < 2:
             raise ConfigError(f"--sequence-parallel needs --tensor-model-parallel-size >= 2, got "
                               f"{self.tensor_model_parallel_size}: add --no-sequence-parallel (sequence parallelism "
@@ -203,6 +227,9 @@ class AlgorithmConfig:
     clip_ratio_c: float = _f(3.0, "dual-clip cap: a negative-advantage token's loss is at most -c * A (c > 1)")
     tis_cap: float = _f(0.0, "truncated importance sampling against the rollout engine's log-probs: weight cap "
                         "(e.g. 2.0); 0 = off")
+    routing_replay: bool = _f(False, "mixture of experts: the actor's routers take the experts the rollout engine "
+                              "chose for each token (rollout routing replay) instead of their own top-k, so "
+                              "log-probs are computed under the routing that produced the sample (built-in engine)")
     kl_coef: float = _f(0.0, "weight of the KL(actor || reference) penalty; 0 runs no reference model")
     kl_estimator: str = _name("k3", "KL estimator", "megarl.algorithms:kl_names")
     kl_in_reward: bool = _f(False, "fold the KL penalty into the reward (kl_coef * summed per-token KL of each "
@@ -362,6 +389,13 @@ class Config:
         if self.training.max_tokens_per_micro_batch and self.model.pipeline_model_parallel_size > 1:
             raise ConfigError("--max-tokens-per-micro-batch needs --pipeline-model-parallel-size 1 (pipeline stages "
                               f"exchange fixed-shape micro-batches), got {self.model.pipeline_model_parallel_size}")
+        if self.algorithm.routing_replay:
+            if self.rollout.rollout_backend != "builtin":
+                raise ConfigError(f"--routing-replay needs --rollout-backend builtin (the engine that records each "
+                                  f"token's experts), got {self.rollout.rollout_backend}")
+            if self.model.recompute_granularity == "full" or self.model.context_parallel_size > 1:
+                raise ConfigError("--routing-replay works without --recompute-granularity full and with "
+                                  "--context-parallel-size 1 (the replayed experts follow one forward per micro-batch)")
 
 
 SECTIONS: dict[str, type] = {

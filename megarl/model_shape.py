@@ -1,4 +1,4 @@
-"""The architecture of a Hugging Face Llama / Qwen2 checkpoint, read once from its `config.json`.
+"""The architecture of a Hugging Face Llama / Qwen2 / Qwen3 / Qwen3-MoE checkpoint, read once from its `config.json`.
 
 The single source of these facts for both sides: the Megatron actor (`megarl.mcore`) and the rollout engines,
 which must not depend on each other. Unsupported features fail here, naming the config field.
@@ -10,7 +10,8 @@ import json
 from dataclasses import dataclass
 from pathlib import Path
 
-SUPPORTED_FAMILIES = ("llama", "qwen2")
+SUPPORTED_FAMILIES = ("llama", "qwen2", "qwen3", "qwen3_moe")
+QK_NORM_FAMILIES = ("qwen3", "qwen3_moe")  # per-head RMSNorm on queries and keys (`self_attn.q_norm` / `k_norm`)
 # Llama-3.1's RoPE scaling constants; Megatron's GPTModel (`rope_scaling=True`) hard-codes these three and takes
 # only the factor, so a checkpoint with other values is refused rather than silently computed differently.
 LLAMA3_ROPE = {"low_freq_factor": 1.0, "high_freq_factor": 4.0, "original_max_position_embeddings": 8192}
@@ -32,6 +33,40 @@ class ModelShape:
     tie_word_embeddings: bool
     qkv_bias: bool
     rope_scaling_factor: float = 0.0  # Llama-3.1 ("llama3") RoPE frequency scaling; 0 = none
+    qk_norm: bool = False  # Qwen3: RMSNorm over each query and key head (Megatron's qk_layernorm)
+    # Mixture of experts (qwen3_moe): 0 experts = a dense model.
+    num_experts: int = 0
+    moe_top_k: int = 0  # experts per token
+    moe_ffn_hidden_size: int = 0  # each expert's SwiGLU width
+    moe_norm_topk_prob: bool = True  # renormalise the top-k probabilities (False: softmax over all, then top-k)
+    moe_layers: tuple[int, ...] = ()  # global indices of the layers whose MLP is the mixture of experts
+
+    def is_moe_layer(self, layer: int) -> bool:
+        return layer in self.moe_layers
+
+    @property
+    def is_moe(self) -> bool:
+        return self.num_experts > 0
+
+    def attention_params(self) -> int:
+        """One layer's attention: q/k/v/o projections, Qwen2's q/k/v biases, Qwen3's q/k norms."""
+        q, kv, h = self.num_attention_heads * self.head_dim, self.num_kv_heads * self.head_dim, self.hidden_size
+        bias, norms = (q + 2 * kv) if self.qkv_bias else 0, 2 * self.head_dim if self.qk_norm else 0
+        return h * (q + 2 * kv) + q * h + bias + norms
+
+    def mlp_params(self, layer: int, active: bool = False) -> int:
+        """Layer `layer`'s MLP: dense SwiGLU, or the router and every expert (`active`: the top-k a token uses)."""
+        if not self.is_moe_layer(layer):
+            return 3 * self.hidden_size * self.ffn_hidden_size
+        experts = self.moe_top_k if active else self.num_experts
+        return self.num_experts * self.hidden_size + experts * 3 * self.hidden_size * self.moe_ffn_hidden_size
+
+    def param_count(self, active: bool = False) -> int:
+        """Parameters of the Hugging Face model, tied embeddings counted once; `active`: those one token runs
+        through (a mixture of experts' top-k experts, not all of them)."""
+        layers = sum(2 * self.hidden_size + self.attention_params() + self.mlp_params(i, active)
+                     for i in range(self.num_layers))
+        return self.vocab_size * self.hidden_size * (1 if self.tie_word_embeddings else 2) + layers + self.hidden_size
 
     def rope_inv_freq(self):
         """RoPE inverse frequencies [head_dim / 2] (float32), with Llama-3.1's scaling when the model has it:
@@ -61,14 +96,15 @@ class ModelShape:
             raise ValueError(f"{source}: hidden_act {cfg['hidden_act']!r} is not supported; supported: silu (SwiGLU)")
         if cfg.get("mlp_bias", False):
             raise ValueError(f"{source}: mlp_bias=true is not supported")
-        if family == "llama" and cfg.get("attention_bias", False):
-            raise ValueError(f"{source}: attention_bias=true (a bias on o_proj too) is not supported for llama")
+        if family in ("llama", *QK_NORM_FAMILIES) and cfg.get("attention_bias", False):
+            raise ValueError(f"{source}: attention_bias=true (a bias on o_proj too) is not supported for {family}")
         if cfg.get("use_sliding_window", False) or any(t != "full_attention" for t in cfg.get("layer_types") or ()):
             raise ValueError(f"{source}: sliding-window attention layers are not supported; supported: full_attention")
         heads = cfg["num_attention_heads"]
+        layers = cfg["num_hidden_layers"]
         return cls(
             family=family,
-            num_layers=cfg["num_hidden_layers"],
+            num_layers=layers,
             hidden_size=cfg["hidden_size"],
             num_attention_heads=heads,
             num_kv_heads=cfg.get("num_key_value_heads") or heads,
@@ -81,6 +117,8 @@ class ModelShape:
             norm_eps=cfg.get("rms_norm_eps", 1e-6),
             tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
             qkv_bias=family == "qwen2",  # Qwen2 always has q/k/v biases
+            qk_norm=family in QK_NORM_FAMILIES,
+            **(_moe_fields(cfg, layers, source) if family == "qwen3_moe" else {}),
         )
 
     @classmethod
@@ -89,6 +127,28 @@ class ModelShape:
         if not config_path.is_file():
             raise FileNotFoundError(f"{path}: no config.json there (expected an HF checkpoint directory)")
         return cls.from_hf_config(json.loads(config_path.read_text()), source=str(config_path))
+
+
+def _moe_fields(cfg: dict, layers: int, source: str) -> dict:
+    """Qwen3-MoE's experts: a layer i is sparse unless listed in `mlp_only_layers` or (i + 1) is not a multiple of
+    `decoder_sparse_step` (transformers' rule); the softmax runs over all experts, then top-k, renormalised only
+    with `norm_topk_prob`. What megarl does not compute (a shared expert) is refused by name."""
+    experts = cfg.get("num_experts", cfg.get("num_local_experts")) or 0
+    for key in ("shared_expert_intermediate_size", "n_shared_experts", "num_shared_experts"):
+        if cfg.get(key):
+            raise ValueError(f"{source}: {key}={cfg[key]}: shared experts are not supported for qwen3_moe")
+    if experts < 1:
+        raise ValueError(f"{source}: qwen3_moe with num_experts={experts}; a dense Qwen3 is model_type qwen3")
+    top_k = cfg.get("num_experts_per_tok", 0)
+    if not 1 <= top_k <= experts:
+        raise ValueError(f"{source}: num_experts_per_tok={top_k} must be within 1..num_experts={experts}")
+    step = cfg.get("decoder_sparse_step", 1) or 1
+    dense = set(cfg.get("mlp_only_layers") or ())
+    if any(not 0 <= i < layers for i in dense):
+        raise ValueError(f"{source}: mlp_only_layers={sorted(dense)} names layers outside 0..{layers - 1}")
+    return dict(num_experts=experts, moe_top_k=top_k, moe_ffn_hidden_size=cfg["moe_intermediate_size"],
+                moe_norm_topk_prob=bool(cfg.get("norm_topk_prob", False)),
+                moe_layers=tuple(i for i in range(layers) if i not in dense and (i + 1) % step == 0))
 
 
 def _rope_settings(cfg: dict) -> dict:

@@ -3,6 +3,9 @@
 Arithmetic over the model shape and the run's settings: no torch, nothing allocated. `tools/plan.py` is the
 command line. Memory, in bytes, for P parameters held by one GPU (its TP shard of its PP stage):
 
+- a mixture of experts (Qwen3-MoE) holds on a GPU its TP shard of the attention, the dense MLPs and the routers,
+  and its expert-TP shard of num_experts / EP experts per sparse layer; compute follows the active parameters
+  (the top-k experts a token runs through), memory all of them.
 - actor weights 2P (bf16); gradients 4P (megarl's DDP reduces gradients in fp32); optimizer 12P (fp32 main
   params + Adam m and v), divided by DP with --use-distributed-optimizer. So a 70B actor is 140 GB of weights
   and 18 bytes/param = 1.26 TB of training state before activations (Adam's fp32 m and v alone are 560 GB).
@@ -73,6 +76,8 @@ class Run:
     tp: int = 1
     pp: int = 1
     cp: int = 1  # context parallel: each sequence split over this many ranks, which share one DP rank's samples
+    ep: int = 1  # expert parallel: each rank holds num_experts / ep experts of every sparse layer
+    etp: int = 0  # expert-tensor parallel; 0 = tp
     mode: Literal["colocated", "disaggregated"] = "colocated"
     rollout_gpus: int = 0  # disaggregated: GPUs that run the engine (0 = the planner picks the split)
     engine_tp: int = 0  # SGLang's TP; 0 = the actor's (colocated) / the smallest that leaves room (disaggregated)
@@ -96,7 +101,8 @@ class Run:
         """From a megarl Config; flags that this checkout's config lacks keep the defaults above."""
         t, r, m = cfg.training, cfg.rollout, cfg.model
         return cls(tp=m.tensor_model_parallel_size, pp=m.pipeline_model_parallel_size,
-                   cp=getattr(m, "context_parallel_size", 1),
+                   cp=getattr(m, "context_parallel_size", 1), ep=getattr(m, "expert_model_parallel_size", 1),
+                   etp=getattr(m, "expert_tensor_parallel_size", 0),
                    engine_tp=getattr(r, "sglang_tp_size", 0), rollout_batch_size=cfg.data.rollout_batch_size,
                    n_samples_per_prompt=r.n_samples_per_prompt, max_response_len=r.max_response_len,
                    micro_batch_size=t.micro_batch_size, updates_per_rollout=t.updates_per_rollout,
@@ -113,24 +119,46 @@ DEDICATED_ENGINE_FRACTION = 0.85  # launch/slurm/disaggregated.sbatch's SGLANG_M
 
 # ------------------------------------------------------------------------------------------------ the model
 
-def layer_params(s: ModelShape) -> int:
-    q, kv = s.num_attention_heads * s.head_dim, s.num_kv_heads * s.head_dim
-    attn = s.hidden_size * (q + 2 * kv) + q * s.hidden_size + ((q + 2 * kv) if s.qkv_bias else 0)
-    return attn + 3 * s.hidden_size * s.ffn_hidden_size + 2 * s.hidden_size
+def layer_params(s: ModelShape, layer: int = 0) -> int:
+    """Layer `layer`'s parameters, every expert included."""
+    return s.attention_params() + s.mlp_params(layer) + 2 * s.hidden_size
 
 
 def num_params(s: ModelShape) -> int:
-    embed = s.vocab_size * s.hidden_size
-    return s.num_layers * layer_params(s) + embed * (1 if s.tie_word_embeddings else 2) + s.hidden_size
+    return s.param_count()
 
 
-def stage_params(s: ModelShape, tp: int, pp: int) -> float:
-    """Parameters on one GPU of the largest PP stage: its layers and, first/last stage, the embedding/output."""
-    embed = s.vocab_size * s.hidden_size
-    layers = math.ceil(s.num_layers / pp) * layer_params(s)
+def active_params(s: ModelShape) -> int:
+    """What one token runs through: a mixture of experts' top-k experts, not all of them (`num_params` if dense)."""
+    return s.param_count(active=True)
+
+
+def expert_params(s: ModelShape, layer: int) -> int:
+    """Layer `layer`'s expert weights (0 in a dense layer; the router is not an expert)."""
+    return s.num_experts * 3 * s.hidden_size * s.moe_ffn_hidden_size if s.is_moe_layer(layer) else 0
+
+
+def stage_params(s: ModelShape, tp: int, pp: int, ep: int = 1, etp: int = 0) -> float:
+    """Parameters on one GPU of the largest PP stage: its layers (experts split over EP x expert-TP, the rest over
+    TP) and, first/last stage, the embedding/output."""
+    embed = s.vocab_size * s.hidden_size / tp
+    per_stage = math.ceil(s.num_layers / pp)
+    stages = [range(i * per_stage, min(s.num_layers, (i + 1) * per_stage)) for i in range(pp)]
+
+    def on_gpu(layers) -> float:
+        return sum((layer_params(s, i) - expert_params(s, i)) / tp + expert_params(s, i) / (ep * (etp or tp))
+                   for i in layers)
+
+    layers = max(on_gpu(st) for st in stages)
     first = layers + embed
-    last = layers + (0 if s.tie_word_embeddings and pp == 1 else embed) + s.hidden_size
-    return (first + last - layers if pp == 1 else max(first, last)) / tp
+    last = layers + (0 if s.tie_word_embeddings and pp == 1 else embed) + s.hidden_size / tp
+    return first + last - layers if pp == 1 else max(first, last)
+
+
+def expert_bytes_per_gpu(s: ModelShape, r: "Run") -> float:
+    """The bf16 expert weights one GPU holds (its EP rank's experts, its expert-TP shard) in its PP stage."""
+    per_stage = math.ceil(s.num_layers / r.pp)
+    return 2 * sum(expert_params(s, i) for i in range(per_stage)) / (r.ep * (r.etp or r.tp))
 
 
 def weights_bytes(params: float, bytes_per_param: int = 2) -> float:
@@ -203,7 +231,7 @@ def _engine_tp(s: ModelShape, r: Run, cluster: Cluster) -> int:
 
 
 def _train_phase(s: ModelShape, r: Run, dp: int) -> dict[str, float]:
-    p = stage_params(s, r.tp, r.pp)
+    p = stage_params(s, r.tp, r.pp, r.ep, r.etp)
     samples_per_rank = r.rollout_batch_size * r.n_samples_per_prompt / dp / r.updates_per_rollout
     micro_batches = max(1, math.ceil(samples_per_rank / r.micro_batch_size))
     tokens = r.micro_batch_size * _sequence_len(r) / r.cp  # this rank's share of each sequence
@@ -248,6 +276,9 @@ def memory_plan(s: ModelShape, r: Run, cluster: Cluster) -> list[MemoryPlan]:
     if dp < 1 or rem:
         problems.append(f"{train_gpus} training GPUs are not a multiple of TP {r.tp} x PP {r.pp} x CP {r.cp}")
         dp = max(dp, 1)
+    if s.is_moe and train_gpus % ((r.etp or r.tp) * r.ep * r.pp):
+        problems.append(f"{train_gpus} training GPUs are not a multiple of expert-TP {r.etp or r.tp} x EP {r.ep} x "
+                        f"PP {r.pp}")
     train = _train_phase(s, r, dp)
     train["CUDA context, NCCL, fragmentation"] = OVERHEAD_BYTES
     if r.mode == "disaggregated":
@@ -292,7 +323,7 @@ class StepTime:
 
 def step_time(s: ModelShape, r: Run, cluster: Cluster, plans: list[MemoryPlan]) -> StepTime:
     g = cluster.gpu
-    total = num_params(s)
+    total, active = num_params(s), active_params(s)  # memory traffic reads every expert; FLOPs follow the active
     etp = _engine_tp(s, r, cluster)
     rollout_gpus = cluster.gpus if r.mode == "colocated" else r.rollout_gpus
     train_gpus = cluster.gpus if r.mode == "colocated" else cluster.gpus - r.rollout_gpus
@@ -301,16 +332,16 @@ def step_time(s: ModelShape, r: Run, cluster: Cluster, plans: list[MemoryPlan]) 
     rollout_plan = plans[-1]
     waves = max(1, math.ceil(rollout_plan.kv_needed / rollout_plan.kv_pool)) if rollout_plan.kv_pool > 0 else 1
     live = seqs / waves
-    prefill = 2 * total * seqs * r.prompt_len / (etp * g.bf16_tflops * 1e12 * 0.5)
+    prefill = 2 * active * seqs * r.prompt_len / (etp * g.bf16_tflops * 1e12 * 0.5)
     kv_tp = min(etp, s.num_kv_heads)
     mean_ctx = r.prompt_len + r.max_response_len / 2
     bytes_per_step = weights_bytes(total) / etp + live * mean_ctx * kv_bytes_per_token(s) / kv_tp
-    per_step = max(bytes_per_step / (g.hbm_gbps * 1e9 * 0.7), 2 * total * live / (etp * g.bf16_tflops * 1e12 * 0.5))
+    per_step = max(bytes_per_step / (g.hbm_gbps * 1e9 * 0.7), 2 * active * live / (etp * g.bf16_tflops * 1e12 * 0.5))
     rollout = prefill + waves * r.max_response_len * (per_step + 2e-3)  # +2 ms scheduling per step
     tokens = r.rollout_batch_size * r.n_samples_per_prompt * (r.prompt_len + r.mean_response_frac * r.max_response_len)
     passes = 6 + 2 + (2 if r.kl else 0)  # update fwd+bwd, the actor's log-probs, the reference's
     attention = 2 * s.num_layers * mean_ctx * s.num_attention_heads * s.head_dim  # per token, forward
-    flops = tokens * (passes * total + passes / 2 * attention)
+    flops = tokens * (passes * active + passes / 2 * attention)
     dp = max(1, train_gpus // (r.tp * r.pp * r.cp))
     micro = max(1, math.ceil(r.rollout_batch_size * r.n_samples_per_prompt / dp / r.updates_per_rollout
                              / r.micro_batch_size))

@@ -5,9 +5,10 @@ adds what needs the machine: a GPU, Transformer Engine), and the Slurm and nemo-
 host before they start anything (`launch/render.py check`). So a run that cannot work stops at once, with every
 problem listed in one message naming the flag and the config field, and exit status 2, which the launchers never
 requeue. What it checks:
-- the layout: TP x PP x CP divides the world size, and DP the prompts;
+- the layout: TP x PP x CP and expert-TP x EP x PP divide the world size, and DP the prompts;
 - the actor's `config.json`: an architecture megarl trains (`ModelShape`), heads, KV heads and the MLP divisible
-  by TP, layers by PP, safetensors present; the reference's architecture equal to the actor's;
+  by TP, layers by PP, experts by EP and their width by expert-TP (EP > 1 only for a mixture of experts),
+  safetensors present; the reference's architecture equal to the actor's;
 - lengths: --max-prompt-len + --max-response-len within the model's `max_position_embeddings`;
 - `--load` / `--ckpt-step`: which checkpoint resumes (none yet: a fresh start), and that its padded vocabulary is
   the one this run builds.
@@ -44,6 +45,11 @@ def parallel_layout(cfg: Config, world_size: int) -> Layout:
         raise ConfigError(f"the world size {world_size} (processes, GPUs) is not divisible by "
                           f"--tensor-model-parallel-size {tp} x --pipeline-model-parallel-size {pp} x "
                           f"--context-parallel-size {cp}; use a multiple of their product")
+    ep, etp = m.expert_model_parallel_size, m.expert_tensor_parallel_size or tp
+    if world_size % (etp * ep * pp):
+        raise ConfigError(f"the world size {world_size} is not divisible by --expert-tensor-parallel-size {etp} x "
+                          f"--expert-model-parallel-size {ep} x --pipeline-model-parallel-size {pp} (the experts' "
+                          "grid spans the same ranks as the rest of the model's); use a multiple of their product")
     dp = world_size // (tp * pp * cp)
     if cfg.data.rollout_batch_size % dp:
         raise ConfigError(f"--rollout-batch-size {cfg.data.rollout_batch_size} is not divisible by the data-parallel "
@@ -91,6 +97,7 @@ def model_problems(cfg: Config, shape: ModelShape, where: str) -> list[str]:
     if shape.num_layers % pp:
         problems.append(f"{where}: num_hidden_layers = {shape.num_layers} is not divisible by "
                         f"--pipeline-model-parallel-size {pp}")
+    problems += _expert_problems(m, shape, where, cfg.algorithm.routing_replay)
     context = shape.max_position_embeddings
     if r.max_response_len >= context:
         problems.append(f"{where}: --max-response-len {r.max_response_len} leaves no room for a prompt in the "
@@ -99,6 +106,32 @@ def model_problems(cfg: Config, shape: ModelShape, where: str) -> list[str]:
         problems.append(f"{where}: --max-prompt-len {cfg.data.max_prompt_len} + --max-response-len "
                         f"{r.max_response_len} = {cfg.data.max_prompt_len + r.max_response_len} tokens exceed the "
                         f"model's {context} positions (max_position_embeddings); lower one of them")
+    return problems
+
+
+def _expert_problems(m, shape: ModelShape, where: str, routing_replay: bool = False) -> list[str]:
+    ep, etp = m.expert_model_parallel_size, m.expert_tensor_parallel_size
+    if not shape.is_moe:
+        problems = []
+        if ep > 1 or etp > 1:
+            problems.append(f"{where}: --expert-model-parallel-size {ep} / --expert-tensor-parallel-size {etp}: a "
+                            f"{shape.family} model has no experts (qwen3_moe has); leave them at 1 and 0")
+        if routing_replay:
+            problems.append(f"{where}: --routing-replay: a {shape.family} model has no routers to replay")
+        return problems
+    problems = []
+    if shape.num_experts % ep:
+        fits = max(e for e in range(1, ep) if shape.num_experts % e == 0)
+        problems.append(f"{where}: num_experts = {shape.num_experts} is not divisible by --expert-model-parallel-size "
+                        f"{ep} (the largest EP below {ep} that divides it: {fits})")
+    if m.tensor_model_parallel_size > 1 and not m.sequence_parallel:
+        problems.append(f"{where}: a mixture-of-experts model trains at --tensor-model-parallel-size "
+                        f"{m.tensor_model_parallel_size} only with --sequence-parallel (Megatron's MoE layer needs "
+                        "the tokens split over TP ranks)")
+    etp = etp or m.tensor_model_parallel_size
+    if shape.moe_ffn_hidden_size % etp:
+        problems.append(f"{where}: moe_intermediate_size = {shape.moe_ffn_hidden_size} is not divisible by "
+                        f"--expert-tensor-parallel-size {etp} (0 = the TP size)")
     return problems
 
 

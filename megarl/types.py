@@ -46,6 +46,9 @@ class Sample:
     reward: float = 0.0
     outcome: str = ""  # the verifier's outcome (`megarl.verifiers.base.OUTCOMES`)
     metadata: dict[str, float] = field(default_factory=dict)  # per-sample numbers to report (turns, tool calls)
+    # Mixture of experts: the engine's experts per token, int16 [prompt + response, sparse layers, top-k]
+    # (`Completion.routed_experts`); None when the engine does not record them.
+    routed_experts: Tensor | None = None
 
     def __post_init__(self):
         if not len(self.response_ids) == len(self.loss_mask) == len(self.rollout_logprobs):
@@ -75,6 +78,7 @@ class PackedSamples:
     loss_mask: Tensor  # [B, S - 1] float: 1 where the target token is the policy's and counts in the loss
     rollout_logp: Tensor  # [B, S - 1] the engine's log-probs of the targets, 0 where masked
     lengths: Tensor  # [B] prompt + response tokens of each row
+    routing: Tensor | None = None  # [B, S, sparse layers, top-k] the engine's experts per token, -1 past a row's end
 
 
 @dataclass(frozen=True)
@@ -90,6 +94,7 @@ class TrainBatch:
     advantages: Tensor  # [B] one per sample, or [B, S - 1] per token (estimators with a critic)
     old_logp: Tensor | None = None  # [B, S - 1] the actor before this step's updates (more than one update)
     ref_logp: Tensor | None = None  # [B, S - 1] the frozen reference (a KL term)
+    routing: Tensor | None = None  # [B, S, sparse layers, top-k] the engine's experts (`PackedSamples.routing`)
 
     def tensors(self) -> dict[str, Tensor]:
         """The tensors the actor's loss reads, by name (what the Megatron micro-batching slices)."""
@@ -99,4 +104,6 @@ class TrainBatch:
             out["old_logp"] = self.old_logp
         if self.ref_logp is not None:
             out["ref_logp"] = self.ref_logp
+        if self.routing is not None:
+            out["routing"] = self.routing
         return out

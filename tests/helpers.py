@@ -12,17 +12,31 @@ REPO = Path(__file__).resolve().parents[1]
 
 def make_tiny_hf_model(out: Path, family: str = "qwen2", tie: bool = False, seed: int = 0, layers: int = 2,
                        vocab: int = 96, with_tokenizer: bool = False, rope: dict | None = None, **config) -> Path:
-    """A random Llama/Qwen2 created with `transformers` (no hub) and saved as an HF checkpoint directory;
-    `config`: other config.json fields (heads, widths...)."""
+    """A random Llama/Qwen2/Qwen3/Qwen3-MoE created with `transformers` (no hub) and saved as an HF checkpoint
+    directory; `config`: other config.json fields (heads, widths, experts...). Qwen3 gets an explicit head_dim
+    that is not hidden / heads, and Qwen3-MoE 4 experts (top-2) of width 32 unless `config` says otherwise."""
     import torch
-    from transformers import AutoModelForCausalLM, LlamaConfig, Qwen2Config
+    from transformers import AutoModelForCausalLM, LlamaConfig, Qwen2Config, Qwen3Config, Qwen3MoeConfig
 
     torch.manual_seed(seed)
-    cls = {"qwen2": Qwen2Config, "llama": LlamaConfig}[family]
+    cls = {"qwen2": Qwen2Config, "llama": LlamaConfig, "qwen3": Qwen3Config, "qwen3_moe": Qwen3MoeConfig}[family]
     shape = dict(hidden_size=64, intermediate_size=128, num_attention_heads=4, num_key_value_heads=2,
                  max_position_embeddings=64, **({"rope_parameters": rope} if rope else {}))
+    if family in ("qwen3", "qwen3_moe"):
+        shape["head_dim"] = 24
+    if family == "qwen3_moe":
+        shape.update(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32, norm_topk_prob=True)
     cfg = cls(vocab_size=vocab, num_hidden_layers=layers, tie_word_embeddings=tie, **{**shape, **config})
     model = AutoModelForCausalLM.from_config(cfg).float().eval()
+    if family in ("qwen3", "qwen3_moe"):
+        # transformers initialises the q/k norms to ones (and Qwen3-MoE's router to zeros): random values make a
+        # weight-table or routing mistake show in the logits.
+        with torch.no_grad():
+            for name, p in model.named_parameters():
+                if name.endswith(("q_norm.weight", "k_norm.weight")):
+                    p.uniform_(0.5, 1.5)
+                elif name.endswith("mlp.gate.weight"):
+                    p.normal_(0.0, 0.5)
     model.save_pretrained(out)
     if with_tokenizer:
         from megarl.tasks.arithmetic import build_tokenizer

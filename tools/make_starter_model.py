@@ -1,7 +1,12 @@
 """Build the tiny starter model of the CPU demo: a 2-layer Qwen2 that knows the arithmetic format but is only
 partly right, so that GRPO has something visible to improve in minutes on 2 cores.
 
-    python tools/make_starter_model.py --out DIR [--steps 1760] [--seed 0] [--minutes M]
+    python tools/make_starter_model.py --out DIR [--family qwen2|qwen3|qwen3_moe] [--steps 1760] [--seed 0]
+                                       [--minutes M]
+
+`--family` picks the architecture, the same width and depth in each: Qwen2 (the demo's), Qwen3 (per-head q/k
+norms), or Qwen3-MoE (4 experts of width 512 per layer, each token through 2 of them: the dense MLP's 1,024
+active width; `recipes/tiny_cpu_moe.sh` trains it with expert parallelism).
 
 DIR receives an HF checkpoint (config.json, model.safetensors, the tokenizer) plus `train.jsonl` (every problem
 not held out) and `heldout.jsonl` (the 200 held-out problems). Everything is written to a hidden sibling
@@ -50,11 +55,13 @@ NOISE_P = 0.5  # share of training answers replaced by a near miss
 STEPS = 1760  # ~3 minutes on 2 idle cores
 MAX_NEW_TOKENS = 6  # answers have at most 3 digits, then EOS; a little slack to see rambling
 VOCAB_MULTIPLE = 16
+FAMILIES = ("qwen2", "qwen3", "qwen3_moe")
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--out", required=True, type=Path, help="checkpoint directory to create")
+    p.add_argument("--family", choices=FAMILIES, default="qwen2", help="the model's architecture (HF model_type)")
     p.add_argument("--steps", type=int, default=STEPS, help="pre-training steps: the learning-rate schedule's length")
     p.add_argument("--minutes", type=float, default=0.0, help="a deadline: past it the build stops and writes "
                    "nothing (0 = none); it never shortens the schedule")
@@ -65,13 +72,21 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return p.parse_args(argv)
 
 
-def build_model(tokenizer):
-    """A 2-layer Qwen2 (~2M parameters): on 2 cores a smaller model trains into a useful start fastest."""
-    from transformers import AutoModelForCausalLM, Qwen2Config
+def build_model(tokenizer, family: str = "qwen2"):
+    """A 2-layer Qwen2 (~2M parameters): on 2 cores a smaller model trains into a useful start fastest. Qwen3 and
+    Qwen3-MoE keep its width, depth and heads (see the module docstring)."""
+    from transformers import AutoModelForCausalLM, Qwen2Config, Qwen3Config, Qwen3MoeConfig
 
     vocab = len(tokenizer)
     padded = math.ceil(vocab / VOCAB_MULTIPLE) * VOCAB_MULTIPLE
-    config = Qwen2Config(
+    cls, extra = Qwen2Config, {}
+    if family in ("qwen3", "qwen3_moe"):
+        cls, extra = Qwen3Config, dict(head_dim=64)
+    if family == "qwen3_moe":
+        cls = Qwen3MoeConfig
+        extra.update(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=512, norm_topk_prob=True,
+                     router_aux_loss_coef=0.0)
+    config = cls(
         vocab_size=padded,
         tokenizer_vocab_size=vocab,  # ids >= this are padding rows of the embedding, never produced by the tokenizer
         hidden_size=256,
@@ -85,6 +100,7 @@ def build_model(tokenizer):
         eos_token_id=tokenizer.eos_token_id,
         pad_token_id=tokenizer.pad_token_id,
         dtype="float32",
+        **extra,
     )
     return AutoModelForCausalLM.from_config(config, dtype=torch.float32)
 
@@ -206,7 +222,7 @@ def build(tmp: Path, args: argparse.Namespace) -> None:
     torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "2")))
     train, heldout = split_problems(seed=args.split_seed)
     tokenizer = build_tokenizer(tmp)
-    model = build_model(tokenizer)
+    model = build_model(tokenizer, args.family)
     print(f"parameters: {count_parameters(model):,}  vocab: {len(tokenizer)} -> {model.config.vocab_size}", flush=True)
     print(f"problems: {len(train)} train, {len(heldout)} held out", flush=True)
 

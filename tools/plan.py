@@ -25,7 +25,8 @@ sys.path.insert(0, str(ROOT))
 
 from megarl.config import ConfigError, parse_args  # noqa: E402
 from megarl.model_shape import ModelShape  # noqa: E402
-from megarl.plan import GIB, GPUS, Cluster, Plan, Run, kv_bytes_per_token, num_params, plan, recommend  # noqa: E402
+from megarl.plan import (GIB, GPUS, Cluster, Plan, Run, active_params, expert_bytes_per_gpu,  # noqa: E402
+                         kv_bytes_per_token, num_params, plan, recommend)
 from megarl.preflight import model_problems, prompt_limit  # noqa: E402
 
 _SHAPE_DUMP = 'source "$1" >/dev/null; for k in "${!MODEL_SHAPE[@]}"; do printf "%s\\0%s\\0" "$k" "${MODEL_SHAPE[$k]}"; done'
@@ -157,6 +158,11 @@ def main(argv: list[str] | None = None) -> int:
     print(f"model: {shape.family}, {num_params(shape) / 1e9:.2f}B parameters ({2 * num_params(shape) / GIB:.1f} GiB "
           f"in bf16), {shape.num_layers} layers, {shape.max_position_embeddings} positions, KV cache "
           f"{kv_bytes_per_token(shape) / 1024:.0f} KiB/token")
+    if shape.is_moe:
+        print(f"experts: {shape.num_experts} per sparse layer in {len(shape.moe_layers)} layers, top-"
+              f"{shape.moe_top_k}: {active_params(shape) / 1e9:.2f}B parameters active per token; EP {run.ep} x "
+              f"expert-TP {run.etp or run.tp}: {expert_bytes_per_gpu(shape, run) / GIB:.1f} GiB of bf16 expert weights "
+              "per GPU")
     refused = model_problems(cfg, shape, "train.py would stop")
     run = _layout_that_divides(run, shape, gpus)
     print(f"cluster: {gpus} x {cluster.gpu.name}; TP {run.tp} x PP {run.pp}; {run.rollout_batch_size} prompts x "

@@ -109,7 +109,10 @@ class MegatronPolicy(MegatronModel):
         return convert.iter_hf_weights(self.model, self.shape)
 
     def logprobs(self, tokens: torch.Tensor, *, micro_batch_size: int, temperature: float = 1.0,
-                 lengths: torch.Tensor | None = None, max_tokens_per_micro_batch: int = 0) -> torch.Tensor | None:
-        """Per-token log-probs [B, S - 1] on the last pipeline stage, None on the others."""
+                 lengths: torch.Tensor | None = None, max_tokens_per_micro_batch: int = 0,
+                 routing: torch.Tensor | None = None) -> torch.Tensor | None:
+        """Per-token log-probs [B, S - 1] on the last pipeline stage, None on the others; `routing`: the engine's
+        experts per token [B, S, sparse layers, k], replayed when the actor was built with `routing_replay`."""
         return self._forward_only(tokens, micro_batch_size=micro_batch_size, temperature=temperature,
-                                  lengths=lengths, max_tokens_per_micro_batch=max_tokens_per_micro_batch)
+                                  lengths=lengths, max_tokens_per_micro_batch=max_tokens_per_micro_batch,
+                                  routing=routing)

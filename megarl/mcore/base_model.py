@@ -24,8 +24,8 @@ from typing import Callable
 
 import torch
 
-from megarl.mcore import context_parallel, convert, cpu_compat, parallel
-from megarl.mcore.model import build_gpt_model, in_model_precision, recompute_options, transformer_config
+from megarl.mcore import context_parallel, convert, cpu_compat, parallel, routing
+from megarl.mcore.model import MoEOptions, build_gpt_model, in_model_precision, recompute_options, transformer_config
 from megarl.model_shape import ModelShape
 
 LossFn = Callable[[torch.Tensor, dict], tuple[torch.Tensor, torch.Tensor, dict[str, torch.Tensor]]]
@@ -61,7 +61,7 @@ def _micro_batches(batch: dict[str, torch.Tensor], micro_batch_size: int) -> lis
     for i in range(count):
         mb = {k: v[i * micro_batch_size : (i + 1) * micro_batch_size] for k, v in batch.items()}
         n = mb["tokens"].shape[0]
-        mb = {k: _pad_rows(v, micro_batch_size) for k, v in mb.items()}
+        mb = {k: _pad_rows(v, micro_batch_size, -1 if k == "routing" else 0) for k, v in mb.items()}
         mb["_real_rows"] = n
         out.append(mb)
     return out
@@ -110,16 +110,29 @@ def _budget_micro_batches(batch: dict[str, torch.Tensor], max_tokens: int) -> li
     return out
 
 
+def _experts_apart(module: torch.nn.Module) -> None:
+    """Expert weights reduce their gradients over the expert-data-parallel group and get an optimizer of their own,
+    at every EP size (megatron-core does so only at EP > 1): the optimizer state then has the same structure
+    whatever the EP size, so a checkpoint saved at EP = 2 resumes at EP = 1. At EP = 1 the expert-data-parallel
+    group is the data-parallel group, so the update is the same."""
+    for name, param in module.named_parameters():
+        if ".mlp.experts." in name:
+            param.allreduce = False
+
+
 class MegatronModel:
     """A GPTModel shard, its optimizer and scheduler (none when frozen); subclasses give it a head."""
 
     def __init__(self, shape: ModelShape, *, tp: int, pp: int, trainable: bool, optim: OptimConfig | None = None,
                  use_transformer_engine: bool | None = None, bf16: bool = False, sequence_parallel: bool = False,
                  cp: int = 1, local_kernels: bool = True, padded_vocab_size: int = 0,
-                 recompute_granularity: str = "none"):
+                 recompute_granularity: str = "none", moe: MoEOptions | None = None, routing_replay: bool = False):
         """`padded_vocab_size`: rows of the embedding and output layer (`megarl.preflight.padded_vocab_size`;
         0 = the HF vocabulary padded only as TP needs). `recompute_granularity`: none, selective or full
-        (`--recompute-granularity`)."""
+        (`--recompute-granularity`). `moe`: expert parallelism and routing of a mixture-of-experts model (EP and
+        expert-TP must be those the process groups were made with, `parallel.init_distributed`). `routing_replay`:
+        a batch's `routing` (the engine's experts) is replayed by the routers, not only compared
+        (`megarl.mcore.routing`)."""
         from megatron.core import parallel_state
         from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
         from megatron.core.distributed.finalize_model_grads import finalize_model_grads
@@ -141,9 +154,14 @@ class MegatronModel:
                              f"{shape.vocab_size} in equal shards over TP {tp}")
         self.config = transformer_config(shape, tp=tp, pp=pp, bf16=bf16, sequence_parallel=sequence_parallel,
                                          params_dtype=torch.bfloat16 if bf16 else torch.float32,
-                                         context_parallel_size=cp, local_kernels=self.local_kernels,
+                                         context_parallel_size=cp, local_kernels=self.local_kernels, moe=moe,
                                          **recompute_options(recompute_granularity))
         module = in_model_precision(self._build_module(shape, use_transformer_engine), self.config)
+        self.routing_replay = routing_replay
+        self._taps = []
+        if shape.is_moe:
+            _experts_apart(module)
+            self._taps = routing.install_taps(module, shape, self.config.moe_router_pre_softmax)
         self.optimizer = self.scheduler = None
         if not trainable:
             module.eval()
@@ -242,6 +260,7 @@ class MegatronModel:
 
         device = parallel.device()
         batch = {k: v.to(device) for k, v in batch.items()}
+        routing.take_metrics(self._taps)  # this run's counts only
         if max_tokens > 0:  # PP = 1 only (`megarl.config`): pipeline stages exchange fixed-shape micro-batches
             micro = _budget_micro_batches(batch, max_tokens)
         else:
@@ -287,6 +306,15 @@ class MegatronModel:
             if padded != width:
                 tokens = torch.nn.functional.pad(tokens, (0, padded - width))
             positions = torch.arange(tokens.shape[1], device=tokens.device).unsqueeze(0).expand_as(tokens)
+            if self._taps:
+                experts = mb.get("routing")
+                if experts is not None and experts.shape[1] != tokens.shape[1]:
+                    experts = torch.nn.functional.pad(experts, (0, 0, 0, 0, 0, tokens.shape[1] - experts.shape[1]),
+                                                      value=-1)
+                sp = self.config.sequence_parallel
+                routing.set_routing(self._taps, experts, self.routing_replay,
+                                    parallel_state.get_tensor_model_parallel_rank() if sp else 0,
+                                    self.config.tensor_model_parallel_size if sp else 1)
             labels = None
             if cp > 1:  # this rank's chunks of the inputs, and of the next-token labels (0 after the last token)
                 labels = torch.nn.functional.pad(tokens[:, 1:], (0, 1))
@@ -310,12 +338,15 @@ class MegatronModel:
 
     @torch.no_grad()
     def _forward_only(self, tokens: torch.Tensor, *, micro_batch_size: int, temperature: float = 1.0,
-                      lengths: torch.Tensor | None = None, max_tokens_per_micro_batch: int = 0) -> torch.Tensor | None:
+                      lengths: torch.Tensor | None = None, max_tokens_per_micro_batch: int = 0,
+                      routing: torch.Tensor | None = None) -> torch.Tensor | None:
         """The head's per-token output [B, S - 1] (`_per_token`) on the last pipeline stage, None on the others.
         With a token budget, micro-batches follow `_budget_micro_batches` (positions past a row's length come back
-        as 0)."""
+        as 0). `routing`: the engine's experts per token (replayed with `routing_replay`)."""
         self.model.eval()
         batch = {"tokens": tokens} if lengths is None else {"tokens": tokens, "lengths": lengths}
+        if routing is not None:
+            batch["routing"] = routing
         outputs = self._run(batch, None, micro_batch_size, temperature, forward_only=True,
                             max_tokens=max_tokens_per_micro_batch)
         if not outputs:
@@ -328,6 +359,20 @@ class MegatronModel:
             full[o["_rows"], : o["logprobs"].shape[1]] = o["logprobs"]
         return full
 
+    def _routing_sums(self) -> dict[str, float]:
+        """The routers' counts of the last run (`routing.take_metrics`), summed over pipeline stages so that the
+        last stage, which reports, holds every layer's; {} for a dense model."""
+        if not self._taps and not self.shape.is_moe:
+            return {}
+        from megatron.core import parallel_state
+
+        sums = routing.take_metrics(self._taps)
+        if self.config.pipeline_model_parallel_size > 1:
+            t = torch.tensor(list(sums.values()), dtype=torch.float64)
+            t = parallel.all_reduce_host(t, group=parallel_state.get_pipeline_model_parallel_group())
+            sums = dict(zip(sums, t.tolist()))
+        return sums
+
     def train_step(self, batch: dict[str, torch.Tensor], loss_fn: LossFn, *, micro_batch_size: int,
                    temperature: float = 1.0, max_tokens_per_micro_batch: int = 0) -> dict[str, float]:
         """One optimizer step over `batch` (this DP rank's share of the global batch)."""
@@ -337,6 +382,7 @@ class MegatronModel:
         self.optimizer.zero_grad()
         outputs = self._run(batch, loss_fn, micro_batch_size, temperature, forward_only=False,
                             max_tokens=max_tokens_per_micro_batch)
+        moe = self._routing_sums()
         with cpu_compat.megatron_scope():
             ok, grad_norm, _ = self.optimizer.step()
         self.scheduler.step(increment=1)
@@ -346,6 +392,7 @@ class MegatronModel:
             for k, v in o.items():
                 v = float(v)
                 sums[k] = max(sums.get(k, v), v) if k.endswith("_max") else sums.get(k, 0.0) + v
+        sums.update(moe)
         sums["grad_norm"] = float(grad_norm) if grad_norm is not None else float("nan")
         sums["update_skipped"] = 0.0 if ok else 1.0
         sums["lr"] = self.optimizer.param_groups[0]["lr"]

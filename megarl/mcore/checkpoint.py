@@ -47,7 +47,12 @@ def _set_rng_state(state: dict) -> None:
 
 def _sharded_state_dict(policy, is_loading: bool) -> dict:
     model_sd = unwrap(policy.model).sharded_state_dict()
-    return {"model": model_sd, "optimizer": policy.optimizer.sharded_state_dict(model_sd, is_loading=is_loading)}
+    # A mixture-of-experts model has two optimizers (experts and the rest) when experts are split over EP ranks,
+    # one otherwise: keys without the chained optimizer's `chained_<i>.` prefix let a checkpoint saved at one EP
+    # size resume at another.
+    optimizer_sd = policy.optimizer.sharded_state_dict(model_sd, is_loading=is_loading,
+                                                       metadata={"chained_optim_avoid_prefix": True})
+    return {"model": model_sd, "optimizer": optimizer_sd}
 
 
 @cpu_compat.in_megatron_scope

@@ -1,7 +1,14 @@
 """Hugging Face <-> Megatron weights: one name/reshape table per model family.
 
-Megatron names here are those of the local layer spec, with the global layer index; Transformer Engine folds
-the norms into the following linear layer (`layer_norm_weight`), mapped by `_TE_ALIASES`.
+Megatron names here are those of the local layer spec, with the global layer index and, for experts, the global
+expert index; Transformer Engine folds the norms into the following linear layer (`layer_norm_weight`) and names
+its grouped experts `mlp.experts.linear_fc1.weight<j>`, both mapped by `global_param_names`.
+
+Mixture of experts (qwen3_moe): each rank of expert-parallel rank r holds experts r * E / EP .. (r + 1) * E / EP - 1
+as `mlp.experts.local_experts.<j>`, each sharded over the expert-tensor-parallel group (not the attention's TP).
+Loading picks the rank's experts by their global index; exporting gathers each over expert-TP, then over EP.
+On disk (and in every rollout engine) the experts are HF's per-expert tensors
+`model.layers.L.mlp.experts.E.{gate,up,down}_proj.weight`, the router `model.layers.L.mlp.gate.weight`.
 
 Reshapes:
 - `qkv`: HF's separate q/k/v projections -> Megatron's fused `linear_qkv`, grouped by KV head:
@@ -30,10 +37,10 @@ from megarl.model_shape import ModelShape
 
 @dataclass(frozen=True)
 class Rule:
-    mcore: str  # Megatron name; {i} is the global layer index
+    mcore: str  # Megatron name; {i} is the global layer index, {e} the global expert index
     hf: tuple[str, ...]  # HF names, in the order the reshape expects
     kind: str = "copy"  # copy | qkv | gate_up | vocab
-    when: str | None = None  # a ModelShape flag that must be true (or "untied") for the rule to apply
+    when: str | None = None  # a flag of `rules_for` that must be true for the rule to apply
 
 
 _LAYER = "decoder.layers.{i}."
@@ -65,8 +72,27 @@ _DECODER_RULES = (
     Rule(_LAYER + "mlp.linear_fc2.weight", (_HF_LAYER + "mlp.down_proj.weight",)),
 )
 
-# Llama and Qwen2 share a layout; Qwen2 always has q/k/v biases (ModelShape.qkv_bias).
-FAMILY_RULES: dict[str, tuple[Rule, ...]] = {"llama": _DECODER_RULES, "qwen2": _DECODER_RULES}
+# Qwen3: per-head RMSNorm of queries and keys, applied before RoPE in both implementations.
+_QK_NORM_RULES = (
+    Rule(_LAYER + "self_attention.q_layernorm.weight", (_HF_LAYER + "self_attn.q_norm.weight",)),
+    Rule(_LAYER + "self_attention.k_layernorm.weight", (_HF_LAYER + "self_attn.k_norm.weight",)),
+)
+
+_EXPERT = _LAYER + "mlp.experts.local_experts.{e}."
+_HF_EXPERT = _HF_LAYER + "mlp.experts.{e}."
+_MOE_RULES = (
+    Rule(_LAYER + "mlp.router.weight", (_HF_LAYER + "mlp.gate.weight",)),
+    Rule(_EXPERT + "linear_fc1.weight", (_HF_EXPERT + "gate_proj.weight", _HF_EXPERT + "up_proj.weight"),
+         kind="gate_up"),
+    Rule(_EXPERT + "linear_fc2.weight", (_HF_EXPERT + "down_proj.weight",)),
+)
+
+# Llama and Qwen2 share a layout; Qwen2 always has q/k/v biases (ModelShape.qkv_bias). Qwen3 adds the q/k norms,
+# Qwen3-MoE the router and experts (its dense layers, `mlp_only_layers`, keep the dense MLP's names).
+FAMILY_RULES: dict[str, tuple[Rule, ...]] = {
+    "llama": _DECODER_RULES, "qwen2": _DECODER_RULES, "qwen3": _DECODER_RULES + _QK_NORM_RULES,
+    "qwen3_moe": _DECODER_RULES + _QK_NORM_RULES + _MOE_RULES,
+}
 
 _TE_ALIASES = {
     "self_attention.linear_qkv.layer_norm_weight": "input_layernorm.weight",
@@ -78,22 +104,32 @@ def rules_for(shape: ModelShape) -> list[Rule]:
     if shape.family not in FAMILY_RULES:
         raise ValueError(f"no weight table for model family {shape.family!r}; known: {', '.join(FAMILY_RULES)}")
     flags = {"untied": not shape.tie_word_embeddings, "qkv_bias": shape.qkv_bias}
+    if shape.qk_norm != (shape.family in ("qwen3", "qwen3_moe")) or shape.is_moe != (shape.family == "qwen3_moe"):
+        raise ValueError(f"no weight table for a {shape.family} model with qk_norm={shape.qk_norm} and "
+                         f"{shape.num_experts} experts (qk norms: qwen3, qwen3_moe; experts: qwen3_moe)")
     return [r for r in FAMILY_RULES[shape.family] if r.when is None or flags[r.when]]
 
 
 def _compile(rules: list[Rule]) -> list[tuple[re.Pattern, Rule]]:
     out = []
     for r in rules:
-        pattern = re.escape(r.mcore).replace(re.escape("{i}"), r"(?P<i>\d+)")
+        pattern = re.escape(r.mcore).replace(re.escape("{i}"), r"(?P<i>\d+)").replace(re.escape("{e}"), r"(?P<e>\d+)")
         out.append((re.compile(pattern + "$"), r))
     return out
 
 
 def _match(name: str, rules: list[Rule]) -> tuple[Rule, int | None]:
+    rule, layer, _ = _match_expert(name, rules)
+    return rule, layer
+
+
+def _match_expert(name: str, rules: list[Rule]) -> tuple[Rule, int | None, int | None]:
+    """The rule for a canonical Megatron name, its global layer index and its global expert index."""
     for pattern, rule in _compile(rules):
         m = pattern.match(name)
         if m:
-            return rule, int(m["i"]) if "i" in m.groupdict() else None
+            found = m.groupdict()
+            return rule, *(int(found[k]) if k in found else None for k in "ie")
     raise KeyError(f"Megatron parameter {name!r} has no entry in the weight table")
 
 
@@ -143,14 +179,14 @@ def mcore_to_hf_tensors(rule: Rule, tensor: torch.Tensor, shape: ModelShape) -> 
     return [tensor]
 
 
-def hf_names(rule: Rule, layer: int | None) -> list[str]:
-    return [n.format(i=layer) for n in rule.hf]
+def hf_names(rule: Rule, layer: int | None, expert: int | None = None) -> list[str]:
+    return [n.format(i=layer, e=expert) for n in rule.hf]
 
 
 def mcore_to_hf(name: str, tensor: torch.Tensor, shape: ModelShape) -> list[tuple[str, torch.Tensor]]:
     """One full Megatron tensor (global name) -> its HF tensors."""
-    rule, layer = _match(name, rules_for(shape))
-    return list(zip(hf_names(rule, layer), mcore_to_hf_tensors(rule, tensor, shape)))
+    rule, layer, expert = _match_expert(name, rules_for(shape))
+    return list(zip(hf_names(rule, layer, expert), mcore_to_hf_tensors(rule, tensor, shape)))
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -164,21 +200,53 @@ def unwrap(model: torch.nn.Module) -> torch.nn.Module:
 
 
 def global_param_names(model: torch.nn.Module) -> dict[str, str]:
-    """This stage's parameter names -> canonical names with global layer indices and local-spec naming."""
+    """This stage's parameter names -> canonical names with global layer and expert indices and local-spec naming."""
     model = unwrap(model)
     layer_numbers = {}
     if hasattr(model, "decoder"):
         for local_index, layer in enumerate(model.decoder.layers):
             layer_numbers[local_index] = layer.layer_number - 1  # layer_number is global and 1-based
+    first_expert = _first_local_expert(model)
     out = {}
     for name, _ in model.named_parameters():
         canonical = name
         m = re.match(r"decoder\.layers\.(\d+)\.(.*)$", name)
         if m:
             rest = _TE_ALIASES.get(m[2], m[2])
+            grouped = re.match(r"mlp\.experts\.(linear_fc[12])\.weight(\d+)$", rest)  # TE's TEGroupedMLP
+            if grouped:
+                rest = f"mlp.experts.local_experts.{grouped[2]}.{grouped[1]}.weight"
+            local = re.match(r"mlp\.experts\.local_experts\.(\d+)\.(.*)$", rest)
+            if local:
+                rest = f"mlp.experts.local_experts.{first_expert + int(local[1])}.{local[2]}"
             canonical = f"decoder.layers.{layer_numbers[int(m[1])]}.{rest}"
         out[name] = canonical
     return out
+
+
+def _first_local_expert(model: torch.nn.Module) -> int:
+    """The global index of this rank's first expert: EP rank x experts per EP rank."""
+    experts = getattr(getattr(model, "config", None), "num_moe_experts", None)
+    if not experts:
+        return 0
+    from megatron.core import parallel_state as ps
+
+    return ps.get_expert_model_parallel_rank() * (experts // ps.get_expert_model_parallel_world_size())
+
+
+def _is_expert(global_name: str) -> bool:
+    return ".mlp.experts." in global_name
+
+
+def _tp_of(global_name: str):
+    """(rank, size, group) of the tensor-parallel group that shards this parameter: expert-TP for experts."""
+    from megatron.core import parallel_state as ps
+
+    if _is_expert(global_name):
+        return (ps.get_expert_tensor_parallel_rank(), ps.get_expert_tensor_parallel_world_size(),
+                ps.get_expert_tensor_parallel_group())
+    return (ps.get_tensor_model_parallel_rank(), ps.get_tensor_model_parallel_world_size(),
+            ps.get_tensor_model_parallel_group())
 
 
 def _is_tp_sharded(param: torch.Tensor) -> bool:
@@ -234,7 +302,6 @@ def load_hf_weights(model: torch.nn.Module, hf_dir: str | Path, shape: ModelShap
     from megatron.core import parallel_state as ps
 
     model = unwrap(model)
-    tp_rank, tp_size = ps.get_tensor_model_parallel_rank(), ps.get_tensor_model_parallel_world_size()
     rules = rules_for(shape)
     names = global_param_names(model)
     params = dict(model.named_parameters())
@@ -243,18 +310,20 @@ def load_hf_weights(model: torch.nn.Module, hf_dir: str | Path, shape: ModelShap
         if skip and global_name.startswith(skip):
             continue
         if global_name == "output_layer.weight" and shape.tie_word_embeddings:
-            plan[local_name] = (_match("embedding.word_embeddings.weight", rules)[0], None)
+            plan[local_name] = (_match("embedding.word_embeddings.weight", rules)[0], None, None)
         else:
-            plan[local_name] = _match(global_name, rules)
-    hf = _read_safetensors(Path(hf_dir), (n for rule, layer in plan.values() for n in hf_names(rule, layer)))
-    for local_name, (rule, layer) in plan.items():
+            plan[local_name] = _match_expert(global_name, rules)
+    hf = _read_safetensors(Path(hf_dir), (n for rule, layer, e in plan.values() for n in hf_names(rule, layer, e)))
+    for local_name, (rule, layer, expert) in plan.items():
         param = params[local_name]
+        tp_rank, tp_size, _ = _tp_of(names[local_name])
         rows = param.shape[0] * (tp_size if _is_tp_sharded(param) and param.partition_dim == 0 else 1)
-        full = hf_to_mcore_tensor(rule, [hf[n] for n in hf_names(rule, layer)], shape, padded_vocab=rows)
-        shard = shard_for_tp(rule, full, params[local_name], tp_rank, tp_size)
-        if shard.shape != params[local_name].shape:
-            raise ValueError(f"{local_name}: checkpoint gives shape {tuple(shard.shape)}, model has {tuple(params[local_name].shape)}")
-        params[local_name].copy_(shard)
+        full = hf_to_mcore_tensor(rule, [hf[n] for n in hf_names(rule, layer, expert)], shape, padded_vocab=rows)
+        shard = shard_for_tp(rule, full, param, tp_rank, tp_size)
+        if shard.shape != param.shape:
+            raise ValueError(f"{local_name}: checkpoint gives shape {tuple(shard.shape)}, model has "
+                             f"{tuple(param.shape)}")
+        param.copy_(shard)
 
 
 @torch.no_grad()
@@ -285,14 +354,18 @@ def iter_hf_weights(model: torch.nn.Module, shape: ModelShape) -> Iterator[tuple
     params = dict(model.named_parameters())
 
     def this_stage() -> Iterator[tuple[str, torch.Tensor]]:
-        """This stage's tensors, gathered over TP, on its TP rank 0 (other TP ranks only join the gathers)."""
+        """This stage's tensors, gathered over TP (experts: over expert-TP, then EP), on its TP rank 0 (other TP
+        ranks only join the gathers)."""
         for local_name, global_name in global_param_names(model).items():
             if global_name == "output_layer.weight" and shape.tie_word_embeddings:
                 continue  # a PP copy of the embedding, which stage 0 exports
-            rule, layer = _match(global_name, rules)
-            full = gather_tp(rule, params[local_name].detach(), params[local_name], tp_group, tp_size)
-            if tp_rank == 0:
-                yield from zip(hf_names(rule, layer), mcore_to_hf_tensors(rule, full, shape))
+            rule, layer, expert = _match_expert(global_name, rules)
+            param = params[local_name]
+            _, size, group = _tp_of(global_name)
+            full = gather_tp(rule, param.detach(), param, group, size)
+            for e, tensor in _gather_ep(full, expert, shape):
+                if tp_rank == 0:
+                    yield from zip(hf_names(rule, layer, e), mcore_to_hf_tensors(rule, tensor, shape))
 
     if tp_rank != 0:
         for _ in this_stage():
@@ -319,6 +392,23 @@ def iter_hf_weights(model: torch.nn.Module, shape: ModelShape) -> Iterator[tuple
             dist.broadcast(buf, src=src, group=pp_group)
             if pp_rank == 0:
                 yield name, buf
+
+
+def _gather_ep(tensor: torch.Tensor, expert: int | None, shape: ModelShape) -> list[tuple[int | None, torch.Tensor]]:
+    """A non-expert tensor as it is; this rank's expert `expert` (global index) with the same local expert of
+    every other expert-parallel rank: [(global index, tensor)] for all EP ranks, on every EP rank."""
+    from megatron.core import parallel_state as ps
+
+    if expert is None:
+        return [(None, tensor)]
+    ep_size = ps.get_expert_model_parallel_world_size()
+    if ep_size == 1:
+        return [(expert, tensor)]
+    per_rank = shape.num_experts // ep_size
+    local = expert - ps.get_expert_model_parallel_rank() * per_rank
+    parts = [torch.empty_like(tensor) for _ in range(ep_size)]
+    dist.all_gather(parts, tensor.contiguous(), group=ps.get_expert_model_parallel_group())
+    return [(r * per_rank + local, t) for r, t in enumerate(parts)]
 
 
 def _param_device(params: Mapping[str, torch.Tensor]) -> torch.device:

@@ -10,8 +10,17 @@ megatron-core 0.16.1 on torch 2.13 CPU; docs/megatron-on-cpu.md has the measurem
    saves and restores the CUDA generator's state around each recomputed block.
 4. The optimizers check `param.type()` against `torch.cuda.*Tensor` names.
 
+Mixture-of-experts layers (Qwen3-MoE) and sequence parallelism add four more (`_install_moe`):
+
+5. `moe_utils.te_general_gemm` is referenced by the router but defined only with Transformer Engine (a 0.16.1
+   bug: every router forward raises NameError without TE).
+6. Backward passes of the tensor-parallel collectives and linear layers allocate on `torch.cuda.current_device()`
+   inside autograd functions, which run outside `megatron_scope`.
+7. The alltoall token dispatcher creates a CUDA stream and waits on a CUDA event.
+8. Its split sizes stay tensors on the CPU, where gloo's `all_to_all_single` needs host lists / arrays.
+
 This module handles exactly those, and only when CUDA is absent: `install()` is a no-op on a GPU machine, so the
-GPU path stays untouched. Points 1 and 3 are patched once at install; points 2 and 4 are handled by a
+GPU path stays untouched. Points 1, 3 and 5-8 are patched once at install; points 2 and 4 are handled by a
 `TorchFunctionMode` that is active only inside `megatron_scope()`, which megarl's Megatron-facing code wraps
 around its calls into megatron-core (the rollout engine and the algorithm code never pay its overhead).
 
@@ -142,9 +151,16 @@ class CpuRNGStatesTracker:
 
 def patch_points() -> dict[str, tuple[object, str]]:
     """The attributes this module replaces, as {description: (owner, attribute)}; each must exist."""
+    from megatron.core.tensor_parallel import mappings
     from megatron.core.tensor_parallel import random as mp_random
+    from megatron.core.transformer.moe import token_dispatcher
 
+    alltoall = token_dispatcher.MoEAlltoAllTokenDispatcher
     return {
+        "MoE alltoall dispatcher's stream": (alltoall, "cuda_dtoh_stream"),
+        "MoE alltoall dispatcher's host copies": (alltoall, "_maybe_dtoh_and_synchronize"),
+        "MoE dispatcher's host move of split sizes": (token_dispatcher, "maybe_move_tensor_to_cpu"),
+        "tensor-parallel all-to-all (MoE dispatch)": (mappings, "_AllToAll"),
         "torch.cuda.current_device": (torch.cuda, "current_device"),
         "torch.cuda.synchronize": (torch.cuda, "synchronize"),
         "megatron RNG tracker class": (mp_random, "CudaRNGStatesTracker"),
@@ -180,8 +196,82 @@ def install() -> bool:
     # A recomputed block saves the CUDA generator's state beside the CPU one; without CUDA there is none to save
     # (restoring it is already a no-op: torch queues CUDA calls until CUDA initialises, which it never does).
     mp_random._get_cuda_rng_state = lambda *args, **kwargs: torch.empty(0, dtype=torch.uint8)
+    _install_moe()
     _INSTALLED = True
     return True
+
+
+def _install_moe() -> None:
+    """Mixture-of-experts layers (see `moe_patch_points`)."""
+    from megatron.core.transformer.moe import moe_utils
+
+    # (5) The router's gating GEMM tests `te_general_gemm is not None`, a name moe_utils imports only with
+    # Transformer Engine: without TE every router forward raises NameError. None selects its torch.mm path.
+    if not hasattr(moe_utils, "te_general_gemm"):
+        moe_utils.te_general_gemm = None
+    # (6) The backward passes of the dispatchers' collectives (all-to-all, gather / reduce-scatter along the
+    # tokens), and of the linear layers under sequence parallelism, allocate on `torch.cuda.current_device()`;
+    # autograd runs them outside `megatron_scope`, so the device mode never sees them: each such backward enters
+    # the scope itself.
+    for function in _scoped_backward_functions():
+        if not getattr(function.backward, "_megarl_scoped", False):
+            function.backward = staticmethod(_in_scope_backward(function.backward))
+    from megatron.core.transformer.moe import token_dispatcher
+
+    alltoall = token_dispatcher.MoEAlltoAllTokenDispatcher
+    # (7) The alltoall dispatcher creates a CUDA stream for its device-to-host copies of the split sizes and
+    # waits on a CUDA event: a placeholder stream, and the copies done where megatron-core would start them.
+    alltoall.cuda_dtoh_stream = _NO_STREAM
+    alltoall._maybe_dtoh_and_synchronize = _dtoh_without_streams
+    # (8) The split sizes move to the host as numpy only from a CUDA tensor; on the CPU they stay tensors,
+    # which gloo's all_to_all_single refuses as split sizes: host tensors asked for as numpy become numpy.
+    token_dispatcher.maybe_move_tensor_to_cpu = _host_tensor
+
+
+def _scoped_backward_functions() -> list[type]:
+    """The autograd functions of megatron-core's tensor-parallel mappings (the MoE dispatchers' collectives) and
+    linear layers (whose backward gathers the sequence under sequence parallelism)."""
+    from megatron.core.tensor_parallel import layers, mappings
+
+    return [f for module in (mappings, layers) for f in vars(module).values()
+            if isinstance(f, type) and issubclass(f, torch.autograd.Function) and "backward" in vars(f)]
+
+
+def _in_scope_backward(backward):
+    @functools.wraps(backward)
+    def scoped(*args, **kwargs):
+        with megatron_scope():
+            return backward(*args, **kwargs)
+
+    scoped._megarl_scoped = True
+    return scoped
+
+
+_NO_STREAM = object()  # not None: the dispatcher's constructor then leaves torch.cuda.Stream() uncalled
+
+
+def _host_tensor(tensor, as_numpy: bool = False, record_stream: bool = False):
+    """`moe_utils.maybe_move_tensor_to_cpu` for tensors already on the host: numpy when asked for."""
+    if torch.is_tensor(tensor) and as_numpy:
+        return tensor.numpy()
+    return tensor
+
+
+def _dtoh_without_streams(self, point: str, tokens_per_expert=None):
+    """`MoEAlltoAllTokenDispatcher._maybe_dtoh_and_synchronize` without a side stream or an event: at the
+    device-to-host point the same tensors move to the host (they already are there); nothing to wait for."""
+    from megatron.core.transformer.moe import token_dispatcher
+
+    move = token_dispatcher.maybe_move_tensor_to_cpu
+    if not self.drop_and_pad and point == self.cuda_dtoh_point:
+        tokens_per_expert = move(tokens_per_expert)
+        self.input_splits = move(self.input_splits, as_numpy=True)
+        self.output_splits = move(self.output_splits, as_numpy=True)
+        self.output_splits_tp = move(self.output_splits_tp, as_numpy=True)
+        self.num_out_tokens = move(self.num_out_tokens)
+        if self.num_local_experts > 1 and not self.config.moe_permute_fusion:
+            self.num_global_tokens_per_local_expert = move(self.num_global_tokens_per_local_expert)
+    return tokens_per_expert
 
 
 def installed() -> bool:

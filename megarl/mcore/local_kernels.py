@@ -173,10 +173,13 @@ class _RMSNorm(torch.autograd.Function):
 
 
 class RMSNorm(torch.nn.Module):
-    """Drop-in for Megatron's `WrappedTorchNorm` with `normalization="RMSNorm"` (same `weight` parameter)."""
+    """Drop-in for Megatron's `WrappedTorchNorm` with `normalization="RMSNorm"` (same `weight` parameter), which
+    also works under sequence parallelism (Megatron's torch norm refuses it): the norm is per token, so a TP rank
+    normalises its own slice of the sequence, and the weight's gradient, a sum over tokens, is completed by
+    Megatron's all-reduce over TP of the parameters marked `sequence_parallel` (as TE's and Apex's norms are)."""
 
     def __new__(cls, config, hidden_size: int, eps: float = 1e-5, **kwargs):
-        if config.normalization != "RMSNorm" or config.sequence_parallel:
+        if config.normalization != "RMSNorm":
             from megatron.core.transformer.torch_norm import WrappedTorchNorm
 
             return WrappedTorchNorm(config, hidden_size, eps, **kwargs)
@@ -186,6 +189,7 @@ class RMSNorm(torch.nn.Module):
         super().__init__()
         self.eps = eps
         self.weight = torch.nn.Parameter(torch.ones(hidden_size, dtype=config.params_dtype))
+        self.weight.sequence_parallel = config.sequence_parallel
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if x.dtype != self.weight.dtype:  # mixed dtypes: torch.nn.RMSNorm's own promotion rules
@@ -210,14 +214,17 @@ def transformer_config_overrides() -> dict:
     return dict(apply_rope_fusion=install_rope())
 
 
-def local_spec(normalization: str = "RMSNorm"):
-    """Megatron's local GPT layer spec with the attention and norms above (RoPE comes through the config)."""
+def local_spec(normalization: str = "RMSNorm", **options):
+    """Megatron's local GPT layer spec with the attention and norms above (RoPE comes through the config);
+    `options`: `get_gpt_layer_local_spec`'s (`qk_layernorm`, `num_experts`)."""
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
 
-    spec = get_gpt_layer_local_spec(normalization=normalization)
+    spec = get_gpt_layer_local_spec(normalization=normalization, **options)
     layer = spec.submodules
     layer.input_layernorm = RMSNorm
     layer.pre_mlp_layernorm = RMSNorm
     attention = layer.self_attention.submodules
     attention.core_attention = _dot_product_attention()
+    if options.get("qk_layernorm"):
+        attention.q_layernorm = attention.k_layernorm = RMSNorm
     return spec

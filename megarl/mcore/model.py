@@ -1,6 +1,8 @@
-"""Build a Megatron `GPTModel` for a Hugging Face checkpoint's architecture (Llama and Qwen2 families)."""
+"""Build a Megatron `GPTModel` for a Hugging Face checkpoint's architecture (Llama, Qwen2, Qwen3, Qwen3-MoE)."""
 
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
@@ -9,11 +11,61 @@ from megarl.mcore import cpu_compat, parallel
 from megarl.model_shape import ModelShape
 
 
+@dataclass(frozen=True)
+class MoEOptions:
+    """How a mixture-of-experts model is split and routed (`--expert-model-parallel-size`, ...)."""
+
+    ep: int = 1  # expert-parallel size: each rank holds num_experts / ep experts
+    etp: int = 0  # expert-tensor-parallel size; 0 = the TP size (Megatron's default)
+    dispatcher: str = "allgather"  # Megatron's token dispatcher: allgather or alltoall
+    aux_loss_coeff: float = 0.0  # load-balancing loss weight (RL post-training uses 0)
+
+    @classmethod
+    def from_config(cls, m) -> "MoEOptions":
+        """From `megarl.config.ModelConfig`'s flags."""
+        return cls(ep=m.expert_model_parallel_size, etp=m.expert_tensor_parallel_size, dispatcher=m.token_dispatcher,
+                   aux_loss_coeff=m.moe_aux_loss_coeff)
+
+
+def moe_config(shape: ModelShape, tp: int, moe: MoEOptions) -> dict:
+    """`TransformerConfig` fields for `shape`'s experts: HF's `norm_topk_prob` is Megatron's
+    `moe_router_pre_softmax=False` (top-k, then a softmax over the k: the renormalised probabilities); without it,
+    a softmax over every expert, then top-k. The router computes in fp32, as transformers does."""
+    if not shape.is_moe:
+        if moe.ep != 1 or moe.etp not in (0, 1, tp):
+            raise ValueError(f"--expert-model-parallel-size {moe.ep} / --expert-tensor-parallel-size {moe.etp}: the "
+                             f"{shape.family} model has no experts; leave them at 1 and 0")
+        return {}
+    if shape.num_experts % moe.ep:
+        raise ValueError(f"{shape.num_experts} experts are not divisible by --expert-model-parallel-size {moe.ep}")
+    etp = moe.etp or tp
+    if shape.moe_ffn_hidden_size % etp:
+        raise ValueError(f"moe_intermediate_size {shape.moe_ffn_hidden_size} is not divisible by "
+                         f"--expert-tensor-parallel-size {etp}")
+    return dict(
+        num_moe_experts=shape.num_experts,
+        moe_ffn_hidden_size=shape.moe_ffn_hidden_size,
+        moe_router_topk=shape.moe_top_k,
+        moe_router_pre_softmax=not shape.moe_norm_topk_prob,
+        moe_router_dtype="fp32",
+        moe_aux_loss_coeff=moe.aux_loss_coeff,
+        moe_router_load_balancing_type="aux_loss" if moe.aux_loss_coeff > 0 else "none",
+        moe_token_dispatcher_type=moe.dispatcher,
+        expert_model_parallel_size=moe.ep,
+        expert_tensor_parallel_size=etp,
+        moe_grouped_gemm=False,
+        moe_permute_fusion=False,
+        # Which layers are sparse (`parallel.decoder_block_spec` builds them); a list also makes checkpoints keep
+        # per-layer keys, which layers of two kinds need.
+        moe_layer_freq=[int(shape.is_moe_layer(i)) for i in range(shape.num_layers)],
+    )
+
+
 def transformer_config(shape: ModelShape, *, tp: int, pp: int, params_dtype=torch.float32, bf16=False,
-                       local_kernels: bool = False, **overrides):
+                       local_kernels: bool = False, moe: MoEOptions | None = None, **overrides):
     """The Megatron `TransformerConfig` for `shape`; fusions that need CUDA are off on a CPU machine. With
     `local_kernels` (the local spec with megarl's kernels, `parallel.layer_spec`) the config routes RoPE to
-    megarl's fused RoPE."""
+    megarl's fused RoPE. `moe`: how a mixture-of-experts model is split and routed (`moe_config`)."""
     from megatron.core.transformer import TransformerConfig
 
     if shape.num_kv_heads % tp:
@@ -52,6 +104,8 @@ def transformer_config(shape: ModelShape, *, tp: int, pp: int, params_dtype=torc
         masked_softmax_fusion=on_gpu,
         bias_dropout_fusion=on_gpu,
         attention_softmax_in_fp32=True,
+        qk_layernorm=shape.qk_norm,
+        **moe_config(shape, tp, moe or MoEOptions()),
     )
     if local_kernels:
         from megarl.mcore import local_kernels as kernels
@@ -82,9 +136,14 @@ def build_gpt_model(shape: ModelShape, config, *, use_transformer_engine: bool |
     from megatron.core import parallel_state as ps
     from megatron.core.models.gpt import GPTModel
 
+    if shape.is_moe or (config.sequence_parallel and local_kernels):
+        spec = parallel.decoder_block_spec(config, shape.moe_layers, use_transformer_engine,
+                                           local_kernels=local_kernels, qk_layernorm=shape.qk_norm)
+    else:
+        spec = parallel.layer_spec(use_transformer_engine, local_kernels=local_kernels, qk_layernorm=shape.qk_norm)
     model = GPTModel(
         config=config,
-        transformer_layer_spec=parallel.layer_spec(use_transformer_engine, local_kernels=local_kernels),
+        transformer_layer_spec=spec,
         vocab_size=vocab_size or shape.vocab_size,
         max_sequence_length=shape.max_position_embeddings,
         pre_process=ps.is_pipeline_first_stage(),

@@ -46,10 +46,12 @@ def uses_transformer_engine(use_transformer_engine: bool | None) -> bool:
     return use_transformer_engine
 
 
-def layer_spec(use_transformer_engine: bool | None = None, normalization: str = "RMSNorm", local_kernels: bool = False):
+def layer_spec(use_transformer_engine: bool | None = None, normalization: str = "RMSNorm", local_kernels: bool = False,
+               *, qk_layernorm: bool = False, num_experts: int | None = None):
     """Megatron's Transformer Engine spec on GPUs with TE installed, its local spec otherwise: with
     `local_kernels`, the local spec with megarl's attention and norms (`megarl/mcore/local_kernels.py`; the config
-    needs `local_kernels.transformer_config_overrides()` for its RoPE).
+    needs `local_kernels.transformer_config_overrides()` for its RoPE). `num_experts`: a mixture-of-experts layer
+    (the local spec's `SequentialMLP`, TE's `TEGroupedMLP`); `qk_layernorm`: Qwen3's per-head q/k norms.
 
     The one place the spec is chosen. `None` means "TE when available".
     """
@@ -58,13 +60,36 @@ def layer_spec(use_transformer_engine: bool | None = None, normalization: str = 
         get_gpt_layer_with_transformer_engine_spec,
     )
 
+    moe = dict(num_experts=num_experts, qk_layernorm=qk_layernorm) if num_experts or qk_layernorm else {}
     if uses_transformer_engine(use_transformer_engine):
-        return get_gpt_layer_with_transformer_engine_spec()
+        return get_gpt_layer_with_transformer_engine_spec(**moe, moe_grouped_gemm=bool(num_experts))
     if local_kernels:
         from megarl.mcore import local_kernels as kernels
 
-        return kernels.local_spec(normalization=normalization)
-    return get_gpt_layer_local_spec(normalization=normalization)
+        return kernels.local_spec(normalization=normalization, **moe)
+    return get_gpt_layer_local_spec(normalization=normalization, **moe)
+
+
+def decoder_block_spec(config, moe_layers: tuple[int, ...], use_transformer_engine: bool | None = None,
+                       local_kernels: bool = False, qk_layernorm: bool = False):
+    """The layers of this rank's pipeline stage, for the cases one layer spec cannot say: a mixture-of-experts
+    model (the expert layer's spec where the global layer index is in `moe_layers`, Qwen3-MoE's `mlp_only_layers`
+    / `decoder_sparse_step` giving the others a dense MLP), and sequence parallelism on the local spec (the final
+    norm is megarl's, which supports it). Otherwise the final norm is the one Megatron's block picks for a single
+    layer spec."""
+    from megatron.core.transformer import transformer_block
+    from megatron.core.transformer.transformer_block import TransformerBlockSubmodules, get_num_layers_to_build
+    from megatron.core.transformer.transformer_layer import get_transformer_layer_offset
+
+    dense = layer_spec(use_transformer_engine, local_kernels=local_kernels, qk_layernorm=qk_layernorm)
+    sparse = layer_spec(use_transformer_engine, local_kernels=local_kernels, qk_layernorm=qk_layernorm,
+                        num_experts=config.num_moe_experts) if moe_layers else dense
+    offset = get_transformer_layer_offset(config)
+    layers = [sparse if offset + i in moe_layers else dense for i in range(get_num_layers_to_build(config))]
+    final_norm = transformer_block.LayerNormImpl
+    if local_kernels and config.sequence_parallel:
+        final_norm = dense.submodules.input_layernorm
+    return TransformerBlockSubmodules(layer_specs=layers, layer_norm=final_norm)
 
 
 def transformer_engine_available() -> bool:
@@ -114,9 +139,12 @@ class ParallelInfo:
 _REPLICA_GROUP = None  # TP x CP x PP ranks of one DP rank, when CP > 1 (Megatron's model-parallel group is TP x PP)
 
 
-def init_distributed(tp: int = 1, pp: int = 1, timeout_s: float = 600.0, seed: int = 0, cp: int = 1) -> ParallelInfo:
+def init_distributed(tp: int = 1, pp: int = 1, timeout_s: float = 600.0, seed: int = 0, cp: int = 1,
+                     ep: int = 1, etp: int = 0) -> ParallelInfo:
     """Initialise torch.distributed (from torchrun's environment) and Megatron's model-parallel groups.
 
+    `ep` / `etp`: expert-parallel and expert-tensor-parallel sizes (0 = TP) of a mixture-of-experts model; the
+    experts' grid (expert-TP x EP x expert-DP x PP) spans the same ranks as the attention's (TP x CP x DP x PP).
     A collective that waits longer than `timeout_s` raises instead of hanging.
     """
     global _REPLICA_GROUP
@@ -143,10 +171,17 @@ def init_distributed(tp: int = 1, pp: int = 1, timeout_s: float = 600.0, seed: i
             f"world size {world_size} is not divisible by --tensor-model-parallel-size {tp} x "
             f"--pipeline-model-parallel-size {pp} x --context-parallel-size {cp}"
         )
+    if world_size % ((etp or tp) * ep * pp) != 0:
+        raise ValueError(
+            f"world size {world_size} is not divisible by --expert-tensor-parallel-size {etp or tp} x "
+            f"--expert-model-parallel-size {ep} x --pipeline-model-parallel-size {pp}"
+        )
     parallel_state.initialize_model_parallel(
         tensor_model_parallel_size=tp,
         pipeline_model_parallel_size=pp,
         context_parallel_size=cp,
+        expert_model_parallel_size=ep,
+        expert_tensor_parallel_size=etp or None,
         distributed_timeout_minutes=max(1, int(timeout_s // 60)),
     )
     if cp > 1:

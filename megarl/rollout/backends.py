@@ -147,6 +147,10 @@ def _megatron_rule(cfg: Config) -> None:
         raise ConfigError("--rollout-backend megatron needs --tensor-model-parallel-size 1, "
                           "--pipeline-model-parallel-size 1 and --context-parallel-size 1 (the engine runs on each "
                           "replica's first rank only); use --rollout-backend sglang for sharded rollout")
+    if m.expert_model_parallel_size > 1:
+        raise ConfigError("--rollout-backend megatron needs --expert-model-parallel-size 1 (the engine runs on one "
+                          "rank, which then holds only its share of the experts); use --rollout-backend builtin or "
+                          "sglang")
     if cfg.training.offload_params:
         raise ConfigError("--rollout-backend megatron generates with the actor's own weights: --offload-params "
                           "would move them away (--offload-optimizer is fine)")

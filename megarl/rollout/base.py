@@ -55,12 +55,18 @@ class Completion:
     (raw logits when temperature == 0), before any top-k / top-p truncation: the same quantity the actor
     recomputes, so the two can be compared token by token. A stop token, when hit, is the last element of
     `token_ids`.
+
+    `routed_experts` (mixture-of-experts models, engines that record routing): the experts each token was sent
+    to, int16 [prompt + response tokens, sparse layers, top-k], for every token the engine ran through the model
+    (the last response token, never fed back, repeats the one before it); the actor can replay them
+    (`--routing-replay`). None: not recorded.
     """
 
     token_ids: list[int]
     logprobs: list[float]
     finish_reason: FinishReason
     weight_version: int = 0
+    routed_experts: torch.Tensor | None = None
 
 
 @runtime_checkable

@@ -1,9 +1,10 @@
-"""The built-in rollout engine: Llama / Qwen2 decoding in plain PyTorch.
+"""The built-in rollout engine: Llama / Qwen2 / Qwen3 / Qwen3-MoE decoding in plain PyTorch.
 
 It lets megarl run, and be tested, with nothing but torch installed (CPU included); SGLang fits behind the same
 protocol for scale. It implements `RolloutEngine` for decoder-only models with RMSNorm, a SwiGLU MLP, default
-RoPE and grouped-query attention (Qwen2 adds q/k/v biases). It knows nothing of Megatron: weights arrive only as
-Hugging Face-named tensors, through `update_weights` or a sync's buckets (`load_weight_buckets`).
+RoPE and grouped-query attention (Qwen2 adds q/k/v biases; Qwen3 an RMSNorm over each query and key head; Qwen3-MoE
+a router that sends each token to its top-k SwiGLU experts, `_moe`). It knows nothing of Megatron: weights arrive
+only as Hugging Face-named tensors, through `update_weights` or a sync's buckets (`load_weight_buckets`).
 
 How one `generate` call runs:
   * all prompts x n samples decode as ONE batch. Prompts are left-padded, so every row writes its next key/value
@@ -96,8 +97,11 @@ class _Layer:
     bqkv: torch.Tensor | None
     wo: torch.Tensor
     ln2: torch.Tensor
-    wgu: torch.Tensor  # rows: gate, then up
-    wdown: torch.Tensor
+    wgu: torch.Tensor  # rows: gate, then up; [experts, 2 * width, hidden] in a mixture-of-experts layer
+    wdown: torch.Tensor  # [hidden, width]; [experts, hidden, width] in a mixture-of-experts layer
+    qnorm: torch.Tensor | None = None  # Qwen3: RMSNorm weights over each query / key head [head_dim]
+    knorm: torch.Tensor | None = None
+    router: torch.Tensor | None = None  # [experts, hidden]: a mixture-of-experts layer
 
 
 class BuiltinEngine:
@@ -116,6 +120,12 @@ class BuiltinEngine:
         # bf16 on CPU: the layers' weights also kept in oneDNN's packed layout, re-packed after each weight update
         self._pack = self.device.type == "cpu" and dtype == torch.bfloat16 and _onednn_bf16()
         self._packed: dict[int, torch.Tensor] = {}
+        # Mixture of experts: `generate` records every token's experts (`Completion.routed_experts`), which the
+        # actor compares with its own and replays with --routing-replay. `_route_into` is where the current forward
+        # writes them ([B, T, sparse layers, k]); None: not recording.
+        self.records_routing = self.shape.is_moe
+        self._sparse_index = {layer: i for i, layer in enumerate(self.shape.moe_layers)}
+        self._route_into: torch.Tensor | None = None
 
     @classmethod
     def from_pretrained(
@@ -158,6 +168,13 @@ class BuiltinEngine:
         self.embed = zeros(s.vocab_size, s.hidden_size)
         self.norm = zeros(s.hidden_size)
         self.lm_head = self.embed if s.tie_word_embeddings else zeros(s.vocab_size, s.hidden_size)
+        def mlp(i: int) -> dict:
+            h = s.hidden_size
+            if not s.is_moe_layer(i):
+                return dict(wgu=zeros(2 * s.ffn_hidden_size, h), wdown=zeros(h, s.ffn_hidden_size))
+            e, f = s.num_experts, s.moe_ffn_hidden_size
+            return dict(wgu=zeros(e, 2 * f, h), wdown=zeros(e, h, f), router=zeros(e, h))
+
         self.layers = [
             _Layer(
                 ln1=zeros(s.hidden_size),
@@ -165,10 +182,11 @@ class BuiltinEngine:
                 bqkv=zeros(q + 2 * kv) if s.qkv_bias else None,
                 wo=zeros(s.hidden_size, q),
                 ln2=zeros(s.hidden_size),
-                wgu=zeros(2 * s.ffn_hidden_size, s.hidden_size),
-                wdown=zeros(s.hidden_size, s.ffn_hidden_size),
+                qnorm=zeros(s.head_dim) if s.qk_norm else None,
+                knorm=zeros(s.head_dim) if s.qk_norm else None,
+                **mlp(i),
             )
-            for _ in range(s.num_layers)
+            for i in range(s.num_layers)
         ]
 
     def _hf_views(self) -> dict[str, torch.Tensor]:
@@ -185,9 +203,20 @@ class BuiltinEngine:
                 if layer.bqkv is not None:
                     views[f"{p}self_attn.{proj}_proj.bias"] = layer.bqkv[rows]
             views[p + "self_attn.o_proj.weight"] = layer.wo
-            views[p + "mlp.gate_proj.weight"] = layer.wgu[:inter]
-            views[p + "mlp.up_proj.weight"] = layer.wgu[inter:]
-            views[p + "mlp.down_proj.weight"] = layer.wdown
+            if layer.qnorm is not None:
+                views[p + "self_attn.q_norm.weight"] = layer.qnorm
+                views[p + "self_attn.k_norm.weight"] = layer.knorm
+            if layer.router is None:
+                views[p + "mlp.gate_proj.weight"] = layer.wgu[:inter]
+                views[p + "mlp.up_proj.weight"] = layer.wgu[inter:]
+                views[p + "mlp.down_proj.weight"] = layer.wdown
+                continue
+            views[p + "mlp.gate.weight"] = layer.router
+            f = s.moe_ffn_hidden_size
+            for e in range(s.num_experts):  # HF's on-disk names: one tensor per expert
+                views[f"{p}mlp.experts.{e}.gate_proj.weight"] = layer.wgu[e, :f]
+                views[f"{p}mlp.experts.{e}.up_proj.weight"] = layer.wgu[e, f:]
+                views[f"{p}mlp.experts.{e}.down_proj.weight"] = layer.wdown[e]
         return views
 
     @torch.no_grad()
@@ -278,6 +307,8 @@ class BuiltinEngine:
         nq, nkv, hd = s.num_attention_heads, s.num_kv_heads, s.head_dim
         qkv = self._linear(x, layer.wqkv, layer.bqkv).view(B, T, nq + 2 * nkv, hd)
         qk = qkv[:, :, : nq + nkv]
+        if layer.qnorm is not None:  # Qwen3: each query and key head normalised before RoPE
+            qk = torch.cat([self._rms_norm(qk[:, :, :nq], layer.qnorm), self._rms_norm(qk[:, :, nq:], layer.knorm)], 2)
         qk = torch.addcmul(qk * rope[..., 0, :], qk.roll(hd // 2, dims=-1), rope[..., 1, :])
         q, k, v = qk[:, :, :nq].transpose(1, 2), qk[:, :, nq:].transpose(1, 2), qkv[:, :, nq + nkv :].transpose(1, 2)
         if kv is not None:
@@ -320,10 +351,38 @@ class BuiltinEngine:
         for i, layer in enumerate(self.layers):
             kv = (cache.k[i], cache.v[i]) if cache is not None else None
             h += self._attention(self._rms_norm(h, layer.ln1), layer, rope, mask, kv, start)
+            if layer.router is not None:
+                h += self._moe(self._rms_norm(h, layer.ln2), layer, i)
+                continue
             gu = self._linear(self._rms_norm(h, layer.ln2), layer.wgu)
             inter = self.shape.ffn_hidden_size
             h += self._linear(F.silu(gu[..., :inter]) * gu[..., inter:], layer.wdown)
         return self._rms_norm(h, self.norm)
+
+    def _moe(self, x: torch.Tensor, layer: _Layer, index: int) -> torch.Tensor:
+        """Qwen3-MoE's sparse MLP of x [B, T, hidden]: router logits in fp32, a softmax over every expert, the top-k
+        (renormalised with `norm_topk_prob`), and the weighted sum of those experts' SwiGLU outputs."""
+        s = self.shape
+        flat = x.reshape(-1, x.shape[-1])
+        probs = F.linear(flat.float(), layer.router.float()).softmax(dim=-1)
+        weights, experts = torch.topk(probs, s.moe_top_k, dim=-1)
+        if s.moe_norm_topk_prob:
+            weights = weights / weights.sum(dim=-1, keepdim=True)
+        self._record_routing(index, experts, probs)
+        out = torch.zeros_like(flat)
+        f = s.moe_ffn_hidden_size
+        for e in experts.unique().tolist():
+            rows, slot = torch.where(experts == e)
+            gu = F.linear(flat[rows], layer.wgu[e])
+            y = F.linear(F.silu(gu[:, :f]) * gu[:, f:], layer.wdown[e])
+            out.index_add_(0, rows, y * weights[rows, slot, None].to(y.dtype))
+        return out.view_as(x)
+
+    def _record_routing(self, layer: int, experts: torch.Tensor, probs: torch.Tensor) -> None:
+        """Write layer `layer`'s experts [B * T, k] into the current forward's routing buffer, if one is set."""
+        if self._route_into is not None:
+            out = self._route_into[:, :, self._sparse_index[layer]]
+            out.copy_(experts.view(out.shape))
 
     def _logits(self, h: torch.Tensor) -> torch.Tensor:
         return F.linear(h, self.lm_head).float()
@@ -383,8 +442,27 @@ class BuiltinEngine:
         if not prompts:
             return []
         batch, logits, width = self._prefill(prompts, params)
+        prompt_routing, self._prompt_routing = self._prompt_routing, None
         tokens, logprobs, ends = self._decode(batch, logits, width, params)
-        return self._completions(tokens, logprobs, ends, len(prompts), params)
+        response_routing, self._response_routing = self._response_routing, None
+        groups = self._completions(tokens, logprobs, ends, len(prompts), params)
+        if prompt_routing is not None:
+            for p, (prompt, group) in enumerate(zip(prompts, groups)):
+                fed_prompt = prompt_routing[p, width - len(prompt) :]  # left padding dropped
+                for j, c in enumerate(group):
+                    # Every token the engine ran: the prompt, and the response but its last token.
+                    fed = response_routing[p * params.n + j, : len(c.token_ids) - 1]
+                    c.routed_experts = torch.cat([fed_prompt, fed]).cpu()
+        return groups
+
+    _prompt_routing: torch.Tensor | None = None  # [prompts, width, sparse layers, k] from the last prefill
+    _response_routing: torch.Tensor | None = None  # [rows, max_new_tokens, sparse layers, k] from the last decode
+
+    def _routing_buffer(self, *size: int) -> torch.Tensor | None:
+        if not self.records_routing:
+            return None
+        return torch.full((*size, len(self.shape.moe_layers), self.shape.moe_top_k), -1, dtype=torch.int16,
+                          device=self.device)
 
     def _prefill(self, prompts: Sequence[Sequence[int]], params: SamplingParams) -> tuple[_Batch, torch.Tensor, int]:
         """Run each distinct prompt once, then copy its cache to its n sample rows. Returns the decode batch, the
@@ -398,7 +476,11 @@ class BuiltinEngine:
         cache = KVCache.empty(
             s.num_layers, num_prompts, s.num_kv_heads, max_len, s.head_dim, device=self.device, dtype=self.dtype
         )
-        logits = self._logits(self._forward(ids, pos, self._prefill_mask(key_mask, width), cache, 0)[:, -1])
+        self._route_into = self._prompt_routing = self._routing_buffer(num_prompts, width)
+        try:
+            logits = self._logits(self._forward(ids, pos, self._prefill_mask(key_mask, width), cache, 0)[:, -1])
+        finally:
+            self._route_into = None
         batch = _Batch(
             cache=cache,
             rows=torch.arange(num_prompts, device=self.device),
@@ -425,6 +507,7 @@ class BuiltinEngine:
         tokens = torch.zeros(rows_total, max_new, dtype=torch.long, device=self.device)
         logprobs = torch.zeros(rows_total, max_new, dtype=torch.float32, device=self.device)
         ends = torch.full((rows_total,), -1, dtype=torch.long, device=self.device)
+        self._response_routing = routed = self._routing_buffer(rows_total, max_new)
         for step in range(max_new):
             tok, lp = _sample(logits, params, generator)
             tokens[batch.rows, step], logprobs[batch.rows, step] = tok, lp
@@ -443,7 +526,14 @@ class BuiltinEngine:
                 break
             col = width + step
             mask = batch.key_mask[:, :, None, : col + 1].flatten(0, 1)
-            logits = self._logits(self._forward(tok[:, None], batch.next_pos[:, None], mask, batch.cache, col)[:, -1])
+            self._route_into = self._routing_buffer(len(tok), 1)
+            try:
+                hidden = self._forward(tok[:, None], batch.next_pos[:, None], mask, batch.cache, col)
+                logits = self._logits(hidden[:, -1])
+            finally:
+                step_routing, self._route_into = self._route_into, None
+            if routed is not None:
+                routed[batch.rows, step] = step_routing[:, 0]
             batch.next_pos += 1
         return tokens, logprobs, ends
 

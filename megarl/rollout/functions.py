@@ -53,7 +53,7 @@ def policy_sample(group: int, record: PromptRecord, completion: Completion, toke
     ids = list(completion.token_ids)
     return Sample(group=group, prompt_index=record.index, prompt_ids=list(record.prompt_ids), response_ids=ids,
                   loss_mask=[1] * len(ids), rollout_logprobs=list(completion.logprobs),
-                  weight_version=completion.weight_version,
+                  weight_version=completion.weight_version, routed_experts=completion.routed_experts,
                   status=SampleStatus.COMPLETED if completion.finish_reason == "stop" else SampleStatus.TRUNCATED,
                   response_text=tokenizer.decode(ids, skip_special_tokens=True))
 

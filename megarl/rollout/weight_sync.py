@@ -174,13 +174,9 @@ def _counted(buckets: Iterator[WeightBucket], stats: SyncStats) -> Iterator[Weig
 
 
 def model_parameter_count(shape: ModelShape) -> int:
-    """Parameters of the Hugging Face model `shape` describes, tied embeddings counted once: the number of
-    elements one full sync must move."""
-    h, f, v = shape.hidden_size, shape.ffn_hidden_size, shape.vocab_size
-    q, kv = shape.num_attention_heads * shape.head_dim, shape.num_kv_heads * shape.head_dim
-    attention = h * (q + 2 * kv) + q * h + ((q + 2 * kv) if shape.qkv_bias else 0)
-    layer = 2 * h + attention + 3 * h * f
-    return v * h * (1 if shape.tie_word_embeddings else 2) + shape.num_layers * layer + h
+    """Parameters of the Hugging Face model `shape` describes, tied embeddings counted once, every expert
+    included: the number of elements one full sync must move."""
+    return shape.param_count()
 
 
 # -- verification ------------------------------------------------------------------------------------------------

@@ -40,7 +40,20 @@ def pack(samples: Sequence[Sample], pad_id: int, mask_truncated: bool = False) -
         if not (mask_truncated and s.status is SampleStatus.TRUNCATED):
             loss_mask[b, lo:hi] = torch.tensor(s.loss_mask, dtype=torch.float32)
         rollout_logp[b, lo:hi] = torch.tensor(s.rollout_logprobs, dtype=torch.float32)
-    return PackedSamples(tokens, loss_mask, rollout_logp, torch.tensor([len(x) for x in seqs]))
+    lengths = torch.tensor([len(x) for x in seqs])
+    return PackedSamples(tokens, loss_mask, rollout_logp, lengths, _routing(samples, width))
+
+
+def _routing(samples: Sequence[Sample], width: int) -> torch.Tensor | None:
+    """The engine's experts per token as [B, S, sparse layers, k], -1 where it has none; None unless every sample
+    has them."""
+    if not samples or any(s.routed_experts is None for s in samples):
+        return None
+    first = samples[0].routed_experts
+    routing = torch.full((len(samples), width, *first.shape[1:]), -1, dtype=first.dtype)
+    for b, s in enumerate(samples):
+        routing[b, : len(s.routed_experts)] = s.routed_experts
+    return routing
 
 
 class LogProbs(NamedTuple):
@@ -70,7 +83,7 @@ class Algorithm:
         kw = dict(micro_batch_size=t.micro_batch_size, temperature=self.cfg.rollout.rollout_temperature,
                   lengths=packed.lengths, max_tokens_per_micro_batch=t.max_tokens_per_micro_batch)
         ref = self.reference.logprobs(packed.tokens, **kw) if self.reference is not None else None
-        old = actor.logprobs(packed.tokens, **kw) if t.updates_per_rollout > 1 else None
+        old = actor.logprobs(packed.tokens, routing=packed.routing, **kw) if t.updates_per_rollout > 1 else None
         return LogProbs(old=old, ref=ref)
 
     def train_batch(self, rollout: RolloutBatch, packed: PackedSamples,
@@ -80,7 +93,7 @@ class Algorithm:
         advantages, metrics = self.advantages(rewards, packed, logp.ref, rollout.group_size)
         batch = TrainBatch(tokens=packed.tokens, loss_mask=packed.loss_mask, rollout_logp=packed.rollout_logp,
                            lengths=packed.lengths, rewards=rewards, advantages=advantages, old_logp=logp.old,
-                           ref_logp=logp.ref)
+                           ref_logp=logp.ref, routing=packed.routing)
         return batch, metrics
 
     def final_rewards(self, samples: Sequence[Sample], packed: PackedSamples, ref: torch.Tensor | None) -> torch.Tensor:

@@ -30,6 +30,7 @@ from megarl.config import Config, ConfigError
 from megarl.mcore import checkpoint, parallel
 from megarl.mcore.base_model import OptimConfig
 from megarl.mcore.critic import MegatronCritic
+from megarl.mcore.model import MoEOptions
 from megarl.mcore.parallel import ParallelInfo
 from megarl.metrics import reduce_over_ranks
 from megarl.model_shape import ModelShape
@@ -53,7 +54,7 @@ class Critic:
         self.model = MegatronCritic(shape, tp=info.tp_size, pp=info.pp_size, optim=optim, bf16=m.bf16,
                                     use_transformer_engine=m.use_transformer_engine,
                                     padded_vocab_size=padded_vocab_size,
-                                    recompute_granularity=m.recompute_granularity)
+                                    recompute_granularity=m.recompute_granularity, moe=MoEOptions.from_config(m))
         if resumed_from is not None:
             path = resumed_from.parent / CRITIC_DIR / resumed_from.name
             if not path.is_dir():

@@ -25,7 +25,10 @@ from megarl.types import RolloutBatch, SampleStatus, TrainBatch
 _SUM_KEYS = ["n_samples", "reward_sum", "correct", "response_tokens", "truncated", "groups", "uniform_groups",
              "loss_num", "loss_den", "tokens", "clip_frac_sum", "kl_sum", "entropy_sum", "mismatch_abs_sum",
              "mismatch_abs_max", "mismatch_kl_sum", "is_weight_sum", "is_weight_max", "is_weight_negmin_max",
-             "tis_weight_sum", "tis_clip_sum"]
+             "tis_weight_sum", "tis_clip_sum",
+             # mixture of experts (`megarl.mcore.routing.take_metrics`)
+             "router_tokens", "router_entropy_sum", "routing_disagree_sum", "routing_replayed_sum",
+             "router_imbalance_sum", "router_layers"]
 _DS_KEYS = ["ds_prompts_drawn", "ds_groups_dropped", "ds_rounds", "ds_groups_filled"]
 # reward health (`megarl.verifiers.pool.batch_health`): counts add up over ranks, latencies take the worst rank
 _REWARD_KEYS = ["reward_n_timeout", "reward_n_no_answer", "reward_n_parse_error", "reward_worker_restarts",
@@ -72,6 +75,11 @@ def step_metrics(step: int, rollout: RolloutBatch, batch: TrainBatch, update: di
         "is_weight_min": -g["is_weight_negmin_max"],
         **({"tis_weight_mean": g["tis_weight_sum"] / tok, "tis_clip_frac": g["tis_clip_sum"] / tok}
            if g["tis_weight_sum"] > 0 else {}),
+        **({"router_entropy": g["router_entropy_sum"] / g["router_tokens"],
+            "router_load_imbalance": g["router_imbalance_sum"] / max(g["router_layers"], 1),
+            "routing_topk_disagree_frac": g["routing_disagree_sum"] / g["router_tokens"],
+            "routing_replayed_frac": g["routing_replayed_sum"] / g["router_tokens"]}
+           if g["router_tokens"] > 0 else {}),
         **({"ds_prompts_drawn": g["ds_prompts_drawn"], "ds_groups_dropped": g["ds_groups_dropped"],
             "ds_rounds": g["ds_rounds"] / info.dp_size,
             "ds_groups_filled": g["ds_groups_filled"]} if g["ds_rounds"] > 0 else {}),

@@ -21,6 +21,7 @@ from megarl.config import (SAVED_CONFIG, Config, ConfigError, TrainingConfig, lo
 from megarl.data import PromptRecord, PromptSampler, load_prompts, split_by_length
 from megarl.mcore import checkpoint, parallel
 from megarl.mcore.actor import MegatronPolicy, OptimConfig
+from megarl.mcore.model import MoEOptions
 from megarl.mcore.parallel import ParallelInfo
 from megarl.metrics import MetricsLog, open_sinks
 from megarl.model_shape import ModelShape
@@ -53,8 +54,6 @@ def preflight(cfg: Config) -> Checked:
     ok, why = get_backend(cfg.rollout.rollout_backend).available(cfg)
     if not ok:
         raise ConfigError(why)
-    if cfg.model.sequence_parallel and not transformer_engine_available():
-        raise ConfigError("--sequence-parallel needs a CUDA GPU with Transformer Engine importable")
     if cfg.model.context_parallel_size > 1 and not transformer_engine_available():
         raise ConfigError(f"--context-parallel-size {cfg.model.context_parallel_size} needs Transformer Engine's "
                           "attention on a CUDA GPU (transformer_engine importable); Megatron's local attention, the "
@@ -100,7 +99,8 @@ def start(cfg: Config, checked: Checked) -> Run:
     torch.set_num_threads(t.threads_per_rank)
     torch.manual_seed(t.seed)
     info = parallel.init_distributed(m.tensor_model_parallel_size, m.pipeline_model_parallel_size,
-                                     timeout_s=t.distributed_timeout_seconds, seed=t.seed, cp=m.context_parallel_size)
+                                     timeout_s=t.distributed_timeout_seconds, seed=t.seed, cp=m.context_parallel_size,
+                                     ep=m.expert_model_parallel_size, etp=m.expert_tensor_parallel_size)
     say = print if info.rank == 0 else (lambda *x, **k: None)
     shape = checked.shape
     tokenizer = AutoTokenizer.from_pretrained(m.hf_checkpoint)
@@ -108,14 +108,19 @@ def start(cfg: Config, checked: Checked) -> Run:
     padded = padded_vocab_size(shape.vocab_size, m.make_vocab_size_divisible_by, info.tp_size)
     record = saved_config(cfg, command=sys.argv, world_size=info.world_size, padded_vocab_size=padded, **counts)
     cp = f" x CP {info.cp_size}" if info.cp_size > 1 else ""
-    say(f"megarl: {info.world_size} ranks (TP {info.tp_size} x PP {info.pp_size}{cp} x DP {info.dp_size}), "
-        f"{shape.family} {shape.num_layers} layers hidden {shape.hidden_size}, {len(prompts)} prompts")
+    ep = (f"; experts: EP {m.expert_model_parallel_size} x expert-TP {m.expert_tensor_parallel_size or info.tp_size}"
+          if shape.is_moe else "")
+    moe = (f", {shape.num_experts} experts (top-{shape.moe_top_k}) in {len(shape.moe_layers)} layers"
+           if shape.is_moe else "")
+    say(f"megarl: {info.world_size} ranks (TP {info.tp_size} x PP {info.pp_size}{cp} x DP {info.dp_size}{ep}), "
+        f"{shape.family} {shape.num_layers} layers hidden {shape.hidden_size}{moe}, {len(prompts)} prompts")
     say(_config_lines(cfg))
 
     model = dict(tp=info.tp_size, pp=info.pp_size, bf16=m.bf16, use_transformer_engine=m.use_transformer_engine,
-                 cp=info.cp_size, padded_vocab_size=padded)
+                 cp=info.cp_size, padded_vocab_size=padded, moe=MoEOptions.from_config(m))
     say(f"megarl: building the actor{' and the reference' if Algorithm.needs_reference(cfg) else ''}")
     actor = MegatronPolicy(shape, trainable=True, optim=optim_config(t), sequence_parallel=m.sequence_parallel,
+                           routing_replay=cfg.algorithm.routing_replay,
                            recompute_granularity=m.recompute_granularity, **model)
     reference = None
     if Algorithm.needs_reference(cfg):

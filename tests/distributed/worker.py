@@ -49,8 +49,8 @@ def scenario_forward(args, info):
     return out
 
 
-def _synthetic_batch(vocab: int, rows: int = 8, seq: int = 12) -> dict[str, torch.Tensor]:
-    g = torch.Generator().manual_seed(99)
+def _synthetic_batch(vocab: int, rows: int = 8, seq: int = 12, seed: int = 99) -> dict[str, torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
     tokens = torch.randint(0, vocab, (rows, seq), generator=g)
     mask = torch.zeros(rows, seq - 1)
     for b in range(rows):
@@ -88,6 +88,156 @@ def scenario_dp_step(args, info):
     """Weights after two updates on a fixed global batch, however it is split over DP ranks."""
     actor, _, losses = _trained_actor(args, info, steps=2)
     return {"exported": dict(actor.export_hf()), "losses": losses}
+
+
+def _layouts(args) -> list[dict]:
+    """`--layouts "m,tp,pp,ep,etp,dispatcher,sp;..."`: model index into `--hf a,b`, then the split of each run."""
+    out = []
+    for spec in args.layouts.split(";"):
+        m, tp, pp, ep, etp, dispatcher, sp = spec.split(",")
+        out.append(dict(name=spec, hf=args.hf.split(",")[int(m)], tp=int(tp), pp=int(pp), ep=int(ep), etp=int(etp),
+                        dispatcher=dispatcher, sp=bool(int(sp))))
+    return out
+
+
+def _relayout(layout: dict):
+    """New model-parallel groups over the same processes (one torchrun serves many layouts)."""
+    from megatron.core import parallel_state
+
+    from megarl.mcore import parallel
+    from megarl.mcore.model import MoEOptions
+
+    parallel_state.destroy_model_parallel()
+    info = parallel.init_distributed(tp=layout["tp"], pp=layout["pp"], timeout_s=120, ep=layout["ep"],
+                                     etp=layout["etp"])
+    return info, MoEOptions(ep=layout["ep"], etp=layout["etp"], dispatcher=layout["dispatcher"])
+
+
+def scenario_layouts(args, info):
+    """Per layout: full logits (PP = 1), log-probs and the exported HF weights (on the leader, rank 0)."""
+    from megatron.core import tensor_parallel
+
+    from megarl.mcore import cpu_compat
+    from megarl.mcore.actor import MegatronPolicy
+    from megarl.model_shape import ModelShape
+
+    out = {}
+    for layout in _layouts(args):
+        info, moe = _relayout(layout)
+        shape = ModelShape.from_pretrained(layout["hf"])
+        policy = MegatronPolicy(shape, tp=info.tp_size, pp=info.pp_size, trainable=False, moe=moe)
+        policy.load_hf(layout["hf"])
+        tokens = _fixed_tokens(shape.vocab_size)
+        logprobs = policy.logprobs(tokens, micro_batch_size=2, temperature=0.7)
+        r = {"logprobs": logprobs, "exported": dict(policy.export_hf())}
+        if info.pp_size == 1:
+            with cpu_compat.megatron_scope(), torch.no_grad():
+                logits = policy.model(tokens, torch.arange(tokens.shape[1]).expand_as(tokens), None)
+                r["logits"] = tensor_parallel.gather_from_tensor_model_parallel_region(logits)
+        out[layout["name"]] = r
+    return out
+
+
+def scenario_train_layouts(args, info):
+    """Per layout, one GRPO update of the same HF weights on the same global batch: loss, gradient norm, updated
+    weights. The first layout also syncs the built-in engine and scores the probe tokens with both, and with
+    `--ckpt` saves a checkpoint, which every later layout loads first (its log-probs then, and the weights after
+    a second update on another batch, which the first layout also makes after saving: Adam's state matters)."""
+    from megarl.config import build_config
+    from megarl.mcore import checkpoint
+    from megarl.mcore.actor import MegatronPolicy, OptimConfig
+    from megarl.model_shape import ModelShape
+    from megarl.rollout.backends import build_engine
+    from megarl.stages.colocation import WeightSync
+    from megarl.stages.update import make_loss_fn
+
+    out = {}
+
+    def second_update(actor, info, shape):
+        batch = _synthetic_batch(shape.vocab_size, seed=7)
+        per = batch["tokens"].shape[0] // info.dp_size
+        mine = {k: v[info.dp_rank * per : (info.dp_rank + 1) * per] for k, v in batch.items()}
+        actor.train_step(mine, make_loss_fn(build_config({}).algorithm, 64), micro_batch_size=2)
+        return {k: v.clone() for k, v in actor.export_hf()}  # unsharded tensors alias the weights
+
+    for index, layout in enumerate(_layouts(args)):
+        info, moe = _relayout(layout)
+        shape = ModelShape.from_pretrained(layout["hf"])
+        def build():
+            return MegatronPolicy(shape, tp=info.tp_size, pp=info.pp_size, trainable=True, moe=moe,
+                                  sequence_parallel=layout["sp"], optim=OptimConfig(lr=1e-2, adam_eps=1e-4))
+
+        tokens = _fixed_tokens(shape.vocab_size)
+        r = {}
+        if index > 0 and args.ckpt:
+            resumed = build()
+            r["step"] = checkpoint.load(checkpoint.find_latest(args.ckpt), resumed)["step"]
+            r["resumed_logprobs"] = resumed.logprobs(tokens, micro_batch_size=2)
+            r["resumed_update"] = second_update(resumed, info, shape)
+            del resumed
+        actor = build()
+        actor.load_hf(layout["hf"])
+        batch = _synthetic_batch(shape.vocab_size)
+        per = batch["tokens"].shape[0] // info.dp_size
+        mine = {k: v[info.dp_rank * per : (info.dp_rank + 1) * per] for k, v in batch.items()}
+        stats = actor.train_step(mine, make_loss_fn(build_config({}).algorithm, 64), micro_batch_size=2)
+        sums = torch.tensor([stats.get("loss_num", 0.0), stats.get("loss_den", 0.0)], dtype=torch.float64)
+        torch.distributed.all_reduce(sums)  # each TP rank of the last stage reports its replica's sums
+        r.update(loss=float(sums[0] / sums[1]), grad_norm=stats["grad_norm"],
+                 exported={k: v.clone() for k, v in actor.export_hf()})  # unsharded tensors alias the weights
+        if index == 0:
+            if args.ckpt:
+                checkpoint.save(args.ckpt, 1, actor, {"sampler": {"epoch": 0, "position": 0}})
+                r["saved_logprobs"] = actor.logprobs(tokens, micro_batch_size=2)
+            cfg = build_config({"hf_checkpoint": layout["hf"], "rollout_device": "cpu"})
+            engine = build_engine(cfg) if info.is_mp_leader else None
+            WeightSync(actor, engine, cfg.rollout, info)(version=1)
+            r["actor_logprobs"] = actor.logprobs(tokens, micro_batch_size=2, temperature=0.7)
+            if engine is not None:
+                r["engine_logprobs"] = torch.tensor(engine.score(tokens.tolist(), [1] * len(tokens), temperature=0.7))
+            if args.ckpt:
+                r["continued_update"] = second_update(actor, info, shape)
+        out[layout["name"]] = r
+    return out
+
+
+def scenario_routing_replay(args, info):
+    """The built-in engine in fp32, then in bf16, samples from a Qwen3-MoE; an fp32 actor computes the log-probs of
+    those samples in its first update, with its own routing and with the engine's replayed: per engine dtype and
+    setting, the step's routing metrics and the mean |actor - engine| log-prob over the sampled tokens."""
+    from megarl.config import build_config
+    from megarl.mcore.actor import MegatronPolicy, OptimConfig
+    from megarl.model_shape import ModelShape
+    from megarl.rollout.base import SamplingParams
+    from megarl.rollout.builtin import BuiltinEngine
+    from megarl.stages.algorithm import pack
+    from megarl.stages.update import make_loss_fn
+    from megarl.types import Sample, SampleStatus
+
+    shape = ModelShape.from_pretrained(args.hf)
+    # Prompts of different lengths: left padding in the engine, right padding in the actor's rows.
+    g = torch.Generator().manual_seed(5)
+    prompts = [torch.randint(0, shape.vocab_size, (4 + i % 3,), generator=g).tolist() for i in range(8)]
+    out = {}
+    for dtype in (torch.float32, torch.bfloat16):
+        engine = BuiltinEngine.from_pretrained(args.hf, dtype=dtype)
+        groups = engine.generate(prompts, SamplingParams(n=4, temperature=1.0, max_new_tokens=10, seed=3,
+                                                         stop_token_ids=(7,)))
+        samples = [Sample(group=g, prompt_index=g, prompt_ids=prompts[g], response_ids=c.token_ids,
+                          loss_mask=[1] * len(c.token_ids), rollout_logprobs=c.logprobs, weight_version=0,
+                          status=SampleStatus.TRUNCATED, routed_experts=c.routed_experts)
+                   for g, group in enumerate(groups) for c in group]
+        packed = pack(samples, pad_id=0)
+        batch = {"tokens": packed.tokens, "loss_mask": packed.loss_mask, "rollout_logp": packed.rollout_logp,
+                 "lengths": packed.lengths, "advantages": torch.zeros(len(samples)), "routing": packed.routing}
+        name = str(dtype).removeprefix("torch.")
+        out[name] = {"routing": packed.routing, "lengths": packed.lengths}
+        for replay in (False, True):
+            actor = MegatronPolicy(shape, tp=1, pp=1, trainable=True, routing_replay=replay, optim=OptimConfig(lr=1e-6))
+            actor.load_hf(args.hf)
+            stats = actor.train_step(batch, make_loss_fn(build_config({}).algorithm, 64), micro_batch_size=8)
+            out[name]["replay" if replay else "own"] = stats
+    return out
 
 
 def scenario_sync(args, info):
@@ -318,7 +468,8 @@ def scenario_recompute(args, info):
 SCENARIOS = {"padded_vocab": scenario_padded_vocab, "recompute": scenario_recompute,
               "forward": scenario_forward, "dp_step": scenario_dp_step, "sync": scenario_sync,
              "ckpt_save": scenario_ckpt_save, "ckpt_load": scenario_ckpt_load, "dynbatch": scenario_dynbatch,
-             "entropy": scenario_entropy, "trl_parity": scenario_trl_parity}
+             "entropy": scenario_entropy, "trl_parity": scenario_trl_parity, "layouts": scenario_layouts,
+             "train_layouts": scenario_train_layouts, "routing_replay": scenario_routing_replay}
 
 
 def main():
@@ -330,6 +481,7 @@ def main():
     p.add_argument("--pp", type=int, default=1)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--ckpt", default="")
+    p.add_argument("--layouts", default="", help="m,tp,pp,ep,etp,dispatcher,sp;... (scenarios layouts, train_layouts)")
     args = p.parse_args()
     info = _setup(args)
     result = SCENARIOS[args.scenario](args, info)

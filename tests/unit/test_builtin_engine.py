@@ -1,4 +1,5 @@
-"""The built-in rollout engine against `transformers`' own Llama / Qwen2 on tiny random checkpoints.
+"""The built-in rollout engine against `transformers`' own Llama / Qwen2 / Qwen3 / Qwen3-MoE on tiny random
+checkpoints (Qwen3-MoE: 4 experts, top-2, renormalised, with a dense layer; and without renormalisation).
 
 Checks: log-probs from `score` equal HF's, greedy decoding equals HF `generate`, sampled log-probs equal a
 re-score, stop / length finishing, seeding, top_k=1 == greedy, clear `update_weights` errors, and group order.
@@ -30,7 +31,15 @@ def one_thread():
 
 def _save_tiny_model(path, family: str, tied: bool) -> torch.nn.Module:
     """A tiny random HF model saved to `path`; returned in eval mode as the reference."""
-    config_cls = {"qwen2": transformers.Qwen2Config, "llama": transformers.LlamaConfig}[family]
+    config_cls = {"qwen2": transformers.Qwen2Config, "llama": transformers.LlamaConfig,
+                  "qwen3": transformers.Qwen3Config, "qwen3_moe": transformers.Qwen3MoeConfig,
+                  "qwen3_moe_plain": transformers.Qwen3MoeConfig}[family]
+    extra = {}
+    if family.startswith("qwen3"):
+        extra = dict(head_dim=24)  # not hidden / heads: the explicit head_dim is read
+    if family.startswith("qwen3_moe"):
+        extra.update(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32,
+                     norm_topk_prob=family == "qwen3_moe", mlp_only_layers=[1] if family == "qwen3_moe" else [])
     config = config_cls(
         vocab_size=VOCAB,
         hidden_size=64,
@@ -43,6 +52,7 @@ def _save_tiny_model(path, family: str, tied: bool) -> torch.nn.Module:
         bos_token_id=None,
         eos_token_id=None,  # HF would stop (and min_new_tokens would mask) at Llama's default eos 2
         rope_parameters={"rope_type": "default", "rope_theta": 1000.0},  # not the default, so theta is read
+        **extra,
     )
     torch.manual_seed(0)
     model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32)
@@ -50,11 +60,15 @@ def _save_tiny_model(path, family: str, tied: bool) -> torch.nn.Module:
         for name, param in model.named_parameters():
             if "norm" not in name:
                 param.normal_(0, 0.2)
+            elif "q_norm" in name or "k_norm" in name:  # Qwen3's per-head norms: ones would hide a mix-up
+                param.uniform_(0.5, 1.5)
     model.save_pretrained(path)
     return model.eval()
 
 
-@pytest.fixture(scope="module", params=[("qwen2", False), ("qwen2", True), ("llama", False), ("llama", True)],
+@pytest.fixture(scope="module", params=[("qwen2", False), ("qwen2", True), ("llama", False), ("llama", True),
+                                        ("qwen3", True), ("qwen3", False), ("qwen3_moe", False),
+                                        ("qwen3_moe_plain", True)],
                 ids=lambda p: f"{p[0]}-{'tied' if p[1] else 'untied'}")
 def models(request, tmp_path_factory):
     family, tied = request.param

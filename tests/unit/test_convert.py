@@ -267,7 +267,8 @@ def test_shape_from_hf_config_fields():
     assert dataclasses.asdict(s) == dict(
         family="qwen2", num_layers=2, hidden_size=64, num_attention_heads=4, num_kv_heads=2, head_dim=16,
         ffn_hidden_size=128, vocab_size=96, max_position_embeddings=64, rope_theta=1000000.0, norm_eps=1e-5,
-        tie_word_embeddings=True, qkv_bias=True, rope_scaling_factor=0.0)
+        tie_word_embeddings=True, qkv_bias=True, rope_scaling_factor=0.0, qk_norm=False, num_experts=0,
+        moe_top_k=0, moe_ffn_hidden_size=0, moe_norm_topk_prob=True, moe_layers=())
 
 
 def test_shape_is_frozen():
@@ -327,3 +328,113 @@ def test_llama3_rope_scaling_from_transformers4_rope_scaling():
                                   "high_freq_factor": 4.0, "original_max_position_embeddings": 8192})
     s = ModelShape.from_hf_config(cfg)
     assert s.rope_theta == 500000.0 and s.rope_scaling_factor == 8.0
+
+
+# ------------------------------------------------------------------------------------------------ Qwen3, Qwen3-MoE
+
+
+def moe_config(**kw) -> dict:
+    """A Qwen3-MoE config.json as transformers 5 writes it (`num_local_experts`, not `num_experts`)."""
+    base = dict(model_type="qwen3_moe", num_hidden_layers=4, head_dim=24, num_local_experts=8,
+                num_experts_per_tok=2, moe_intermediate_size=32, norm_topk_prob=True)
+    return hf_config(**{**base, **kw})
+
+
+def test_qwen3_shape_has_qk_norm_and_explicit_head_dim():
+    s = ModelShape.from_hf_config(hf_config(model_type="qwen3", head_dim=24))
+    assert (s.family, s.head_dim, s.qk_norm, s.qkv_bias, s.is_moe) == ("qwen3", 24, True, False, False)
+    with pytest.raises(ValueError, match="attention_bias=true .* not supported for qwen3"):
+        ModelShape.from_hf_config(hf_config(model_type="qwen3", attention_bias=True))
+
+
+def test_qwen3_moe_layers_follow_transformers_rule():
+    """transformers: layer i is sparse unless in mlp_only_layers or (i + 1) % decoder_sparse_step != 0."""
+    transformers = pytest.importorskip("transformers")
+    from transformers.models.qwen3_moe.modeling_qwen3_moe import Qwen3MoeDecoderLayer, Qwen3MoeSparseMoeBlock
+
+    for extra in ({}, {"mlp_only_layers": [0, 2]}, {"decoder_sparse_step": 2},
+                  {"decoder_sparse_step": 2, "mlp_only_layers": [3]}):
+        cfg = transformers.Qwen3MoeConfig(**{k: v for k, v in moe_config(**extra).items()
+                                             if k not in ("model_type", "num_local_experts")}, num_experts=8)
+        sparse = tuple(i for i in range(4) if isinstance(Qwen3MoeDecoderLayer(cfg, i).mlp, Qwen3MoeSparseMoeBlock))
+        s = ModelShape.from_hf_config(cfg.to_dict())
+        assert s.moe_layers == sparse, extra
+        assert (s.num_experts, s.moe_top_k, s.moe_ffn_hidden_size, s.moe_norm_topk_prob) == (8, 2, 32, True)
+
+
+@pytest.mark.parametrize("bad, message", [
+    ({"num_experts_per_tok": 9}, "num_experts_per_tok=9 must be within 1..num_experts=8"),
+    ({"num_local_experts": 0}, "qwen3_moe with num_experts=0"),
+    ({"shared_expert_intermediate_size": 64}, "shared experts are not supported"),
+    ({"mlp_only_layers": [7]}, r"mlp_only_layers=\[7\] names layers outside 0..3"),
+])
+def test_qwen3_moe_unsupported_variants_are_named(bad, message):
+    with pytest.raises(ValueError, match=message):
+        ModelShape.from_hf_config(moe_config(**bad), source="cfg.json")
+
+
+def test_qwen3_moe_parameter_counts():
+    """Total vs active parameters by hand: 4 layers, 8 experts of width 32 (top-2), hidden 64, 4 x 24 query and
+    2 x 24 key/value dims, vocabulary 96 tied."""
+    s = ModelShape.from_hf_config(moe_config(mlp_only_layers=[1]))
+    attention = 64 * (96 + 2 * 48) + 96 * 64 + 2 * 24
+    expert = 3 * 64 * 32
+    dense_mlp = 3 * 64 * 128
+    norms = 2 * 64
+    total = 96 * 64 + 64 + 4 * (attention + norms) + dense_mlp + 3 * (8 * 64 + 8 * expert)
+    active = 96 * 64 + 64 + 4 * (attention + norms) + dense_mlp + 3 * (8 * 64 + 2 * expert)
+    assert (s.param_count(), s.param_count(active=True)) == (total, active)
+
+
+def test_qwen3_moe_names_round_trip_with_global_expert_index():
+    s = ModelShape.from_hf_config(moe_config())
+    w = torch.arange(2 * 32 * 64, dtype=torch.float32).reshape(64, 64)
+    names = [n for n, _ in mcore_to_hf("decoder.layers.3.mlp.experts.local_experts.5.linear_fc1.weight", w, s)]
+    assert names == ["model.layers.3.mlp.experts.5.gate_proj.weight", "model.layers.3.mlp.experts.5.up_proj.weight"]
+    router = mcore_to_hf("decoder.layers.0.mlp.router.weight", w[:8], s)
+    assert [n for n, _ in router] == ["model.layers.0.mlp.gate.weight"]
+    assert [n for n, _ in mcore_to_hf("decoder.layers.2.self_attention.q_layernorm.weight", w[0, :24], s)] == [
+        "model.layers.2.self_attn.q_norm.weight"]
+
+
+def test_expert_names_of_both_specs_map_to_global_expert_indices(monkeypatch):
+    """The local spec's `mlp.experts.local_experts.<j>.linear_fc*` and Transformer Engine's
+    `mlp.experts.linear_fc*.weight<j>` on EP rank 1 of 2 with 8 experts: local expert j is global expert 4 + j, and
+    layer indices are global too."""
+    from types import SimpleNamespace
+
+    from megatron.core import parallel_state as ps
+
+    from megarl.mcore.convert import global_param_names
+
+    monkeypatch.setattr(ps, "get_expert_model_parallel_rank", lambda: 1)
+    monkeypatch.setattr(ps, "get_expert_model_parallel_world_size", lambda: 2)
+
+    def layer(number: int, te: bool) -> torch.nn.Module:
+        m = torch.nn.Module()
+        m.layer_number = number
+        m.mlp = torch.nn.Module()
+        m.mlp.experts = torch.nn.Module()
+        if te:
+            m.mlp.experts.linear_fc1 = torch.nn.Module()
+            m.mlp.experts.linear_fc1.register_parameter("weight1", torch.nn.Parameter(torch.zeros(1)))
+        else:
+            expert = torch.nn.Module()
+            expert.linear_fc2 = torch.nn.Linear(1, 1, bias=False)
+            m.mlp.experts.local_experts = torch.nn.ModuleList([torch.nn.Module(), expert])
+        return m
+
+    model = torch.nn.Module()
+    model.config = SimpleNamespace(num_moe_experts=8)
+    model.decoder = torch.nn.Module()
+    model.decoder.layers = torch.nn.ModuleList([layer(3, te=True), layer(4, te=False)])  # a PP stage from layer 2
+    assert global_param_names(model) == {
+        "decoder.layers.0.mlp.experts.linear_fc1.weight1":
+            "decoder.layers.2.mlp.experts.local_experts.5.linear_fc1.weight",
+        "decoder.layers.1.mlp.experts.local_experts.1.linear_fc2.weight":
+            "decoder.layers.3.mlp.experts.local_experts.5.linear_fc2.weight",
+    }
+    s = ModelShape.from_hf_config(moe_config())
+    names = [n for n, _ in mcore_to_hf("decoder.layers.2.mlp.experts.local_experts.5.linear_fc1.weight",
+                                       torch.zeros(64, 64), s)]
+    assert names == ["model.layers.2.mlp.experts.5.gate_proj.weight", "model.layers.2.mlp.experts.5.up_proj.weight"]

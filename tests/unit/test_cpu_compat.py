@@ -301,3 +301,73 @@ def test_megatron_model_parallel_seed_uses_cpu_tracker(installed):
     assert set(tracker.get_states()) == {"data-parallel-rng", "model-parallel-rng", "expert-parallel-rng"}
     # megatron seeds the TP stream with seed + 2718 + tp_rank
     assert torch.equal(x, seeded_randn(123 + 2718 + 1, 3)[0])
+
+
+# ------------------------------------------------------------------------------------------------ (c) MoE points
+
+
+def test_router_still_references_te_general_gemm():
+    """(5) megatron-core's router GEMM names `te_general_gemm`; without TE only the layer's None defines it."""
+    from megatron.core.transformer.moe import moe_utils
+
+    assert "te_general_gemm" in moe_utils.RouterGatingLinearFunction.forward.__code__.co_names, (
+        "the router no longer uses te_general_gemm: cpu_compat's patch (5) can go")
+
+
+@cpu_only
+def test_router_gemm_runs_on_cpu_after_install(installed):
+    from megatron.core.transformer.moe import moe_utils
+
+    assert moe_utils.te_general_gemm is None
+    x, w = torch.randn(5, 8), torch.randn(3, 8)
+    out = moe_utils.RouterGatingLinearFunction.apply(x, w, None, torch.float32)
+    assert torch.allclose(out, x @ w.t(), atol=1e-6)
+
+
+@cpu_only
+def test_collective_backwards_allocate_on_the_cpu(installed):
+    """(6) The backward passes that allocate on torch.cuda.current_device() (0: a CUDA ordinal) run in the
+    layer's scope: outside it the same allocation fails on a CPU machine."""
+    import inspect
+
+    from megatron.core.tensor_parallel import layers, mappings
+
+    scoped = {f.__name__ for f in cpu_compat._scoped_backward_functions() if f.backward._megarl_scoped}
+    assert {"_AllToAll", "_GatherFromSequenceParallelRegion", "_ReduceScatterToSequenceParallelRegion",
+            "LinearWithGradAccumulationAndAsyncCommunication"} <= scoped
+    assert "current_device" in mappings._gather_along_first_dim.__code__.co_names
+    linear = layers.LinearWithGradAccumulationAndAsyncCommunication
+    assert "torch.cuda.current_device()" in inspect.getsource(linear.backward)
+    with pytest.raises(RuntimeError):
+        torch.empty(2, device=torch.cuda.current_device())
+    with megatron_scope():
+        assert torch.empty(2, device=torch.cuda.current_device()).device.type == "cpu"
+
+
+def test_alltoall_dispatcher_still_uses_cuda_streams_and_host_moves():
+    """(7, 8) the dispatcher's constructor creates a CUDA stream unless one is set, and its host-copy method uses
+    streams, an event and `maybe_move_tensor_to_cpu`, which moves only CUDA tensors."""
+    import inspect
+
+    from megatron.core.transformer.moe import moe_utils, token_dispatcher
+
+    cls = token_dispatcher.MoEAlltoAllTokenDispatcher
+    assert "torch.cuda.Stream()" in inspect.getsource(cls.__init__)
+    original = inspect.getsource(moe_utils.maybe_move_tensor_to_cpu)
+    assert "tensor.is_cuda" in original
+    method = cls.__dict__["_maybe_dtoh_and_synchronize"]
+    if method is cpu_compat._dtoh_without_streams:  # installed: megatron's own is gone from the class
+        return
+    source = inspect.getsource(method)
+    assert "record_event" in source and "maybe_move_tensor_to_cpu" in source
+
+
+@cpu_only
+def test_alltoall_split_sizes_become_host_arrays(installed):
+    from megatron.core.transformer.moe import token_dispatcher
+
+    assert token_dispatcher.MoEAlltoAllTokenDispatcher.cuda_dtoh_stream is not None
+    splits = token_dispatcher.maybe_move_tensor_to_cpu(torch.tensor([3, 1]), as_numpy=True)
+    assert splits.tolist() == [3, 1] and not torch.is_tensor(splits)
+    counts = torch.tensor([2, 2])
+    assert token_dispatcher.maybe_move_tensor_to_cpu(counts) is counts

@@ -71,6 +71,8 @@ def test_what_the_megatron_backend_needs_is_named_before_any_work():
         parse_args(["--rollout-backend", "megatron", "--tensor-model-parallel-size", "2"])
     with pytest.raises(ConfigError, match="--offload-params"):
         parse_args(["--rollout-backend", "megatron", "--offload-params"])
+    with pytest.raises(ConfigError, match="needs --expert-model-parallel-size 1"):
+        parse_args(["--rollout-backend", "megatron", "--expert-model-parallel-size", "2"])
 
 
 class _SharingEngine:

@@ -27,9 +27,26 @@ def shape(name: str) -> ModelShape:
 # Parameter counts as published on the models' Hugging Face pages (safetensors metadata).
 @pytest.mark.parametrize("name,params", [("qwen2.5-math-1.5b", 1_543_714_304), ("qwen2.5-math-7b", 7_615_616_512),
                                          ("qwen2.5-7b", 7_615_616_512), ("llama-3.1-8b", 8_030_261_248),
-                                         ("llama-3.1-70b", 70_553_706_496)])
+                                         ("llama-3.1-70b", 70_553_706_496), ("qwen3-8b", 8_190_735_360),
+                                         ("qwen3-30b-a3b", 30_532_122_624)])
 def test_parameter_counts_of_the_shape_files(name, params):
     assert P.num_params(shape(name)) == params
+
+
+def test_a_mixture_of_experts_counts_active_parameters_and_splits_experts_over_ep():
+    """Qwen3-30B-A3B: 48 layers of 128 experts (3 x 2048 x 768 each), 8 per token. On a GPU at TP 2, EP 8,
+    expert-TP 1: half of everything but the experts, and 16 whole experts of each layer."""
+    s = shape("qwen3-30b-a3b")
+    experts = 48 * 128 * 3 * 2048 * 768
+    assert P.num_params(s) - P.active_params(s) == 48 * (128 - 8) * 3 * 2048 * 768
+    assert 3.3e9 < P.active_params(s) < 3.4e9  # "A3B"
+    assert P.stage_params(s, tp=2, pp=1, ep=8, etp=1) == (P.num_params(s) - experts) / 2 + experts / 8
+    r = P.Run(tp=2, pp=1, ep=8, etp=1)
+    assert P.expert_bytes_per_gpu(s, r) == 2 * experts / 8
+    dense = shape("qwen3-8b")
+    assert P.active_params(dense) == P.num_params(dense) and P.expert_bytes_per_gpu(dense, r) == 0
+    [mem] = P.memory_plan(s, r, P.Cluster(H100, 12))  # 12 GPUs: TP 2 divides them, expert-TP 1 x EP 8 does not
+    assert "12 training GPUs are not a multiple of expert-TP 1 x EP 8 x PP 1" in mem.problems
 
 
 def test_70b_in_bf16_is_140_gb_of_weights_per_instance():

@@ -187,3 +187,38 @@ def test_the_launchers_pre_launch_check_reads_config_json(tmp_path):
                              "--hf-checkpoint", "/not/mounted/here", "--tensor-model-parallel-size", "2"],
                             cwd=REPO, env=env(), capture_output=True, text=True, timeout=60)
     assert unseen.returncode == 0 and "TP=2" in unseen.stdout and "checked when the job starts" in unseen.stderr
+
+
+MOE = {"model_type": "qwen3_moe", "head_dim": 16, "num_experts": 4, "num_experts_per_tok": 2,
+       "moe_intermediate_size": 32, "norm_topk_prob": True}
+
+
+@pytest.mark.parametrize("fields, flags, world, message", [
+    ({}, {"expert_model_parallel_size": 2}, 2, "--expert-model-parallel-size 2 / --expert-tensor-parallel-size 0: "
+     "a qwen2 model has no experts (qwen3_moe has)"),
+    ({}, {"routing_replay": True}, 1, "--routing-replay: a qwen2 model has no routers to replay"),
+    (MOE, {"expert_model_parallel_size": 3}, 3, "num_experts = 4 is not divisible by --expert-model-parallel-size 3 "
+     "(the largest EP below 3 that divides it: 2)"),
+    (MOE, {"expert_model_parallel_size": 4}, 2, "the world size 2 is not divisible by --expert-tensor-parallel-size 1 "
+     "x --expert-model-parallel-size 4 x --pipeline-model-parallel-size 1"),
+    (MOE, {"tensor_model_parallel_size": 2}, 2, "a mixture-of-experts model trains at --tensor-model-parallel-size 2 "
+     "only with --sequence-parallel"),
+    ({**MOE, "moe_intermediate_size": 30}, {"tensor_model_parallel_size": 4, "sequence_parallel": True}, 4,
+     "moe_intermediate_size = 30 is not divisible by --expert-tensor-parallel-size 4"),
+    ({**MOE, "shared_expert_intermediate_size": 64}, {}, 1, "shared experts are not supported for qwen3_moe"),
+])
+def test_each_expert_problem_is_named(tmp_path, fields, flags, world, message):
+    with pytest.raises(ConfigError) as e:
+        check(checkpoint_dir(tmp_path, **fields), world, **flags)
+    assert message in str(e.value)
+
+
+def test_a_qwen3_moe_layout_that_fits_passes(tmp_path):
+    layout, shape, _ = check(checkpoint_dir(tmp_path, **MOE), 4, tensor_model_parallel_size=2, sequence_parallel=True,
+                             expert_model_parallel_size=2, expert_tensor_parallel_size=2, routing_replay=True)
+    assert (layout.tp, layout.dp, shape.num_experts, shape.moe_layers) == (2, 2, 4, (0, 1, 2, 3))
+
+
+def test_routing_replay_needs_the_builtin_engine():
+    with pytest.raises(ConfigError, match="--routing-replay needs --rollout-backend builtin"):
+        build_config({"routing_replay": True, "rollout_backend": "sglang"})
