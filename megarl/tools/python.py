@@ -10,6 +10,7 @@ any job (SECURITY.md): no network, no host files, processes and memory bounded, 
 
 from __future__ import annotations
 
+import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 from typing import Sequence
@@ -51,14 +52,16 @@ class PythonTool:
         self.limits = Limits(wall_s=s.timeout_s, cpu_s=s.timeout_s, memory_mb=s.memory_mb,
                              output_bytes=s.output_bytes)
         self._sandbox = None
+        self._lock = threading.Lock()  # one sandbox, however many calls ask for it first at once
 
     @property
     def sandbox(self):
-        if self._sandbox is None:
-            extra = {"image": self.settings.image} if self.settings.sandbox == "docker" and self.settings.image else {}
-            self._sandbox = make_sandbox(self.settings.sandbox, workers=self.settings.workers, limits=self.limits,
-                                         **extra)
-        return self._sandbox
+        with self._lock:
+            if self._sandbox is None:
+                s = self.settings
+                extra = {"image": s.image} if s.sandbox == "docker" and s.image else {}
+                self._sandbox = make_sandbox(s.sandbox, workers=s.workers, limits=self.limits, **extra)
+            return self._sandbox
 
     def run_many(self, calls: Sequence[ToolCall]) -> list[Observation]:
         if not calls:
@@ -78,9 +81,10 @@ class PythonTool:
         return observation(result, self.limits, time.perf_counter() - start)
 
     def close(self) -> None:
-        if self._sandbox is not None:
-            self._sandbox.close()
-            self._sandbox = None
+        with self._lock:
+            if self._sandbox is not None:
+                self._sandbox.close()
+                self._sandbox = None
 
 
 def observation(result: RunResult, limits: Limits, seconds: float) -> Observation:

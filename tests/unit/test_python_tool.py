@@ -82,3 +82,39 @@ def test_tool_contract():
             assert tool.run_many([]) == []
         finally:
             tool.close()
+
+
+def test_one_sandbox_however_many_calls_start_it_at_once(monkeypatch):
+    """The first calls of a batch ask for the sandbox from several threads at once: one is built (a second would
+    leak its workers)."""
+    import threading
+    import time as _time
+
+    from megarl.tools import python as python_tool_module
+
+    built = []
+
+    class SlowSandbox:
+        def __init__(self, **kw):
+            _time.sleep(0.2)  # building takes a while: every thread gets here before the first is done
+            built.append(self)
+
+        def run(self, job):
+            return RunResult("ok", 0, stdout="1\n")
+
+        def close(self):
+            pass
+
+    monkeypatch.setattr(python_tool_module, "make_sandbox", lambda backend, **kw: SlowSandbox(**kw))
+    tool = get_tool("python", ToolSettings(workers=4))
+    barrier = threading.Barrier(4)
+    tool.sandbox  # noqa: B018 - nothing yet: the property builds on first use
+    built.clear()
+    tool._sandbox = None
+    threads = [threading.Thread(target=lambda: (barrier.wait(), tool.run_many([ToolCall("python", {"code": "1"})])))
+               for _ in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(30)
+    assert len(built) == 1
