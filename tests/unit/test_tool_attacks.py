@@ -1,5 +1,6 @@
-"""`tools/bench/tool_attacks.py` on a small batch: four tool_use trajectories per attack (one prompt, n = 4) of the sandbox's containment
-suite, every one finished, nothing left on the host (the bench's own checks; 1,000 trajectories is its default)."""
+"""`tools/bench/tool_attacks.py` on a small batch: four tool_use trajectories (one prompt, n = 4) per attack of the
+sandbox's containment suite, every one finished, nothing left on the host (the bench's own checks; 1,000
+trajectories is its default)."""
 
 from __future__ import annotations
 

@@ -71,7 +71,8 @@ def test_no_exception_escapes_any_parser(pieces):
 
 
 _JSON = st.recursive(st.none() | st.booleans() | st.integers() | st.text(max_size=10),
-                     lambda inner: st.lists(inner, max_size=3) | st.dictionaries(st.text(max_size=5), inner, max_size=3),
+                     lambda inner: st.lists(inner, max_size=3) | st.dictionaries(st.text(max_size=5), inner,
+                                                                                 max_size=3),
                      max_leaves=10)
 
 
