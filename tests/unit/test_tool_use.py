@@ -319,3 +319,26 @@ def test_loss_and_gradient_ignore_the_tool_tokens(tok):
     loss2, grad2, _, _ = loss_and_grad(moved)
     assert torch.equal(loss, loss2) and torch.equal(grad, grad2)
     assert grad[tool_cols].abs().max() == 0 and grad[~tool_cols].abs().max() > 0
+
+
+def test_the_rollout_stage_reports_the_tool_metrics(tok):
+    """Through the Collector (the latencies of the call join the step's metrics) and the step's reduction."""
+    from megarl.config import RolloutConfig
+    from megarl.data import PromptSampler
+    from megarl.mcore.parallel import ParallelInfo
+    from megarl.stages.collect import Collector
+    from megarl.stages.report import _tool_metrics
+
+    info = ParallelInfo(rank=0, world_size=1, tp_rank=0, tp_size=1, pp_rank=0, pp_size=1, dp_rank=0, dp_size=1)
+    prompts = _prompts(tok, "2*3=", "4*5=")
+    collector = Collector(ScriptedEngine(tok, call_then_answer), _rollout(), InProcessReward(), tok, prompts,
+                          PromptSampler(2, seed=0), RolloutConfig(n_samples_per_prompt=2, max_response_len=80),
+                          global_batch=2, seed=0, info=info)
+    rollout = collector(step=0)
+    assert (rollout.metrics["tool_latency_p50"], rollout.metrics["tool_latency_p99"]) == (1.0, 1.75)
+    # sums over ranks of the per-sample numbers: 10 trajectories, 6 called (8 calls, 2 errors, 1 timeout)
+    g = {"n_samples": 10, "response_tokens": 400, "sample_tool_used": 6, "sample_tool_calls": 8,
+         "sample_tool_errors": 2, "sample_tool_timeouts": 1, "sample_tool_tokens": 100,
+         "tool_latency_p50_max": 0.5, "tool_latency_p99_max": 2.0}
+    assert _tool_metrics(g) == {"tool_call_rate": 0.6, "tool_error_rate": 0.25, "tool_timeout_rate": 0.125,
+                                "tool_output_frac": 0.25, "tool_latency_p50": 0.5, "tool_latency_p99": 2.0}
