@@ -1,4 +1,4 @@
-# megarl developer entry points: `make venv`, `make demo`, `make demo-tool`, `make test`, `make test-fast`, `make clean`.
+# megarl developer entry points: `make venv`, `make demo`, `make demo-tool`, `make test`, `make test-fast`, `make clean`
 #
 # torch is installed before megarl, and only ever at a pinned version, because an unpinned `pip install torch`
 # on a machine without a GPU drags in gigabytes of CUDA wheels:
