@@ -1,4 +1,4 @@
-# megarl developer entry points: `make venv`, `make demo`, `make test`, `make test-fast`, `make clean`.
+# megarl developer entry points: `make venv`, `make demo`, `make demo-tool`, `make test`, `make test-fast`, `make clean`
 #
 # torch is installed before megarl, and only ever at a pinned version, because an unpinned `pip install torch`
 # on a machine without a GPU drags in gigabytes of CUDA wheels:
@@ -21,12 +21,14 @@ STAMP := $(VENV)/.stamp
 STARTER := .cache/starter/config.json
 # Pre-training is bound by its step count only (no wall-time budget), so every machine builds the same starter.
 STARTER_STEPS ?= 1760
+TOOL_STARTER := .cache/tool-starter/config.json
+TOOL_STARTER_STEPS ?= 1200
 
 # "1" when $(PYTHON) already imports a torch built with CUDA.
 # Deferred (=), so torch is imported only when the venv is being (re)built.
 HOST_HAS_CUDA_TORCH = $(shell $(PYTHON) -c 'import torch; print(int(torch.version.cuda is not None))' 2>/dev/null || echo 0)
 
-.PHONY: venv demo test test-fast sandbox-image clean distclean
+.PHONY: venv demo demo-tool test test-fast sandbox-image clean distclean
 
 venv: $(STAMP)
 
@@ -57,6 +59,15 @@ $(STARTER): | $(STAMP)
 
 demo: venv $(STARTER)
 	$(VENV)/bin/torchrun --nproc-per-node $(NPROC) megarl/train.py recipes/tiny_cpu.sh
+
+$(TOOL_STARTER): | $(STAMP)
+	$(VPY) tools/make_tool_starter_model.py --out $(dir $@) --steps $(TOOL_STARTER_STEPS)
+
+# The control first (every tool call answered by an error, same seed), so that the demo's own lines end the output.
+demo-tool: venv $(TOOL_STARTER)
+	$(VENV)/bin/torchrun --nproc-per-node $(NPROC) megarl/train.py recipes/tiny_cpu_tool.sh --tool-calls-fail \
+	  --output-dir runs/tiny_cpu_tool_control
+	$(VENV)/bin/torchrun --nproc-per-node $(NPROC) megarl/train.py recipes/tiny_cpu_tool.sh
 
 test: venv
 	$(VPY) -m pytest tests -q

@@ -211,6 +211,46 @@ class SandboxConfig:
 
 
 @dataclass
+class ToolConfig:
+    tool_parser: str = _name("hermes", "--rollout-function tool_use: how a turn's tool calls are read (hermes: "
+                             "<tool_call>{json}</tool_call>; python: a fenced python block calls the python tool)",
+                             "megarl.tools:parser_names")
+    tools: str = _f("python", "--rollout-function tool_use: comma-separated tools the model may call (registered "
+                    "with megarl.tools.register_tool)")
+    max_turns: int = _f(4, "tool_use: most model turns per trajectory (a turn ends at a tool call or the end)")
+    max_tool_calls: int = _f(4, "tool_use: most tool calls per trajectory; a turn that calls beyond them ends it, "
+                             "those calls unrun")
+    max_tool_output_tokens: int = _f(256, "tool_use: a call's output is cut to this many tokens, with a marker "
+                                     "saying how many were cut (the whole trajectory stays within "
+                                     "--max-response-len tokens, policy and tools together)")
+    tool_response_format: Literal["auto", "chat", "text"] = _f(
+        "auto", "tool_use: tool output as the chat template's tool turn (chat; turns end at the end-of-turn "
+        "token) or in the parser's text wrapper right after the call (text; turns end at the call's closing "
+        "tag); auto = chat when the tokenizer has a chat template")
+    tool_timeout: float = _f(5.0, "seconds of wall-clock (and CPU) time per tool call")
+    tool_memory_mb: int = _f(256, "memory a tool call may use")
+    tool_output_bytes: int = _f(16384, "stdout (and stderr) bytes a tool call may print; more is cut and said so")
+    tool_workers: int = _f(2, "sandbox workers running tool calls: the calls of a batch run this many at a time "
+                           "(the sandbox is --sandbox)")
+    tool_call_cost: float = _f(0.0, "tool_use: subtracted from a trajectory's reward per tool call; 0 = off")
+    tool_format_bonus: float = _f(0.0, "tool_use: added to the reward of a trajectory that called a tool and whose "
+                                  "every call was well formed and ran without error; 0 = off")
+    tool_calls_fail: bool = _f(False, "tool_use control runs: every tool call gets an error observation and nothing "
+                               "runs (what the tool is worth)")
+
+    def __post_init__(self):
+        _positive(self, "max_turns", "max_tool_calls", "max_tool_output_tokens", "tool_memory_mb",
+                  "tool_output_bytes", "tool_workers")
+        if self.tool_timeout <= 0:
+            raise ConfigError(f"--tool-timeout must be > 0 seconds, got {self.tool_timeout}")
+        if self.tool_call_cost < 0 or self.tool_format_bonus < 0:
+            raise ConfigError(f"--tool-call-cost and --tool-format-bonus must be >= 0, got {self.tool_call_cost} "
+                              f"and {self.tool_format_bonus}")
+        if not [t for t in self.tools.split(",") if t.strip()]:
+            raise ConfigError("--tools must name at least one tool, e.g. --tools python")
+
+
+@dataclass
 class PluginConfig:
     plugins: str = _f("", "comma-separated Python modules (or .py files) imported before anything else, in the "
                       "trainer and in every reward worker: what they register (verifiers, rollout functions, "
@@ -358,6 +398,7 @@ class Config:
     data: DataConfig
     reward: RewardConfig
     sandbox: SandboxConfig
+    tools: ToolConfig
     algorithm: AlgorithmConfig
     training: TrainingConfig
     checkpoint: CheckpointConfig
@@ -400,9 +441,17 @@ class Config:
 
 SECTIONS: dict[str, type] = {
     "model": ModelConfig, "rollout": RolloutConfig, "data": DataConfig, "reward": RewardConfig,
-    "sandbox": SandboxConfig, "algorithm": AlgorithmConfig, "training": TrainingConfig,
+    "sandbox": SandboxConfig, "tools": ToolConfig, "algorithm": AlgorithmConfig, "training": TrainingConfig,
     "checkpoint": CheckpointConfig, "logging": LoggingConfig, "plugins": PluginConfig,
 }
+
+
+def tool_settings(tc: ToolConfig, sb: SandboxConfig):
+    """The per-call limits and sandbox the tools of `--rollout-function tool_use` are built with."""
+    from megarl.tools import ToolSettings
+
+    return ToolSettings(timeout_s=tc.tool_timeout, memory_mb=tc.tool_memory_mb, output_bytes=tc.tool_output_bytes,
+                        sandbox=sb.sandbox, workers=tc.tool_workers, image=sb.sandbox_image or None)
 
 
 def verifier_options(r: RewardConfig, sb: SandboxConfig) -> dict[str, dict]:
@@ -531,6 +580,12 @@ def check_names(cfg: Config, origins: dict[str, str] | None = None) -> None:
             raise ConfigError(f"{where}: {spec.flag} {value!r} is not registered; choose one of: {', '.join(valid)} "
                               "(--plugins imports modules that register more)")
     get_backend(cfg.rollout.rollout_backend).check(cfg)
+    from megarl.tools import tool_names
+
+    for name in (t.strip() for t in cfg.tools.tools.split(",")):
+        if name and name not in tool_names():
+            raise ConfigError(f"{origins.get('tools', 'default')}: --tools {name!r} is not registered; choose from: "
+                              f"{', '.join(tool_names())} (--plugins imports modules that register more)")
     if get_advantage(cfg.algorithm.advantage_estimator).needs.critic and cfg.model.context_parallel_size > 1:
         raise ConfigError(f"--context-parallel-size > 1 is not supported with --advantage-estimator "
                           f"{cfg.algorithm.advantage_estimator}: its critic is built without context parallelism")
@@ -557,7 +612,7 @@ def build_config(values: dict[str, Any]) -> Config:
 # ---------------------------------------------------------------------------------------------------------
 # Recipes.
 
-ARRAY_ORDER = ("MODEL_ARGS", "ROLLOUT_ARGS", "DATA_ARGS", "REWARD_ARGS", "ALGORITHM_ARGS", "TRAINING_ARGS",
+ARRAY_ORDER = ("MODEL_ARGS", "ROLLOUT_ARGS", "TOOL_ARGS", "DATA_ARGS", "REWARD_ARGS", "ALGORITHM_ARGS", "TRAINING_ARGS",
                "CHECKPOINT_ARGS", "LOGGING_ARGS", "EVAL_ARGS", "PLUGIN_ARGS")
 
 _DUMP = r"""

@@ -215,10 +215,12 @@ class MetricsLog:
 
 
 def rollout_sample_rows(step: int, samples: Sequence, prompts: Sequence, limit: int,
-                        batch: TrainBatch | None = None) -> list[dict]:
+                        batch: TrainBatch | None = None, tokenizer=None) -> list[dict]:
     """The first `limit` samples of a rollout (whole groups first, as samples are stored group by group) as
     plain rows. `prompts` is the dataset, indexed by each sample's `prompt_index`. With the step's `batch`, the
-    reward is the final one and each row gets its advantage (per-token advantages: their mean over the loss mask)."""
+    reward is the final one and each row gets its advantage (per-token advantages: their mean over the loss mask).
+    With the `tokenizer`, a sample holding tokens the policy did not generate (a tool's output) gets `trajectory`:
+    its whole response as spans `{"mask": 1 | 0, "text": ...}`, mask 0 marking what the loss leaves out."""
     rows = []
     for i, s in enumerate(list(samples)[:limit]):
         record = prompts[s.prompt_index]
@@ -232,8 +234,21 @@ def rollout_sample_rows(step: int, samples: Sequence, prompts: Sequence, limit: 
             adv, mask = batch.advantages[i], batch.loss_mask[i]
             row["reward"] = float(batch.rewards[i])
             row["advantage"] = float(adv) if adv.dim() == 0 else float((adv * mask).sum() / mask.sum().clamp(min=1))
+        if tokenizer is not None and 0 in s.loss_mask:
+            row["trajectory"] = masked_spans(s.response_ids, s.loss_mask, tokenizer)
         rows.append(row)
     return rows
+
+
+def masked_spans(ids: Sequence[int], mask: Sequence[int], tokenizer) -> list[dict]:
+    """Consecutive tokens of equal mask, decoded (special tokens kept): `[{"mask": 1, "text": ...}, ...]`."""
+    spans, start = [], 0
+    for i in range(1, len(ids) + 1):
+        if i == len(ids) or mask[i] != mask[start]:
+            spans.append({"mask": int(mask[start]),
+                          "text": tokenizer.decode(list(ids[start:i]), skip_special_tokens=False)})
+            start = i
+    return spans
 
 
 class PhaseTimer:
@@ -279,7 +294,8 @@ def format_step(row: dict, num_steps: int, eta: float | None = None) -> str:
         parts.append(f"eta {_duration(eta)}")
     fields = (("reward_mean", "reward", "{:.3f}"), ("accuracy", "acc", "{:.1%}"), ("kl", "kl", "{:.4f}"),
               ("clip_frac", "clip", "{:.3f}"), ("entropy", "ent", "{:.3f}"), ("response_len", "len", "{:.1f}"),
-              ("value_loss", "vloss", "{:.4f}"), ("explained_variance", "ev", "{:.2f}"))  # the last two: PPO
+              ("value_loss", "vloss", "{:.4f}"), ("explained_variance", "ev", "{:.2f}"),  # these two: PPO
+              ("tool_call_rate", "tool", "{:.1%}"))  # tool_use
     parts += [f"{label} {fmt.format(row[k])}" for k, label, fmt in fields if k in row]
     if "step_seconds" in row:
         phases = " ".join(f"{label} {row[k]:.2f}" for k, label in PHASES if k in row)

@@ -87,7 +87,8 @@ def run(cfg: Config, checked) -> int:
             row.update(report.evaluate_between_steps(run, step))  # the last step's evaluation follows the loop
         log.write(row)
         if log.enabled and lg.log_samples_interval and step % lg.log_samples_interval == 0:
-            rows = rollout_sample_rows(step, rollout.samples, run.prompts, lg.log_samples_count, batch)
+            rows = rollout_sample_rows(step, rollout.samples, run.prompts, lg.log_samples_count, batch,
+                                       run.tokenizer)
             log.write_samples(step, rows)
         elapsed = time.perf_counter() - train_start
         if step % lg.log_interval == 0 or step == t.num_steps:

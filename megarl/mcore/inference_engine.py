@@ -60,6 +60,9 @@ def megatron_engine_available() -> tuple[bool, str]:
 def megatron_sampling(params: SamplingParams) -> dict:
     """megarl's `SamplingParams` as keyword arguments of Megatron's `SamplingParams`."""
     greedy = params.temperature == 0
+    if params.stop:
+        raise ValueError(f"--rollout-backend megatron ends sequences at stop tokens only, not at stop strings "
+                         f"{list(params.stop)}: use --rollout-backend builtin or sglang")
     if not greedy and params.top_k > 0 and params.top_p < 1:
         raise ValueError("Megatron's sampler takes top-k or top-p, not both: set --rollout-top-k -1 or "
                          "--rollout-top-p 1")

@@ -92,7 +92,21 @@ def build_builtin(cfg: Config, actor: MegatronPolicy | None = None) -> RolloutEn
         device = "cuda" if torch.cuda.is_available() else "cpu"
     dtype = torch.bfloat16 if cfg.model.bf16 else torch.float32  # CPUs with bf16 units too
     config = json.loads((Path(cfg.model.hf_checkpoint) / "config.json").read_text())
-    return BuiltinEngine(config, device=device, dtype=dtype)
+    return BuiltinEngine(config, device=device, dtype=dtype, tokenizer=_CheckpointTokenizer(cfg.model.hf_checkpoint))
+
+
+class _CheckpointTokenizer:
+    """The checkpoint's tokenizer, loaded when first used (stop strings): a run without them never loads it."""
+
+    def __init__(self, path: str):
+        self.path, self._tokenizer = path, None
+
+    def decode(self, ids, skip_special_tokens: bool = False) -> str:
+        if self._tokenizer is None:
+            from transformers import AutoTokenizer
+
+            self._tokenizer = AutoTokenizer.from_pretrained(self.path)
+        return self._tokenizer.decode(ids, skip_special_tokens=skip_special_tokens)
 
 
 # -- SGLang --------------------------------------------------------------------------------------------------------
@@ -121,9 +135,11 @@ def build_sglang(cfg: Config, actor: MegatronPolicy | None = None) -> RolloutEng
     r = cfg.rollout
     if not r.rollout_servers:
         tp = r.sglang_tp_size or cfg.model.tensor_model_parallel_size
+        # Multi-turn rollout functions may end turns at stop strings, which SGLang matches on text: it then needs
+        # its tokenizer (single_turn stops at token ids only, and skips loading it).
         return SGLangEngine.launch(cfg.model.hf_checkpoint, tp_size=tp, base_gpu_id=torch.cuda.current_device(),
                                    mem_fraction=r.sglang_mem_fraction, dtype="bfloat16" if cfg.model.bf16 else "auto",
-                                   seed=cfg.training.seed)
+                                   seed=cfg.training.seed, tokenizer=r.rollout_function != "single_turn")
     pusher = dist.get_rank() == 0  # every DP leader generates; one rank pushes weights for all
     urls = r.rollout_servers.split(",")
     # The servers' TP size sizes the weight-update group: one trainer rank plus every server's TP ranks.

@@ -33,6 +33,10 @@ class SamplingParams:
     max_new_tokens: int = 64
     stop_token_ids: tuple[int, ...] = ()  # generation of a sequence ends after emitting one of these
     seed: int | None = None  # same seed, same prompts, same weights -> same samples
+    # Generation of a sequence also ends once the text of its new tokens contains one of these (a tool call's
+    # closing tag); the token that completed it is the completion's last. Matched on decoded text, so the engine
+    # needs the tokenizer (`BuiltinEngine(tokenizer=...)`; SGLang launched with its tokenizer).
+    stop: tuple[str, ...] = ()
 
     def __post_init__(self):
         if self.n < 1:
@@ -45,6 +49,8 @@ class SamplingParams:
             raise ValueError(f"SamplingParams.top_k must be -1 (off) or >= 1, got {self.top_k}")
         if self.max_new_tokens < 1:
             raise ValueError(f"SamplingParams.max_new_tokens must be >= 1, got {self.max_new_tokens}")
+        if isinstance(self.stop, str) or not all(isinstance(s, str) and s for s in self.stop):
+            raise ValueError(f"SamplingParams.stop must be a tuple of non-empty strings, got {self.stop!r}")
 
 
 @dataclass
@@ -53,8 +59,8 @@ class Completion:
 
     `logprobs[i]` is log p(token_ids[i] | prompt, token_ids[:i]) under softmax(logits / temperature)
     (raw logits when temperature == 0), before any top-k / top-p truncation: the same quantity the actor
-    recomputes, so the two can be compared token by token. A stop token, when hit, is the last element of
-    `token_ids`.
+    recomputes, so the two can be compared token by token. A stop token, or the token that completed a stop
+    string, is the last element of `token_ids` (finish reason "stop").
 
     `routed_experts` (mixture-of-experts models, engines that record routing): the experts each token was sent
     to, int16 [prompt + response tokens, sparse layers, top-k], for every token the engine ran through the model

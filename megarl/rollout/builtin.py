@@ -12,8 +12,10 @@ How one `generate` call runs:
   * each distinct prompt is prefilled once and its KV cache copied to its n sample rows.
   * the KV cache is preallocated per call (`KVCache`); keys are stored transposed so that decode attention is two
     plain batched matmuls, which on CPU beat SDPA's kernel for one query per head by about 2x.
-  * decoding goes step by step; a row ends on one of `stop_token_ids` or at `max_new_tokens`, and once a quarter
-    of the batch has ended, ended rows are dropped (the batch is compacted) so they cost no more compute.
+  * decoding goes step by step; a row ends on one of `stop_token_ids`, on a token that completes one of the `stop`
+    strings in the text of its new tokens (`StopStrings`: the tokenizer decodes only a short tail per step), or at
+    `max_new_tokens`; once a quarter of the batch has ended, ended rows are dropped (the batch is compacted) so
+    they cost no more compute.
   * log-probs are log_softmax(logits / temperature) at the chosen token, before top-k / top-p truncation,
     i.e. what the actor recomputes (see `Completion`).
 
@@ -109,8 +111,11 @@ class BuiltinEngine:
 
     shares_actor_weights = False
 
-    def __init__(self, hf_config: dict, device: str | torch.device = "cpu", dtype: torch.dtype = torch.float32):
+    def __init__(self, hf_config: dict, device: str | torch.device = "cpu", dtype: torch.dtype = torch.float32,
+                 tokenizer=None):
+        """`tokenizer` (anything with `decode(ids, skip_special_tokens=...)`) is needed only for stop strings."""
         self.shape = ModelShape.from_hf_config(hf_config)
+        self.tokenizer = tokenizer
         self.device = torch.device(device)
         self.dtype = dtype
         self.weight_version = 0
@@ -129,11 +134,11 @@ class BuiltinEngine:
 
     @classmethod
     def from_pretrained(
-        cls, path: str | Path, device: str | torch.device = "cpu", dtype: torch.dtype = torch.float32
+        cls, path: str | Path, device: str | torch.device = "cpu", dtype: torch.dtype = torch.float32, tokenizer=None
     ) -> BuiltinEngine:
         """Build from a Hugging Face checkpoint directory (config.json + *.safetensors)."""
         path = Path(path)
-        engine = cls(json.loads((path / "config.json").read_text()), device=device, dtype=dtype)
+        engine = cls(json.loads((path / "config.json").read_text()), device=device, dtype=dtype, tokenizer=tokenizer)
         files = sorted(path.glob("*.safetensors"))
         if not files:
             raise FileNotFoundError(f"no *.safetensors files in {path}")
@@ -504,6 +509,7 @@ class BuiltinEngine:
         else:
             generator.manual_seed(params.seed)
         stop_ids = torch.tensor(params.stop_token_ids, dtype=torch.long, device=self.device)
+        stop_text = StopStrings(params.stop, self.tokenizer) if params.stop else None
         tokens = torch.zeros(rows_total, max_new, dtype=torch.long, device=self.device)
         logprobs = torch.zeros(rows_total, max_new, dtype=torch.float32, device=self.device)
         ends = torch.full((rows_total,), -1, dtype=torch.long, device=self.device)
@@ -511,8 +517,10 @@ class BuiltinEngine:
         for step in range(max_new):
             tok, lp = _sample(logits, params, generator)
             tokens[batch.rows, step], logprobs[batch.rows, step] = tok, lp
-            if params.stop_token_ids:
+            if params.stop_token_ids or stop_text is not None:
                 hit = torch.isin(tok, stop_ids).logical_and_(batch.alive)
+                if stop_text is not None:
+                    hit |= stop_text.hits(tokens, batch.rows, step).logical_and_(batch.alive)
                 if bool(hit.any()):  # the only host sync per step, and only when stops are asked for
                     ends[batch.rows[hit]] = step
                     batch.alive &= ~hit
@@ -553,6 +561,25 @@ class BuiltinEngine:
                 )
             )
         return [completions[i * params.n : (i + 1) * params.n] for i in range(num_prompts)]
+
+
+class StopStrings:
+    """Which rows' new tokens now spell one of `stops`. Each step decodes only the tail of each row that could
+    hold a stop string completed by the newest token: as many tokens as the longest stop string has bytes (every
+    token decodes to at least one byte; special tokens are decoded as their text), plus one."""
+
+    def __init__(self, stops: Sequence[str], tokenizer):
+        if tokenizer is None:
+            raise ValueError("SamplingParams.stop needs the engine's tokenizer to match text: build the built-in "
+                             "engine with BuiltinEngine(..., tokenizer=...)")
+        self.stops, self.tokenizer = tuple(stops), tokenizer
+        self.window = max(len(s.encode("utf-8")) for s in self.stops) + 1
+
+    def hits(self, tokens: torch.Tensor, rows: torch.Tensor, step: int) -> torch.Tensor:
+        """[len(rows)] bool: row `rows[i]`'s tokens up to `step` end in a stop string completed at `step`."""
+        tails = tokens[rows, max(0, step + 1 - self.window) : step + 1].tolist()
+        found = [any(s in self.tokenizer.decode(t, skip_special_tokens=False) for s in self.stops) for t in tails]
+        return torch.tensor(found, dtype=torch.bool, device=tokens.device)
 
 
 def _onednn_bf16() -> bool:

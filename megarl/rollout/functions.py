@@ -10,6 +10,10 @@ It returns `params.n` samples per prompt, group by group in prompt order, each w
 in `prompts`, scored by `reward`. `--rollout-function NAME` picks one; `get_rollout(name)` returns a registered
 one, so a user's function can call the default and change what it returns.
 
+A rollout function with settings of its own (`tool_use`: its turns, tools and limits) has a `configure(cfg) ->
+RolloutFn` attribute, which the trainer calls once (`build_rollout`) with the run's `Config`; what it returns may
+have `step_metrics() -> dict` (numbers of its latest call, added to the step's metrics) and `close()`.
+
 What wraps a rollout function, not what is inside one: the trainer broadcasts its result within a model-parallel
 group, and dynamic sampling and overlong shaping (`megarl.stages.collect`) apply to any rollout function.
 """
@@ -46,6 +50,13 @@ def get_rollout(name: str) -> RolloutFn:
 
 def rollout_names() -> list[str]:
     return _ROLLOUTS.names()
+
+
+def build_rollout(cfg) -> RolloutFn:
+    """The run's rollout function (`--rollout-function`), configured with the run's settings when it takes any."""
+    fn = get_rollout(cfg.rollout.rollout_function)
+    configure = getattr(fn, "configure", None)
+    return configure(cfg) if callable(configure) else fn
 
 
 def policy_sample(group: int, record: PromptRecord, completion: Completion, tokenizer) -> Sample:

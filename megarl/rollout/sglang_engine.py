@@ -71,6 +71,8 @@ def sampling_dict(params: SamplingParams, seed: int | None = None) -> dict:
     """megarl's `SamplingParams` in SGLang's request form (one request = one sample; `n` is handled by the caller)."""
     out = {"max_new_tokens": params.max_new_tokens, "temperature": params.temperature, "top_p": params.top_p,
            "top_k": params.top_k, "stop_token_ids": list(params.stop_token_ids)}
+    if params.stop:  # matched by SGLang on the decoded text; output_ids keep the tokens that spelled it
+        out["stop"] = list(params.stop)
     if seed is not None:
         out["sampling_seed"] = seed
     return out
@@ -128,8 +130,10 @@ class SGLangEngine:
     shares_actor_weights = False
 
     def __init__(self, engine, *, tp_size: int = 1, colocated: bool = True, dtype: torch.dtype | None = None,
-                 serialize: Callable[[WeightBucket, int], list] = serialize_bucket):
+                 serialize: Callable[[WeightBucket, int], list] = serialize_bucket, tokenizer: bool = True):
+        """`tokenizer`: whether the engine was launched with its tokenizer, which stop strings need."""
         self.engine = engine
+        self.tokenizer = tokenizer
         self.dtype = dtype  # weights are sent in this dtype (None: as the actor holds them)
         self.tp_size = tp_size
         self.colocated = colocated
@@ -139,7 +143,9 @@ class SGLangEngine:
 
     @classmethod
     def launch(cls, hf_dir: str, *, tp_size: int = 1, base_gpu_id: int = 0, mem_fraction: float = 0.5,
-               dtype: str = "bfloat16", seed: int = 0, colocated: bool = True, **server_args) -> SGLangEngine:
+               dtype: str = "bfloat16", seed: int = 0, colocated: bool = True, tokenizer: bool = False,
+               **server_args) -> SGLangEngine:
+        """`tokenizer`: load SGLang's tokenizer and detokenizer, which matching `SamplingParams.stop` needs."""
         ok, why = sglang_available()
         if not ok:
             raise RuntimeError(f"--rollout-backend sglang: {why}; install SGLang on the GPU machine "
@@ -148,9 +154,9 @@ class SGLangEngine:
 
         engine = sglang.Engine(model_path=str(hf_dir), tp_size=tp_size, base_gpu_id=base_gpu_id,
                                mem_fraction_static=mem_fraction, dtype=dtype, random_seed=seed,
-                               enable_memory_saver=colocated, skip_tokenizer_init=True, log_level="error",
+                               enable_memory_saver=colocated, skip_tokenizer_init=not tokenizer, log_level="error",
                                **server_args)
-        return cls(engine, tp_size=tp_size, colocated=colocated,
+        return cls(engine, tp_size=tp_size, colocated=colocated, tokenizer=tokenizer,
                    dtype=getattr(torch, dtype) if dtype in ("bfloat16", "float16", "float32") else None)
 
     # -- rollout ---------------------------------------------------------------------------------------------
@@ -158,6 +164,9 @@ class SGLangEngine:
     def generate(self, prompts: Sequence[Sequence[int]], params: SamplingParams) -> list[list[Completion]]:
         if not prompts:
             return []
+        if params.stop and not self.tokenizer:
+            raise ValueError("SamplingParams.stop: this SGLang engine was launched without its tokenizer "
+                             "(skip_tokenizer_init), so it cannot match stop strings; launch it with tokenizer=True")
         ids, sampling = expand_requests(prompts, params)
         outputs = self.engine.generate(input_ids=ids, sampling_params=sampling, return_logprob=True)
         return group([to_completion(o, self.weight_version) for o in outputs], params.n)

@@ -90,8 +90,10 @@ class Collector:
             seconds = time.perf_counter() - start
             check_groups(samples, len(prompts), params.n, self.rollout.rollout_function)
             check_lengths(samples, self.context, self.rollout.rollout_function)
+            metrics = meter.health(params.n)
+            metrics.update(getattr(self.rollout_fn, "step_metrics", dict)())  # a configured function's own
             rollout = RolloutBatch(samples, params.n, generate_seconds=seconds - meter.seconds,
-                                   reward_seconds=meter.seconds, metrics=meter.health(params.n))
+                                   reward_seconds=meter.seconds, metrics=metrics)
         if self.info.replica_size > 1:
             rollout = broadcast_in_mp_group(rollout)
         return rollout

@@ -15,7 +15,6 @@ from megarl.mcore import parallel
 from megarl.mcore.actor import MegatronPolicy
 from megarl.mcore.parallel import ParallelInfo
 from megarl.metrics import MetricsLog, held_out_curve, plot_run, reduce_over_ranks
-from megarl.rollout import get_rollout
 from megarl.stages.algorithm import Algorithm
 from megarl.stages.collect import sampling_params
 from megarl.stages.colocation import enter_rollout, enter_training
@@ -33,6 +32,7 @@ _DS_KEYS = ["ds_prompts_drawn", "ds_groups_dropped", "ds_rounds", "ds_groups_fil
 # reward health (`megarl.verifiers.pool.batch_health`): counts add up over ranks, latencies take the worst rank
 _REWARD_KEYS = ["reward_n_timeout", "reward_n_no_answer", "reward_n_parse_error", "reward_worker_restarts",
                 "reward_latency_p50_max", "reward_latency_p99_max"]
+_TOOL_LATENCY_KEYS = ["tool_latency_p50_max", "tool_latency_p99_max"]  # `tool_use`'s, the worst rank's
 
 
 def step_metrics(step: int, rollout: RolloutBatch, batch: TrainBatch, update: dict, timings: dict, seconds: float,
@@ -50,12 +50,13 @@ def step_metrics(step: int, rollout: RolloutBatch, batch: TrainBatch, update: di
             truncated=sum(s.status is SampleStatus.TRUNCATED for s in rollout.samples),
             groups=rewards.shape[0], uniform_groups=int((rewards.max(1).values == rewards.min(1).values).sum()),
             **{k: rollout.metrics.get(k, 0.0) for k in _DS_KEYS},
-            **{k: rollout.metrics.get(k.removesuffix("_max"), 0.0) for k in _REWARD_KEYS},
+            **{k: rollout.metrics.get(k.removesuffix("_max"), 0.0) for k in _REWARD_KEYS + _TOOL_LATENCY_KEYS},
             **{f"sample_{k}": sum(float(s.metadata.get(k, 0.0)) for s in rollout.samples) for k in meta},
         )
     if info.is_last_stage and info.tp_rank == 0 and info.cp_rank == 0:  # CP ranks hold the same whole-sequence sums
         local.update({k: update.get(k, 0.0) for k in _SUM_KEYS if k in update})
-    g = reduce_over_ranks(local, _SUM_KEYS + _DS_KEYS + _REWARD_KEYS + [f"sample_{k}" for k in meta])
+    g = reduce_over_ranks(local, _SUM_KEYS + _DS_KEYS + _REWARD_KEYS + _TOOL_LATENCY_KEYS +
+                          [f"sample_{k}" for k in meta])
     n, tok = max(g["n_samples"], 1), max(g["tokens"], 1)
     return {
         "step": step,
@@ -84,9 +85,19 @@ def step_metrics(step: int, rollout: RolloutBatch, batch: TrainBatch, update: di
             "ds_rounds": g["ds_rounds"] / info.dp_size,
             "ds_groups_filled": g["ds_groups_filled"]} if g["ds_rounds"] > 0 else {}),
         **{f"sample_{k}": g[f"sample_{k}"] / n for k in meta},  # per-sample numbers of the rollout function
+        **(_tool_metrics(g) if "sample_tool_calls" in g else {}),
         "step_seconds": seconds, "tokens_per_second": g["response_tokens"] / max(seconds, 1e-9),
         **timings,
     }
+
+
+def _tool_metrics(g: dict) -> dict:
+    """`tool_use`'s step metrics from its per-sample numbers (sums over ranks) and latencies (worst rank)."""
+    calls = max(g["sample_tool_calls"], 1)
+    return {"tool_call_rate": g["sample_tool_used"] / max(g["n_samples"], 1),
+            "tool_error_rate": g["sample_tool_errors"] / calls, "tool_timeout_rate": g["sample_tool_timeouts"] / calls,
+            "tool_output_frac": g["sample_tool_tokens"] / max(g["response_tokens"], 1),
+            "tool_latency_p50": g["tool_latency_p50_max"], "tool_latency_p99": g["tool_latency_p99_max"]}
 
 
 def _metadata_keys(samples) -> list[str]:
@@ -106,18 +117,24 @@ def evaluate(run: Run, quiet: bool = False) -> dict:
         run.say(f"megarl: evaluating on {len(run.eval_prompts)} held-out prompts "
                 f"({cfg.logging.eval_samples_per_prompt} samples each, and greedy)", flush=True)
     mine = run.eval_prompts[info.dp_rank :: info.dp_size]
-    counts = torch.zeros(4, dtype=torch.float64)  # sampled correct, sampled total, greedy correct, greedy total
+    # sampled correct, sampled total, greedy correct, greedy total; sampled trajectories that called a tool
+    counts = torch.zeros(6, dtype=torch.float64)
     if info.is_mp_leader and mine:
         seed = cfg.training.seed + 17 + info.dp_rank
-        rollout_fn = get_rollout(cfg.rollout.rollout_function)
         for slot, params in ((0, sampling_params(cfg.rollout, run.tokenizer, seed=seed,
                                                  n=cfg.logging.eval_samples_per_prompt)),
                              (2, sampling_params(cfg.rollout, run.tokenizer, seed=seed, n=1, greedy=True))):
-            samples = rollout_fn(run.engine, mine, params, run.reward, run.tokenizer)
+            samples = run.rollout_fn(run.engine, mine, params, run.reward, run.tokenizer)
             counts[slot] += sum(s.outcome == "correct" for s in samples)
             counts[slot + 1] += len(samples)
+            if slot == 0:
+                counts[4] += sum(s.metadata.get("tool_used", 0.0) for s in samples)
+                counts[5] += any("tool_used" in s.metadata for s in samples)
     counts = parallel.all_reduce_host(counts)
-    return {"sampled": float(counts[0] / counts[1].clamp(min=1)), "greedy": float(counts[2] / counts[3].clamp(min=1))}
+    out = {"sampled": float(counts[0] / counts[1].clamp(min=1)), "greedy": float(counts[2] / counts[3].clamp(min=1))}
+    if counts[5] > 0:  # a rollout function that calls tools (`tool_use`)
+        out["tool_call_rate"] = float(counts[4] / counts[1].clamp(min=1))
+    return out
 
 
 def evaluate_between_steps(run: Run, step: int) -> dict:
@@ -186,3 +203,6 @@ def _report(say, log, before: dict | None, after: dict, minutes: float, steps: i
         say(f"training curves: {log.dir / 'training.png'}")
     if before:
         say(f"held-out accuracy (sampled): before {100 * before['sampled']:.1f}% -> after {100 * after['sampled']:.1f}%")
+        if "tool_call_rate" in before and "tool_call_rate" in after:
+            say(f"tool-call rate: before {100 * before['tool_call_rate']:.1f}% -> "
+                f"after {100 * after['tool_call_rate']:.1f}%")

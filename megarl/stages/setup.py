@@ -27,7 +27,7 @@ from megarl.metrics import MetricsLog, open_sinks
 from megarl.model_shape import ModelShape
 from megarl.preflight import Layout, check_run, padded_vocab_size, prompt_limit
 from megarl.reward import RewardFn, build_reward
-from megarl.rollout import RolloutEngine, get_rollout
+from megarl.rollout import RolloutEngine, RolloutFn, build_rollout
 from megarl.rollout.backends import build_engine, get_backend
 from megarl.stages.algorithm import Algorithm
 from megarl.stages.collect import Collect, Collector, DynamicSampling, OverlongShaping
@@ -82,6 +82,7 @@ class Run:
     algorithm: Algorithm
     engine: RolloutEngine | None  # on each model replica's leader
     reward: RewardFn
+    rollout_fn: RolloutFn  # `--rollout-function`, configured: the rollout stage's and evaluation's
     collect: Collect
     sync: WeightSync
     start_step: int
@@ -135,13 +136,13 @@ def start(cfg: Config, checked: Checked) -> Run:
     sync(version=start_step)
 
     reward = build_reward(cfg.reward, verifier_options(cfg.reward, cfg.sandbox), load_plugin_modules(cfg))
-    collect = _collect(cfg, Collector(engine, get_rollout(cfg.rollout.rollout_function), reward, tokenizer, prompts,
-                                      sampler, cfg.rollout, d.rollout_batch_size, t.seed, info,
-                                      context=shape.max_position_embeddings))
+    rollout_fn = build_rollout(cfg)
+    collect = _collect(cfg, Collector(engine, rollout_fn, reward, tokenizer, prompts, sampler, cfg.rollout,
+                                      d.rollout_batch_size, t.seed, info, context=shape.max_position_embeddings))
     collect.load_rank_state(rank_state)
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
     return Run(cfg, info, say, tokenizer, pad_id, prompts, eval_prompts, sampler, actor,
-               Algorithm(cfg, info, reference, critic), engine, reward, collect, sync, start_step, record)
+               Algorithm(cfg, info, reference, critic), engine, reward, rollout_fn, collect, sync, start_step, record)
 
 
 def _config_lines(cfg: Config) -> str:
@@ -224,4 +225,5 @@ def save(run: Run, step: int) -> None:
 def close(run: Run) -> None:
     if run.engine is not None:
         run.engine.shutdown()
+    getattr(run.rollout_fn, "close", lambda: None)()
     parallel.destroy()

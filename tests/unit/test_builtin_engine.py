@@ -255,3 +255,61 @@ def test_bf16_packed_weights_give_the_same_results_and_follow_updates(tmp_path):
         engine.update_weights(new.items(), version=1)
     same(packed, plain)
     assert [c.token_ids for c in packed.generate(PROMPTS, params)[0]] != [c.token_ids for c in before[0]]
+
+
+class _LetterTokenizer:
+    """Token i decodes to 1-3 letters (so stop strings span token boundaries); an independent decode."""
+
+    def decode(self, ids, skip_special_tokens=False):
+        return "".join("abcdefg"[i % 7] * (1 + i % 3) for i in ids)
+
+
+def test_stop_strings_end_a_row_at_the_token_that_completes_them(qwen):
+    _, engine = qwen
+    tok = _LetterTokenizer()
+    free = engine.generate(PROMPTS, SamplingParams(temperature=0, max_new_tokens=12))
+    tokens = free[0][0].token_ids
+    text = tok.decode(tokens)
+    stop = text[len(tok.decode(tokens[:2])) + 1 : len(tok.decode(tokens[:5])) - 1]  # spans tokens 2..4, partly
+    cut = next(k for k in range(1, len(tokens) + 1) if stop in tok.decode(tokens[:k]))  # the reference: first hit
+    engine.tokenizer = tok
+    try:
+        out = engine.generate(PROMPTS, SamplingParams(temperature=0, max_new_tokens=12, stop=(stop, "zzzz")))
+    finally:
+        engine.tokenizer = None
+    c = out[0][0]
+    assert (c.token_ids, c.finish_reason) == (tokens[:cut], "stop") and cut <= 5
+    assert c.logprobs == free[0][0].logprobs[:cut]
+    for got, want in zip(out[1:], free[1:]):  # other rows: cut at their own first hit, or left whole
+        hit = [k for k in range(1, 13) if stop in tok.decode(want[0].token_ids[:k])]
+        assert got[0].token_ids == want[0].token_ids[: hit[0] if hit else 12]
+        assert got[0].finish_reason == ("stop" if hit else "length")
+
+
+def test_sampled_stop_strings_with_compaction(qwen):
+    _, engine = qwen
+    tok = _LetterTokenizer()
+    engine.tokenizer = tok
+    try:
+        params = SamplingParams(n=8, temperature=1.0, max_new_tokens=16, seed=5, stop=("ca", "gg"))
+        groups = engine.generate(PROMPTS, params)
+    finally:
+        engine.tokenizer = None
+    reasons = {c.finish_reason for g in groups for c in g}
+    assert reasons == {"stop", "length"}
+    for prompt, group in zip(PROMPTS, groups):
+        for c in group:
+            hit = [k for k in range(1, len(c.token_ids) + 1) if any(s in tok.decode(c.token_ids[:k])
+                                                                    for s in params.stop)]
+            assert hit == ([len(c.token_ids)] if c.finish_reason == "stop" else [])
+            rescored = engine.score([list(prompt) + c.token_ids], [len(prompt)])[0]
+            torch.testing.assert_close(torch.tensor(rescored), torch.tensor(c.logprobs), atol=1e-4, rtol=0)
+
+
+def test_stop_strings_need_a_tokenizer_and_are_strings(qwen):
+    with pytest.raises(ValueError, match=r"needs the engine's tokenizer.*BuiltinEngine\(\.\.\., tokenizer=\.\.\.\)"):
+        qwen[1].generate(PROMPTS, SamplingParams(max_new_tokens=4, stop=("x",)))
+    with pytest.raises(ValueError, match="SamplingParams.stop must be a tuple of non-empty strings"):
+        SamplingParams(stop="</tool_call>")
+    with pytest.raises(ValueError, match="SamplingParams.stop must be a tuple of non-empty strings"):
+        SamplingParams(stop=("",))

@@ -472,3 +472,24 @@ def test_a_broken_saved_config_is_named(tmp_path, text, message):
     with pytest.raises(ConfigError) as e:
         parse_args([str(path)], check_registries=False)
     assert str(e.value).startswith(f"config {path}: ") and message in str(e.value)
+
+
+def test_tool_flags_are_checked_and_reach_the_tools():
+    from megarl.config import tool_settings
+
+    cfg = parse_args(["--rollout-function", "tool_use", "--tool-parser", "python", "--tool-timeout", "1.5",
+                      "--tool-memory-mb", "64", "--tool-output-bytes", "100", "--tool-workers", "3", "--sandbox",
+                      "docker", "--sandbox-image", "img:2"])
+    s = tool_settings(cfg.tools, cfg.sandbox)
+    assert (s.timeout_s, s.memory_mb, s.output_bytes, s.workers, s.sandbox, s.image) == (1.5, 64, 100, 3, "docker",
+                                                                                         "img:2")
+    with pytest.raises(ConfigError, match=r"--tools 'nope' is not registered; choose from: .*python"):
+        parse_args(["--tools", "python,nope"])
+    with pytest.raises(ConfigError, match=r"--tool-parser 'json' is not registered; choose one of: hermes, python"):
+        parse_args(["--tool-parser", "json"])
+    with pytest.raises(ConfigError, match="--max-turns must be >= 1, got 0"):
+        parse_args(["--max-turns", "0"])
+    with pytest.raises(ConfigError, match="--tool-timeout must be > 0 seconds"):
+        parse_args(["--tool-timeout", "0"])
+    with pytest.raises(ConfigError, match="--tools must name at least one tool"):
+        parse_args(["--tools", ","])

@@ -37,7 +37,7 @@ def test_only_megarl_mcore_imports_megatron():
 
 
 def test_verifiers_and_sandbox_import_no_torch():
-    light = _modules(PACKAGE / "verifiers") + _modules(PACKAGE / "sandbox")
+    light = _modules(PACKAGE / "verifiers") + _modules(PACKAGE / "sandbox") + _modules(PACKAGE / "tools")
     assert [str(p.relative_to(REPO)) for p in light if _imports(p) & {"torch", "megatron"}] == []
     # and not through anything they import: load every one of them, and megarl-verify, in a fresh interpreter
     names = [".".join(p.relative_to(REPO).with_suffix("").parts) for p in light if p.name != "__init__.py"]

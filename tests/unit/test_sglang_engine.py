@@ -326,3 +326,17 @@ def test_weight_update_group_joins_sglang_and_broadcasts_a_bucket():
         child.join(timeout=30)
         if child.is_alive():
             child.kill()
+
+
+def test_stop_strings_pass_through_and_need_the_tokenizer():
+    from megarl.rollout.sglang_engine import sampling_dict
+
+    params = SamplingParams(max_new_tokens=4, stop_token_ids=(7,), stop=("</tool_call>", "```\n"))
+    assert sampling_dict(params)["stop"] == ["</tool_call>", "```\n"]
+    assert "stop" not in sampling_dict(SamplingParams(max_new_tokens=4))  # as before when there are none
+    engine = _engine([])
+    engine.generate([[1, 2]], params)
+    assert engine.engine.requests[0][1][0]["stop"] == ["</tool_call>", "```\n"]
+    no_tokenizer = SGLangEngine(RecordingSessionEngine([]), tokenizer=False)
+    with pytest.raises(ValueError, match="launched without its tokenizer.*tokenizer=True"):
+        no_tokenizer.generate([[1, 2]], params)

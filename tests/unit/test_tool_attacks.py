@@ -1,0 +1,22 @@
+"""`tools/bench/tool_attacks.py` on a small batch: four tool_use trajectories (one prompt, n = 4) per attack of the
+sandbox's containment suite, every one finished, nothing left on the host (the bench's own checks; 1,000
+trajectories is its default)."""
+
+from __future__ import annotations
+
+import importlib.util
+
+from helpers import REPO
+
+
+def test_attacks_inside_tool_calls_are_contained():
+    spec = importlib.util.spec_from_file_location("tool_attacks", REPO / "tools/bench/tool_attacks.py")
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    report = bench.run(trajectories=48, batch=48, timeout=1.0, workers=2, sandbox="local")
+    assert report["failures"] == [] and (report["finished"], report["lost"]) == (48, 0)
+    obs = report["observations"]
+    assert sum(sum(c.values()) for c in obs.values()) == 48 and len(obs) == 12
+    assert obs["infinite_loop"] == {"timeout": 4} and obs["harmless"] == {"ok": 4}
+    assert obs["output_100mb"] == {"error": 4}
+    assert sum(obs["memory_bomb"].values()) == 4 and set(obs["memory_bomb"]) <= {"error", "timeout"}  # a slow host
