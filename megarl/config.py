@@ -265,8 +265,14 @@ class AlgorithmConfig:
     eps_clip: float = _f(0.2, "PPO clip range, lower side")
     eps_clip_high: float = _f(0.2, "PPO clip range, upper side (DAPO clip-higher when larger)")
     clip_ratio_c: float = _f(3.0, "dual-clip cap: a negative-advantage token's loss is at most -c * A (c > 1)")
+    off_policy_correction: Literal["none", "tis", "decoupled"] = _f(
+        "none", "off-policy correction against the rollout engine's (behaviour) log-probs: tis (truncated importance "
+        "weight, cap --tis-cap), decoupled (AReaL's decoupled PPO: clip against the actor before the update, each "
+        "token weighted by the proximal/behaviour ratio truncated at --decoupled-is-cap), none")
     tis_cap: float = _f(0.0, "truncated importance sampling against the rollout engine's log-probs: weight cap "
-                        "(e.g. 2.0); 0 = off")
+                        "(e.g. 2.0); 0 = off. A cap alone turns on --off-policy-correction tis (the older spelling)")
+    decoupled_is_cap: float = _f(5.0, "--off-policy-correction decoupled: cap on the proximal/behaviour importance "
+                                 "weight (5.0, as AReaL's recipes set behav_imp_weight_cap)")
     routing_replay: bool = _f(False, "mixture of experts: the actor's routers take the experts the rollout engine "
                               "chose for each token (rollout routing replay) instead of their own top-k, so "
                               "log-probs are computed under the routing that produced the sample (built-in engine)")
@@ -300,11 +306,32 @@ class AlgorithmConfig:
             raise ConfigError(f"--clip-ratio-c must be > 1, got {self.clip_ratio_c}")
         if self.tis_cap < 0 or self.entropy_coef < 0 or self.overlong_buffer_len < 0 or self.overlong_penalty < 0:
             raise ConfigError("--tis-cap, --entropy-coef, --overlong-buffer-len and --overlong-penalty must be >= 0")
+        self._check_off_policy_correction()
         _positive(self, "max_sampling_rounds")
         if not (0 <= self.gae_gamma <= 1 and 0 <= self.gae_lambda <= 1):
             raise ConfigError(f"--gae-gamma and --gae-lambda must be in [0, 1], got {self.gae_gamma}, {self.gae_lambda}")
         if self.value_clip <= 0:
             raise ConfigError(f"--value-clip must be > 0, got {self.value_clip}")
+
+    def _check_off_policy_correction(self):
+        choices = typing.get_args(typing.get_type_hints(AlgorithmConfig)["off_policy_correction"])
+        if self.off_policy_correction not in choices:
+            raise ConfigError(f"--off-policy-correction {self.off_policy_correction!r} is not valid; choose one of: "
+                              f"{', '.join(choices)}")
+        if self.off_policy_correction == "none" and self.tis_cap > 0:
+            self.off_policy_correction = "tis"  # --tis-cap C alone, the older spelling
+        if self.off_policy_correction == "tis" and self.tis_cap == 0:
+            raise ConfigError("--off-policy-correction tis needs --tis-cap > 0, its weight cap (e.g. 2.0)")
+        if self.off_policy_correction == "decoupled" and self.tis_cap > 0:
+            raise ConfigError(f"--tis-cap {self.tis_cap} is the cap of --off-policy-correction tis; decoupled takes "
+                              "--decoupled-is-cap")
+        if self.decoupled_is_cap <= 0:
+            raise ConfigError(f"--decoupled-is-cap must be > 0, got {self.decoupled_is_cap}")
+
+    @property
+    def off_policy_cap(self) -> float:
+        """The weight cap of the chosen `--off-policy-correction` (0 for none)."""
+        return {"none": 0.0, "tis": self.tis_cap, "decoupled": self.decoupled_is_cap}[self.off_policy_correction]
 
 
 @dataclass

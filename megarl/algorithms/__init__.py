@@ -18,6 +18,7 @@ from megarl.algorithms.advantages import (
 from megarl.algorithms.gae import compute_gae_advantages  # registers "gae" (PPO with a critic)
 from megarl.algorithms.losses import (
     AGGREGATION_MODES,
+    OFF_POLICY_CORRECTIONS,
     aggregate,
     get_kl_fn,
     get_policy_loss_fn,
@@ -37,6 +38,7 @@ from megarl.algorithms.losses import (
 
 __all__ = [
     "AGGREGATION_MODES",
+    "OFF_POLICY_CORRECTIONS",
     "AdvantageEstimator",
     "AdvantageFn",
     "Needs",

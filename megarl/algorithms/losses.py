@@ -216,23 +216,28 @@ def policy_loss_gspo(
     return _clipped_surrogate(ratio, adv, mask, clip_low, clip_high)
 
 
-def truncated_is_weights(old_logp: Tensor, rollout_logp: Tensor, mask: Tensor, cap: float) -> tuple[Tensor, dict]:
+OFF_POLICY_CORRECTIONS: tuple[str, ...] = ("none", "tis", "decoupled")
+
+
+def truncated_is_weights(old_logp: Tensor, rollout_logp: Tensor, mask: Tensor, cap: float,
+                         name: str = "tis") -> tuple[Tensor, dict]:
     """Truncated importance sampling (TIS; Yao et al. 2025): the rollout engine samples from its own
-    distribution (different kernels, precision), not exactly the trainer's. Each token's policy-gradient term is
-    reweighted by
+    distribution (different kernels, precision, or older weights), not exactly the trainer's. Each token's
+    policy-gradient term is reweighted by
 
         w_t = min(exp(old_logp_t - rollout_logp_t), cap)     (no gradient; 1 at masked positions)
 
-    Shapes: [B, T] each. Returns the weights and metrics `tis_weight_mean`, `tis_weight_max`, `tis_clip_frac`.
+    Shapes: [B, T] each. Returns the weights and metrics `<name>_weight_mean`, `<name>_weight_max` and
+    `<name>_clip_frac` (the share of masked-in tokens whose weight was truncated).
     """
     mask = mask.bool()
     with torch.no_grad():
         raw = torch.exp(torch.where(mask, old_logp - rollout_logp, torch.zeros_like(old_logp)))
         w = raw.clamp(max=cap)
         metrics = {
-            "tis_weight_mean": _masked_mean(w, mask),
-            "tis_weight_max": float(torch.where(mask, w, torch.zeros_like(w)).max()) if mask.any() else 0.0,
-            "tis_clip_frac": _masked_mean((raw > cap).float(), mask),
+            f"{name}_weight_mean": _masked_mean(w, mask),
+            f"{name}_weight_max": float(torch.where(mask, w, torch.zeros_like(w)).max()) if mask.any() else 0.0,
+            f"{name}_clip_frac": _masked_mean((raw > cap).float(), mask),
         }
     return torch.where(mask, w, torch.ones_like(w)), metrics
 
@@ -250,6 +255,8 @@ def grpo_token_loss(
     policy_loss: str = "clip",
     *,
     rollout_logp: Tensor | None = None,
+    off_policy_correction: str = "none",
+    is_cap: float = 0.0,
     tis_cap: float = 0.0,
     entropy: Tensor | None = None,
     entropy_coef: float = 0.0,
@@ -262,24 +269,47 @@ def grpo_token_loss(
     `clip_ratio_c`), `kl_t` the registered KL estimator `kl_type` of KL(actor || reference). As in TRL (without
     its `use_bias_correction_kl`), the KL term is added per token before aggregation, so it is normalised exactly
     like the policy term. `ref_logp` may be None only when `kl_coef == 0` (no reference model is run then).
-    `w_t` is 1, or the truncated importance weight against the rollout engine's own log-probs when
-    `tis_cap > 0` (`rollout_logp` required). `entropy` [B, T] is the actor's per-token entropy (differentiable);
-    with `entropy_coef > 0` it is a bonus (subtracted from the loss); it is reported whenever given.
+    `w_t` is the off-policy correction `off_policy_correction` (`rollout_logp`, the behaviour policy's log-probs,
+    required unless "none"), with `is_cap` its cap:
+      - "none": w_t = 1;
+      - "tis": truncated importance sampling against the rollout engine's log-probs (`truncated_is_weights`);
+      - "decoupled": AReaL's decoupled PPO objective (Fu et al. 2025, eq. 5), written per token as
+
+            l_t = min(exp(prox_t - behav_t), is_cap) * pg_t(ratio = exp(logp_t - prox_t))
+
+        the policy loss's clip taken against the proximal policy `old_logp` (the actor before this update), each
+        token weighted by the truncated proximal/behaviour ratio, behaviour = `rollout_logp`, no gradient through
+        the weight. The proximal policy being `old_logp`, this is the same per-token loss as "tis" at the same cap:
+        the two differ only in their cap's flag (`--tis-cap`; `--decoupled-is-cap`, default 5.0 as in AReaL's
+        recipes) and their metric names.
+        (AReaL's code drops a token whose weight exceeds the cap, weight 0; here it is truncated, as TIS does.)
+    `tis_cap > 0` with `off_policy_correction="none"` is the older spelling of ("tis", tis_cap).
+    `entropy` [B, T] is the actor's per-token entropy (differentiable); with `entropy_coef > 0` it is a bonus
+    (subtracted from the loss); it is reported whenever given.
 
     Shapes: logp, old_logp, ref_logp, rollout_logp, entropy, mask [B, T]; advantages [B] or [B, T]. Returns the
     per-token loss [B, T] and float metrics (those of the policy loss, `kl_mean` over masked tokens when
-    `ref_logp` is given, `entropy_mean` when `entropy` is, the TIS weights' when TIS is on).
+    `ref_logp` is given, `entropy_mean` when `entropy` is, the weights' `<correction>_weight_mean`, `_weight_max`
+    and `_clip_frac` when a correction is on).
     """
     mask = mask.bool()
+    if off_policy_correction == "none" and tis_cap > 0:
+        off_policy_correction, is_cap = "tis", tis_cap
+    if off_policy_correction not in OFF_POLICY_CORRECTIONS:
+        raise ValueError(f"unknown off-policy correction {off_policy_correction!r}; valid: "
+                         f"{', '.join(OFF_POLICY_CORRECTIONS)}")
     per_token, metrics = get_policy_loss_fn(policy_loss)(logp, old_logp, advantages, mask, clip_low, clip_high,
                                                          **options)
     zero = torch.zeros_like(logp)
-    if tis_cap > 0:
+    if off_policy_correction != "none":
         if rollout_logp is None:
-            raise ValueError("truncated importance sampling (tis_cap > 0) needs the rollout engine's log-probs")
-        weights, tis_metrics = truncated_is_weights(old_logp.detach(), rollout_logp, mask, tis_cap)
+            raise ValueError(f"off-policy correction {off_policy_correction!r} needs the rollout engine's log-probs")
+        if not is_cap > 0:
+            raise ValueError(f"off-policy correction {off_policy_correction!r} needs a weight cap > 0, got {is_cap}")
+        weights, is_metrics = truncated_is_weights(old_logp.detach(), rollout_logp, mask, is_cap,
+                                                   name=off_policy_correction)
         per_token = per_token * weights
-        metrics.update(tis_metrics)
+        metrics.update(is_metrics)
     if entropy is not None:
         metrics["entropy_mean"] = _masked_mean(entropy.detach(), mask)
         if entropy_coef != 0:

@@ -25,8 +25,8 @@ def make_loss_fn(a: AlgorithmConfig, max_response_len: int):
         entropy = mb["entropy"][:n] if "entropy" in mb else None
         per_token, m = grpo_token_loss(
             logp, old, ref, mb["advantages"][:n], mask, a.eps_clip, a.eps_clip_high, kl_coef, a.kl_estimator,
-            a.policy_loss, rollout_logp=rollout_logp, tis_cap=a.tis_cap, entropy=entropy, entropy_coef=a.entropy_coef,
-            clip_ratio_c=a.clip_ratio_c,
+            a.policy_loss, rollout_logp=rollout_logp, off_policy_correction=a.off_policy_correction,
+            is_cap=a.off_policy_cap, entropy=entropy, entropy_coef=a.entropy_coef, clip_ratio_c=a.clip_ratio_c,
         )
         num, den = aggregate(per_token, mask, a.loss_aggregation, max_len=max_response_len)
         tokens = mask.sum()
@@ -36,9 +36,10 @@ def make_loss_fn(a: AlgorithmConfig, max_response_len: int):
             "entropy_sum": m.get("entropy_mean", 0.0) * tokens,
             **mismatch_metrics(logp.detach(), rollout_logp, mask),
         }
-        if a.tis_cap > 0:
-            metrics["tis_weight_sum"] = m["tis_weight_mean"] * tokens
-            metrics["tis_clip_sum"] = m["tis_clip_frac"] * tokens
+        if (c := a.off_policy_correction) != "none":  # tis_* or decoupled_*
+            metrics[f"{c}_weight_sum"] = m[f"{c}_weight_mean"] * tokens
+            metrics[f"{c}_weight_max"] = m[f"{c}_weight_max"]
+            metrics[f"{c}_clip_sum"] = m[f"{c}_clip_frac"] * tokens
         return num, den, metrics
 
     loss_fn.needs_entropy = True  # reported every step; differentiated only when there is an entropy bonus

@@ -25,7 +25,7 @@ def test_rloo_dual_clip_tis_kl_in_reward_overlong_and_token_budget(starter, tmp_
                 "--max-response-len", 6, "--mask-truncated", "--max-tokens-per-micro-batch", 64,
                 "--loss-aggregation", "seq-mean-token-sum-norm", "--entropy-coef", 0.01)
     for r in rows:
-        assert 0 < r["tis_weight_mean"] <= 2.0
+        assert 0 < r["tis_weight_mean"] <= r["tis_weight_max"] <= 2.0 and 0 <= r["tis_clip_frac"] <= 1
         assert r["entropy"] > 0 and r["kl"] >= 0
         assert r["is_weight_min"] <= r["is_weight_mean"] <= r["is_weight_max"]
         assert r["rollout_actor_kl"] >= 0
@@ -39,3 +39,16 @@ def test_gspo_reinforce_pp_and_dynamic_sampling(starter, tmp_path):
         assert r["ds_prompts_drawn"] >= 4 and 1 <= r["ds_rounds"] <= 3
         # after dynamic sampling, only groups with mixed outcomes remain unless the rounds ran out
         assert r["uniform_group_frac"] <= r["ds_groups_filled"] / 4 + 1e-9
+
+
+def test_decoupled_off_policy_correction(starter, tmp_path):
+    # Two updates per rollout, so the proximal policy (the actor before the update) is computed by its own forward
+    # pass; a cap of 1 truncates every token whose proximal/behaviour weight the engine's arithmetic puts above 1.
+    rows = _run(starter, tmp_path / "c", "--off-policy-correction", "decoupled", "--decoupled-is-cap", 1.0,
+                "--updates-per-rollout", 2)
+    for r in rows:
+        assert not any(k.startswith("tis_") for k in r)
+        assert 0 < r["decoupled_weight_mean"] <= r["decoupled_weight_max"] <= 1.0
+        assert 0 < r["decoupled_clip_frac"] < 1, "the cap reached the loss"
+        # the behaviour policy is the built-in fp32 engine: the weights stay within rounding of 1
+        assert r["decoupled_weight_mean"] == pytest.approx(1.0, abs=1e-3)

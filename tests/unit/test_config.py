@@ -493,3 +493,37 @@ def test_tool_flags_are_checked_and_reach_the_tools():
         parse_args(["--tool-timeout", "0"])
     with pytest.raises(ConfigError, match="--tools must name at least one tool"):
         parse_args(["--tools", ","])
+
+
+def test_off_policy_correction_flags():
+    assert parse_args([]).algorithm.off_policy_correction == "none"
+    a = parse_args(["--tis-cap", "2"]).algorithm  # the older spelling turns tis on
+    assert (a.off_policy_correction, a.off_policy_cap) == ("tis", 2.0)
+    a = parse_args(["--off-policy-correction", "decoupled"]).algorithm
+    assert (a.off_policy_correction, a.off_policy_cap) == ("decoupled", 5.0)
+    a = parse_args(["--off-policy-correction", "decoupled", "--decoupled-is-cap", "3"]).algorithm
+    assert a.off_policy_cap == 3.0
+
+
+@pytest.mark.parametrize(
+    "argv, pattern",
+    [
+        (["--off-policy-correction", "async"],
+         r"command line: --off-policy-correction 'async' is not valid; choose one of: none, tis, decoupled"),
+        (["--off-policy-correction", "tis"], r"--off-policy-correction tis needs --tis-cap > 0"),
+        (["--off-policy-correction", "decoupled", "--tis-cap", "2"],
+         r"--tis-cap 2.0 is the cap of --off-policy-correction tis; decoupled takes --decoupled-is-cap"),
+        (["--off-policy-correction", "decoupled", "--decoupled-is-cap", "0"], r"--decoupled-is-cap must be > 0, got 0"),
+    ],
+)
+def test_off_policy_correction_errors_name_the_flag(argv, pattern):
+    with pytest.raises(ConfigError, match=pattern):
+        parse_args(argv)
+
+
+def test_off_policy_correction_checked_when_built_directly():
+    from megarl.config import AlgorithmConfig
+
+    with pytest.raises(ConfigError, match=r"--off-policy-correction 'aysnc' is not valid; choose one of: none, tis, "
+                                          r"decoupled"):
+        AlgorithmConfig(off_policy_correction="aysnc")

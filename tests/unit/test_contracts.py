@@ -13,6 +13,7 @@ import torch
 
 from megarl.algorithms import (
     AGGREGATION_MODES,
+    OFF_POLICY_CORRECTIONS,
     advantage_names,
     aggregate,
     get_advantage,
@@ -119,6 +120,27 @@ def test_kl_estimator_contract(name):
     per_token, metrics = grpo_token_loss(lp, old, ref, adv, mask, kl_coef=0.1, kl_type=name)
     per_token.sum().backward()
     assert torch.isfinite(per_token).all() and torch.isfinite(lp.grad).all() and math.isfinite(metrics["kl_mean"])
+
+
+@pytest.mark.parametrize("correction", OFF_POLICY_CORRECTIONS)
+@pytest.mark.parametrize("name", policy_loss_names())
+def test_off_policy_correction_contract(name, correction):
+    lp, old, adv, mask = _policy_inputs()
+    g = torch.Generator().manual_seed(2)
+    behaviour = _garbage_outside(-torch.rand(B, T, generator=g) * 3, mask)
+    per_token, metrics = grpo_token_loss(lp, old, None, adv, mask, policy_loss=name, rollout_logp=behaviour,
+                                         off_policy_correction=correction, is_cap=2.0)
+    assert torch.isfinite(per_token).all() and torch.equal(per_token[~mask], torch.zeros(int((~mask).sum())))
+    per_token.sum().backward()
+    assert torch.isfinite(lp.grad).all() and torch.equal(lp.grad[~mask], torch.zeros(int((~mask).sum())))
+    if correction != "none":
+        assert 0 < metrics[f"{correction}_weight_mean"] <= metrics[f"{correction}_weight_max"] <= 2.0
+        assert 0 <= metrics[f"{correction}_clip_frac"] <= 1
+    # The behaviour policy equal to the denominator of the ratio: weights 1, the policy loss unchanged.
+    same, _ = grpo_token_loss(lp.detach(), old, None, adv, mask, policy_loss=name, rollout_logp=old,
+                              off_policy_correction=correction, is_cap=2.0)
+    plain, _ = get_policy_loss_fn(name)(lp.detach(), old, adv, mask, 0.2, 0.2)
+    assert torch.equal(same, plain)
 
 
 @pytest.mark.parametrize("mode", AGGREGATION_MODES)
