@@ -137,8 +137,9 @@ class DataConfig:
                              "model's max_position_embeddings leaves after --max-response-len")
     label_key: str = _f("answer", "field of a data row that holds the ground truth given to the verifier")
     verifier_key: str = _f("verifier", "field of a data row that names its verifier")
-    default_verifier: str = _name("", "verifier for rows without a verifier field; empty = such rows are an error",
-                                  "megarl.verifiers:verifier_names")
+    default_verifier: str = _name("", "verifier for rows without a verifier field, or a reward spec ('hf_rm', "
+                                  "'math > hf_rm', '0.7*math + 0.3*hf_rm'); empty = such rows are an error",
+                                  "megarl.verifiers:reward_names")
     rollout_batch_size: int = _f(8, "prompts per step, over all data-parallel ranks")
     shuffle: bool = _f(True, "shuffle prompts each epoch (seeded by --seed; a new order every epoch)")
 
@@ -164,6 +165,20 @@ class RewardConfig:
     code_memory_mb: int = _f(1024, "code verifier: memory a program may use, unless its row sets memory_mb")
     math_strategy: Literal["lenient", "strict"] = _f("lenient", "math verifier: answer extraction (strict: the last "
                                                      "\\boxed{} only)")
+    reward_model: str = _f("", "hf_rm: HF sequence-classification checkpoint (one label) scoring the rows that name "
+                           "hf_rm, served resident by a megarl-serve-rm this process starts")
+    reward_model_batch_size: int = _f(16, "hf_rm: rows per request and forward pass; each request may take "
+                                      "--reward-timeout seconds")
+    reward_model_normalize: bool = _f(False, "hf_rm: (score - reward_mean) / reward_std, as stored in the reward "
+                                      "model's config.json")
+    reward_model_threshold: float = _f(0.0, "reward models: a score above this is the outcome 'correct' (for accuracy "
+                                       "and the agreement with a rule), else 'incorrect'; the reward is the score")
+    remote_rm_url: str = _f("", "remote_rm: URL each row is POSTed to as {prompt, response, label}; the reply is "
+                            "{score}")
+    remote_rm_timeout: float = _f(10.0, "remote_rm: seconds an attempt may wait for the server")
+    remote_rm_retries: int = _f(2, "remote_rm: attempts after the first when the server fails, hangs or answers "
+                                "garbage; then the row is a timeout or parse_error")
+    remote_rm_backoff: float = _f(0.5, "remote_rm: seconds before the first retry, doubling at each")
 
     def __post_init__(self):
         if self.reward_workers < -1:
@@ -171,7 +186,15 @@ class RewardConfig:
         if self.reward_timeout <= 0 or self.code_test_seconds <= 0:
             raise ConfigError(f"--reward-timeout and --code-test-seconds must be > 0 seconds, got "
                               f"{self.reward_timeout} and {self.code_test_seconds}")
-        _positive(self, "code_memory_mb")
+        _positive(self, "code_memory_mb", "reward_model_batch_size")
+        if self.remote_rm_timeout <= 0 or self.remote_rm_retries < 0 or self.remote_rm_backoff < 0:
+            raise ConfigError(f"--remote-rm-timeout must be > 0, --remote-rm-retries and --remote-rm-backoff >= 0; got "
+                              f"{self.remote_rm_timeout}, {self.remote_rm_retries} and {self.remote_rm_backoff}")
+        if self.remote_rm_url and not self.remote_rm_url.startswith(("http://", "https://")):
+            raise ConfigError(f"--remote-rm-url {self.remote_rm_url!r}: expected an http:// or https:// URL")
+        if self.reward_model and not Path(self.reward_model, "config.json").is_file():
+            raise ConfigError(f"--reward-model {self.reward_model}: no config.json there (an HF sequence-"
+                              "classification checkpoint directory is expected)")
 
 
 @dataclass
@@ -379,6 +402,10 @@ def verifier_options(r: RewardConfig, sb: SandboxConfig) -> dict[str, dict]:
                      backend=sb.sandbox, workers=sb.sandbox_workers, time_s=r.code_test_seconds,
                      memory_mb=r.code_memory_mb, image=sb.sandbox_image or None),
         "math": dict(strategy=r.math_strategy),
+        "hf_rm": dict(model=r.reward_model, batch_size=r.reward_model_batch_size, normalize=r.reward_model_normalize,
+                      timeout_s=r.reward_timeout, threshold=r.reward_model_threshold),
+        "remote_rm": dict(url=r.remote_rm_url, timeout_s=r.remote_rm_timeout, retries=r.remote_rm_retries,
+                          backoff_s=r.remote_rm_backoff, threshold=r.reward_model_threshold),
     }
 
 
@@ -492,8 +519,18 @@ def check_names(cfg: Config, origins: dict[str, str] | None = None) -> None:
     origins = origins or {}
     for spec in flag_specs().values():
         value = getattr(getattr(cfg, spec.section), spec.name)
-        if spec.names and value != "" and value not in (valid := _valid_names(spec)):
+        if spec.name == "default_verifier" and value:  # a verifier, a reward model or a composition of them
+            from megarl.verifiers.compose import parse
+
+            try:
+                names = [p.name for p in parse(value).parts]
+            except ValueError as e:
+                raise ConfigError(f"{origins.get(spec.name, 'default')}: {spec.flag}: {e}") from None
+        else:
+            names = [value]
+        if spec.names and value != "" and any(n not in (valid := _valid_names(spec)) for n in names):
             where = origins.get(spec.name, "default")
+            value = next(n for n in names if n not in valid)
             raise ConfigError(f"{where}: {spec.flag} {value!r} is not registered; choose one of: {', '.join(valid)} "
                               "(--plugins imports modules that register more)")
     get_backend(cfg.rollout.rollout_backend).check(cfg)
