@@ -314,3 +314,50 @@ def test_a_mixed_batch_keeps_its_order(tiny_rm, flaky_rm):
     assert health["rm_n"] == 4, "hf_rm once, remote_rm once with a score, two composed rows"
     assert health["rm_agree_n"] == 2 and health["rm_seconds"] > 0
     assert health["reward_n_timeout"] == 1 and health["reward_n_parse_error"] == 1
+
+
+# -- megarl-verify with a reward model ----------------------------------------------------------------------------
+
+
+def test_megarl_verify_scores_rows_and_pairs_with_a_reward_model(tiny_rm, tmp_path, capsys):
+    from megarl.cli.verify import main
+    from megarl.reward_model import HFRewardModel
+
+    singles = [{"prompt": p, "response": r, "correct": i % 2 == 0} for i, (p, r) in enumerate(TEXTS)]
+    pairs = [{"prompt": "2+2=", "chosen": "4", "rejected": "5"}, {"prompt": "9-3=", "chosen": "6", "rejected": ""},
+             {"prompt": "1+0=", "chosen": "1", "rejected": "10"}]
+    data, out = tmp_path / "rows.jsonl", tmp_path / "scored.jsonl"
+    data.write_text("".join(json.dumps(r) + "\n" for r in singles + pairs))
+    code = main([str(data), "--verifier", "hf_rm", "--reward-model", str(tiny_rm), "--prompt-key", "prompt",
+                 "--output", str(out), "--workers", "0", "--no-progress"])
+    stdout, err = capsys.readouterr()
+    assert code == 0, err
+    rm = HFRewardModel(tiny_rm)
+    want = rm.score([(r["prompt"], r["response"], None) for r in singles])
+    chosen = rm.score([(r["prompt"], r["chosen"], None) for r in pairs])
+    rejected = rm.score([(r["prompt"], r["rejected"], None) for r in pairs])
+    rows = [json.loads(line) for line in out.read_text().splitlines()]
+    assert [r["score"] for r in rows[: len(singles)]] == pytest.approx(want, abs=1e-6)
+    assert [r["score_chosen"] for r in rows[len(singles) :]] == pytest.approx(chosen, abs=1e-6)
+    assert [r["prefers_chosen"] for r in rows[len(singles) :]] == [c > j for c, j in zip(chosen, rejected)]
+    wins = sum(c > j for c, j in zip(chosen, rejected))
+    assert f"pairwise accuracy {100 * wins / 3:.1f}% on 3 chosen/rejected pairs" in stdout
+    right = sum((s > 0) == r["correct"] for s, r in zip(want, singles))
+    assert f"accuracy {100 * right / len(singles):5.1f}% on {len(singles)} labelled rows" in stdout
+    assert f"reward model: {len(singles) + 6} scores" in stdout
+
+
+def test_megarl_verify_names_a_missing_reward_model_flag_or_prompt(tmp_path, capsys):
+    from megarl.cli.verify import main
+
+    data = tmp_path / "rows.jsonl"
+    data.write_text(json.dumps({"prompt": "1+1=", "response": "2"}) + "\n" + json.dumps({"response": "2"}) + "\n")
+    code = main([str(data), "--verifier", "hf_rm", "--workers", "0", "--no-progress"])
+    _, err = capsys.readouterr()
+    assert code == 2 and "--reward-model is not set" in err
+    code = main([str(data), "--verifier", "hf_rm", "--workers", "0", "--no-progress", "--strict"])
+    _, err = capsys.readouterr()
+    assert code == 2 and ":2: missing key 'prompt'" in err and "--prompt-key" in err
+    code = main([str(data), "--verifier", "math > hf_rm >", "--no-progress"])
+    _, err = capsys.readouterr()
+    assert code == 2 and "--verifier: reward spec" in err
