@@ -179,6 +179,17 @@ class RewardConfig:
     remote_rm_retries: int = _f(2, "remote_rm: attempts after the first when the server fails, hangs or answers "
                                 "garbage; then the row is a timeout or parse_error")
     remote_rm_backoff: float = _f(0.5, "remote_rm: seconds before the first retry, doubling at each")
+    judge_url: str = _f("", "llm_judge: an OpenAI-compatible endpoint (http://host:port/v1) grading the rows that name "
+                        "llm_judge (the --remote-rm-timeout/-retries/-backoff apply)")
+    judge_model: str = _f("", "llm_judge: the model name sent to --judge-url")
+    judge_checkpoint: str = _f("", "llm_judge: a local HF causal LM to judge with instead of --judge-url, served by a "
+                               "megarl-serve-rm this process starts (the built-in engine)")
+    judge_template: str = _f("", "llm_judge: the judge's prompt, with {prompt}, {response} and {label} filled in; "
+                             "empty = a 0-10 grading prompt asking for 'Score: N'")
+    judge_pattern: str = _f("", "llm_judge: regular expression with one group, the grade in the judge's answer; "
+                            "empty = 'Score: N'; no match = parse_error")
+    judge_scale: float = _f(10.0, "llm_judge: the reward is the grade divided by this")
+    judge_max_tokens: int = _f(32, "llm_judge: longest answer the judge may give (greedy)")
 
     def __post_init__(self):
         if self.reward_workers < -1:
@@ -186,7 +197,9 @@ class RewardConfig:
         if self.reward_timeout <= 0 or self.code_test_seconds <= 0:
             raise ConfigError(f"--reward-timeout and --code-test-seconds must be > 0 seconds, got "
                               f"{self.reward_timeout} and {self.code_test_seconds}")
-        _positive(self, "code_memory_mb", "reward_model_batch_size")
+        _positive(self, "code_memory_mb", "reward_model_batch_size", "judge_max_tokens")
+        if self.judge_scale == 0:
+            raise ConfigError("--judge-scale must not be 0 (the reward is the grade divided by it)")
         if self.remote_rm_timeout <= 0 or self.remote_rm_retries < 0 or self.remote_rm_backoff < 0:
             raise ConfigError(f"--remote-rm-timeout must be > 0, --remote-rm-retries and --remote-rm-backoff >= 0; got "
                               f"{self.remote_rm_timeout}, {self.remote_rm_retries} and {self.remote_rm_backoff}")
@@ -406,6 +419,11 @@ def verifier_options(r: RewardConfig, sb: SandboxConfig) -> dict[str, dict]:
                       timeout_s=r.reward_timeout, threshold=r.reward_model_threshold),
         "remote_rm": dict(url=r.remote_rm_url, timeout_s=r.remote_rm_timeout, retries=r.remote_rm_retries,
                           backoff_s=r.remote_rm_backoff, threshold=r.reward_model_threshold),
+        "llm_judge": dict(url=r.judge_url, model=r.judge_model, checkpoint=r.judge_checkpoint, scale=r.judge_scale,
+                          max_tokens=r.judge_max_tokens, timeout_s=r.remote_rm_timeout, retries=r.remote_rm_retries,
+                          backoff_s=r.remote_rm_backoff, threshold=r.reward_model_threshold,
+                          **({"template": r.judge_template} if r.judge_template else {}),
+                          **({"pattern": r.judge_pattern} if r.judge_pattern else {})),
     }
 
 

@@ -1,12 +1,18 @@
 """`megarl-serve-rm`: serve an HF reward model (`hf_rm`) over HTTP, the model loaded once and kept resident.
 
     megarl-serve-rm --reward-model DIR [--host 127.0.0.1] [--port 8000] [--batch-size 16] [--normalize]
+    megarl-serve-rm --judge-checkpoint DIR [--host ...] [--port ...]     # an LLM judge, OpenAI-compatible
 
 POST JSON `{"prompt", "response", "label"}` -> `{"score": s}`; `{"rows": [{...}, ...]}` -> `{"scores": [...]}`
 (what `remote_rm` and `hf_rm` send; a prompt may be text or a list of chat messages; the label is not used).
 GET any path -> `{"model": DIR}`, for a health check. A malformed request gets HTTP 400 with the reason. Requests
 are scored one at a time (one model, one lock); `--port 0` takes a free port, and the first line on stdout says
 which: `megarl-serve-rm: listening on http://HOST:PORT/`. Stops on SIGTERM or Ctrl-C.
+
+With `--judge-checkpoint DIR` (a Llama/Qwen2 causal LM) it serves the subset of OpenAI's chat-completions API
+that `llm_judge` uses instead: POST `/v1/chat/completions` with `messages` (rendered through the checkpoint's chat
+template when it has one, else their contents joined), `max_tokens` and `temperature` (0 = greedy), answered by
+megarl's built-in engine as `{"choices": [{"message": {"role": "assistant", "content": ...}}]}`.
 """
 
 from __future__ import annotations
@@ -23,7 +29,9 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="megarl-serve-rm", description=__doc__.split("\n\n")[0])
-    p.add_argument("--reward-model", required=True, help="HF sequence-classification checkpoint directory (1 label)")
+    which = p.add_mutually_exclusive_group(required=True)
+    which.add_argument("--reward-model", help="HF sequence-classification checkpoint directory (1 label)")
+    which.add_argument("--judge-checkpoint", help="HF causal LM to serve as an OpenAI-compatible judge instead")
     p.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1: this machine only)")
     p.add_argument("--port", type=int, default=8000, help="port; 0 = a free one (printed at start)")
     p.add_argument("--batch-size", type=int, default=16, help="rows per forward pass")
@@ -50,6 +58,41 @@ def _rows(body) -> tuple[list[tuple], bool]:
     return rows, batched
 
 
+class Judge:
+    """A causal LM on the built-in engine answering chat completions (see the module docstring)."""
+
+    def __init__(self, path: str, device: str = "cpu"):
+        from transformers import AutoTokenizer
+
+        from megarl.rollout.builtin import BuiltinEngine
+
+        self.path = path
+        self.tokenizer = AutoTokenizer.from_pretrained(path)
+        self.engine = BuiltinEngine.from_pretrained(path, device=device)
+        self.calls = 0
+
+    def complete(self, body) -> dict:
+        from megarl.rollout import SamplingParams
+
+        messages = body.get("messages") if isinstance(body, dict) else None
+        if not isinstance(messages, list) or not all(isinstance(m, dict) and "content" in m for m in messages):
+            raise ValueError("expected 'messages': a list of {role, content} objects")
+        if getattr(self.tokenizer, "chat_template", None):
+            ids = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
+            ids = list(ids["input_ids"] if isinstance(ids, dict) else ids)
+        else:
+            ids = self.tokenizer("".join(str(m["content"]) for m in messages), add_special_tokens=False)["input_ids"]
+        eos = self.tokenizer.eos_token_id
+        params = SamplingParams(n=1, temperature=float(body.get("temperature", 0.0) or 0.0),
+                                max_new_tokens=max(1, int(body.get("max_tokens", 32))),
+                                stop_token_ids=(eos,) if eos is not None else (), seed=self.calls)
+        self.calls += 1
+        out = self.engine.generate([ids], params)[0][0]
+        text = self.tokenizer.decode(out.token_ids, skip_special_tokens=True)
+        return {"object": "chat.completion", "choices": [{"index": 0, "finish_reason": str(out.finish_reason),
+                                                          "message": {"role": "assistant", "content": text}}]}
+
+
 def make_server(model, host: str, port: int) -> ThreadingHTTPServer:
     lock = threading.Lock()
 
@@ -68,17 +111,28 @@ def make_server(model, host: str, port: int) -> ThreadingHTTPServer:
         def do_POST(self):  # noqa: N802
             try:
                 body = json.loads(self.rfile.read(int(self.headers.get("Content-Length", 0))))
-                rows, batched = _rows(body)
+                if isinstance(model, Judge):
+                    if not self.path.rstrip("/").endswith("/chat/completions"):
+                        raise ValueError(f"{self.path}: this judge serves POST /v1/chat/completions")
+                else:
+                    rows, batched = _rows(body)
             except (ValueError, json.JSONDecodeError) as e:
                 self._send(400, {"error": str(e)})
                 return
             try:
                 with lock:
-                    scores = model.score(rows)
+                    reply = model.complete(body) if isinstance(model, Judge) else None
+                    scores = None if reply is not None else model.score(rows)
+            except ValueError as e:
+                self._send(400, {"error": str(e)})
+                return
             except Exception as e:  # noqa: BLE001 - the client gets the reason, the server goes on
                 self._send(500, {"error": f"{type(e).__name__}: {e}"})
                 return
-            self._send(200, {"scores": scores} if batched else {"score": scores[0]})
+            if reply is not None:
+                self._send(200, reply)
+            else:
+                self._send(200, {"scores": scores} if batched else {"score": scores[0]})
 
         def log_message(self, *args):  # one line per request is noise at training rates
             pass
@@ -102,9 +156,12 @@ def main(argv: list[str] | None = None) -> int:
     from megarl.reward_model import HFRewardModel
 
     try:
-        model = HFRewardModel(args.reward_model, batch_size=args.batch_size, normalize=args.normalize,
-                              device=args.device)
-    except ValueError as e:
+        if args.judge_checkpoint:
+            model = Judge(args.judge_checkpoint, device=args.device)
+        else:
+            model = HFRewardModel(args.reward_model, batch_size=args.batch_size, normalize=args.normalize,
+                                  device=args.device)
+    except (ValueError, OSError) as e:
         print(f"megarl-serve-rm: error: {e}", file=sys.stderr)
         return 2
     server = make_server(model, args.host, args.port)

@@ -73,7 +73,7 @@ def get_reward_model(name: str, **options) -> RewardModel:
 
 
 def _import_builtin():
-    pass  # llm_judge registers here once written
+    from megarl.verifiers import judge  # noqa: F401 - registers llm_judge
 
 
 def model_result(score: float, threshold: float, seconds: float) -> VerifyResult:

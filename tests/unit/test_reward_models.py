@@ -361,3 +361,113 @@ def test_megarl_verify_names_a_missing_reward_model_flag_or_prompt(tmp_path, cap
     code = main([str(data), "--verifier", "math > hf_rm >", "--no-progress"])
     _, err = capsys.readouterr()
     assert code == 2 and "--verifier: reward spec" in err
+
+
+# -- llm_judge ------------------------------------------------------------------------------------------------------
+
+
+class FakeOpenAI:
+    """An OpenAI-compatible chat-completions endpoint whose answer is chosen by the graded response (the text after
+    'Response: ' in the judge's prompt): `grade:<text>` answers <text>, `badjson` broken JSON, `nochoices` a
+    reply without choices. Every prompt it got is kept."""
+
+    def __init__(self):
+        self.prompts: list[str] = []
+        outer = self
+
+        class Handler(BaseHTTPRequestHandler):
+            def do_POST(self):  # noqa: N802
+                body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
+                assert self.path == "/v1/chat/completions" and body["temperature"] == 0.0
+                prompt = body["messages"][0]["content"]
+                outer.prompts.append(prompt)
+                response = prompt.split("Response: ", 1)[1].split("\n", 1)[0]
+                if response == "badjson":
+                    data = b"{"
+                elif response == "nochoices":
+                    data = b'{"choices": []}'
+                else:
+                    answer = response.removeprefix("grade:")
+                    data = json.dumps({"choices": [{"message": {"role": "assistant", "content": answer}}]}).encode()
+                self.send_response(200)
+                self.send_header("Content-Length", str(len(data)))
+                self.end_headers()
+                self.wfile.write(data)
+
+            def log_message(self, *args):
+                pass
+
+        self.server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.url = f"http://127.0.0.1:{self.server.server_address[1]}/v1"
+        self.thread = threading.Thread(target=self.server.serve_forever, daemon=True)
+        self.thread.start()
+
+    def close(self):
+        self.server.shutdown()
+        self.server.server_close()
+        self.thread.join(timeout=10)
+
+
+def test_llm_judge_grades_and_calls_malformed_answers_parse_errors():
+    from megarl.verifiers.reward_models import get_reward_model
+
+    server = FakeOpenAI()
+    judge = get_reward_model("llm_judge", url=server.url, model="judge", retries=1, backoff_s=0.01, timeout_s=5)
+    try:
+        responses = ["grade:Score: 7", "grade:score=10, well done", "grade:I like it", "badjson", "nochoices",
+                     "grade:Score: 2.5"]
+        results = judge.score([("What is 2+2?", r, "4") for r in responses])
+    finally:
+        judge.close()
+        server.close()
+    assert [(r.outcome, r.score) for r in results] == [
+        ("correct", 0.7), ("correct", 1.0), ("parse_error", 0.0), ("parse_error", 0.0), ("parse_error", 0.0),
+        ("incorrect", 0.25)], "above the threshold (0.5 unless set) is correct"
+    assert "no grade in the judge's answer 'I like it'" in results[2].normalized
+    assert "not JSON" in results[3].normalized and "not a chat completion" in results[4].normalized
+    assert any("Question: What is 2+2?\nReference answer: 4\nResponse: grade:Score: 7\n" in p for p in server.prompts)
+
+
+def test_llm_judge_refuses_bad_settings():
+    from megarl.verifiers.reward_models import get_reward_model
+
+    with pytest.raises(ValueError, match="exactly one of --judge-url"):
+        get_reward_model("llm_judge")
+    with pytest.raises(ValueError, match="--judge-template"):
+        get_reward_model("llm_judge", url="http://x/v1", template="{question}")
+    with pytest.raises(ValueError, match="exactly one group"):
+        get_reward_model("llm_judge", url="http://x/v1", pattern=r"\d+")
+
+
+def test_llm_judge_on_a_local_checkpoint_answers_as_transformers_greedy_decoding(tmp_path):
+    """The judge server's answer is transformers' own greedy generation on the same prompt; llm_judge parses it."""
+    import re
+
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from helpers import make_tiny_hf_model
+    from megarl.verifiers.reward_models import get_reward_model
+
+    path = make_tiny_hf_model(tmp_path / "judge", "qwen2", with_tokenizer=True, seed=5)
+    template = "Q {prompt} A {response} Score: "
+    judge = get_reward_model("llm_judge", checkpoint=str(path), template=template, pattern=r"(\d+)", scale=1.0,
+                             max_tokens=6, timeout_s=60)
+    rows = [("1+1=", "2", None), ("7-3=", "4", None)]
+    try:
+        results = judge.score(rows)
+    finally:
+        judge.close()
+    tok = AutoTokenizer.from_pretrained(str(path))
+    model = AutoModelForCausalLM.from_pretrained(str(path)).eval()
+    for (prompt, response, _), result in zip(rows, results):
+        ids = tok(template.format(prompt=prompt, response=response), return_tensors="pt")["input_ids"]
+        with torch.no_grad():
+            out = model.generate(ids, max_new_tokens=6, do_sample=False, eos_token_id=tok.eos_token_id,
+                                 pad_token_id=tok.pad_token_id)
+        text = tok.decode(out[0, ids.shape[1] :], skip_special_tokens=True)
+        match = re.search(r"(\d+)", text)
+        if match is None:
+            assert result.outcome == "parse_error" and repr(text[:80]) in result.normalized
+        else:
+            assert (result.score, result.extracted) == (float(match.group(1)), match.group(1))
