@@ -1,0 +1,30 @@
+# The four-model PPO on the CPU demo task: actor, critic, reference and a learned reward model (hf_rm), on the same
+# 2 processes. The reward model stands in for the arithmetic verifier: tools/train_reward_model.py trains it from
+# the verifier's labels (the right answer against answers off by 1-3, a digit too many, none). Build it first:
+#
+#   .venv/bin/python tools/train_reward_model.py --init .cache/starter --arithmetic .cache/starter \
+#       --out .cache/reward_model
+#
+# Every row is scored 'hf_rm + 0*arithmetic': the reward is the reward model's score alone, while the verifier
+# still decides each sample's outcome, so accuracy, held-out evaluation and rm_agreement (the share of samples on
+# which the model's verdict, score > 0, matches the verifier's) are the verifier's judgement, logged every step.
+# Each trainer process starts one megarl-serve-rm holding the reward model (loaded once, scored in batches).
+REPO_ROOT=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
+source "$REPO_ROOT/recipes/tiny_cpu_ppo.sh"
+REWARD_MODEL_DIR=${REWARD_MODEL_DIR:-$REPO_ROOT/.cache/reward_model}
+
+DATA_ARGS+=(
+  --verifier-key reward_spec            # a field the demo rows lack: every row takes --default-verifier
+  --default-verifier "hf_rm + 0*arithmetic"
+)
+
+REWARD_ARGS=(
+  --reward-model "$REWARD_MODEL_DIR"
+  --reward-model-batch-size 64          # one request per step's 64 completions
+)
+
+LOGGING_ARGS=(
+  --output-dir "$REPO_ROOT/runs/tiny_cpu_ppo_rm"
+  --log-interval 10
+  --eval-samples-per-prompt 4
+)
