@@ -14,6 +14,9 @@ command line. Memory, in bytes, for P parameters held by one GPU (its TP shard o
   per vocabulary entry per token, sharded over TP.
 - KV cache per token: 2 (K and V) x layers x kv_heads x head_dim x 2 bytes, sharded over the engine's TP.
 - reference model (when --kl-coef > 0): its bf16 weights, sharded like the actor.
+- reward model (`hf_rm`, --reward-model): not on the GPUs: each trainer process that leads a model replica starts
+  one megarl-serve-rm holding it in fp32 on the CPU, so a node holds (GPUs per node / (TP x PP x CP)) copies of
+  4 bytes x its parameters in host memory (`tools/plan.py` prints them; `reward_model_params`).
 - rollout engine (SGLang): it reserves --sglang-mem-fraction of the GPU (0.85 on a dedicated rollout GPU) for its
   weights (2 x all parameters / engine TP) and a KV pool; colocated, it releases both while the actor trains,
   and the actor's optimizer (and weights) can leave the GPU while the engine generates (--offload-optimizer,
@@ -122,6 +125,11 @@ def layer_params(s: ModelShape) -> int:
 def num_params(s: ModelShape) -> int:
     embed = s.vocab_size * s.hidden_size
     return s.num_layers * layer_params(s) + embed * (1 if s.tie_word_embeddings else 2) + s.hidden_size
+
+
+def reward_model_params(s: ModelShape) -> int:
+    """An `hf_rm` sequence classifier: the embedding and trunk, the final norm and a one-label head (no output layer)."""
+    return s.num_layers * layer_params(s) + s.vocab_size * s.hidden_size + 2 * s.hidden_size
 
 
 def stage_params(s: ModelShape, tp: int, pp: int) -> float:
