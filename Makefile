@@ -1,4 +1,4 @@
-# megarl developer entry points: `make venv`, `make demo`, `make test`, `make test-fast`, `make clean`.
+# megarl developer entry points: `make venv`, `make demo`, `make demo-rm`, `make test`, `make test-fast`, `make clean`.
 #
 # torch is installed before megarl, and only ever at a pinned version, because an unpinned `pip install torch`
 # on a machine without a GPU drags in gigabytes of CUDA wheels:
@@ -19,6 +19,7 @@ VENV := .venv
 VPY := $(VENV)/bin/python
 STAMP := $(VENV)/.stamp
 STARTER := .cache/starter/config.json
+REWARD_MODEL := .cache/reward_model/config.json
 # Pre-training is bound by its step count only (no wall-time budget), so every machine builds the same starter.
 STARTER_STEPS ?= 1760
 
@@ -26,7 +27,7 @@ STARTER_STEPS ?= 1760
 # Deferred (=), so torch is imported only when the venv is being (re)built.
 HOST_HAS_CUDA_TORCH = $(shell $(PYTHON) -c 'import torch; print(int(torch.version.cuda is not None))' 2>/dev/null || echo 0)
 
-.PHONY: venv demo test test-fast sandbox-image clean distclean
+.PHONY: venv demo demo-rm test test-fast sandbox-image clean distclean
 
 venv: $(STAMP)
 
@@ -57,6 +58,14 @@ $(STARTER): | $(STAMP)
 
 demo: venv $(STARTER)
 	$(VENV)/bin/torchrun --nproc-per-node $(NPROC) megarl/train.py recipes/tiny_cpu.sh
+
+# The four-model PPO: a reward model trained from the arithmetic verifier's labels, then recipes/tiny_cpu_ppo_rm.sh.
+$(REWARD_MODEL): $(STARTER)
+	OMP_NUM_THREADS=1 $(VPY) tools/train_reward_model.py --init $(dir $(STARTER)) --arithmetic $(dir $(STARTER)) \
+	  --out $(dir $@)
+
+demo-rm: venv $(STARTER) $(REWARD_MODEL)
+	$(VENV)/bin/torchrun --nproc-per-node $(NPROC) megarl/train.py recipes/tiny_cpu_ppo_rm.sh
 
 test: venv
 	$(VPY) -m pytest tests -q

@@ -1,9 +1,10 @@
 # The four-model PPO on the CPU demo task: actor, critic, reference and a learned reward model (hf_rm), on the same
 # 2 processes. The reward model stands in for the arithmetic verifier: tools/train_reward_model.py trains it from
-# the verifier's labels (the right answer against answers off by 1-3, a digit too many, none). Build it first:
+# the verifier's labels (the right answer against answers off by 1-3, a digit too many, none). `make demo-rm`
+# builds it and runs this recipe; by hand, build it first:
 #
-#   .venv/bin/python tools/train_reward_model.py --init .cache/starter --arithmetic .cache/starter \
-#       --out .cache/reward_model
+#   OMP_NUM_THREADS=1 .venv/bin/python tools/train_reward_model.py --init .cache/starter \
+#       --arithmetic .cache/starter --out .cache/reward_model
 #
 # Every row is scored 'hf_rm + 0*arithmetic': the reward is the reward model's score alone, while the verifier
 # still decides each sample's outcome, so accuracy, held-out evaluation and rm_agreement (the share of samples on
