@@ -4,7 +4,7 @@
 # builds it and runs this recipe; by hand, build it first:
 #
 #   OMP_NUM_THREADS=1 .venv/bin/python tools/train_reward_model.py --init .cache/starter \
-#       --arithmetic .cache/starter --out .cache/reward_model
+#       --arithmetic .cache/starter --calibrate --out .cache/reward_model
 #
 # Every row is scored 'hf_rm + 0*arithmetic': the reward is the reward model's score alone, while the verifier
 # still decides each sample's outcome, so accuracy, held-out evaluation and rm_agreement (the share of samples on

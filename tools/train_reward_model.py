@@ -6,7 +6,8 @@
 `--init` is an HF causal LM (or a sequence classifier) whose trunk the reward model starts from; its head is new.
 The rows, jsonl, are either preference pairs `{"prompt", "chosen", "rejected"}`, trained with the Bradley-Terry
 loss -log sigmoid(s_chosen - s_rejected), or labelled responses `{"prompt", "response", "label"}` (label 0/1),
-trained with binary cross-entropy on the score as a logit. `--arithmetic DIR` makes the demo's pairs instead: for
+trained with binary cross-entropy on the score as a logit (`--calibrate` adds that to pairs too, so that a score's
+sign says right or wrong, not only its order). `--arithmetic DIR` makes the demo's pairs instead: for
 each problem of DIR/train.jsonl, the answer the arithmetic verifier calls correct against answers it calls wrong
 (off by 1-3, a digit too many, none at all) - the verifier's labels, so the reward model learns to stand in for
 it. Texts are what `megarl.reward_model.HFRewardModel` scores (prompt + response through the tokenizer's chat
@@ -47,6 +48,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--steps", type=int, default=600, help="optimizer steps (the schedule's length)")
     p.add_argument("--batch-size", type=int, default=64, help="pairs (or labelled rows) per step")
     p.add_argument("--lr", type=float, default=3e-4, help="peak learning rate (AdamW, cosine to 10%%)")
+    p.add_argument("--calibrate", action="store_true", help="pairs also train the chosen score towards positive and "
+                   "the rejected towards negative (binary cross-entropy), so that the sign of a score says right or "
+                   "wrong (what --reward-model-threshold 0 and rm_agreement read)")
     p.add_argument("--seed", type=int, default=0)
     return p.parse_args(argv)
 
@@ -102,7 +106,7 @@ def init_model(src: Path, out: Path) -> None:
     tok.save_pretrained(str(out))
 
 
-def loss_of(rm, batch: list[dict]) -> torch.Tensor:
+def loss_of(rm, batch: list[dict], calibrate: bool = False) -> torch.Tensor:
     pairs = [r for r in batch if "chosen" in r]
     labelled = [r for r in batch if "chosen" not in r]
     loss = torch.zeros(())
@@ -111,6 +115,9 @@ def loss_of(rm, batch: list[dict]) -> torch.Tensor:
             [rm.token_ids(r["prompt"], r["rejected"]) for r in pairs]
         s = rm.forward_ids(ids)
         loss = loss - torch.nn.functional.logsigmoid(s[: len(pairs)] - s[len(pairs) :]).sum()
+        if calibrate:  # -log sigmoid(s_chosen) - log sigmoid(-s_rejected), averaged over the two
+            loss = loss - 0.5 * (torch.nn.functional.logsigmoid(s[: len(pairs)]) +
+                                 torch.nn.functional.logsigmoid(-s[len(pairs) :])).sum()
     if labelled:
         s = rm.forward_ids([rm.token_ids(r["prompt"], r["response"]) for r in labelled])
         y = torch.tensor([float(r["label"]) for r in labelled])
@@ -160,7 +167,7 @@ def main(argv=None) -> int:
     start, losses = time.time(), []
     rm.model.train()
     for step in range(1, args.steps + 1):
-        loss = loss_of(rm, rng.sample(train, min(args.batch_size, len(train))))
+        loss = loss_of(rm, rng.sample(train, min(args.batch_size, len(train))), args.calibrate)
         opt.zero_grad()
         loss.backward()
         torch.nn.utils.clip_grad_norm_(rm.model.parameters(), 1.0)

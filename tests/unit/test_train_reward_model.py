@@ -61,3 +61,29 @@ def test_bad_rows_are_named_with_their_line(tmp_path):
     data.write_text(json.dumps({"prompt": "a", "chosen": "b", "rejected": "c"}) + "\n{\"prompt\": 1}\n")
     with pytest.raises(SystemExit, match=r"rows.jsonl:2: expected \{prompt, chosen, rejected\}"):
         tool.read_rows(data)
+
+
+def test_the_losses_by_hand():
+    """Bradley-Terry on pairs, binary cross-entropy on labels, and --calibrate's BCE on both sides of a pair."""
+    import math
+
+    import torch
+
+    tool = _tool()
+    scores = {"a": 2.0, "b": -1.0, "c": 0.5}
+
+    class FakeRM:
+        def token_ids(self, prompt, response):
+            return [response]
+
+        def forward_ids(self, ids):
+            return torch.tensor([scores[x[0]] for x in ids])
+
+    sig = lambda x: 1 / (1 + math.exp(-x))  # noqa: E731
+    pair = {"prompt": "p", "chosen": "a", "rejected": "b"}
+    labelled = {"prompt": "p", "response": "c", "label": 0}
+    assert tool.loss_of(FakeRM(), [pair]).item() == pytest.approx(-math.log(sig(3.0)))
+    assert tool.loss_of(FakeRM(), [pair, labelled]).item() == pytest.approx(
+        (-math.log(sig(3.0)) - math.log(1 - sig(0.5))) / 2)
+    assert tool.loss_of(FakeRM(), [pair], calibrate=True).item() == pytest.approx(
+        -math.log(sig(3.0)) - 0.5 * (math.log(sig(2.0)) + math.log(sig(1.0))))
