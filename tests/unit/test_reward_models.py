@@ -183,7 +183,7 @@ def test_remote_rm_retries_then_maps_failures_to_outcomes_in_order(flaky_rm):
 
     responses = ["ok:1.5", "500", "flaky:2", "hang", "badjson", "ok:-3", "nonumber", "flaky:0.25"]
     rows = [("pq", r, None) for r in responses]
-    rm = get_reward_model("remote_rm", url=flaky_rm.url, timeout_s=0.5, retries=2, backoff_s=0.01, concurrency=4)
+    rm = get_reward_model("remote_rm", url=flaky_rm.url, timeout_s=1.0, retries=2, backoff_s=0.01, concurrency=4)
     start = time.perf_counter()
     try:
         results = rm.score(rows)
@@ -197,8 +197,8 @@ def test_remote_rm_retries_then_maps_failures_to_outcomes_in_order(flaky_rm):
     assert "not JSON" in results[4].normalized and "no number" in results[6].normalized
     assert flaky_rm.calls["500"] == 3 and flaky_rm.calls["hang"] == 3 and flaky_rm.calls["flaky:2"] == 3
     assert flaky_rm.calls["ok:1.5"] == 1, "a good answer is asked once"
-    assert 3 * 0.5 <= results[3].seconds < 3 * 0.5 + 3, "a hanging server: three attempts of 0.5 s"
-    assert elapsed < 10
+    assert 3 * 1.0 <= results[3].seconds < 3 * 1.0 + 5, "a hanging server: three attempts of 1 s"
+    assert elapsed < 20
 
 
 def test_remote_rm_refuses_a_missing_or_bad_url():
@@ -292,7 +292,7 @@ def test_a_mixed_batch_keeps_its_order(tiny_rm, flaky_rm):
     records = [PromptRecord(i, "rendered " + p, [1], label, name, raw_prompt=p)
                for i, (name, p, _, label) in enumerate(rows)]
     options = {"hf_rm": {"model": str(tiny_rm), "timeout_s": 60},
-               "remote_rm": {"url": flaky_rm.url, "timeout_s": 0.5, "retries": 1, "backoff_s": 0.01}}
+               "remote_rm": {"url": flaky_rm.url, "timeout_s": 2.0, "retries": 1, "backoff_s": 0.01}}
     with RewardPool(workers=2, timeout_s=30) as pool:
         reward = RoutedReward(PoolReward(pool), options)
         try:
