@@ -10,6 +10,14 @@
 # still decides each sample's outcome, so accuracy, held-out evaluation and rm_agreement (the share of samples on
 # which the model's verdict, score > 0, matches the verifier's) are the verifier's judgement, logged every step.
 # Each trainer process starts one megarl-serve-rm holding the reward model (loaded once, scored in batches).
+#
+# Measured on `make demo`'s starter, 2 shared cores (1,000 steps, 6.7 min of training): the reward model (400
+# steps, --calibrate) reached 59.1% pairwise / 61.6% sign accuracy on the held-out problems' pairs, but only 43.5%
+# pairwise on held-out right-vs-off-by-1..3 pairs (megarl-verify): it learned the format, not the sums. PPO then
+# optimised it, not the arithmetic: held-out sampled 23.6% -> 1.9%, greedy 64.0% -> 2.0%, rm_agreement 0.26 in
+# the first 10 steps -> 0.03 in the last 20 while the reward model's mean score rose (0.25 -> 0.33): reward
+# hacking of a weak reward model, which rm_agreement shows step by step. The recipe runs the four models; a
+# reward model good enough to teach this task is not built yet.
 REPO_ROOT=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
 source "$REPO_ROOT/recipes/tiny_cpu_ppo.sh"
 REWARD_MODEL_DIR=${REWARD_MODEL_DIR:-$REPO_ROOT/.cache/reward_model}
