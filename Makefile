@@ -1,4 +1,5 @@
-# megarl developer entry points: `make venv`, `make demo`, `make demo-tool`, `make test`, `make test-fast`, `make clean`
+# megarl developer entry points: `make venv`, `make demo`, `make demo-tool`, `make demo-rm`, `make test`,
+# `make test-fast`, `make clean`.
 #
 # torch is installed before megarl, and only ever at a pinned version, because an unpinned `pip install torch`
 # on a machine without a GPU drags in gigabytes of CUDA wheels:
@@ -19,6 +20,7 @@ VENV := .venv
 VPY := $(VENV)/bin/python
 STAMP := $(VENV)/.stamp
 STARTER := .cache/starter/config.json
+REWARD_MODEL := .cache/reward_model/config.json
 # Pre-training is bound by its step count only (no wall-time budget), so every machine builds the same starter.
 STARTER_STEPS ?= 1760
 TOOL_STARTER := .cache/tool-starter/config.json
@@ -28,7 +30,7 @@ TOOL_STARTER_STEPS ?= 1200
 # Deferred (=), so torch is imported only when the venv is being (re)built.
 HOST_HAS_CUDA_TORCH = $(shell $(PYTHON) -c 'import torch; print(int(torch.version.cuda is not None))' 2>/dev/null || echo 0)
 
-.PHONY: venv demo demo-tool test test-fast sandbox-image clean distclean
+.PHONY: venv demo demo-tool demo-rm test test-fast sandbox-image clean distclean
 
 venv: $(STAMP)
 
@@ -68,6 +70,14 @@ demo-tool: venv $(TOOL_STARTER)
 	$(VENV)/bin/torchrun --nproc-per-node $(NPROC) megarl/train.py recipes/tiny_cpu_tool.sh --tool-calls-fail \
 	  --output-dir runs/tiny_cpu_tool_control
 	$(VENV)/bin/torchrun --nproc-per-node $(NPROC) megarl/train.py recipes/tiny_cpu_tool.sh
+
+# The four-model PPO: a reward model trained from the arithmetic verifier's labels, then recipes/tiny_cpu_ppo_rm.sh.
+$(REWARD_MODEL): $(STARTER)
+	OMP_NUM_THREADS=1 $(VPY) tools/train_reward_model.py --init $(dir $(STARTER)) --arithmetic $(dir $(STARTER)) \
+	  --calibrate --out $(dir $@)
+
+demo-rm: venv $(STARTER) $(REWARD_MODEL)
+	$(VENV)/bin/torchrun --nproc-per-node $(NPROC) megarl/train.py recipes/tiny_cpu_ppo_rm.sh
 
 test: venv
 	$(VPY) -m pytest tests -q

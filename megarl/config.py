@@ -161,8 +161,9 @@ class DataConfig:
                              "model's max_position_embeddings leaves after --max-response-len")
     label_key: str = _f("answer", "field of a data row that holds the ground truth given to the verifier")
     verifier_key: str = _f("verifier", "field of a data row that names its verifier")
-    default_verifier: str = _name("", "verifier for rows without a verifier field; empty = such rows are an error",
-                                  "megarl.verifiers:verifier_names")
+    default_verifier: str = _name("", "verifier for rows without a verifier field, or a reward spec ('hf_rm', "
+                                  "'math > hf_rm', '0.7*math + 0.3*hf_rm'); empty = such rows are an error",
+                                  "megarl.verifiers:reward_names")
     rollout_batch_size: int = _f(8, "prompts per step, over all data-parallel ranks")
     shuffle: bool = _f(True, "shuffle prompts each epoch (seeded by --seed; a new order every epoch)")
 
@@ -188,6 +189,31 @@ class RewardConfig:
     code_memory_mb: int = _f(1024, "code verifier: memory a program may use, unless its row sets memory_mb")
     math_strategy: Literal["lenient", "strict"] = _f("lenient", "math verifier: answer extraction (strict: the last "
                                                      "\\boxed{} only)")
+    reward_model: str = _f("", "hf_rm: HF sequence-classification checkpoint (one label) scoring the rows that name "
+                           "hf_rm, served resident by a megarl-serve-rm this process starts")
+    reward_model_batch_size: int = _f(16, "hf_rm: rows per request and forward pass; each request may take "
+                                      "--reward-timeout seconds")
+    reward_model_normalize: bool = _f(False, "hf_rm: (score - reward_mean) / reward_std, as stored in the reward "
+                                      "model's config.json")
+    reward_model_threshold: float = _f(0.0, "reward models: a score above this is the outcome 'correct' (for accuracy "
+                                       "and the agreement with a rule), else 'incorrect'; the reward is the score")
+    remote_rm_url: str = _f("", "remote_rm: URL each row is POSTed to as {prompt, response, label}; the reply is "
+                            "{score}")
+    remote_rm_timeout: float = _f(10.0, "remote_rm: seconds an attempt may wait for the server")
+    remote_rm_retries: int = _f(2, "remote_rm: attempts after the first when the server fails, hangs or answers "
+                                "garbage; then the row is a timeout or parse_error")
+    remote_rm_backoff: float = _f(0.5, "remote_rm: seconds before the first retry, doubling at each")
+    judge_url: str = _f("", "llm_judge: an OpenAI-compatible endpoint (http://host:port/v1) grading the rows that name "
+                        "llm_judge (the --remote-rm-timeout/-retries/-backoff apply)")
+    judge_model: str = _f("", "llm_judge: the model name sent to --judge-url")
+    judge_checkpoint: str = _f("", "llm_judge: a local HF causal LM to judge with instead of --judge-url, served by a "
+                               "megarl-serve-rm this process starts (the built-in engine)")
+    judge_template: str = _f("", "llm_judge: the judge's prompt, with {prompt}, {response} and {label} filled in; "
+                             "empty = a 0-10 grading prompt asking for 'Score: N'")
+    judge_pattern: str = _f("", "llm_judge: regular expression with one group, the grade in the judge's answer; "
+                            "empty = 'Score: N'; no match = parse_error")
+    judge_scale: float = _f(10.0, "llm_judge: the reward is the grade divided by this")
+    judge_max_tokens: int = _f(32, "llm_judge: longest answer the judge may give (greedy)")
 
     def __post_init__(self):
         if self.reward_workers < -1:
@@ -195,7 +221,17 @@ class RewardConfig:
         if self.reward_timeout <= 0 or self.code_test_seconds <= 0:
             raise ConfigError(f"--reward-timeout and --code-test-seconds must be > 0 seconds, got "
                               f"{self.reward_timeout} and {self.code_test_seconds}")
-        _positive(self, "code_memory_mb")
+        _positive(self, "code_memory_mb", "reward_model_batch_size", "judge_max_tokens")
+        if self.judge_scale == 0:
+            raise ConfigError("--judge-scale must not be 0 (the reward is the grade divided by it)")
+        if self.remote_rm_timeout <= 0 or self.remote_rm_retries < 0 or self.remote_rm_backoff < 0:
+            raise ConfigError(f"--remote-rm-timeout must be > 0, --remote-rm-retries and --remote-rm-backoff >= 0; got "
+                              f"{self.remote_rm_timeout}, {self.remote_rm_retries} and {self.remote_rm_backoff}")
+        if self.remote_rm_url and not self.remote_rm_url.startswith(("http://", "https://")):
+            raise ConfigError(f"--remote-rm-url {self.remote_rm_url!r}: expected an http:// or https:// URL")
+        if self.reward_model and not Path(self.reward_model, "config.json").is_file():
+            raise ConfigError(f"--reward-model {self.reward_model}: no config.json there (an HF sequence-"
+                              "classification checkpoint directory is expected)")
 
 
 @dataclass
@@ -489,6 +525,15 @@ def verifier_options(r: RewardConfig, sb: SandboxConfig) -> dict[str, dict]:
                      backend=sb.sandbox, workers=sb.sandbox_workers, time_s=r.code_test_seconds,
                      memory_mb=r.code_memory_mb, image=sb.sandbox_image or None),
         "math": dict(strategy=r.math_strategy),
+        "hf_rm": dict(model=r.reward_model, batch_size=r.reward_model_batch_size, normalize=r.reward_model_normalize,
+                      timeout_s=r.reward_timeout, threshold=r.reward_model_threshold),
+        "remote_rm": dict(url=r.remote_rm_url, timeout_s=r.remote_rm_timeout, retries=r.remote_rm_retries,
+                          backoff_s=r.remote_rm_backoff, threshold=r.reward_model_threshold),
+        "llm_judge": dict(url=r.judge_url, model=r.judge_model, checkpoint=r.judge_checkpoint, scale=r.judge_scale,
+                          max_tokens=r.judge_max_tokens, timeout_s=r.remote_rm_timeout, retries=r.remote_rm_retries,
+                          backoff_s=r.remote_rm_backoff, threshold=r.reward_model_threshold,
+                          **({"template": r.judge_template} if r.judge_template else {}),
+                          **({"pattern": r.judge_pattern} if r.judge_pattern else {})),
     }
 
 
@@ -602,8 +647,18 @@ def check_names(cfg: Config, origins: dict[str, str] | None = None) -> None:
     origins = origins or {}
     for spec in flag_specs().values():
         value = getattr(getattr(cfg, spec.section), spec.name)
-        if spec.names and value != "" and value not in (valid := _valid_names(spec)):
+        if spec.name == "default_verifier" and value:  # a verifier, a reward model or a composition of them
+            from megarl.verifiers.compose import parse
+
+            try:
+                names = [p.name for p in parse(value).parts]
+            except ValueError as e:
+                raise ConfigError(f"{origins.get(spec.name, 'default')}: {spec.flag}: {e}") from None
+        else:
+            names = [value]
+        if spec.names and value != "" and any(n not in (valid := _valid_names(spec)) for n in names):
             where = origins.get(spec.name, "default")
+            value = next(n for n in names if n not in valid)
             raise ConfigError(f"{where}: {spec.flag} {value!r} is not registered; choose one of: {', '.join(valid)} "
                               "(--plugins imports modules that register more)")
     get_backend(cfg.rollout.rollout_backend).check(cfg)

@@ -25,6 +25,8 @@ class PromptRecord:
     label: Any  # the verifier's ground truth
     verifier: str
     source: str = field(default="", compare=False)  # where the row came from: `file:line` or `file: row N`
+    raw_prompt: Any = field(default=None, compare=False)  # the row's prompt field as given (text or chat), which a
+    # reward model renders through its own tokenizer's template
 
 
 def load_prompts(path: str, tokenizer, *, input_key: str, label_key: str, verifier_key: str,
@@ -32,7 +34,7 @@ def load_prompts(path: str, tokenizer, *, input_key: str, label_key: str, verifi
                  flag: str = "--prompt-data") -> list[PromptRecord]:
     """Read and validate every row before training starts; errors name the file and line (jsonl) or row
     (parquet). A `.parquet` path is read as parquet, any other as jsonl."""
-    from megarl.verifiers import verifier_names
+    from megarl.verifiers.compose import spec_error
 
     p = Path(path)
     if not path:
@@ -44,7 +46,6 @@ def load_prompts(path: str, tokenizer, *, input_key: str, label_key: str, verifi
                           "tokenizer_config.json nor a chat_template.jinja defines one); drop --apply-chat-template "
                           f"to give the {flag} prompts to the model as the plain text they are, or use a checkpoint "
                           "whose tokenizer has a chat template")
-    known = set(verifier_names())
     records = []
     rows = _parquet_rows(p, flag) if p.suffix == ".parquet" else _jsonl_rows(p)
     for where, row in rows:
@@ -57,10 +58,12 @@ def load_prompts(path: str, tokenizer, *, input_key: str, label_key: str, verifi
         verifier = row.get(verifier_key) or default_verifier
         if not verifier:
             raise ConfigError(f"{where}: no {verifier_key!r} field and no --default-verifier")
-        if verifier not in known:
-            raise ConfigError(f"{where}: unknown verifier {verifier!r}; registered: {', '.join(sorted(known))}")
+        if not isinstance(verifier, str):
+            raise ConfigError(f"{where}: field {verifier_key!r} must be text (a verifier name or a reward spec)")
+        if error := spec_error(verifier):
+            raise ConfigError(f"{where}: {error}")
         text, ids = _render_prompt(row[input_key], tokenizer, apply_chat_template, f"{where}: field {input_key!r}")
-        records.append(PromptRecord(len(records), text, ids, row[label_key], verifier, where))
+        records.append(PromptRecord(len(records), text, ids, row[label_key], verifier, where, row[input_key]))
     if not records:
         raise ConfigError(f"{flag} {path}: the file has no rows")
     return records

@@ -17,6 +17,9 @@ command line. Memory, in bytes, for P parameters held by one GPU (its TP shard o
   per vocabulary entry per token, sharded over TP.
 - KV cache per token: 2 (K and V) x layers x kv_heads x head_dim x 2 bytes, sharded over the engine's TP.
 - reference model (when --kl-coef > 0): its bf16 weights, sharded like the actor.
+- reward model (`hf_rm`, --reward-model): not on the GPUs: each trainer process that leads a model replica starts
+  one megarl-serve-rm holding it in fp32 on the CPU, so a node holds (GPUs per node / (TP x PP x CP)) copies of
+  4 bytes x its parameters in host memory (`tools/plan.py` prints them; `reward_model_params`).
 - rollout engine (SGLang): it reserves --sglang-mem-fraction of the GPU (0.85 on a dedicated rollout GPU) for its
   weights (2 x all parameters / engine TP) and a KV pool; colocated, it releases both while the actor trains,
   and the actor's optimizer (and weights) can leave the GPU while the engine generates (--offload-optimizer,
@@ -136,6 +139,11 @@ def active_params(s: ModelShape) -> int:
 def expert_params(s: ModelShape, layer: int) -> int:
     """Layer `layer`'s expert weights (0 in a dense layer; the router is not an expert)."""
     return s.num_experts * 3 * s.hidden_size * s.moe_ffn_hidden_size if s.is_moe_layer(layer) else 0
+
+
+def reward_model_params(s: ModelShape) -> int:
+    """An `hf_rm` sequence classifier: the embedding and trunk, the final norm and a one-label head (no output layer)."""
+    return sum(layer_params(s, i) for i in range(s.num_layers)) + s.vocab_size * s.hidden_size + 2 * s.hidden_size
 
 
 def stage_params(s: ModelShape, tp: int, pp: int, ep: int = 1, etp: int = 0) -> float:

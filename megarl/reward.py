@@ -7,9 +7,12 @@ field chooses the verifier (through the registry, never by dataset name). Two im
   workers import `--plugins` and build verifiers with the run's verifier options;
 - `InProcessReward`: the verifiers in this process, each under its own budget (`--reward-workers 0`).
 
-Anything else with the `RewardFn` shape (a reward model, a remote judge) plugs in the same way. `RewardMeter`
-wraps one for a rollout, adding up the seconds spent in it and the results' health (`batch_health`).
-This module imports neither torch nor megatron.
+`RoutedReward` wraps either: rows whose `verifier` is one rule verifier go to it exactly as before; rows that name
+a reward model (`hf_rm`, `remote_rm`, `llm_judge`: `megarl.verifiers.reward_models`) or a composition ("math >
+hf_rm": `megarl.verifiers.compose`) are split into parts, the rule parts scored by the wrapped function, each
+model's rows by that model in one batch in this process, and put back together in order. Anything else with the
+`RewardFn` shape plugs in the same way. `RewardMeter` wraps one for a rollout, adding up the seconds spent in it
+and the results' health (`batch_health`). This module imports neither torch nor megatron.
 """
 
 from __future__ import annotations
@@ -20,6 +23,8 @@ from typing import TYPE_CHECKING, Any, Protocol, Sequence
 from megarl.data import PromptRecord
 from megarl.types import Sample
 from megarl.verifiers import VerifyResult, get_verifier
+from megarl.verifiers import compose
+from megarl.verifiers.reward_models import get_reward_model, is_reward_model
 from megarl.verifiers.pool import RewardPool, batch_health, shared_pool
 
 if TYPE_CHECKING:
@@ -52,7 +57,11 @@ class PoolReward:
         return self.pool.restarts
 
     def __call__(self, samples: Sequence[Sample], records: Sequence[PromptRecord]) -> list[VerifyResult]:
-        results, _ = self.pool.score(_requests(samples, records))
+        return self.score(_requests(samples, records))
+
+    def score(self, requests: Sequence[tuple[str, str, Any]]) -> list[VerifyResult]:
+        """One result per (verifier name, response, ground truth), in order."""
+        results, _ = self.pool.score(requests)
         return results
 
 
@@ -83,12 +92,68 @@ class InProcessReward:
             getattr(verifier, "close", lambda: None)()
 
 
+class RoutedReward:
+    """Rule rows to `rules`, reward-model and composed rows through their parts (see the module docstring).
+    `options[name]`: the keyword arguments reward model `name` is built with (once, on first use)."""
+
+    def __init__(self, rules, options: dict[str, dict] | None = None):
+        self.rules, self.options = rules, options or {}
+        self.models: dict[str, Any] = {}
+        self.model_seconds = 0.0  # wall time spent in reward models so far
+
+    @property
+    def restarts(self) -> int:
+        return self.rules.restarts + sum(m.restarts for m in self.models.values())
+
+    def __call__(self, samples: Sequence[Sample], records: Sequence[PromptRecord]) -> list[VerifyResult]:
+        requests = _requests(samples, records)
+        if all(compose.is_plain_rule(name) for name, _, _ in requests):
+            return self.rules(samples, records)  # the rule-only path, untouched
+        prompts = [r.raw_prompt if r.raw_prompt is not None else r.prompt for r in records]
+        return self.score([(name, p, resp, label) for (name, resp, label), p in zip(requests, prompts)])
+
+    def score(self, requests: Sequence[tuple[str, Any, str, Any]]) -> list[VerifyResult]:
+        """One result per (spec, prompt, response, ground truth), in order."""
+        specs = [compose.parse(name) for name, _, _, _ in requests]
+        rule_jobs: list[tuple[int, int]] = []  # (row, part) of each rule part, in the order sent to `rules`
+        model_jobs: dict[str, list[tuple[int, int]]] = {}
+        for i, spec in enumerate(specs):
+            for j, part in enumerate(spec.parts):
+                if is_reward_model(part.name):
+                    model_jobs.setdefault(part.name, []).append((i, j))
+                else:
+                    rule_jobs.append((i, j))
+        got: dict[tuple[int, int], VerifyResult] = {}
+        if rule_jobs:
+            rule_requests = [(specs[i].parts[j].name, requests[i][2], requests[i][3]) for i, j in rule_jobs]
+            got.update(zip(rule_jobs, self.rules.score(rule_requests)))
+        start = time.perf_counter()
+        for name, jobs in model_jobs.items():
+            rows = [(requests[i][1], requests[i][2], requests[i][3]) for i, _ in jobs]
+            got.update(zip(jobs, self._model(name).score(rows)))
+        self.model_seconds += time.perf_counter() - start
+        models = set(model_jobs)
+        return [compose.combine(spec, [got[(i, j)] for j in range(len(spec.parts))], models)
+                for i, spec in enumerate(specs)]
+
+    def _model(self, name: str):
+        if name not in self.models:
+            self.models[name] = get_reward_model(name, **self.options.get(name, {}))
+        return self.models[name]
+
+    def close(self) -> None:
+        for model in self.models.values():
+            model.close()
+        getattr(self.rules, "close", lambda: None)()
+
+
 class RewardMeter:
     """A `RewardFn` that counts: the seconds spent in `inner` and every result, for one rollout's metrics."""
 
     def __init__(self, inner: RewardFn):
         self.inner, self.seconds, self.results = inner, 0.0, []
         self._restarts_before = inner.restarts
+        self._model_seconds_before = getattr(inner, "model_seconds", 0.0)
 
     @property
     def restarts(self) -> int:
@@ -105,12 +170,16 @@ class RewardMeter:
         """`batch_health` of every result so far, and the workers replaced meanwhile."""
         out = batch_health(self.results, group_size)
         out["reward_worker_restarts"] = self.inner.restarts - self._restarts_before
+        if "rm_n" in out:
+            out["rm_seconds"] = getattr(self.inner, "model_seconds", 0.0) - self._model_seconds_before
         return out
 
 
 def build_reward(r: RewardConfig, options: dict[str, dict], plugins: tuple[str, ...] = ()) -> RewardFn:
     """The run's reward function: a pool of `--reward-workers` processes (-1: one per CPU) that import `plugins`,
-    or, with 0 workers, this process; verifiers are built with `options[name]`."""
+    or, with 0 workers, this process, for the rule verifiers, routed (`RoutedReward`) so that rows may name reward
+    models; verifiers and reward models are built with `options[name]`."""
     if r.reward_workers == 0:
-        return InProcessReward(options)
-    return PoolReward(shared_pool(r.reward_workers, r.reward_timeout, preload=plugins, options=options))
+        return RoutedReward(InProcessReward(options), options)
+    return RoutedReward(PoolReward(shared_pool(r.reward_workers, r.reward_timeout, preload=plugins,
+                                               options=options)), options)

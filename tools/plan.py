@@ -26,7 +26,7 @@ sys.path.insert(0, str(ROOT))
 from megarl.config import ConfigError, parse_args  # noqa: E402
 from megarl.model_shape import ModelShape  # noqa: E402
 from megarl.plan import (GIB, GPUS, Cluster, Plan, Run, active_params, expert_bytes_per_gpu,  # noqa: E402
-                         kv_bytes_per_token, num_params, plan, recommend)
+                         kv_bytes_per_token, num_params, plan, recommend, reward_model_params)
 from megarl.preflight import model_problems, prompt_limit  # noqa: E402
 
 _SHAPE_DUMP = 'source "$1" >/dev/null; for k in "${!MODEL_SHAPE[@]}"; do printf "%s\\0%s\\0" "$k" "${MODEL_SHAPE[$k]}"; done'
@@ -171,6 +171,14 @@ def main(argv: list[str] | None = None) -> int:
           f"{run.micro_batch_size}")
     for problem in refused:
         print(f"! {problem}")
+    if cfg.reward.reward_model:
+        rm = ModelShape.from_hf_config(json.loads((Path(cfg.reward.reward_model) / "config.json").read_text()),
+                                       source=cfg.reward.reward_model)
+        servers = max(1, cluster.gpus_per_node // (run.tp * run.pp * run.cp))
+        params = reward_model_params(rm)
+        print(f"reward model (--reward-model): {params:,} parameters, {4 * params / GIB:.2f} GiB in fp32 per reward "
+              f"server, loaded once by each; {servers} per node (one per model replica's leader) = "
+              f"{servers * 4 * params / GIB:.2f} GiB of host memory, none on the GPUs")
     if args.mode == "auto":
         choice, why, colo, dis = recommend(shape, run, cluster)
         print(format_plan(colo, "colocated"))

@@ -1,6 +1,7 @@
 """`megarl-verify`: score a jsonl of responses offline with the registered verifiers and summarise the result.
 
     megarl-verify runs/<run>/samples.jsonl                 # saved rollouts: each row names its verifier and answer
+    megarl-verify rows.jsonl --verifier hf_rm --reward-model DIR --prompt-key prompt --output scored.jsonl
     megarl-verify rows.jsonl [--verifier math] [--response-key response] [--label-key answer]
                   [--verifier-key verifier] [--correct-key correct] [--category-key category] [--output scored.jsonl]
                   [--compare math-verify] [--strict] [--workers -1] [--plugins my_verifiers]
@@ -14,6 +15,13 @@ process per CPU, 0 this process (each verifier under its own budget), N that man
 of `--timeout` and its verifier's own budget (the math verifier's 5 s). `--plugins` imports modules (or .py files)
 here and in every worker, so a verifier they register can be named; the verifier and sandbox flags are the
 trainer's own (`megarl.config.RewardConfig`, `SandboxConfig`) and reach the verifiers the same way.
+
+A row's verifier may be any reward spec the trainer takes (`megarl.verifiers.compose`): a reward model (`hf_rm`
+with `--reward-model DIR`, `remote_rm` with `--remote-rm-url`, the trainer's flags) or a composition ("math >
+hf_rm"); a reward model reads the row's prompt (`--prompt-key`, needed then) and no ground truth unless a rule in
+the spec does. A row with `chosen` and `rejected` responses (`--chosen-key`, `--rejected-key`) instead of one
+response is a preference pair: both are scored, and the summary gives the pairwise accuracy (the share of pairs
+whose chosen response scores higher).
 
 Prints outcome counts, accuracy against the `--correct-key` field when rows carry one (true/false: is the response
 correct; with false-positive and false-negative rates), a per-category breakdown when rows carry a category,
@@ -48,6 +56,10 @@ def build_parser() -> argparse.ArgumentParser:
                    "--default-verifier); rows that name one use theirs")
     p.add_argument("--verifier-key", default="verifier", help="field naming a row's verifier (default: verifier)")
     p.add_argument("--response-key", default="response", help="field holding the model response")
+    p.add_argument("--prompt-key", default="prompt", help="field holding the prompt (text or chat messages), which "
+                   "reward models score with the response (default: prompt)")
+    p.add_argument("--chosen-key", default="chosen", help="preference pairs: field of the preferred response")
+    p.add_argument("--rejected-key", default="rejected", help="preference pairs: field of the other response")
     p.add_argument("--label-key", "--gold-key", dest="label_key", default="answer",
                    help="field holding the ground truth, as the trainer's --label-key (default: answer)")
     p.add_argument("--correct-key", default="correct",
@@ -94,7 +106,7 @@ def check_usage(args) -> tuple[str, ...]:
     """Everything the flags alone can tell, before a row is read: the plugins import, `--verifier` is
     registered, the verifier flags are valid, math-verify is there. Returns the plugin modules."""
     from megarl.registry import load_plugins
-    from megarl.verifiers import verifier_names
+    from megarl.verifiers.compose import spec_error
 
     if args.workers < -1:
         raise InputError(f"--workers must be -1 (one per CPU), 0 (in this process) or more, got {args.workers}")
@@ -104,8 +116,8 @@ def check_usage(args) -> tuple[str, ...]:
         plugins = load_plugins(args.plugins)
     except ValueError as e:
         raise InputError(str(e)) from None
-    if args.verifier and args.verifier not in verifier_names():
-        raise InputError(f"--verifier: unknown verifier {args.verifier!r}; registered: {', '.join(verifier_names())}")
+    if args.verifier and (error := spec_error(args.verifier)):
+        raise InputError(f"--verifier: {error}")
     if args.compare == "math-verify":
         try:
             import math_verify  # noqa: F401
@@ -115,30 +127,36 @@ def check_usage(args) -> tuple[str, ...]:
     return plugins
 
 
-def _row_error(row, args, known: set[str]) -> str | None:
+def _row_error(row, args) -> str | None:
     """Why a parsed line cannot be scored, or None."""
+    from megarl.verifiers.compose import parse, spec_error
+    from megarl.verifiers.reward_models import is_reward_model
+
     if not isinstance(row, dict):
         return f"expected a JSON object, got {type(row).__name__}"
-    for key, flag in ((args.response_key, "--response-key"), (args.label_key, "--label-key")):
-        if key not in row:
-            return (f"missing key {key!r} (keys: {', '.join(row) or 'none'}); {flag} names the field holding the "
-                    f"{'response' if flag == '--response-key' else 'ground truth'}")
+    pair = args.response_key not in row and args.chosen_key in row and args.rejected_key in row
     name = row.get(args.verifier_key) or args.verifier
+    parts = [] if not isinstance(name, str) or spec_error(name) else [p.name for p in parse(name).parts]
+    needs = [] if pair else [(args.response_key, "--response-key", "response")]
+    if not parts or not all(is_reward_model(p) for p in parts):
+        needs.append((args.label_key, "--label-key", "ground truth"))
+    if any(is_reward_model(p) for p in parts):
+        needs.append((args.prompt_key, "--prompt-key", "prompt a reward model scores with the response"))
+    for key, flag, what in needs:
+        if key not in row:
+            return f"missing key {key!r} (keys: {', '.join(row) or 'none'}); {flag} names the field holding the {what}"
     if not name:
         return f"no {args.verifier_key!r} field and no --verifier for rows without one"
-    if name not in known:
-        return f"unknown verifier {name!r}; registered: {', '.join(sorted(known))}"
-    return None
+    if not isinstance(name, str):
+        return f"field {args.verifier_key!r} must be text"
+    return spec_error(name)
 
 
 def read_rows(path: str, args) -> tuple[list[dict], list[dict]]:
     """(good rows with their line numbers and verifier, bad lines with the reason), both in file order."""
-    from megarl.verifiers import verifier_names
-
     p = Path(path)
     if not p.is_file():
         raise InputError(f"{path}: no such file")
-    known = set(verifier_names())
     good, bad = [], []
     with p.open(encoding="utf-8", errors="replace") as fh:
         for lineno, line in enumerate(fh, start=1):
@@ -146,7 +164,7 @@ def read_rows(path: str, args) -> tuple[list[dict], list[dict]]:
                 continue
             try:
                 row = json.loads(line)
-                error = _row_error(row, args, known)
+                error = _row_error(row, args)
             except json.JSONDecodeError as e:
                 row, error = None, f"not valid JSON ({e.msg})"
             if error is None:
@@ -160,12 +178,25 @@ def read_rows(path: str, args) -> tuple[list[dict], list[dict]]:
     return good, bad
 
 
+def _requests(rows: list[dict], args) -> tuple[list[tuple], list]:
+    """(one request per response, in order: a pair gives two; where row i's first response is)."""
+    requests, first = [], []
+    for r in rows:
+        row = r["row"]
+        first.append(len(requests))
+        responses = [row[args.response_key]] if args.response_key in row else \
+            [row[args.chosen_key], row[args.rejected_key]]
+        requests.extend((r["verifier"], row.get(args.prompt_key), str(x), row.get(args.label_key)) for x in responses)
+    return requests, first
+
+
 def score_rows(rows: list[dict], args, plugins: tuple[str, ...]) -> list:
-    """One result per row, in order: in reward workers as in training, or in this process with --workers 0."""
-    from megarl.reward import InProcessReward
+    """One result per row, in order (a pair's: (chosen, rejected)): rules in reward workers as in training, or in
+    this process with --workers 0; reward models as the trainer runs them (`RoutedReward`)."""
+    from megarl.reward import InProcessReward, PoolReward, RoutedReward
     from megarl.verifiers.pool import RewardPool
 
-    requests = [(r["verifier"], str(r["row"][args.response_key]), r["row"][args.label_key]) for r in rows]
+    requests, first = _requests(rows, args)
     options = verifier_settings(args)
     chunk = 256
     bar = None
@@ -174,20 +205,24 @@ def score_rows(rows: list[dict], args, plugins: tuple[str, ...]) -> list:
 
         bar = tqdm(total=len(requests), unit="row", file=sys.stderr, desc="megarl-verify")
     results = []
-    in_process = args.workers == 0
-    scorer = InProcessReward(options) if in_process else \
-        RewardPool(workers=max(args.workers, 0), timeout_s=args.timeout, preload=plugins, options=options)
+    rules = InProcessReward(options) if args.workers == 0 else PoolReward(
+        RewardPool(workers=max(args.workers, 0), timeout_s=args.timeout, preload=plugins, options=options))
+    scorer = RoutedReward(rules, options)
     try:
         for i in range(0, len(requests), chunk):
-            batch = scorer.score(requests[i : i + chunk])
-            results.extend(batch if in_process else batch[0])
+            results.extend(scorer.score(requests[i : i + chunk]))
             if bar is not None:
                 bar.update(len(requests[i : i + chunk]))
+    except (ValueError, RuntimeError) as e:  # a reward model that cannot start: a missing flag, a bad checkpoint
+        raise InputError(str(e)) from None
     finally:
-        scorer.close()
+        getattr(rules, "pool", rules).close()
+        for model in scorer.models.values():
+            model.close()
         if bar is not None:
             bar.close()
-    return results
+    ends = first[1:] + [len(requests)]
+    return [results[a] if b - a == 1 else tuple(results[a:b]) for a, b in zip(first, ends)]
 
 
 def mathverify_check(response: str, gold) -> bool:
@@ -218,20 +253,23 @@ def summarize(rows: list[dict], results: list, args, compare: list | None, out=N
     say = lambda s="": print(s, file=out)  # noqa: E731
     used = Counter(r["verifier"] for r in rows)
     say(f"megarl-verify: {n} rows scored with verifier {', '.join(f'{k!r} ({v})' for k, v in sorted(used.items()))}")
-    counts = Counter(r.outcome for r in results)
+    flat = [(i, x) for i, res in enumerate(results) for x in (res if isinstance(res, tuple) else (res,))]
+    counts = Counter(x.outcome for _, x in flat)
     say(f"  {'outcome':<14}{'rows':>7}{'share':>9}")
     for o in OUTCOMES:
-        say(f"  {o:<14}{counts[o]:>7}{100 * counts[o] / max(n, 1):>8.1f}%")
+        say(f"  {o:<14}{counts[o]:>7}{100 * counts[o] / max(len(flat), 1):>8.1f}%")
     labels = [_label(r["row"].get(args.correct_key)) for r in rows]
-    labelled = [(lab, res, i) for i, (lab, res) in enumerate(zip(labels, results)) if lab is not None]
+    labelled = [(lab, res, i) for i, (lab, res) in enumerate(zip(labels, results))
+                if lab is not None and not isinstance(res, tuple)]
+    _reward_model_lines(say, flat, results)
     if labelled:
         say()
-        say(_accuracy_line("megarl", [(lab, res.score == 1.0) for lab, res, _ in labelled]))
+        say(_accuracy_line("megarl", [(lab, res.outcome == "correct") for lab, res, _ in labelled]))
         compared = [(lab, compare[i]) for lab, _, i in labelled if compare is not None and compare[i] is not None]
         if compared:
             say(_accuracy_line("math-verify", compared))
         _categories(say, rows, labelled, args, compare)
-    _latency(say, rows, results, args)
+    _latency(say, rows, flat, args)
     if compare is not None:
         _disagreements(say, rows, results, labels, args, compare)
 
@@ -241,7 +279,7 @@ def _categories(say, rows, labelled, args, compare) -> None:
     for lab, res, i in labelled:
         cat = rows[i]["row"].get(args.category_key)
         if cat is not None:
-            cats[str(cat)].append((lab, res.score == 1.0, compare[i] if compare is not None else None))
+            cats[str(cat)].append((lab, res.outcome == "correct", compare[i] if compare is not None else None))
     if not cats:
         return
     say()
@@ -255,8 +293,27 @@ def _categories(say, rows, labelled, args, compare) -> None:
         say(line)
 
 
-def _latency(say, rows, results, args) -> None:
-    secs = sorted(r.seconds for r in results)
+def _reward_model_lines(say, flat, results) -> None:
+    """Reward-model scores (mean, std), agreement with a rule in the same spec, pairwise accuracy on pairs."""
+    scores = [x.model_score for _, x in flat if x.model_score is not None]
+    if scores:
+        mean = sum(scores) / len(scores)
+        std = (sum((x - mean) ** 2 for x in scores) / len(scores)) ** 0.5
+        say(f"reward model: {len(scores)} scores, mean {mean:.4f}, std {std:.4f}")
+    agrees = [x.agrees for _, x in flat if x.agrees is not None]
+    if agrees:
+        say(f"reward model agrees with the rule verifier on {100 * sum(agrees) / len(agrees):.1f}% of "
+            f"{len(agrees)} responses")
+    pairs = [res for res in results if isinstance(res, tuple)]
+    if pairs:
+        wins = [c.score > r.score for c, r in pairs]
+        margin = sum(c.score - r.score for c, r in pairs) / len(pairs)
+        say(f"pairwise accuracy {100 * sum(wins) / len(pairs):.1f}% on {len(pairs)} chosen/rejected pairs (the "
+            f"chosen response scores higher; mean margin {margin:.4f})")
+
+
+def _latency(say, rows, flat, args) -> None:
+    secs = sorted(x.seconds for _, x in flat)
     if not secs:
         return
     pick = lambda q: secs[min(len(secs) - 1, int(q * len(secs)))]  # noqa: E731
@@ -264,8 +321,8 @@ def _latency(say, rows, results, args) -> None:
     say(f"latency: p50 {1000 * pick(0.5):.1f} ms, p90 {1000 * pick(0.9):.1f} ms, p99 {1000 * pick(0.99):.1f} ms, "
         f"max {1000 * secs[-1]:.1f} ms")
     say("slowest:")
-    for i in sorted(range(len(results)), key=lambda i: -results[i].seconds)[: args.slowest]:
-        say(f"  line {rows[i]['line']:>6}  {1000 * results[i].seconds:9.1f} ms  {results[i].outcome:<12}"
+    for i, x in sorted(flat, key=lambda item: -item[1].seconds)[: args.slowest]:
+        say(f"  line {rows[i]['line']:>6}  {1000 * x.seconds:9.1f} ms  {x.outcome:<12}"
             f"{_short(rows[i]['row'].get(args.id_key, ''))}")
 
 
@@ -303,8 +360,17 @@ def write_output(path: str, rows: list[dict], results: list, bad: list[dict], ar
         obj = {"line": r["line"]}
         if args.id_key in r["row"]:
             obj["id"] = r["row"][args.id_key]
-        obj.update(verifier=r["verifier"], score=float(res.score), outcome=res.outcome, extracted=res.extracted,
-                   normalized=res.normalized, seconds=res.seconds)
+        obj["verifier"] = r["verifier"]
+        if isinstance(res, tuple):  # a preference pair
+            for side, x in zip(("chosen", "rejected"), res):
+                obj.update({f"score_{side}": float(x.score), f"outcome_{side}": x.outcome,
+                            f"normalized_{side}": x.normalized})
+            obj.update(prefers_chosen=res[0].score > res[1].score, seconds=res[0].seconds + res[1].seconds)
+        else:
+            obj.update(score=float(res.score), outcome=res.outcome, extracted=res.extracted,
+                       normalized=res.normalized, seconds=res.seconds)
+            if res.model_score is not None:
+                obj.update(model_score=res.model_score, agrees=res.agrees)
         if compare is not None and compare[i] is not None:
             obj["math_verify"] = compare[i]
         out.append(obj)

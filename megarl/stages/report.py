@@ -35,6 +35,8 @@ _DS_KEYS = ["ds_prompts_drawn", "ds_groups_dropped", "ds_rounds", "ds_groups_fil
 _REWARD_KEYS = ["reward_n_timeout", "reward_n_no_answer", "reward_n_parse_error", "reward_worker_restarts",
                 "reward_latency_p50_max", "reward_latency_p99_max"]
 _TOOL_LATENCY_KEYS = ["tool_latency_p50_max", "tool_latency_p99_max"]  # `tool_use`'s, the worst rank's
+# reward models (when rows name one): score sums, agreement with the rule, the seconds of the slowest rank
+_RM_KEYS = ["rm_n", "rm_score_sum", "rm_score_sqsum", "rm_agree_n", "rm_agree_sum", "rm_seconds_max"]
 
 
 def step_metrics(step: int, rollout: RolloutBatch, batch: TrainBatch, update: dict, timings: dict, seconds: float,
@@ -52,12 +54,12 @@ def step_metrics(step: int, rollout: RolloutBatch, batch: TrainBatch, update: di
             truncated=sum(s.status is SampleStatus.TRUNCATED for s in rollout.samples),
             groups=rewards.shape[0], uniform_groups=int((rewards.max(1).values == rewards.min(1).values).sum()),
             **{k: rollout.metrics.get(k, 0.0) for k in _DS_KEYS},
-            **{k: rollout.metrics.get(k.removesuffix("_max"), 0.0) for k in _REWARD_KEYS + _TOOL_LATENCY_KEYS},
+            **{k: rollout.metrics.get(k.removesuffix("_max"), 0.0) for k in _REWARD_KEYS + _TOOL_LATENCY_KEYS + _RM_KEYS},
             **{f"sample_{k}": sum(float(s.metadata.get(k, 0.0)) for s in rollout.samples) for k in meta},
         )
     if info.is_last_stage and info.tp_rank == 0 and info.cp_rank == 0:  # CP ranks hold the same whole-sequence sums
         local.update({k: update.get(k, 0.0) for k in _SUM_KEYS if k in update})
-    g = reduce_over_ranks(local, _SUM_KEYS + _DS_KEYS + _REWARD_KEYS + _TOOL_LATENCY_KEYS +
+    g = reduce_over_ranks(local, _SUM_KEYS + _DS_KEYS + _REWARD_KEYS + _TOOL_LATENCY_KEYS + _RM_KEYS +
                           [f"sample_{k}" for k in meta])
     n, tok = max(g["n_samples"], 1), max(g["tokens"], 1)
     return {
@@ -84,6 +86,7 @@ def step_metrics(step: int, rollout: RolloutBatch, batch: TrainBatch, update: di
             "routing_topk_disagree_frac": g["routing_disagree_sum"] / g["router_tokens"],
             "routing_replayed_frac": g["routing_replayed_sum"] / g["router_tokens"]}
            if g["router_tokens"] > 0 else {}),
+        **_rm_metrics(g),
         **({"ds_prompts_drawn": g["ds_prompts_drawn"], "ds_groups_dropped": g["ds_groups_dropped"],
             "ds_rounds": g["ds_rounds"] / info.dp_size,
             "ds_groups_filled": g["ds_groups_filled"]} if g["ds_rounds"] > 0 else {}),
@@ -101,6 +104,19 @@ def _tool_metrics(g: dict) -> dict:
             "tool_error_rate": g["sample_tool_errors"] / calls, "tool_timeout_rate": g["sample_tool_timeouts"] / calls,
             "tool_output_frac": g["sample_tool_tokens"] / max(g["response_tokens"], 1),
             "tool_latency_p50": g["tool_latency_p50_max"], "tool_latency_p99": g["tool_latency_p99_max"]}
+
+
+def _rm_metrics(g: dict) -> dict:
+    """Reward-model health, when a reward model scored rows this step: its score mean and std, the share of rows
+    where its verdict matched the rule verifier's (when rows had both), and its seconds (slowest rank)."""
+    if g["rm_n"] <= 0:
+        return {}
+    mean = g["rm_score_sum"] / g["rm_n"]
+    out = {"rm_score_mean": mean, "rm_score_std": max(g["rm_score_sqsum"] / g["rm_n"] - mean * mean, 0.0) ** 0.5,
+           "rm_seconds": g["rm_seconds_max"]}
+    if g["rm_agree_n"] > 0:
+        out["rm_agreement"] = g["rm_agree_sum"] / g["rm_agree_n"]
+    return out
 
 
 def _metadata_keys(samples) -> list[str]:

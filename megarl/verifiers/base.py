@@ -22,6 +22,8 @@ class VerifyResult:
     extracted: str | None = None  # the answer found in the response, as written
     normalized: str | None = None  # what was compared
     seconds: float = 0.0
+    model_score: float | None = None  # a reward model's raw score, when one scored this row (`compose`)
+    agrees: bool | None = None  # that model's verdict matches the row's rule verifier's (when both scored it)
 
 
 @runtime_checkable

@@ -16,7 +16,8 @@
   and build each verifier with `options[name]` (the run's verifier and sandbox flags, `verifier_options`).
 
 `batch_health` turns a batch of results into the per-step metrics train.py logs: outcome counts, timeout rate,
-extraction-failure (no answer) rate, share of groups whose rewards are all equal, p50/p99 latency.
+extraction-failure (no answer) rate, share of groups whose rewards are all equal, p50/p99 latency; when a reward
+model scored rows, the sums its score mean/std and its agreement with the rule verifier come from.
 """
 
 from __future__ import annotations
@@ -171,6 +172,11 @@ def batch_health(results: Sequence[VerifyResult], group_size: int | None = None)
     seconds = sorted(r.seconds for r in results)
     out["reward_latency_p50"] = _quantile(seconds, 0.50)
     out["reward_latency_p99"] = _quantile(seconds, 0.99)
+    scores = [r.model_score for r in results if r.model_score is not None]
+    if scores:  # a reward model scored rows: rm_n, rm_score_sum and rm_score_sqsum give its mean and std
+        out.update(rm_n=len(scores), rm_score_sum=sum(scores), rm_score_sqsum=sum(x * x for x in scores))
+        agrees = [r.agrees for r in results if r.agrees is not None]
+        out.update(rm_agree_n=len(agrees), rm_agree_sum=sum(agrees))
     if group_size and n and n % group_size == 0:
         groups = [results[i : i + group_size] for i in range(0, n, group_size)]
         out["reward_uniform_group_frac"] = sum(len({r.score for r in g}) == 1 for g in groups) / len(groups)

@@ -12,7 +12,7 @@ import pytest
 
 from megarl.config import ConfigError
 from megarl.data import PromptSampler, load_prompts
-from megarl.verifiers import verifier_names
+from megarl.verifiers import reward_names, verifier_names
 
 KEYS = dict(input_key="prompt", label_key="answer", verifier_key="verifier")
 
@@ -109,7 +109,7 @@ def test_unknown_verifier_lists_registered_ones(tmp_path, tokenizer):
     msg = str(e.value)
     assert msg.startswith(f"{path}:1: unknown verifier 'sympy'; registered: ")
     assert "arithmetic" in verifier_names()
-    assert msg.endswith(", ".join(verifier_names()))
+    assert msg.endswith(", ".join(reward_names())), "rule verifiers and reward models"
 
 
 def test_unknown_default_verifier_is_an_error(tmp_path, tokenizer):

@@ -165,3 +165,23 @@ def test_the_planner_says_what_train_py_would_refuse(monkeypatch, capsys):
         "exceed the model's 4096 positions" in out
     plan_main([str(REPO / "recipes/r1_math.sh"), "--gpus", "8"])
     assert "prompt ~256 (at most 1024) + response <= 3072 tokens" in capsys.readouterr().out
+
+
+def test_the_planner_counts_a_reward_model_once_per_server(tmp_path, capsys):
+    """The reward model's parameters, as transformers counts them on a Qwen2ForSequenceClassification, in fp32 per
+    reward server, one server per model replica's leader on a node (8 GPUs / TP 2 = 4)."""
+    from transformers import Qwen2Config, Qwen2ForSequenceClassification
+
+    from megarl.plan import GIB
+
+    rm = tmp_path / "rm"
+    cfg = Qwen2Config(vocab_size=96, hidden_size=64, intermediate_size=128, num_attention_heads=4,
+                      num_key_value_heads=2, num_hidden_layers=2, num_labels=1)
+    Qwen2ForSequenceClassification(cfg).save_pretrained(rm)
+    params = sum(p.numel() for p in Qwen2ForSequenceClassification(cfg).parameters())
+    assert plan_main([str(REPO / "recipes/models/qwen2.5-7b.sh"), "--gpus", "8", "--", "--tensor-model-parallel-size",
+                      "2", "--reward-model", str(rm)]) in (0, 1)
+    out = capsys.readouterr().out
+    assert f"reward model (--reward-model): {params:,} parameters, {4 * params / GIB:.2f} GiB in fp32 per reward " \
+        "server" in out
+    assert "4 per node (one per model replica's leader)" in out

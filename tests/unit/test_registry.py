@@ -7,6 +7,7 @@ from megarl.config import ConfigError, _valid_names, flag_specs, parse_args
 from megarl.registry import Registry
 from megarl.rollout import backends, functions
 from megarl.verifiers import base, get_verifier, verifier_names
+from megarl.verifiers.reward_models import reward_model_names
 
 
 def test_registry_register_get_and_errors():
@@ -30,9 +31,11 @@ def test_registry_register_get_and_errors():
 ])
 def test_flags_naming_registry_entries_take_exactly_the_registered_names(flag, registry, monkeypatch):
     spec = flag_specs()[flag]
-    assert _valid_names(spec) == registry.names()
+    # A row's verifier (and so --default-verifier) may be a rule verifier or a reward model.
+    names = sorted(registry.names() + reward_model_names()) if flag == "--default-verifier" else registry.names()
+    assert _valid_names(spec) == names
     with pytest.raises(ConfigError, match=f"command line: {flag} 'no_such_entry' is not registered; choose one of: "
-                                          + ", ".join(registry.names())):
+                                          + ", ".join(names)):
         parse_args([flag, "no_such_entry"])
     # A name registered later (a plugin's) is as valid as the built-in ones.
     monkeypatch.setitem(registry._items, "no_such_entry", registry.get(registry.names()[0]))

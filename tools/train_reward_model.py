@@ -1,0 +1,198 @@
+"""Train a small sequence-classification reward model (one label) and save it as an ordinary HF checkpoint.
+
+    python tools/train_reward_model.py --init DIR --out RM_DIR --data rows.jsonl [--steps 600] [--lr 3e-4]
+    python tools/train_reward_model.py --init STARTER --out RM_DIR --arithmetic STARTER   # the CPU demo's RM
+
+`--init` is an HF causal LM (or a sequence classifier) whose trunk the reward model starts from; its head is new.
+The rows, jsonl, are either preference pairs `{"prompt", "chosen", "rejected"}`, trained with the Bradley-Terry
+loss -log sigmoid(s_chosen - s_rejected), or labelled responses `{"prompt", "response", "label"}` (label 0/1),
+trained with binary cross-entropy on the score as a logit (`--calibrate` adds that to pairs too, so that a score's
+sign says right or wrong, not only its order). `--arithmetic DIR` makes the demo's pairs instead: for
+each problem of DIR/train.jsonl, the answer the arithmetic verifier calls correct against answers it calls wrong
+(off by 1-3, a digit too many, none at all) - the verifier's labels, so the reward model learns to stand in for
+it. Texts are what `megarl.reward_model.HFRewardModel` scores (prompt + response through the tokenizer's chat
+template when it has one), so training and scoring read the same tokens.
+
+Reported at the end, on DIR/heldout.jsonl's problems when given (problems never trained on), else on the last
+10% of the rows: pairwise accuracy (the chosen response scores higher) and accuracy of the score's sign against
+the labels. config.json also gets `reward_mean` / `reward_std` (the scores of the training responses) for
+`--reward-model-normalize`. Bound by `--steps` only, so every machine trains the same model.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import random
+import shutil
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout without installing
+
+from megarl.verifiers.arithmetic import ArithmeticVerifier  # noqa: E402
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--init", required=True, type=Path, help="HF checkpoint the reward model's trunk starts from")
+    p.add_argument("--out", required=True, type=Path, help="directory to write the reward model to")
+    src = p.add_mutually_exclusive_group(required=True)
+    src.add_argument("--data", type=Path, help="jsonl of pairs {prompt, chosen, rejected} or {prompt, response, label}")
+    src.add_argument("--arithmetic", type=Path, help="the demo task's directory (train.jsonl, heldout.jsonl): pairs "
+                     "labelled by the arithmetic verifier")
+    p.add_argument("--steps", type=int, default=600, help="optimizer steps (the schedule's length)")
+    p.add_argument("--batch-size", type=int, default=64, help="pairs (or labelled rows) per step")
+    p.add_argument("--lr", type=float, default=3e-4, help="peak learning rate (AdamW, cosine to 10%%)")
+    p.add_argument("--calibrate", action="store_true", help="pairs also train the chosen score towards positive and "
+                   "the rejected towards negative (binary cross-entropy), so that the sign of a score says right or "
+                   "wrong (what --reward-model-threshold 0 and rm_agreement read)")
+    p.add_argument("--seed", type=int, default=0)
+    return p.parse_args(argv)
+
+
+def near_misses(answer: str, rng: random.Random) -> list[str]:
+    """Responses the arithmetic verifier calls wrong: off by 1-3, a digit too many, no answer."""
+    c = int(answer)
+    off = [str(c + d) for d in (-3, -2, -1, 1, 2, 3) if c + d >= 0]
+    return off + [answer + str(rng.randrange(10)), ""]
+
+
+def arithmetic_pairs(path: Path, rng: random.Random) -> list[dict]:
+    """One pair per wrong response of every problem in `path`, each side labelled by the verifier."""
+    verifier, pairs = ArithmeticVerifier(), []
+    for line in path.read_text().splitlines():
+        row = json.loads(line)
+        good = row["answer"]
+        assert verifier.verify(good, row["answer"]).outcome == "correct"
+        for bad in near_misses(good, rng):
+            if verifier.verify(bad, row["answer"]).outcome != "correct":
+                pairs.append({"prompt": row["prompt"], "chosen": good, "rejected": bad})
+    return pairs
+
+
+def read_rows(path: Path) -> list[dict]:
+    rows = []
+    for n, line in enumerate(path.read_text().splitlines(), start=1):
+        if not line.strip():
+            continue
+        try:
+            row = json.loads(line)
+        except json.JSONDecodeError as e:
+            raise SystemExit(f"{path}:{n}: not valid JSON ({e.msg})")
+        pair = isinstance(row, dict) and {"prompt", "chosen", "rejected"} <= set(row)
+        labelled = isinstance(row, dict) and {"prompt", "response", "label"} <= set(row)
+        if not pair and not labelled:
+            raise SystemExit(f"{path}:{n}: expected {{prompt, chosen, rejected}} or {{prompt, response, label}}")
+        rows.append(row)
+    if not rows:
+        raise SystemExit(f"{path}: no rows")
+    return rows
+
+
+def init_model(src: Path, out: Path) -> None:
+    """`src`'s trunk with a new one-label head, saved to `out` with its tokenizer (pad id set)."""
+    from transformers import AutoModelForSequenceClassification, AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(str(src))
+    model = AutoModelForSequenceClassification.from_pretrained(str(src), num_labels=1, dtype=torch.float32)
+    model.config.pad_token_id = tok.pad_token_id if tok.pad_token_id is not None else tok.eos_token_id
+    torch.nn.init.normal_(model.score.weight, std=1.0 / math.sqrt(model.config.hidden_size))
+    model.save_pretrained(str(out))
+    tok.save_pretrained(str(out))
+
+
+def loss_of(rm, batch: list[dict], calibrate: bool = False) -> torch.Tensor:
+    pairs = [r for r in batch if "chosen" in r]
+    labelled = [r for r in batch if "chosen" not in r]
+    loss = torch.zeros(())
+    if pairs:
+        ids = [rm.token_ids(r["prompt"], r["chosen"]) for r in pairs] + \
+            [rm.token_ids(r["prompt"], r["rejected"]) for r in pairs]
+        s = rm.forward_ids(ids)
+        loss = loss - torch.nn.functional.logsigmoid(s[: len(pairs)] - s[len(pairs) :]).sum()
+        if calibrate:  # -log sigmoid(s_chosen) - log sigmoid(-s_rejected), averaged over the two
+            loss = loss - 0.5 * (torch.nn.functional.logsigmoid(s[: len(pairs)]) +
+                                 torch.nn.functional.logsigmoid(-s[len(pairs) :])).sum()
+    if labelled:
+        s = rm.forward_ids([rm.token_ids(r["prompt"], r["response"]) for r in labelled])
+        y = torch.tensor([float(r["label"]) for r in labelled])
+        loss = loss + torch.nn.functional.binary_cross_entropy_with_logits(s, y, reduction="sum")
+    return loss / len(batch)
+
+
+@torch.no_grad()
+def evaluate(rm, rows: list[dict]) -> dict:
+    pairs = [r for r in rows if "chosen" in r]
+    labelled = [r for r in rows if "chosen" not in r]
+    out = {}
+    if pairs:
+        c = rm.score([(r["prompt"], r["chosen"], None) for r in pairs])
+        j = rm.score([(r["prompt"], r["rejected"], None) for r in pairs])
+        out["pairwise_accuracy"] = sum(a > b for a, b in zip(c, j)) / len(pairs)
+        out["sign_accuracy"] = (sum(a > 0 for a in c) + sum(b <= 0 for b in j)) / (2 * len(pairs))
+    if labelled:
+        s = rm.score([(r["prompt"], r["response"], None) for r in labelled])
+        out["label_accuracy"] = sum((x > 0) == bool(r["label"]) for x, r in zip(s, labelled)) / len(labelled)
+    return out
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    from megarl.reward_model import HFRewardModel
+
+    rng = random.Random(args.seed)
+    torch.manual_seed(args.seed)
+    if args.arithmetic:
+        train = arithmetic_pairs(args.arithmetic / "train.jsonl", rng)
+        held = args.arithmetic / "heldout.jsonl"
+        test = arithmetic_pairs(held, rng) if held.is_file() else []
+    else:
+        rows = read_rows(args.data)
+        rng.shuffle(rows)
+        cut = max(1, len(rows) // 10) if len(rows) >= 10 else 0
+        train, test = rows[cut:], rows[:cut]
+    tmp = args.out.with_name("." + args.out.name + ".partial")
+    shutil.rmtree(tmp, ignore_errors=True)
+    init_model(args.init, tmp)
+    rm = HFRewardModel(tmp, batch_size=256)
+    opt = torch.optim.AdamW(rm.model.parameters(), lr=args.lr, weight_decay=0.0)
+    sched = torch.optim.lr_scheduler.LambdaLR(
+        opt, lambda s: 0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * min(s, args.steps) / args.steps)))
+    print(f"train_reward_model: {len(train)} training rows, {len(test)} held-out rows, {args.steps} steps", flush=True)
+    start, losses = time.time(), []
+    rm.model.train()
+    for step in range(1, args.steps + 1):
+        loss = loss_of(rm, rng.sample(train, min(args.batch_size, len(train))), args.calibrate)
+        opt.zero_grad()
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(rm.model.parameters(), 1.0)
+        opt.step()
+        sched.step()
+        losses.append(loss.item())
+        if step % 100 == 0 or step == args.steps:
+            print(f"step {step}: loss {sum(losses[-100:]) / len(losses[-100:]):.4f} ({time.time() - start:.0f} s)",
+                  flush=True)
+    rm.model.eval()
+    responses = [(r["prompt"], r.get("chosen", r.get("response")), None) for r in train[:2000]]
+    scores = rm.score(responses) + rm.score([(r["prompt"], r["rejected"], None) for r in train[:2000]
+                                             if "rejected" in r])
+    mean = sum(scores) / len(scores)
+    std = math.sqrt(sum((x - mean) ** 2 for x in scores) / len(scores))
+    rm.model.config.reward_mean, rm.model.config.reward_std = mean, std
+    rm.model.save_pretrained(str(tmp))
+    metrics = {"train": evaluate(rm, train[:2000]), "heldout": evaluate(rm, test) if test else {},
+               "steps": args.steps, "seconds": round(time.time() - start, 1), "reward_mean": mean, "reward_std": std}
+    (tmp / "reward_model_eval.json").write_text(json.dumps(metrics, indent=2))
+    shutil.rmtree(args.out, ignore_errors=True)
+    tmp.rename(args.out)
+    print(f"train_reward_model: saved {args.out}; {json.dumps(metrics)}", flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
