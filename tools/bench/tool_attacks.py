@@ -85,6 +85,8 @@ def main() -> int:
 def run(trajectories: int, batch: int, timeout: float, workers: int, sandbox: str) -> dict:
     import psutil
 
+    # processes this one had before (e.g. other sandboxes of a test session): not this run's to leave
+    before = {p.pid for p in psutil.Process().children(recursive=True)}
     tok = build_tokenizer(chars="".join(dict.fromkeys(string.printable)))
     tmp = Path(tempfile.mkdtemp(prefix="megarl-tool-attacks-"))
     secret, token, listener = make_secret(tmp), uuid.uuid4().hex[:12], Listener()
@@ -132,7 +134,7 @@ def run(trajectories: int, batch: int, timeout: float, workers: int, sandbox: st
     uids = set(box.uids()) if hasattr(box, "uids") else set()
     rollout.close()
     time.sleep(0.5)
-    left = psutil.Process().children(recursive=True)
+    left = [p for p in psutil.Process().children(recursive=True) if p.pid not in before]
     if left:
         failures.append(f"{len(left)} processes of this one left: {[p.cmdline()[-2:] for p in left][:5]}")
     stray = [p.pid for p in psutil.process_iter(["uids"]) if p.info["uids"] and p.info["uids"].real in uids]
