@@ -242,25 +242,31 @@ def build(tmp: Path, args: argparse.Namespace) -> None:
     print(f"held-out sampled accuracy {sampled:.2%} (T=1, 4 per prompt; clean format {sampled_clean:.2%})")
 
 
-def main(argv: list[str] | None = None) -> None:
-    args = parse_args(argv)
-    out = args.out.resolve()
-    if out.exists() and not args.overwrite:
+def write_atomically(out: Path, overwrite: bool, build, program: str) -> None:
+    """Run `build(tmp)` on a partial directory beside `out` and rename it into place when complete: a failed or
+    cut-short build leaves nothing, and replaces nothing. `program` names the tool in its out-of-time message."""
+    out = out.resolve()
+    if out.exists() and not overwrite:
         sys.exit(f"{out} already exists; pass --overwrite to replace it")
     tmp = out.parent / f".{out.name}.partial-{os.getpid()}"
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp.mkdir()
     try:
-        build(tmp, args)
+        build(tmp)
         if out.exists():
             shutil.rmtree(out)
         tmp.rename(out)
         print(f"wrote {out}")
     except OutOfTime as e:
-        sys.exit(f"make_starter_model: {e}")
+        sys.exit(f"{program}: {e}")
     finally:
         if tmp.exists():
             shutil.rmtree(tmp)
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = parse_args(argv)
+    write_atomically(args.out, args.overwrite, lambda tmp: build(tmp, args), "make_starter_model")
 
 
 if __name__ == "__main__":

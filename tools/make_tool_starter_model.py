@@ -21,7 +21,6 @@ import argparse
 import math
 import os
 import random
-import shutil
 import sys
 import time
 from pathlib import Path
@@ -32,7 +31,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from megarl.tasks.arithmetic import build_tokenizer, write_jsonl  # noqa: E402
 from megarl.tasks.multiplication import CHARS, split_problems, tool_call, tool_output  # noqa: E402
-from tools.make_starter_model import ADAM_BETAS, OutOfTime, learning_rate  # noqa: E402
+from tools.make_starter_model import ADAM_BETAS, OutOfTime, learning_rate, write_atomically  # noqa: E402
 
 STEPS = 1500
 BATCH = 64
@@ -126,13 +125,8 @@ def main(argv: list[str] | None = None) -> None:
     args = p.parse_args(argv)
     if not 0 <= args.tool_share <= 1:
         p.error(f"--tool-share must be in [0, 1], got {args.tool_share}")
-    out = args.out.resolve()
-    if out.exists() and not args.overwrite:
-        sys.exit(f"{out} already exists; pass --overwrite to replace it")
-    tmp = out.parent / f".{out.name}.partial-{os.getpid()}"
-    out.parent.mkdir(parents=True, exist_ok=True)
-    tmp.mkdir()
-    try:
+
+    def build(tmp: Path) -> None:
         torch.manual_seed(args.seed)
         # One thread unless told otherwise: at this size a second one gains little on an idle machine, and on a
         # shared one OpenMP's barriers made steps several times slower (measured: 4.8 s against ~1 s a step)
@@ -148,15 +142,8 @@ def main(argv: list[str] | None = None) -> None:
         model.save_pretrained(str(tmp), safe_serialization=True)
         write_jsonl(tmp / "train.jsonl", train)
         write_jsonl(tmp / "heldout.jsonl", heldout)
-        if out.exists():
-            shutil.rmtree(out)
-        tmp.rename(out)
-        print(f"wrote {out}")
-    except OutOfTime as e:
-        sys.exit(f"make_tool_starter_model: {e}")
-    finally:
-        if tmp.exists():
-            shutil.rmtree(tmp)
+
+    write_atomically(args.out, args.overwrite, build, "make_tool_starter_model")
 
 
 if __name__ == "__main__":
