@@ -104,3 +104,17 @@ def train_two_steps_through_the_pool(starter: Path, data: Path, out: Path, rewar
              "--n-samples-per-prompt", 4, "--micro-batch-size", 16, "--reward-workers", 2,
              "--reward-timeout", reward_timeout, "--output-dir", out, "--log-interval", 1, timeout=400)
     return [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+
+
+def hf_reference(hf, temperature=0.7):
+    """`transformers`' own fp32 logits for a fixed batch of random tokens (4 x 12, seed 1234), and the
+    log-probs of each next token at `temperature`: the reference the Megatron workers' outputs are held to."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(hf).float().eval()
+    tokens = torch.randint(0, model.config.vocab_size, (4, 12), generator=torch.Generator().manual_seed(1234))
+    with torch.no_grad():
+        logits = model(tokens).logits
+    logp = torch.log_softmax(logits[:, :-1] / temperature, -1).gather(-1, tokens[:, 1:, None])[..., 0]
+    return logits, logp

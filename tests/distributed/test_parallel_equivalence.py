@@ -6,7 +6,7 @@ import importlib.util
 
 import pytest
 import torch
-from helpers import torchrun
+from helpers import hf_reference, torchrun
 from safetensors.torch import load_file
 
 pytestmark = pytest.mark.distributed
@@ -30,21 +30,10 @@ def _last_stage_logprobs(results):
     return got[0]
 
 
-def _hf_reference(hf, temperature=0.7):
-    from transformers import AutoModelForCausalLM
-
-    model = AutoModelForCausalLM.from_pretrained(hf).float().eval()
-    tokens = torch.randint(0, model.config.vocab_size, (4, 12), generator=torch.Generator().manual_seed(1234))
-    with torch.no_grad():
-        logits = model(tokens).logits
-    logp = torch.log_softmax(logits[:, :-1] / temperature, -1).gather(-1, tokens[:, 1:, None])[..., 0]
-    return logits, logp
-
-
 @pytest.mark.parametrize("family", ["qwen2", "llama_tied"])
 def test_logits_logprobs_and_export_match_hf(family, tiny_qwen2, tiny_llama_tied, tmp_path):
     hf = tiny_qwen2 if family == "qwen2" else tiny_llama_tied
-    ref_logits, ref_logp = _hf_reference(hf)
+    ref_logits, ref_logp = hf_reference(hf)
     original = load_file(str(hf / "model.safetensors"))
     per_layout = {}
     for name, (nproc, tp, pp) in LAYOUTS.items():
@@ -81,7 +70,7 @@ def test_engine_logprobs_equal_actor_after_sync(layout, tiny_qwen2, tmp_path):
     actor = _last_stage_logprobs([{"logprobs": r["actor_logprobs"]} for r in results])
     engine = results[0]["engine_logprobs"]
     assert results[0]["engine_version"] == 1
-    _, before = _hf_reference(tiny_qwen2)
+    _, before = hf_reference(tiny_qwen2)
     assert (actor - before).abs().max() > 1e-3, "the update did not change the model"
     assert (engine - actor).abs().max() < 1e-4
 
@@ -91,7 +80,7 @@ def test_checkpoint_saved_at_tp2_loads_at_tp1(tiny_qwen2, tmp_path):
     saved = _last_stage_logprobs(_run("ckpt_save", tiny_qwen2, tmp_path, 2, 2, 1, ckpt=ckpt))
     loaded = _run("ckpt_load", tiny_qwen2, tmp_path, 1, 1, 1, ckpt=ckpt)[0]
     assert loaded["step"] == 1
-    _, untrained = _hf_reference(tiny_qwen2, temperature=1.0)
+    _, untrained = hf_reference(tiny_qwen2, temperature=1.0)
     assert (saved - untrained).abs().max() > 1e-3
     assert (loaded["logprobs"] - saved).abs().max() < 1e-5
 
@@ -134,7 +123,7 @@ def test_llama31_rope_scaling_logits_match_hf(tmp_path):
     rope = {"rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0, "low_freq_factor": 1.0,
             "high_freq_factor": 4.0, "original_max_position_embeddings": 8192}
     hf = make_tiny_hf_model(tmp_path / "llama31", "llama", rope=rope)
-    ref_logits, ref_logp = _hf_reference(hf)
+    ref_logits, ref_logp = hf_reference(hf)
     results = _run("forward", hf, tmp_path, 1, 1, 1)
     # On 12 positions the scaling moves the logits by only ~1e-5 (it slows the low frequencies), so the bound is
     # tight: with Megatron's rope_scaling off this fails; fp32 Megatron vs HF agree to ~1e-7 here.

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from helpers import make_tiny_hf_model, torchrun
+from helpers import hf_reference, make_tiny_hf_model, torchrun
 from safetensors.torch import load_file
 
 pytestmark = pytest.mark.distributed
@@ -41,22 +41,11 @@ def _run(scenario, models, layouts, tmp_path, nproc, **extra):
     return [torch.load(out / f"{scenario}-rank{r}.pt", weights_only=False) for r in range(nproc)]
 
 
-def _hf_reference(hf, temperature=0.7):
-    from transformers import AutoModelForCausalLM
-
-    model = AutoModelForCausalLM.from_pretrained(hf).float().eval()
-    tokens = torch.randint(0, model.config.vocab_size, (4, 12), generator=torch.Generator().manual_seed(1234))
-    with torch.no_grad():
-        logits = model(tokens).logits
-    logp = torch.log_softmax(logits[:, :-1] / temperature, -1).gather(-1, tokens[:, 1:, None])[..., 0]
-    return logits, logp
-
-
 def _check_against_hf(results, models, layouts):
     """Every rank's logits and log-probs equal transformers' within 1e-5; the leader's export is the checkpoint."""
     for name in layouts:
         hf = models[int(name.split(",")[0])]
-        ref_logits, ref_logp = _hf_reference(hf)
+        ref_logits, ref_logp = hf_reference(hf)
         original = load_file(str(hf / "model.safetensors"))
         for r in results:
             got = r[name]
@@ -131,6 +120,6 @@ def _same_update(results, reference, others, hf):
 
 
 def _check_sync(result, hf):
-    _, before = _hf_reference(hf)
+    _, before = hf_reference(hf)
     assert (result["actor_logprobs"] - before).abs().max() > 1e-3, "the update did not move the model"
     assert (result["engine_logprobs"] - result["actor_logprobs"]).abs().max() < 1e-5
