@@ -118,3 +118,19 @@ def hf_reference(hf, temperature=0.7):
         logits = model(tokens).logits
     logp = torch.log_softmax(logits[:, :-1] / temperature, -1).gather(-1, tokens[:, 1:, None])[..., 0]
     return logits, logp
+
+
+def make_tiny_reward_model(out, seed: int):
+    """A random 2-layer Qwen2ForSequenceClassification (1 label) with the arithmetic task's tokenizer, at `out`."""
+    import torch
+    from transformers import Qwen2Config, Qwen2ForSequenceClassification
+
+    from megarl.tasks.arithmetic import build_tokenizer
+
+    torch.manual_seed(seed)
+    cfg = Qwen2Config(vocab_size=96, hidden_size=64, intermediate_size=128, num_attention_heads=4,
+                      num_key_value_heads=2, num_hidden_layers=2, max_position_embeddings=64, num_labels=1,
+                      pad_token_id=1)
+    Qwen2ForSequenceClassification(cfg).float().eval().save_pretrained(out)
+    build_tokenizer(out)
+    return out

@@ -9,24 +9,13 @@ import json
 import math
 
 import pytest
-from helpers import make_tiny_hf_model, torchrun
+from helpers import make_tiny_hf_model, make_tiny_reward_model, torchrun
 
 pytestmark = [pytest.mark.distributed, pytest.mark.slow]
 
 
 def _tiny_rm(out):
-    import torch
-    from transformers import Qwen2Config, Qwen2ForSequenceClassification
-
-    from megarl.tasks.arithmetic import build_tokenizer
-
-    torch.manual_seed(4)
-    cfg = Qwen2Config(vocab_size=96, hidden_size=64, intermediate_size=128, num_attention_heads=4,
-                      num_key_value_heads=2, num_hidden_layers=2, max_position_embeddings=64, num_labels=1,
-                      pad_token_id=1)
-    Qwen2ForSequenceClassification(cfg).float().eval().save_pretrained(out)
-    build_tokenizer(out)
-    return out
+    return make_tiny_reward_model(out, seed=4)
 
 
 def test_ppo_with_a_reward_model_logs_its_health_every_step(tmp_path):

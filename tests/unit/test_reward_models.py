@@ -11,6 +11,7 @@ import time
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import pytest
+from helpers import make_tiny_reward_model
 
 from megarl.verifiers.base import VerifyResult
 
@@ -21,19 +22,7 @@ TEXTS = [("12+7=", "19"), ("3*4=", "12<|endoftext|>"), ("100-1=", "99 and more w
 @pytest.fixture(scope="module")
 def tiny_rm(tmp_path_factory):
     """A random 2-layer Qwen2ForSequenceClassification (1 label) with the arithmetic task's tokenizer."""
-    import torch
-    from transformers import Qwen2Config, Qwen2ForSequenceClassification
-
-    from megarl.tasks.arithmetic import build_tokenizer
-
-    out = tmp_path_factory.mktemp("rm")
-    torch.manual_seed(3)
-    cfg = Qwen2Config(vocab_size=96, hidden_size=64, intermediate_size=128, num_attention_heads=4,
-                      num_key_value_heads=2, num_hidden_layers=2, max_position_embeddings=64, num_labels=1,
-                      pad_token_id=1)
-    Qwen2ForSequenceClassification(cfg).float().eval().save_pretrained(out)
-    build_tokenizer(out)
-    return out
+    return make_tiny_reward_model(tmp_path_factory.mktemp("rm"), seed=3)
 
 
 def _reference(path, texts) -> list[float]:
