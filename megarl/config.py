@@ -133,8 +133,11 @@ class RolloutConfig:
     weight_sync_port: int = _f(0, "disaggregated mode: the port of the weight-update group's rendezvous on rank 0's "
                                "host; 0 = MASTER_PORT + 17")
 
+    rollout_threads: int = _f(1, "--async-staleness >= 1 with the built-in engine: torch threads of the engine's "
+                              "own process (the trainer keeps --threads-per-rank)")
+
     def __post_init__(self):
-        _positive(self, "n_samples_per_prompt", "max_response_len", "sync_bucket_mb")
+        _positive(self, "n_samples_per_prompt", "max_response_len", "sync_bucket_mb", "rollout_threads")
         if not 0 < self.sglang_mem_fraction < 1:
             raise ConfigError(f"--sglang-mem-fraction must be in (0, 1), got {self.sglang_mem_fraction}")
         if self.sglang_tp_size < 0 or self.verify_sync_tolerance <= 0 or self.weight_sync_port < 0:
@@ -393,6 +396,10 @@ class TrainingConfig:
     seed: int = _f(1234, "seed for data order, sampling and initialisation")
     distributed_timeout_seconds: float = _f(600.0, "a collective waiting longer than this fails instead of hanging")
     threads_per_rank: int = _f(1, "torch intra-op threads per process on CPU")
+    async_staleness: int = _f(0, "asynchronous training: the engine generates step s's batch with the weights of "
+                              "step s - K while the actor trains (K >= 1; each sample's weight version is checked "
+                              "against the bound), in a process of its own (--rollout-threads) or on "
+                              "--rollout-servers; 0 = synchronous")
     offload_optimizer: bool = _f(False, "colocated mode: move optimizer states off the GPU and free gradients while "
                                  "the rollout engine generates")
     offload_params: bool = _f(False, "colocated mode: move the actor's weights off the GPU too while the engine "
@@ -402,6 +409,8 @@ class TrainingConfig:
 
     def __post_init__(self):
         _positive(self, "num_steps", "micro_batch_size", "updates_per_rollout", "threads_per_rank")
+        if self.async_staleness < 0:
+            raise ConfigError(f"--async-staleness must be >= 0 (0 = synchronous), got {self.async_staleness}")
         if self.critic_lr <= 0:
             raise ConfigError(f"--critic-lr must be > 0, got {self.critic_lr}")
         if self.lr <= 0:
@@ -493,6 +502,8 @@ class Config:
         if self.training.max_tokens_per_micro_batch and self.model.pipeline_model_parallel_size > 1:
             raise ConfigError("--max-tokens-per-micro-batch needs --pipeline-model-parallel-size 1 (pipeline stages "
                               f"exchange fixed-shape micro-batches), got {self.model.pipeline_model_parallel_size}")
+        if self.training.async_staleness:
+            self._check_async()
         if self.algorithm.routing_replay:
             if self.rollout.rollout_backend != "builtin":
                 raise ConfigError(f"--routing-replay needs --rollout-backend builtin (the engine that records each "
@@ -500,6 +511,19 @@ class Config:
             if self.model.recompute_granularity == "full" or self.model.context_parallel_size > 1:
                 raise ConfigError("--routing-replay works without --recompute-granularity full and with "
                                   "--context-parallel-size 1 (the replayed experts follow one forward per micro-batch)")
+
+
+    def _check_async(self):
+        r, t, k = self.rollout, self.training, self.training.async_staleness
+        why = {"megatron": " (it generates with the actor's own weights)",
+               "sglang": " without --rollout-servers (colocated)"}.get(r.rollout_backend, "")
+        if r.rollout_backend == "megatron" or (r.rollout_backend == "sglang" and not r.rollout_servers):
+            raise ConfigError(f"--async-staleness {k} runs the engine beside the actor: --rollout-backend builtin (a "
+                              "process of its own) or sglang with --rollout-servers (disaggregated); got "
+                              f"--rollout-backend {r.rollout_backend}{why}")
+        if t.offload_optimizer or t.offload_params:
+            raise ConfigError(f"--async-staleness {k}: the engine never takes the actor's memory, so there is nothing "
+                              "to offload; drop --offload-optimizer / --offload-params")
 
 
 SECTIONS: dict[str, type] = {

@@ -24,7 +24,8 @@ from megarl.types import TrainBatch
 
 # Per-phase seconds that train.py records in each row, in loop order, with the names the console line uses.
 PHASES: tuple[tuple[str, str], ...] = (("t_generate", "rollout"), ("t_reward", "reward"), ("t_logprobs", "logp"),
-                                       ("t_critic", "critic"), ("t_update", "update"), ("t_sync", "sync"))
+                                       ("t_critic", "critic"), ("t_update", "update"), ("t_sync", "sync"),
+                                       ("t_wait_rollout", "wait"))  # asynchronous: the trainer's wait for a batch
 
 
 def reduce_over_ranks(values: dict[str, float], keys: list[str]) -> dict[str, float]:

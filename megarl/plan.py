@@ -82,6 +82,7 @@ class Run:
     ep: int = 1  # expert parallel: each rank holds num_experts / ep experts of every sparse layer
     etp: int = 0  # expert-tensor parallel; 0 = tp
     mode: Literal["colocated", "disaggregated"] = "colocated"
+    async_staleness: int = 0  # disaggregated: >= 1 overlaps rollout with training (--async-staleness)
     rollout_gpus: int = 0  # disaggregated: GPUs that run the engine (0 = the planner picks the split)
     engine_tp: int = 0  # SGLang's TP; 0 = the actor's (colocated) / the smallest that leaves room (disaggregated)
     rollout_batch_size: int = 128  # prompts per step
@@ -114,7 +115,8 @@ class Run:
                    offload_params=getattr(t, "offload_params", False),
                    sequence_parallel=getattr(m, "sequence_parallel", False),
                    engine_mem_fraction=getattr(r, "sglang_mem_fraction", 0.5),
-                   mode="disaggregated" if getattr(r, "rollout_servers", "") else "colocated", **planner)
+                   mode="disaggregated" if getattr(r, "rollout_servers", "") else "colocated",
+                   async_staleness=getattr(t, "async_staleness", 0), **planner)
 
 
 DEDICATED_ENGINE_FRACTION = 0.85  # launch/slurm/disaggregated.sbatch's SGLANG_MEM_FRACTION
@@ -323,10 +325,20 @@ class StepTime:
     training: float
     weight_sync: float
     waves: int  # rounds of decoding the KV pool forces (1 = the whole batch at once)
+    overlapped: bool = False  # asynchronous (disaggregated, --async-staleness >= 1): rollout beside training
+
+    @property
+    def synchronous(self) -> float:
+        return self.rollout + self.training + self.weight_sync
+
+    @property
+    def asynchronous(self) -> float:
+        """Rollout and training overlap; the weight sync stays between them (the engine loads between batches)."""
+        return max(self.rollout, self.training) + self.weight_sync
 
     @property
     def total(self) -> float:
-        return self.rollout + self.training + self.weight_sync
+        return self.asynchronous if self.overlapped else self.synchronous
 
 
 def step_time(s: ModelShape, r: Run, cluster: Cluster, plans: list[MemoryPlan]) -> StepTime:
@@ -360,7 +372,7 @@ def step_time(s: ModelShape, r: Run, cluster: Cluster, plans: list[MemoryPlan]) 
         sync = sync_bytes / (g.nvlink_gbps * 1e9 / 4) + 0.5
     else:  # NCCL broadcast from the training ranks to the servers over the network
         sync = sync_bytes / (cluster.internode_gbps / 8 * 1e9 * 0.7) + 1.0
-    return StepTime(rollout, training, sync, waves)
+    return StepTime(rollout, training, sync, waves, overlapped=r.mode == "disaggregated" and r.async_staleness > 0)
 
 
 # ------------------------------------------------------------------------------------------------ advice

@@ -7,7 +7,8 @@ asked) -> log-probs (the actor's before the update, the frozen reference's, as t
 rewards and advantages (the registered estimator, with whatever models it declares it needs) -> update -> sync
 weights -> log -> checkpoint. Data parallelism splits the prompts (a prompt's group stays on one rank); within a
 model replica (TP x CP x PP) the first rank runs the rollout engine and shares the samples with the others. The
-stages live in `megarl/stages/`; this file names no algorithm and no backend.
+stages live in `megarl/stages/`; this file names no algorithm and no backend. With --async-staleness K the
+batch of step s was generated with the weights of step s - K while the actor trained (`stages/asynchronous.py`).
 """
 
 from __future__ import annotations
@@ -52,6 +53,7 @@ def run(cfg: Config, checked) -> int:
     from megarl.metrics import PhaseTimer, eta_seconds, format_step, rollout_sample_rows
     from megarl.stages import report, setup
     from megarl.stages.algorithm import pack
+    from megarl.stages.asynchronous import check_staleness, overlap_metrics
     from megarl.stages.colocation import enter_rollout, enter_training
     from megarl.stages.update import update
 
@@ -69,8 +71,11 @@ def run(cfg: Config, checked) -> int:
     while step < t.num_steps:
         t0, timer = time.perf_counter(), PhaseTimer()
         enter_rollout(actor, engine, t)  # colocated: the actor offloads, the engine resumes its KV cache
-        rollout = run.collect(step)  # generate and score
+        rollout = run.collect(step)  # generate and score (asynchronous: take the batch made K steps ago)
         timer.add(t_generate=rollout.generate_seconds, t_reward=rollout.reward_seconds)
+        if run.pending is not None:
+            timer.add(**run.pending.take_metrics())
+            async_metrics = check_staleness(rollout.samples, step, t.async_staleness)
         enter_training(actor, engine)  # colocated: the engine releases its memory, the actor onloads
         with timer("t_logprobs"):
             packed = pack(rollout.samples, run.pad_id, mask_truncated=cfg.algorithm.mask_truncated)
@@ -81,8 +86,11 @@ def run(cfg: Config, checked) -> int:
         with timer("t_sync"):
             sync_metrics = run.sync(version=step + 1)
         step += 1
+        seconds = time.perf_counter() - t0
+        if run.pending is not None:
+            sync_metrics.update(async_metrics, **overlap_metrics(timer.seconds, seconds))
         row = {**report.step_metrics(step, rollout, batch, update_metrics, {**timer.seconds, **sync_metrics},
-                                     time.perf_counter() - t0, info), **algorithm_metrics}
+                                     seconds, info), **algorithm_metrics}
         if run.eval_prompts and lg.eval_interval and step % lg.eval_interval == 0 and step < t.num_steps:
             row.update(report.evaluate_between_steps(run, step))  # the last step's evaluation follows the loop
         log.write(row)
@@ -103,6 +111,8 @@ def run(cfg: Config, checked) -> int:
                 "the learning-rate schedule, set for all the steps, did not finish")
             break
     train_minutes = (time.perf_counter() - train_start) / 60
+    if run.pending is not None:
+        run.pending.cancel()  # batches made ahead for steps that will not run
 
     if c.save_hf:
         report.save_hf(actor, run.tokenizer, cfg.model.hf_checkpoint, c.save_hf, info)

@@ -98,6 +98,8 @@ def format_plan(p: Plan, title: str, gpus_per_node: int = 8) -> str:
     lines.append(f"  step time ~{t.total:.0f} s: rollout {t.rollout:.0f} s, training {t.training:.0f} s, "
                  f"weight sync {t.weight_sync:.1f} s")
     if r.mode == "disaggregated":
+        lines.append(f"  synchronous ~{t.synchronous:.0f} s a step; asynchronous (--async-staleness >= 1: rollout "
+                     f"beside training) ~{t.asynchronous:.0f} s{' (this run)' if t.overlapped else ''}")
         lines.append(f"  split: {r.rollout_gpus} rollout GPUs (engine TP {r.engine_tp}), the rest train")
         nodes, rem = divmod(r.rollout_gpus, gpus_per_node)
         if not rem and p.memory[0].gpus:

@@ -84,7 +84,8 @@ def _builtin_available(cfg: Config) -> tuple[bool, str]:
 
 @register_backend("builtin", available=_builtin_available)
 def build_builtin(cfg: Config, actor: MegatronPolicy | None = None) -> RolloutEngine:
-    """megarl's PyTorch engine with zero weights: the actor's arrive right after, through the first sync."""
+    """megarl's PyTorch engine with zero weights: the actor's arrive right after, through the first sync. With
+    --async-staleness it runs in a process of its own (`megarl.rollout.engine_process`)."""
     from megarl.rollout.builtin import BuiltinEngine
 
     device = cfg.rollout.rollout_device
@@ -92,6 +93,11 @@ def build_builtin(cfg: Config, actor: MegatronPolicy | None = None) -> RolloutEn
         device = "cuda" if torch.cuda.is_available() else "cpu"
     dtype = torch.bfloat16 if cfg.model.bf16 else torch.float32  # CPUs with bf16 units too
     config = json.loads((Path(cfg.model.hf_checkpoint) / "config.json").read_text())
+    if cfg.training.async_staleness:  # asynchronous training: the engine in a process of its own
+        from megarl.rollout.engine_process import EngineProcess
+
+        return EngineProcess(config, cfg.model.hf_checkpoint, device=device, dtype=dtype,
+                             threads=cfg.rollout.rollout_threads, timeout_s=cfg.training.distributed_timeout_seconds)
     return BuiltinEngine(config, device=device, dtype=dtype, tokenizer=_CheckpointTokenizer(cfg.model.hf_checkpoint))
 
 

@@ -80,26 +80,38 @@ class Collector:
 
     def run(self, prompts: list[PromptRecord], step: int) -> RolloutBatch:
         """The model replica's leader runs the rollout function; the replica's other ranks receive the result."""
-        rollout = None
-        if self.info.is_mp_leader:
-            seed = (self.seed * 1_000_003 + step * 1_009 + self.info.dp_rank) % (2**31)
-            params = sampling_params(self.rollout, self.tokenizer, seed=seed)
-            meter = RewardMeter(self.reward)
-            start = time.perf_counter()
-            samples = self.rollout_fn(self.engine, prompts, params, meter, self.tokenizer)
-            seconds = time.perf_counter() - start
-            check_groups(samples, len(prompts), params.n, self.rollout.rollout_function)
-            check_lengths(samples, self.context, self.rollout.rollout_function)
-            metrics = meter.health(params.n)
-            metrics.update(getattr(self.rollout_fn, "step_metrics", dict)())  # a configured function's own
-            rollout = RolloutBatch(samples, params.n, generate_seconds=seconds - meter.seconds,
-                                   reward_seconds=meter.seconds, metrics=metrics)
+        return self.share_batch(self.produce(prompts, step) if self.info.is_mp_leader else None)
+
+    def produce(self, prompts: list[PromptRecord], step: int) -> RolloutBatch:
+        """The leader's part of `run`, with no collective: the rollout function on `prompts`, seeded by `step`
+        (asynchronous training runs it in a worker thread)."""
+        seed = (self.seed * 1_000_003 + step * 1_009 + self.info.dp_rank) % (2**31)
+        params = sampling_params(self.rollout, self.tokenizer, seed=seed)
+        meter = RewardMeter(self.reward)
+        start = time.perf_counter()
+        samples = self.rollout_fn(self.engine, prompts, params, meter, self.tokenizer)
+        seconds = time.perf_counter() - start
+        check_groups(samples, len(prompts), params.n, self.rollout.rollout_function)
+        check_lengths(samples, self.context, self.rollout.rollout_function)
+        metrics = meter.health(params.n)
+        metrics.update(getattr(self.rollout_fn, "step_metrics", dict)())  # a configured function's own
+        return RolloutBatch(samples, params.n, generate_seconds=seconds - meter.seconds,
+                            reward_seconds=meter.seconds, metrics=metrics)
+
+    def share_batch(self, rollout: RolloutBatch | None) -> RolloutBatch:
+        """The leader's batch to the model replica's other ranks (collective within the replica)."""
         if self.info.replica_size > 1:
             rollout = broadcast_in_mp_group(rollout)
         return rollout
 
     def __call__(self, step: int) -> RolloutBatch:
         return self.run(self.draw(), step)
+
+    def round(self, step: int, index: int, need: bool) -> RolloutBatch | None:
+        """Dynamic sampling's round `index` (0-based) of `step`: every rank draws; only a rank that `need`s more
+        groups rolls out."""
+        prompts = self.draw()
+        return self.run(prompts, step + 7_919_000 * index) if need else None
 
     def rank_state(self) -> dict:
         return {}
@@ -131,18 +143,23 @@ class DynamicSampling:
 
     def __call__(self, step: int) -> RolloutBatch:
         c, share = self.collector, self.collector.share
+        bound = getattr(c, "staleness", 0)  # asynchronous: buffered groups past the bound are dropped
+        if bound:
+            from megarl.stages.asynchronous import drop_stale_groups
+
+            self.buffer = drop_stale_groups(self.buffer, step, bound)
         kept = [self.buffer.pop(0) for _ in range(min(share, len(self.buffer)))]
         dropped: list[list[Sample]] = []
         first: RolloutBatch | None = None
         gen_s = reward_s = 0.0
         drawn = rounds = 0
         while rounds < self.max_rounds and agree_any(len(kept) < share):
-            prompts = c.draw()
+            need = len(kept) < share  # a full rank still takes part, keeping the sampler in step with the others
+            rb = c.round(step, rounds, need)
             rounds += 1
-            if len(kept) >= share:
-                continue  # this rank is full; it drew only to keep the sampler in step with the others
-            drawn += len(prompts)
-            rb = c.run(prompts, step + 7_919_000 * (rounds - 1))
+            if not need:
+                continue
+            drawn += share
             first = first or rb
             gen_s, reward_s = gen_s + rb.generate_seconds, reward_s + rb.reward_seconds
             for group in _groups(rb):
@@ -159,10 +176,11 @@ class DynamicSampling:
                             metrics=metrics)
 
     def rank_state(self) -> dict:
-        return {"ds_buffer": self.buffer}
+        return {"ds_buffer": self.buffer, **self.collector.rank_state()}
 
     def load_rank_state(self, state: dict) -> None:
         self.buffer = list(state.get("ds_buffer", []))
+        self.collector.load_rank_state({k: v for k, v in state.items() if k != "ds_buffer"})
 
 
 class OverlongShaping:

@@ -30,6 +30,7 @@ from megarl.reward import RewardFn, build_reward
 from megarl.rollout import RolloutEngine, RolloutFn, build_rollout
 from megarl.rollout.backends import build_engine, get_backend
 from megarl.stages.algorithm import Algorithm
+from megarl.stages.asynchronous import AsyncCollect, OrderedEngine, Pipeline
 from megarl.stages.collect import Collect, Collector, DynamicSampling, OverlongShaping
 from megarl.stages.colocation import WeightSync
 from megarl.stages.critic import Critic
@@ -87,6 +88,7 @@ class Run:
     sync: WeightSync
     start_step: int
     record: dict  # the resolved config and the run's facts: `config.json` in the output directory and checkpoints
+    pending: AsyncCollect | None = None  # asynchronous training: the batches in flight
 
     def agree_any(self, flag: bool) -> bool:
         return parallel.agree_any(flag)
@@ -131,18 +133,26 @@ def start(cfg: Config, checked: Checked) -> Run:
     start_step, rank_state = _resume(cfg, checked.resume_from, actor, sampler, say)
     critic = (Critic(cfg, shape, info, optim_config(t), padded, checked.resume_from)
               if Algorithm.needs_critic(cfg) else None)
-    engine = build_engine(cfg, actor) if info.is_mp_leader else None
+    engine = rollout_engine = build_engine(cfg, actor) if info.is_mp_leader else None
+    pipeline = Pipeline() if t.async_staleness else None
+    if pipeline is not None and engine is not None:  # the loop's calls queue behind the rollouts in flight
+        engine = OrderedEngine(rollout_engine, pipeline)
     sync = WeightSync(actor, engine, cfg.rollout, info)
     sync(version=start_step)
 
     reward = build_reward(cfg.reward, verifier_options(cfg.reward, cfg.sandbox), load_plugin_modules(cfg))
     rollout_fn = build_rollout(cfg)
-    collect = _collect(cfg, Collector(engine, rollout_fn, reward, tokenizer, prompts, sampler, cfg.rollout,
-                                      d.rollout_batch_size, t.seed, info, context=shape.max_position_embeddings))
+    collector = Collector(rollout_engine, rollout_fn, reward, tokenizer, prompts, sampler, cfg.rollout,
+                          d.rollout_batch_size, t.seed, info, context=shape.max_position_embeddings)
+    pending = AsyncCollect(collector, pipeline, engine, t.async_staleness) if pipeline is not None else None
+    collect = _collect(cfg, pending or collector)
     collect.load_rank_state(rank_state)
+    if pending is not None:
+        pending.start()
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
     return Run(cfg, info, say, tokenizer, pad_id, prompts, eval_prompts, sampler, actor,
-               Algorithm(cfg, info, reference, critic), engine, reward, rollout_fn, collect, sync, start_step, record)
+               Algorithm(cfg, info, reference, critic), engine, reward, rollout_fn, collect, sync, start_step, record,
+               pending)
 
 
 def _config_lines(cfg: Config) -> str:
@@ -223,6 +233,8 @@ def save(run: Run, step: int) -> None:
 
 
 def close(run: Run) -> None:
+    if run.pending is not None:
+        run.pending.stop()
     if run.engine is not None:
         run.engine.shutdown()
     getattr(run.rollout_fn, "close", lambda: None)()

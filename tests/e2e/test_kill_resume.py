@@ -1,5 +1,6 @@
 """A run killed with SIGKILL right after a checkpoint and resumed with `--load` logs the same per-step metrics as
-an uninterrupted run (bitwise on CPU, same seeds), on one process and at DP=2."""
+an uninterrupted run (bitwise on CPU, same seeds), on one process and at DP=2, synchronous and asynchronous
+(`--async-staleness` 1 at DP=2, 2 on one process: the batches in flight are part of the checkpoint)."""
 
 from __future__ import annotations
 
@@ -16,7 +17,8 @@ from helpers import REPO, _free_port, env, torchrun
 
 pytestmark = [pytest.mark.distributed, pytest.mark.slow]
 TRAIN = "megarl/train.py"
-COMPARED = ("reward_mean", "accuracy", "loss", "kl", "clip_frac", "grad_norm", "response_len", "lr", "entropy")
+COMPARED = ("reward_mean", "accuracy", "loss", "kl", "clip_frac", "grad_norm", "response_len", "lr", "entropy",
+            "rollout_actor_logp_absdiff_mean")
 STEPS, KILL_AFTER = 6, 3
 
 
@@ -60,17 +62,24 @@ def _run_and_kill(nproc: int, args: list, ckpt: Path, timeout: float = 400) -> i
     return _latest_step(ckpt)
 
 
-@pytest.mark.parametrize("nproc", [1, 2], ids=["single", "dp2"])
-def test_sigkill_then_resume_matches_uninterrupted_run(starter, tmp_path, nproc):
+@pytest.mark.parametrize("nproc,staleness", [(1, 0), (2, 0), (2, 1), (1, 2)],
+                         ids=["single", "dp2", "dp2-async1", "single-async2"])
+def test_sigkill_then_resume_matches_uninterrupted_run(starter, tmp_path, nproc, staleness):
     full_out, out, ckpt = tmp_path / "full", tmp_path / "run", tmp_path / "ckpt"
-    torchrun(nproc, TRAIN, *_args(starter, full_out), timeout=400)
+    extra = ["--async-staleness", staleness, "--tis-cap", 2] if staleness else []
+    torchrun(nproc, TRAIN, *_args(starter, full_out), *extra, timeout=400)
     full = {r["step"]: r for r in _rows(full_out)}
     assert sorted(full) == list(range(1, STEPS + 1))
+    if staleness:  # every batch within the bound, and the bound reached (dynamic sampling's rounds can be fresher)
+        assert all(0 <= r["staleness_max"] <= staleness for r in full.values())
+        assert max(r["staleness_max"] for r in full.values()) == staleness
+        assert full[1]["staleness_max"] == 0  # the first batches use the starting weights
 
-    killed_at = _run_and_kill(nproc, _args(starter, out), ckpt)
+    killed_at = _run_and_kill(nproc, [*_args(starter, out), *extra], ckpt)
     assert KILL_AFTER <= killed_at < STEPS, "the kill should land mid-run"
 
-    torchrun(nproc, TRAIN, *_args(starter, out), "--save", ckpt, "--save-interval", 1, "--load", ckpt, timeout=400)
+    torchrun(nproc, TRAIN, *_args(starter, out), *extra, "--save", ckpt, "--save-interval", 1, "--load", ckpt,
+             timeout=400)
     rows = _rows(out)
     assert [r["step"] for r in rows] == list(range(1, STEPS + 1)), "each step logged exactly once after the resume"
     assert any(full[s]["loss"] != 0.0 for s in full), "all-zero losses would make the comparison vacuous"

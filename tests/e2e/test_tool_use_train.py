@@ -1,6 +1,6 @@
 """`train.py` with `--rollout-function tool_use` end to end on 2 ranks: a scripted policy (a plugin backend) calls
 the real python tool, which runs in the local sandbox; the step's tool metrics, the samples' masked spans and the
-held-out tool-call rate come out as the policy's script says they must."""
+held-out tool-call rate come out as the policy's script says they must, synchronous and asynchronous."""
 
 from __future__ import annotations
 
@@ -15,7 +15,9 @@ from megarl.tasks.multiplication import CHARS, split_problems, tool_output
 pytestmark = [pytest.mark.distributed, pytest.mark.slow]
 
 
-def test_train_with_tool_use(tmp_path):
+@pytest.mark.parametrize("staleness", [0, 1], ids=["sync", "async1"])
+def test_train_with_tool_use(tmp_path, staleness):
+    """Also asynchronous: the rollout function, its tool calls and their sandbox run in the rollout worker thread."""
     model = make_tiny_hf_model(tmp_path / "m", vocab=96, max_position_embeddings=128)
     build_tokenizer(model, chars=CHARS)
     train, held = split_problems()
@@ -27,7 +29,8 @@ def test_train_with_tool_use(tmp_path):
                     "--plugins", "tests/e2e/tool_engine_plugin.py", "--rollout-backend", "scripted_tool_engine",
                     "--num-steps", 2, "--rollout-batch-size", 4, "--n-samples-per-prompt", 4,
                     "--micro-batch-size", 8, "--output-dir", out, "--log-interval", 1, "--log-samples-interval", 1,
-                    "--log-samples-count", 8, "--eval-samples-per-prompt", 2, timeout=400)
+                    "--log-samples-count", 8, "--eval-samples-per-prompt", 2, "--async-staleness", staleness,
+                    timeout=400)
     metrics = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     for m in metrics:  # even samples call and copy the product (right), odd ones answer 0 (wrong)
         assert (m["tool_call_rate"], m["accuracy"], m["sample_turns"]) == (0.5, 0.5, 1.5)

@@ -107,6 +107,22 @@ def test_disaggregated_splits_training_and_server_nodes(tmp_path):
     assert render.check_parallel(cfg, 16).dp == 8
 
 
+@pytest.mark.parametrize("staleness", [0, 1])
+def test_disaggregated_dry_run_shows_the_synchronous_or_asynchronous_layout(staleness):
+    script = render.render("disaggregated", render.sbatch_header(nodes=3))
+    flags = ["--async-staleness", str(staleness)] if staleness else []
+    proc = render.dry_run(script, [RECIPE, *flags], nodes=3, env={"ROLLOUT_NODES": "1", "SGLANG_TP": "2"})
+    assert proc.returncode == 0, proc.stderr
+    if staleness:
+        assert ("megarl: asynchronous (--async-staleness 1): 4 SGLang server(s) on 1 node(s) generate step s's batch "
+                "with the weights of step s - 1 while 2 training node(s) train") in proc.stdout
+    else:
+        assert "megarl: synchronous: 4 SGLang server(s) on 1 node(s) generate, then 2 training node(s) train" in proc.stdout
+    _, train = commands(proc.stdout)
+    cfg = parse_args(recipe_argv_of(train[train.index("torchrun"):]))
+    assert cfg.training.async_staleness == staleness
+
+
 @pytest.mark.parametrize("kind,nodes,flags,message", [
     ("colocated", 3, ["--tensor-model-parallel-size", "16"], "not divisible by --tensor-model-parallel-size 16"),
     ("colocated", 3, ["--tensor-model-parallel-size", "4"], "--rollout-batch-size 128 is not divisible"),

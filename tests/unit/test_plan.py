@@ -185,3 +185,26 @@ def test_the_planner_counts_a_reward_model_once_per_server(tmp_path, capsys):
     assert f"reward model (--reward-model): {params:,} parameters, {4 * params / GIB:.2f} GiB in fp32 per reward " \
         "server" in out
     assert "4 per node (one per model replica's leader)" in out
+
+
+def test_asynchronous_step_time_overlaps_rollout_and_training():
+    """Disaggregated with --async-staleness: max(rollout, training) + sync, against rollout + training + sync; the
+    same phases either way, and colocated never overlaps (the engine and the actor share the GPUs)."""
+    s, cluster = shape("qwen2.5-math-7b"), P.Cluster(H100, 16)
+    sync = P.plan(s, P.Run(tp=2, mode="disaggregated", rollout_gpus=8), cluster)
+    asy = P.plan(s, P.Run(tp=2, mode="disaggregated", rollout_gpus=8, async_staleness=1), cluster)
+    t = asy.time
+    assert (t.rollout, t.training, t.weight_sync) == (sync.time.rollout, sync.time.training, sync.time.weight_sync)
+    assert sync.time.total == pytest.approx(t.rollout + t.training + t.weight_sync)
+    assert t.total == pytest.approx(max(t.rollout, t.training) + t.weight_sync) and t.total < sync.time.total
+    colo = P.plan(s, P.Run(tp=2, async_staleness=1), cluster)
+    assert colo.time.total == pytest.approx(colo.time.synchronous)
+
+
+def test_the_planner_prints_both_modes_for_a_disaggregated_run(monkeypatch, capsys):
+    monkeypatch.setenv("RECIPE_MODEL", "qwen2.5-math-7b")
+    plan_main([str(REPO / "recipes/r1_math.sh"), "--gpus", "16"])
+    out = capsys.readouterr().out.split("== disaggregated")[1]
+    line = next(x for x in out.splitlines() if "asynchronous (--async-staleness >= 1" in x)
+    sync_s, async_s = (float(w.strip("s;~")) for w in line.split() if w.startswith("~"))
+    assert async_s < sync_s and "(this run)" not in line  # the recipe is synchronous

@@ -72,8 +72,11 @@ import torch
 REPO = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO))
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from digits_reward import digit_share_reward  # noqa: E402  (registers the bench_digits verifier)
+
 from megarl.tasks.arithmetic import build_tokenizer  # noqa: E402
-from megarl.verifiers import VerifyResult, register_verifier  # noqa: E402
 
 PHASES = ("generation", "reward", "log-probs", "update", "sync", "other", "total")
 
@@ -136,27 +139,7 @@ SIZES = {
 }
 
 
-# -- the shared reward -----------------------------------------------------------------------------------------
-
-
-def digit_share(text: str) -> float:
-    return sum(c.isdigit() for c in text) / max(len(text), 1)
-
-
-@register_verifier("bench_digits")
-class DigitShare:
-    """megarl's side of the benchmark reward."""
-
-    name = "bench_digits"
-
-    def verify(self, response: str, ground_truth) -> VerifyResult:
-        score = digit_share(response)
-        return VerifyResult(score, "correct" if score >= 0.5 else "incorrect")
-
-
-def digit_share_reward(completions, **kwargs) -> list[float]:
-    """TRL's side of the benchmark reward."""
-    return [digit_share(c) for c in completions]
+# -- the shared reward: `digits_reward.py` (bench_digits) -------------------------------------------------------
 
 
 # -- models and data -------------------------------------------------------------------------------------------

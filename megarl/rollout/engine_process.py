@@ -1,0 +1,178 @@
+"""The built-in engine in a process of its own, for asynchronous training (`--async-staleness K >= 1`).
+
+    engine = EngineProcess(hf_config, checkpoint, dtype=torch.float32, threads=1)   # spawns the process
+    engine.load_weight_buckets(buckets, version=3)   # through shared memory; returns once the engine holds them
+    engine.generate(prompts, params)                  # runs there, on its own `threads` cores
+
+`EngineProcess` is a `RolloutEngine`: the trainer talks to it as to the in-process `BuiltinEngine`, and the child
+runs exactly that engine. Requests are answered in the order they are sent, one at a time, so the engine swaps
+weights only between generate calls. Weights travel as the weight sync's buckets: the first sync allocates one
+shared-memory buffer per bucket and hands it to the child once; every later sync copies its bucket into the same
+buffer and sends only the bucket's layout and the version. A buffer is rewritten only after the child has answered
+the load that read it, so it never reads a half-written bucket.
+
+The child never outlives the trainer (it watches its parent), and the trainer never waits on a dead child: every
+reply is awaited with a timeout, and a child that died is reported with its exit code.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+import traceback
+from typing import Iterable, Sequence
+
+import torch
+import torch.multiprocessing as mp
+
+from megarl.rollout.base import Completion, SamplingParams
+from megarl.rollout.weight_sync import TensorSlot, WeightBucket
+
+
+class EngineProcessError(RuntimeError):
+    """The engine process failed, died or did not answer in time."""
+
+
+class EngineProcess:
+    """A `RolloutEngine` whose `BuiltinEngine` runs in a spawned process (see the module docstring)."""
+
+    shares_actor_weights = False
+
+    def __init__(self, hf_config: dict, checkpoint: str | None = None, *, device: str = "cpu",
+                 dtype: torch.dtype = torch.float32, threads: int = 1, timeout_s: float = 600.0):
+        """`checkpoint`: the HF directory whose tokenizer decodes stop strings (None: no stop strings).
+        `threads`: torch intra-op threads in the engine process. `timeout_s`: the longest a request may take."""
+        self.dtype, self.timeout_s, self.weight_version = dtype, timeout_s, 0
+        ctx = mp.get_context("spawn")
+        self._requests, self._replies = ctx.Queue(), ctx.Queue()
+        self._proc = ctx.Process(target=_serve, name="megarl-engine", daemon=True,
+                                 args=(hf_config, checkpoint, device, dtype, threads, os.getpid(), self._requests,
+                                       self._replies))
+        self._proc.start()
+        self._buffers: list[torch.Tensor] = []  # shared-memory bucket buffers, by bucket index
+        self.busy_seconds = 0.0  # the child's time inside requests, as it reports it
+        self._call("ready")
+
+    # ---- RolloutEngine -------------------------------------------------------------------------------------
+
+    def generate(self, prompts: Sequence[Sequence[int]], params: SamplingParams) -> list[list[Completion]]:
+        return self._call("generate", [list(p) for p in prompts], params)
+
+    def score(self, sequences: list[list[int]], prompt_lens: list[int], temperature: float = 1.0) -> list[list[float]]:
+        return self._call("score", sequences, prompt_lens, temperature)
+
+    def update_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]], version: int | None = None) -> None:
+        from megarl.rollout.weight_sync import pack_buckets
+
+        self.load_weight_buckets(pack_buckets(named_tensors, dtype=self.dtype),
+                                 self.weight_version + 1 if version is None else version)
+
+    def load_weight_buckets(self, buckets: Iterable[WeightBucket], version: int) -> None:
+        """Copy each bucket into its shared buffer and have the child load it; returns once all are loaded."""
+        for index, bucket in enumerate(buckets):
+            fresh = index >= len(self._buffers) or self._buffers[index].numel() != bucket.nbytes
+            if fresh:
+                buffer = torch.empty(bucket.nbytes, dtype=torch.uint8).share_memory_()
+                if index < len(self._buffers):
+                    self._buffers[index] = buffer
+                else:
+                    self._buffers.append(buffer)
+            self._buffers[index].copy_(bucket.flat.reshape(-1).to("cpu", non_blocking=False))
+            self._call("load", index, self._buffers[index] if fresh else None, bucket.slots, version)
+        self._call("stamp", version)
+        self.weight_version = version
+
+    def release_memory(self) -> None:
+        """Nothing to free: the engine holds no GPU the actor needs."""
+
+    def resume_memory(self) -> None:
+        """Nothing to re-acquire (see `release_memory`)."""
+
+    def shutdown(self) -> None:
+        if self._proc.is_alive():
+            try:
+                self._requests.put(("stop",))
+                self._proc.join(timeout=10)
+            except (OSError, ValueError):
+                pass
+        if self._proc.is_alive():
+            self._proc.kill()
+            self._proc.join(timeout=10)
+
+    # ---- transport -----------------------------------------------------------------------------------------
+
+    def _call(self, op: str, *args):
+        if not self._proc.is_alive():
+            raise EngineProcessError(f"the engine process (pid {self._proc.pid}) is gone, exit code "
+                                     f"{self._proc.exitcode}, before the {op!r} request")
+        self._requests.put((op, *args))
+        deadline = time.monotonic() + self.timeout_s
+        while True:
+            try:
+                status, value, busy = self._replies.get(timeout=1.0)
+                break
+            except Exception:  # queue.Empty: check the child is alive, then wait on
+                if not self._proc.is_alive():
+                    raise EngineProcessError(f"the engine process (pid {self._proc.pid}) died during the {op!r} "
+                                             f"request, exit code {self._proc.exitcode}") from None
+                if time.monotonic() > deadline:
+                    raise EngineProcessError(f"the engine process (pid {self._proc.pid}) did not answer the {op!r} "
+                                             f"request within {self.timeout_s:g} s") from None
+        self.busy_seconds += busy
+        if status == "error":
+            raise EngineProcessError(f"the engine process failed in {op!r}:\n{value}")
+        return value
+
+
+def _serve(hf_config: dict, checkpoint: str | None, device: str, dtype: torch.dtype, threads: int, parent: int,
+           requests, replies) -> None:
+    """The child: a `BuiltinEngine` answering requests in order until told to stop or orphaned."""
+    import threading
+
+    from megarl.rollout.builtin import BuiltinEngine
+
+    torch.set_num_threads(threads)
+
+    def watch_parent():  # a trainer killed with SIGKILL cannot stop us: go when it is gone
+        while os.getppid() == parent:
+            time.sleep(1.0)
+        os._exit(0)
+
+    threading.Thread(target=watch_parent, daemon=True).start()
+    tokenizer = None
+    if checkpoint:
+        from megarl.rollout.backends import _CheckpointTokenizer
+
+        tokenizer = _CheckpointTokenizer(checkpoint)
+    engine = BuiltinEngine(hf_config, device=device, dtype=dtype, tokenizer=tokenizer)
+    buffers: dict[int, torch.Tensor] = {}
+    while True:
+        request = requests.get()
+        op, args = request[0], request[1:]
+        if op == "stop":
+            return
+        start = time.perf_counter()
+        try:
+            if op == "ready":
+                value = None
+            elif op == "generate":
+                value = engine.generate(*args)
+            elif op == "score":
+                value = engine.score(*args)
+            elif op == "load":
+                index, buffer, slots, version = args
+                if buffer is not None:
+                    buffers[index] = buffer
+                engine.load_weight_buckets([WeightBucket(buffers[index], list(slots))], version)
+                value = None
+            elif op == "stamp":
+                engine.weight_version = args[0]
+                value = None
+            else:
+                raise ValueError(f"unknown request {op!r}")
+            replies.put(("ok", value, time.perf_counter() - start))
+        except Exception:
+            replies.put(("error", traceback.format_exc(), time.perf_counter() - start))
+
+
+__all__ = ["EngineProcess", "EngineProcessError", "TensorSlot"]
