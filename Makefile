@@ -80,7 +80,7 @@ demo-rm: venv $(STARTER) $(REWARD_MODEL)
 	$(VENV)/bin/torchrun --nproc-per-node $(NPROC) megarl/train.py recipes/tiny_cpu_ppo_rm.sh
 
 test: venv
-	$(VPY) -m pytest tests -q
+	$(VPY) -m pytest tests -q --durations=25
 
 test-fast: venv
 	$(VPY) -m pytest tests/unit -q

@@ -1,6 +1,6 @@
 """A run killed with SIGKILL right after a checkpoint and resumed with `--load` logs the same per-step metrics as
-an uninterrupted run (bitwise on CPU, same seeds), on one process and at DP=2, synchronous and asynchronous
-(`--async-staleness` 1 at DP=2, 2 on one process: the batches in flight are part of the checkpoint)."""
+an uninterrupted run (bitwise on CPU, same seeds): synchronous on one process, asynchronous (`--async-staleness` 1
+at DP=2, 2 on one process: the batches in flight are part of the checkpoint)."""
 
 from __future__ import annotations
 
@@ -62,8 +62,9 @@ def _run_and_kill(nproc: int, args: list, ckpt: Path, timeout: float = 400) -> i
     return _latest_step(ckpt)
 
 
-@pytest.mark.parametrize("nproc,staleness", [(1, 0), (2, 0), (2, 1), (1, 2)],
-                         ids=["single", "dp2", "dp2-async1", "single-async2"])
+# Synchronous on one process; asynchronous at DP=2 (each rank's queue and dynamic-sampling buffer) and at K=2.
+# (Synchronous resumes at DP=2: test_train_cli.py and test_ppo.py.)
+@pytest.mark.parametrize("nproc,staleness", [(1, 0), (2, 1), (1, 2)], ids=["single", "dp2-async1", "single-async2"])
 def test_sigkill_then_resume_matches_uninterrupted_run(starter, tmp_path, nproc, staleness):
     full_out, out, ckpt = tmp_path / "full", tmp_path / "run", tmp_path / "ckpt"
     extra = ["--async-staleness", staleness, "--tis-cap", 2] if staleness else []
