@@ -84,6 +84,8 @@ def run(cfg: Config, checked) -> int:
         with timer("t_update"):
             update_metrics = update(actor, batch, cfg.algorithm, t, cfg.rollout)
         with timer("t_sync"):
+            if run.pending is not None and cfg.rollout.rollout_servers and info.dp_size > 1:
+                run.pending.settle()  # servers shared by the DP leaders: their queued batches first
             sync_metrics = run.sync(version=step + 1)
         step += 1
         seconds = time.perf_counter() - t0

@@ -23,6 +23,10 @@ actor goes on training) and queues their load; evaluation's generate calls queue
 In flight at a checkpoint: the K queued batches (finished first, then saved with this rank's rollout state) and
 the number of batches made so far (their seeds).
 
+Engines shared by several data-parallel leaders (SGLang servers, `--rollout-servers`, at DP > 1): one rank's weight
+load changes the weights under the others' queued batches, so before each sync every rank waits for its queued
+batches (`AsyncCollect.settle`); rollout still overlaps training, up to the sync.
+
 With dynamic sampling, each round takes the next queued batch (and queues one more), so a batch taken at step s
 was queued at most K rounds, hence at most K steps, earlier; groups that wait in its buffer for a later step are
 dropped once they are older than the bound.
@@ -232,6 +236,16 @@ class AsyncCollect:
         that does not `need` it drops it."""
         rollout = self(step)
         return rollout if need else None
+
+    def settle(self) -> None:
+        """Collective. Every batch queued so far finishes, on every rank, before the next weights move: for engines
+        that several data-parallel leaders share (--rollout-servers), where one rank's load would otherwise change
+        the weights under another rank's queued batch."""
+        from megarl.mcore.parallel import agree_any
+
+        for item in self.queue:
+            self._result(item)
+        agree_any(False)  # a barrier over the main threads
 
     def cancel(self) -> None:
         """Training is over: drop the queued batches (those not started yet cost nothing more)."""

@@ -244,3 +244,18 @@ def test_async_flag_rules(extra, message):
         parse_args(["--hf-checkpoint", "x", "--async-staleness", "-1"])
     with pytest.raises(ConfigError, match="--rollout-threads"):
         parse_args(["--hf-checkpoint", "x", "--rollout-threads", "0"])
+
+
+def test_settle_waits_for_every_queued_batch(monkeypatch):
+    """Before a sync to shared servers every queued batch is finished (then a barrier over the ranks)."""
+    calls = []
+    monkeypatch.setattr("megarl.mcore.parallel.agree_any", lambda flag: calls.append(flag) or flag)
+    inner, pipeline = _Recorder(), Pipeline()
+    engine = OrderedEngine(inner, pipeline)
+    collect = AsyncCollect(_FakeCollector(inner), pipeline, engine, 2)
+    pipeline.submit(__import__("time").sleep, 0.3)  # the worker is busy: the queued batches are not done yet
+    collect.start()
+    assert not any(q.future.done() for q in collect.queue)
+    collect.settle()
+    assert all(q.future.done() for q in collect.queue) and calls == [False]
+    pipeline.close()
