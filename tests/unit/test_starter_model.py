@@ -50,3 +50,80 @@ def test_the_build_speaks_at_once_and_warns_before_a_deadline_strikes(tmp_path, 
     assert "at 2.05 s a step the 1000 steps need ~34.2 min, past --minutes 1: the build will stop" in lines[warning]
     steps = [int(line.split()[1].split("/")[0]) for line in lines if line.startswith("step")]
     assert steps == [1, 17] and warning == 2, lines  # step 17: more than 30 s after step 1
+
+
+def _dense_and_moe(tmp_path):
+    """The tool's dense Qwen3 (one expert wide) with every weight random, norms included, so that a weight copied
+    to the wrong place shows in the logits; and the Qwen3-MoE upcycled from it."""
+    import torch
+
+    from megarl.tasks.arithmetic import build_tokenizer
+
+    tokenizer = build_tokenizer(tmp_path / "tokenizer")
+    dense = starter.build_model(tokenizer, "qwen3", starter.EXPERT_WIDTH)
+    gen = torch.Generator().manual_seed(0)
+    with torch.no_grad():
+        for p in dense.parameters():
+            p.copy_(torch.rand(p.shape, generator=gen) + 0.5 if p.dim() == 1 else
+                    torch.randn(p.shape, generator=gen) * 0.1)
+    return tokenizer, dense
+
+
+def _logits(model, tokens):
+    import torch
+
+    with torch.no_grad():
+        return model.eval()(input_ids=tokens).logits
+
+
+def test_the_upcycled_moe_computes_the_dense_models_function(tmp_path):
+    """Every expert a copy of the dense MLP and top-2 weights that sum to 1: the same logits (within 1e-5), while
+    the random router already sends different tokens to different experts, which lets the experts part in RL."""
+    import torch
+
+    tokenizer, dense = _dense_and_moe(tmp_path)
+    torch.manual_seed(1)
+    moe = starter.build_model(tokenizer, "qwen3_moe")
+    starter.upcycle(dense, moe)
+    tokens = torch.randint(0, len(tokenizer), (4, 16), generator=torch.Generator().manual_seed(2))
+    assert (_logits(moe, tokens) - _logits(dense, tokens)).abs().max() < 1e-5
+    experts = moe.model.layers[0].mlp.experts
+    assert all(torch.equal(experts.gate_up_proj[0], experts.gate_up_proj[e]) for e in range(starter.EXPERTS))
+    hidden = moe.model.embed_tokens(tokens).reshape(-1, moe.config.hidden_size)
+    _, _, chosen = moe.model.layers[0].mlp.gate(moe.model.layers[0].post_attention_layernorm(hidden))
+    assert len(chosen.unique()) == starter.EXPERTS and len({tuple(sorted(r)) for r in chosen.tolist()}) > 1
+
+
+def test_upcycling_refuses_a_moe_whose_routing_weights_do_not_sum_to_one(tmp_path):
+    """Without norm_topk_prob a token's two weights are softmax probabilities over all 4 experts: the copies would
+    be mixed with weights summing to less than 1, another function."""
+    tokenizer, dense = _dense_and_moe(tmp_path)
+    moe = starter.build_model(tokenizer, "qwen3_moe")
+    moe.config.norm_topk_prob = False
+    with pytest.raises(ValueError, match="norm_topk_prob"):
+        starter.upcycle(dense, moe)
+
+
+def test_the_upcycled_starter_is_what_the_moe_recipe_runs(tmp_path):
+    """Saved and read back by transformers it still gives the dense logits, and it passes the preflight of
+    recipes/tiny_cpu_moe.sh on its 2 processes at EP 2: a qwen3_moe with 4 experts, top-2, in every layer."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from megarl.config import parse_args
+    from megarl.preflight import check_run
+    from megarl.tasks.arithmetic import split_problems
+
+    tokenizer, dense = _dense_and_moe(tmp_path)
+    _, heldout = split_problems(seed=0)
+    out = tmp_path / "starter_moe"
+    starter.upcycle_checked(dense, tokenizer, heldout, seed=0).save_pretrained(out)
+    tokenizer.save_pretrained(out)
+    tokens = torch.randint(0, len(tokenizer), (4, 16), generator=torch.Generator().manual_seed(2))
+    loaded = AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32)
+    assert (_logits(loaded, tokens) - _logits(dense, tokens)).abs().max() < 1e-5
+    cfg = parse_args([str(REPO / "recipes/tiny_cpu_moe.sh"), "--hf-checkpoint", str(out)], check_registries=False)
+    layout, shape, _ = check_run(cfg, world_size=2)
+    assert (shape.family, shape.num_experts, shape.moe_top_k, shape.moe_norm_topk_prob) == ("qwen3_moe", 4, 2, True)
+    assert shape.moe_layers == (0, 1) and shape.moe_ffn_hidden_size == dense.config.intermediate_size
+    assert cfg.model.expert_model_parallel_size == 2 and cfg.algorithm.routing_replay
