@@ -84,7 +84,7 @@ demo-tool: venv $(TOOL_STARTER)
 # The four-model PPO: a reward model trained from the arithmetic verifier's labels, then recipes/tiny_cpu_ppo_rm.sh.
 $(REWARD_MODEL): $(STARTER)
 	OMP_NUM_THREADS=1 $(VPY) tools/train_reward_model.py --init $(dir $(STARTER)) --arithmetic $(dir $(STARTER)) \
-	  --calibrate --out $(dir $@)
+	  --policy-samples 8 --calibrate --steps 1000 --out $(dir $@)
 
 demo-rm: venv $(STARTER) $(REWARD_MODEL)
 	$(VENV)/bin/torchrun --nproc-per-node $(NPROC) megarl/train.py recipes/tiny_cpu_ppo_rm.sh

@@ -1,7 +1,8 @@
 """Train a small sequence-classification reward model (one label) and save it as an ordinary HF checkpoint.
 
     python tools/train_reward_model.py --init DIR --out RM_DIR --data rows.jsonl [--steps 600] [--lr 3e-4]
-    python tools/train_reward_model.py --init STARTER --out RM_DIR --arithmetic STARTER   # the CPU demo's RM
+    python tools/train_reward_model.py --init STARTER --out RM_DIR --arithmetic STARTER \
+        --policy-samples 8 --calibrate --steps 1000                                      # the CPU demo's RM
 
 `--init` is an HF causal LM (or a sequence classifier) whose trunk the reward model starts from; its head is new.
 The rows, jsonl, are either preference pairs `{"prompt", "chosen", "rejected"}`, trained with the Bradley-Terry
@@ -10,10 +11,13 @@ trained with binary cross-entropy on the score as a logit (`--calibrate` adds th
 sign says right or wrong, not only its order). `--arithmetic DIR` makes the demo's pairs instead: for
 each problem of DIR/train.jsonl, the answer the arithmetic verifier calls correct against answers it calls wrong
 (off by 1-3, a digit too many, none at all) - the verifier's labels, so the reward model learns to stand in for
-it. Texts are what `megarl.reward_model.HFRewardModel` scores (prompt + response through the tokenizer's chat
+it. `--policy-samples K` adds the mistakes the policy actually makes: K responses per problem sampled from
+`--init` (the starter RL begins from), each one the verifier calls wrong paired against the right answer. Texts
+are what `megarl.reward_model.HFRewardModel` scores (prompt + response through the tokenizer's chat
 template when it has one), so training and scoring read the same tokens.
 
-Reported at the end, on DIR/heldout.jsonl's problems when given (problems never trained on), else on the last
+Reported at the end, on DIR/heldout.jsonl's problems when given (problems never trained on; their sampled pairs
+too, drawn with seed + 1), else on the last
 10% of the rows: pairwise accuracy (the chosen response scores higher) and accuracy of the score's sign against
 the labels. config.json also gets `reward_mean` / `reward_std` (the scores of the training responses) for
 `--reward-model-normalize`. Bound by `--steps` only, so every machine trains the same model.
@@ -45,6 +49,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     src.add_argument("--data", type=Path, help="jsonl of pairs {prompt, chosen, rejected} or {prompt, response, label}")
     src.add_argument("--arithmetic", type=Path, help="the demo task's directory (train.jsonl, heldout.jsonl): pairs "
                      "labelled by the arithmetic verifier")
+    p.add_argument("--policy-samples", type=int, default=0, help="with --arithmetic: also sample this many responses "
+                   "per problem from --init (a causal LM: the policy RL starts from) and pair the right answer with "
+                   "each sample the verifier calls wrong")
     p.add_argument("--steps", type=int, default=600, help="optimizer steps (the schedule's length)")
     p.add_argument("--batch-size", type=int, default=64, help="pairs (or labelled rows) per step")
     p.add_argument("--lr", type=float, default=3e-4, help="peak learning rate (AdamW, cosine to 10%%)")
@@ -73,6 +80,50 @@ def arithmetic_pairs(path: Path, rng: random.Random) -> list[dict]:
             if verifier.verify(bad, row["answer"]).outcome != "correct":
                 pairs.append({"prompt": row["prompt"], "chosen": good, "rejected": bad})
     return pairs
+
+
+@torch.no_grad()
+def sample_responses(lm, tokenizer, prompts: list[str], n: int, seed: int, max_new_tokens: int = 8,
+                     temperature: float = 1.0) -> list[list[str]]:
+    """`n` responses per prompt from the causal LM `lm` (what the actor samples before RL), text up to the first
+    eos. Prompts are grouped by length so no padding is needed; seeded, so every machine samples the same."""
+    lm.eval()
+    gen, eos, vocab = torch.Generator().manual_seed(seed), tokenizer.eos_token_id, len(tokenizer)
+    by_length: dict[int, list[int]] = {}
+    ids = [tokenizer(p, add_special_tokens=False)["input_ids"] for p in prompts]
+    for i, x in enumerate(ids):
+        by_length.setdefault(len(x), []).append(i)
+    out: list[list[str]] = [[] for _ in prompts]
+    for length, members in sorted(by_length.items()):
+        seqs = torch.tensor([ids[i] for i in members for _ in range(n)])
+        for _ in range(max_new_tokens):
+            logits = lm(input_ids=seqs, use_cache=False).logits[:, -1, :vocab]  # never a padding-only id
+            nxt = torch.multinomial(torch.softmax(logits / temperature, -1), 1, generator=gen)
+            seqs = torch.cat([seqs, nxt], dim=1)
+            if (seqs[:, length:] == eos).any(-1).all():
+                break
+        for row, tokens in enumerate(seqs[:, length:].tolist()):
+            tokens = tokens[: tokens.index(eos)] if eos in tokens else tokens
+            out[members[row // n]].append(tokenizer.decode(tokens, skip_special_tokens=True))
+    return out
+
+
+def policy_pairs(problems: list[dict], samples: list[list[str]]) -> list[dict]:
+    """The right answer against each sample the arithmetic verifier calls wrong, duplicates kept: the mistakes the
+    policy makes, as often as it makes them."""
+    verifier = ArithmeticVerifier()
+    return [{"prompt": row["prompt"], "chosen": row["answer"], "rejected": s}
+            for row, ss in zip(problems, samples) for s in ss
+            if verifier.verify(s, row["answer"]).outcome != "correct"]
+
+
+def sampled_pairs(init: Path, path: Path, n: int, seed: int) -> list[dict]:
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    problems = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    lm = AutoModelForCausalLM.from_pretrained(str(init), dtype=torch.float32)
+    samples = sample_responses(lm, AutoTokenizer.from_pretrained(str(init)), [r["prompt"] for r in problems], n, seed)
+    return policy_pairs(problems, samples)
 
 
 def read_rows(path: Path) -> list[dict]:
@@ -151,6 +202,10 @@ def main(argv=None) -> int:
         train = arithmetic_pairs(args.arithmetic / "train.jsonl", rng)
         held = args.arithmetic / "heldout.jsonl"
         test = arithmetic_pairs(held, rng) if held.is_file() else []
+        if args.policy_samples:
+            train += sampled_pairs(args.init, args.arithmetic / "train.jsonl", args.policy_samples, args.seed)
+            if held.is_file():
+                test += sampled_pairs(args.init, held, args.policy_samples, args.seed + 1)
     else:
         rows = read_rows(args.data)
         rng.shuffle(rows)

@@ -87,3 +87,54 @@ def test_the_losses_by_hand():
         (-math.log(sig(3.0)) - math.log(1 - sig(0.5))) / 2)
     assert tool.loss_of(FakeRM(), [pair], calibrate=True).item() == pytest.approx(
         -math.log(sig(3.0)) - 0.5 * (math.log(sig(2.0)) + math.log(sig(1.0))))
+
+
+def test_policy_pairs_are_the_verifiers_wrong_samples_against_the_answer():
+    """Each sample the verifier calls wrong (a near miss, junk after the answer, nothing) becomes one pair, repeats
+    included; right samples make none."""
+    tool = _tool()
+    problems = [{"prompt": "2+3=", "answer": "5"}, {"prompt": "9-4=", "answer": "5"}, {"prompt": "1+1=", "answer": "2"}]
+    samples = [["5", "6", "6", " 5 "], ["5x", "", "05"], ["2", "2"]]
+    assert tool.policy_pairs(problems, samples) == [
+        {"prompt": "2+3=", "chosen": "5", "rejected": "6"}, {"prompt": "2+3=", "chosen": "5", "rejected": "6"},
+        {"prompt": "9-4=", "chosen": "5", "rejected": "5x"}, {"prompt": "9-4=", "chosen": "5", "rejected": ""},
+        {"prompt": "9-4=", "chosen": "5", "rejected": "05"}]
+
+
+class _ScriptedLM:
+    """A causal LM whose next token is scripted from the prompt's length and the tokens so far: prompt length L
+    gives str(L) then str(L+1) ... for L tokens, then eos (or never eos when L is 5)."""
+
+    def __init__(self, tokenizer):
+        self.tok, self.calls = tokenizer, 0
+
+    def eval(self):
+        return self
+
+    def __call__(self, input_ids, use_cache=False):
+        import torch
+
+        self.calls += 1
+        vocab = len(self.tok)
+        logits = torch.full((input_ids.shape[0], input_ids.shape[1], vocab), -1e9)
+        for row, ids in enumerate(input_ids.tolist()):
+            prompt_len = next(k for k in range(1, len(ids) + 1) if self.tok.decode(ids[:k]).endswith("="))
+            made = len(ids) - prompt_len
+            digit = str((prompt_len + made) % 10)
+            nxt = self.tok.eos_token_id if made >= prompt_len and prompt_len != 5 else \
+                self.tok(digit, add_special_tokens=False)["input_ids"][0]
+            logits[row, -1, nxt] = 0.0
+        return type("Out", (), {"logits": logits})
+
+
+def test_sample_responses_keep_the_prompts_order_and_stop_at_eos(tmp_path):
+    from transformers import AutoTokenizer
+
+    from megarl.tasks.arithmetic import build_tokenizer
+
+    tool = _tool()
+    build_tokenizer(tmp_path)
+    tok = AutoTokenizer.from_pretrained(str(tmp_path))
+    prompts = ["12+3=", "1+2=", "10+20=", "2+2="]  # lengths 5, 4, 6, 4: three length groups, out of order
+    out = tool.sample_responses(_ScriptedLM(tok), tok, prompts, n=2, seed=0, max_new_tokens=7)
+    assert out == [["5678901"] * 2, ["4567"] * 2, ["678901"] * 2, ["4567"] * 2]
