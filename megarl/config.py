@@ -66,8 +66,8 @@ class ModelConfig:
     expert_tensor_parallel_size: int = _f(0, "tensor-parallel size of each expert (expert-TP); 0 = "
                                           "--tensor-model-parallel-size")
     moe_token_dispatcher_type: Literal["auto", "allgather", "alltoall"] = _f(
-        "auto", "how tokens reach their experts over EP ranks (Megatron's dispatcher); auto = alltoall on a GPU, "
-        "allgather on a CPU")
+        "auto", "how tokens reach their experts over EP ranks (Megatron's dispatcher); auto = alltoall (allgather "
+        "needs the same number of tokens on every EP rank, which RL batches of unequal lengths do not have)")
     moe_aux_loss_coeff: float = _f(0.0, "weight of Megatron's load-balancing loss for the router (RL post-training "
                                    "keeps the pretrained routing: 0)")
     recompute_granularity: Literal["none", "selective", "full"] = _f(
@@ -76,12 +76,10 @@ class ModelConfig:
 
     @property
     def token_dispatcher(self) -> str:
-        """`--moe-token-dispatcher-type` resolved: auto = alltoall on a GPU, allgather on a CPU."""
-        if self.moe_token_dispatcher_type != "auto":
-            return self.moe_token_dispatcher_type
-        import torch
-
-        return "alltoall" if torch.cuda.is_available() else "allgather"
+        """`--moe-token-dispatcher-type` resolved: auto = alltoall, on CPU as on GPU. Megatron's allgather
+        dispatcher gathers equal shares from every EP rank (`all_gather_into_tensor`): RL micro-batches, each as wide
+        as its own longest sample, differ across ranks, and gloo stops with "Received data size doesn't match"."""
+        return "alltoall" if self.moe_token_dispatcher_type == "auto" else self.moe_token_dispatcher_type
 
     @property
     def use_transformer_engine(self) -> bool | None:

@@ -8,9 +8,9 @@ MODEL_ARGS=(
   --tensor-model-parallel-size 1
   --pipeline-model-parallel-size 1
   --expert-model-parallel-size 2     # two experts on each of the 2 processes; attention is data parallel
-  # alltoall, not the CPU default allgather: Megatron's allgather dispatcher gathers the same number of tokens from
-  # every EP rank, and the two ranks' micro-batches are as wide as their own longest completion (measured: the
-  # first step whose widths differed stopped with gloo's "Received data size doesn't match expected size").
+  # alltoall (the default, said here because it matters): Megatron's allgather dispatcher gathers the same number
+  # of tokens from every EP rank, and the two ranks' micro-batches are as wide as their own longest completion
+  # (measured: the first step whose widths differed stopped with gloo's "Received data size doesn't match").
   --moe-token-dispatcher-type alltoall
   --moe-aux-loss-coeff 0
   --transformer-impl local
