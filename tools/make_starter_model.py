@@ -50,6 +50,7 @@ import os
 import random
 import re
 import shutil
+import signal
 import sys
 import time
 from pathlib import Path
@@ -318,6 +319,11 @@ def write_atomically(out: Path, overwrite: bool, build, program: str) -> None:
     tmp = out.parent / f".{out.name}.partial-{os.getpid()}"
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp.mkdir()
+
+    def stopped(signum, frame):  # SIGTERM (kill, make interrupted): unwind, so the partial directory goes too
+        raise SystemExit(f"{program}: stopped by signal {signum}; nothing written")
+
+    previous = signal.signal(signal.SIGTERM, stopped)
     try:
         build(tmp)
         if out.exists():
@@ -327,6 +333,7 @@ def write_atomically(out: Path, overwrite: bool, build, program: str) -> None:
     except OutOfTime as e:
         sys.exit(f"{program}: {e}")
     finally:
+        signal.signal(signal.SIGTERM, previous)
         if tmp.exists():
             shutil.rmtree(tmp)
 

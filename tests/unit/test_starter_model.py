@@ -127,3 +127,21 @@ def test_the_upcycled_starter_is_what_the_moe_recipe_runs(tmp_path):
     assert (shape.family, shape.num_experts, shape.moe_top_k, shape.moe_norm_topk_prob) == ("qwen3_moe", 4, 2, True)
     assert shape.moe_layers == (0, 1) and shape.moe_ffn_hidden_size == dense.config.intermediate_size
     assert cfg.model.expert_model_parallel_size == 2 and cfg.algorithm.routing_replay
+
+
+def test_a_build_stopped_by_sigterm_leaves_no_partial_directory(tmp_path):
+    """kill (SIGTERM) in the middle of a build: the partial directory is removed and nothing is written."""
+    import signal
+    import subprocess
+
+    script = ("import sys, time; sys.path.insert(0, 'tools'); from make_starter_model import write_atomically\n"
+              "def build(tmp):\n    (tmp / 'part').write_text('x'); print('building', flush=True); time.sleep(60)\n"
+              f"write_atomically(__import__('pathlib').Path({str(tmp_path / 'out')!r}), False, build, 'test')\n")
+    proc = subprocess.Popen([sys.executable, "-c", script], cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            text=True)
+    assert proc.stdout.readline().strip() == "building"
+    assert any(p.name.startswith(".out.partial-") for p in tmp_path.iterdir())
+    proc.send_signal(signal.SIGTERM)
+    _, err = proc.communicate(timeout=30)
+    assert proc.returncode == 1 and "stopped by signal 15; nothing written" in err
+    assert list(tmp_path.iterdir()) == [], "neither the partial directory nor the output remains"
