@@ -6,8 +6,10 @@
     python tools/bench/async.py --tasks demo --demo-steps 1500 --seeds 1234,1235 --starter .cache/starter
 
 Two tasks, each run as a real training run (torchrun, one process):
-- `30m`: the ~30M-parameter Qwen2 of tools/bench/step.py (random weights, made here), 4 prompts x 8 samples,
-  128-token responses, the digit-share reward (`digits_reward.py`): generation and update take similar time here.
+- `30m`: the ~30M-parameter Qwen2 of tools/bench/step.py (random weights, made here), `--prompts-30m` prompts x 8
+  samples, 128-token responses, the digit-share reward (`digits_reward.py`). Overlap pays most where generation
+  and update take similar time; decoding costs about the same per step whatever the rows, the update grows with
+  them: on 2 cores split 1 + 1, 2 prompts (16 rows) is near that point, 4 prompts (32 rows) is update-bound.
   Reported: steps per minute (the median step time after the first K + 2 steps, the queue's start-up), and the
   overlap fraction (rollout + training) / step time against its bound (rollout + training) / max(rollout, training).
   The synchronous loop runs on all the cores and on the trainer's share of them; the ratio is against the faster.
@@ -51,6 +53,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--rollout-threads", type=int, default=1, help="the asynchronous engine's share of --threads")
     p.add_argument("--steps-30m", type=int, default=16, help="steps of each 30m run")
     p.add_argument("--rounds", type=int, default=2, help="30m runs per mode, alternating modes")
+    p.add_argument("--prompts-30m", type=int, default=2, help="30m prompts per step (x 8 samples): 2 is where, on 2 "
+                   "cores split 1 + 1, generation and update take about the same time")
     p.add_argument("--demo-steps", type=int, default=5400, help="steps of each demo run (the recipe's 5,400)")
     p.add_argument("--seeds", default="1234,1235", help="demo seeds; every mode runs every seed")
     p.add_argument("--starter", type=Path, default=REPO / ".cache" / "starter", help="the demo's starter")
@@ -111,7 +115,7 @@ def make_30m(work: Path) -> Path:
 def bench_30m(a: argparse.Namespace, modes: list[int], work: Path) -> dict:
     model = make_30m(work)
     base = ["recipes/tiny_cpu.sh", "--hf-checkpoint", model, "--prompt-data", work / "prompts-30m.jsonl",
-            "--eval-data", "", "--plugins", PLUGIN, "--rollout-batch-size", 4, "--n-samples-per-prompt", 8,
+            "--eval-data", "", "--plugins", PLUGIN, "--rollout-batch-size", a.prompts_30m, "--n-samples-per-prompt", 8,
             "--max-response-len", 128, "--micro-batch-size", 8, "--lr", 1e-5, "--min-lr", 1e-5,
             "--num-steps", a.steps_30m, "--log-interval", 1000]
     runs = variants(modes, a)
@@ -170,7 +174,7 @@ def main(argv=None) -> int:
     result: dict = {"args": {k: str(v) for k, v in vars(a).items()}}
     if "30m" in tasks:
         result["30m"] = bench_30m(a, modes, work)
-        print("\n30M Qwen2, 4 x 8 samples of 128 tokens:")
+        print(f"\n30M Qwen2, {a.prompts_30m} x 8 samples of 128 tokens:")
         print(f"  {'mode':<8} {'steps/min':>9} {'x sync':>7} {'overlap':>8} {'bound':>6}")
         sync = max((r["steps_per_min"] for r in result["30m"].values() if r["staleness"] == 0), default=None)
         for name, r in result["30m"].items():
