@@ -27,7 +27,7 @@
 #   the build above: sampled 23.6% -> 16.2%, greedy 64.0% -> 20.0%, rm_agreement 0.46 in the first 10 steps ->
 #   0.35 in the last 20 while the model's mean score rose (-0.12 -> 0.22).
 # Still reward hacking, slower: a reward model that picks the right answer from 16 samples no more often than
-# chance cannot teach the sums. Issue 19's target (+20 points sampled in 15 min) is not met.
+# chance cannot teach the sums. The aim (+20 points sampled in 15 min) is not met.
 REPO_ROOT=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
 source "$REPO_ROOT/recipes/tiny_cpu_ppo.sh"
 REWARD_MODEL_DIR=${REWARD_MODEL_DIR:-$REPO_ROOT/.cache/reward_model}
