@@ -13,6 +13,8 @@
 # Prefer python3.11 (the version megarl targets) when it is on PATH.
 PYTHON ?= $(shell command -v python3.11 >/dev/null 2>&1 && echo python3.11 || echo python3)
 NPROC ?= 2
+# xdist workers for `make test` (tests/conftest.py says how test files are grouped onto them)
+TEST_WORKERS ?= 2
 TORCH_VERSION ?= 2.13.0
 TORCH_PIP_ARGS ?=
 
@@ -90,7 +92,7 @@ demo-rm: venv $(STARTER) $(REWARD_MODEL)
 	$(VENV)/bin/torchrun --nproc-per-node $(NPROC) megarl/train.py recipes/tiny_cpu_ppo_rm.sh
 
 test: venv
-	$(VPY) -m pytest tests -q --durations=25
+	$(VPY) -m pytest tests -q --durations=25 -n $(TEST_WORKERS) --dist loadgroup
 
 test-fast: venv
 	$(VPY) -m pytest tests/unit -q

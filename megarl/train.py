@@ -41,7 +41,8 @@ def main(argv: list[str]) -> int:
         if rank != "0":
             # Every rank sees the same config, so rank 0 says it once: the others wait for torchrun to stop them
             # once rank 0 has exited, and speak only if it does not (an error of their own: a path not mounted).
-            time.sleep(5)
+            # 20 s: on a loaded machine (a test suite on two workers) rank 0's exit took more than 5 s to reach them.
+            time.sleep(20)
         print(f"megarl: error: {e}" if rank == "0" else f"megarl: rank {rank}: error: {e}", file=sys.stderr)
         return 2
     except BaseException as e:  # torchrun then stops the other ranks; say which one failed first

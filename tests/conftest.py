@@ -1,3 +1,4 @@
+import re
 import sys
 from pathlib import Path
 
@@ -23,3 +24,21 @@ def tiny_llama_tied(tmp_path_factory):
 def starter():
     """A briefly pre-trained starter model and its data, built by the real tool (`helpers.build_test_starter`)."""
     return build_test_starter()
+
+
+# `make test` runs the suite on two xdist workers (`-n 2 --dist loadgroup`): a 2-core machine is half idle while a
+# test waits on its subprocesses' start-up. Each test file stays on one worker (its module fixtures are built once),
+# and every file that runs sandboxes, code harnesses or Docker containers goes to one worker in turn: those tests
+# count host-wide processes, uids and containers, which another file's sandbox running beside them would change.
+_HOST_STATE = re.compile(r"sandbox|harness|docker|pgrep|/proc/")
+
+
+def pytest_collection_modifyitems(config, items):
+    if not config.pluginmanager.hasplugin("xdist"):
+        return
+    groups: dict[Path, str] = {}
+    for item in items:
+        path = Path(str(item.fspath))
+        if path not in groups:
+            groups[path] = "host-sandboxes" if _HOST_STATE.search(path.read_text()) else path.name
+        item.add_marker(pytest.mark.xdist_group(groups[path]))

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import fcntl
 import os
 import subprocess
 import sys
@@ -57,13 +58,20 @@ def build_test_starter() -> Path:
     sources = [REPO / "tools/make_starter_model.py", REPO / "megarl/tasks/arithmetic.py"]
     digest = hashlib.sha256(b"".join(p.read_bytes() for p in sources)).hexdigest()[:12]
     out = REPO / ".cache" / f"test-starter-{digest}"
+    out.parent.mkdir(exist_ok=True)
+    with open(out.parent / f"test-starter-{digest}.lock", "w") as lock:  # xdist workers: one builds, the other waits
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        _build_test_starter(out)
+    return out
+
+
+def _build_test_starter(out: Path) -> None:
     if not (out / "model.safetensors").exists():
         proc = subprocess.run([sys.executable, str(REPO / "tools/make_starter_model.py"), "--out", str(out),
                                "--steps", "300", "--overwrite"],
                               env=env(), cwd=REPO, timeout=600, capture_output=True, text=True)
         if proc.returncode != 0 and not (out / "model.safetensors").exists():  # a concurrent session may have won
             raise AssertionError(f"building the test starter failed:\n{proc.stderr[-3000:]}")
-    return out
 
 
 def env() -> dict:
