@@ -116,6 +116,7 @@ class DockerSandbox:
         self._removing: list[threading.Thread] = []  # recycled containers being removed in the background
         self._lock = threading.Lock()  # start/close
         self._live_lock = threading.Lock()
+        self._name_prefix = f"megarl-sb-{uuid.uuid4().hex[:8]}-"  # this pool's containers, for close() to check
         self._profile: str | None = None  # the harness containers' seccomp profile, written on first use
         self.started = self.recycled = 0
         self.spawner: dict = {}  # what the first harness container's spawner could set up
@@ -168,7 +169,7 @@ class DockerSandbox:
         return self._profile
 
     def _new_container(self, harness: bool = False) -> "_Container":
-        name = f"megarl-sb-{uuid.uuid4().hex[:12]}"
+        name = f"{self._name_prefix}{uuid.uuid4().hex[:12]}"
         if harness:  # pid 1 is the code verifier's persistent harness (code_harness.serve) instead of the runner
             cfg = {"preimports": HARNESS_PREIMPORTS, "memory_mb": self.limits.memory_mb, "memory_accounted": True,
                    "nproc_extra": 3}  # the container's cgroup counts every page; the spawner runs as the programs
@@ -310,6 +311,20 @@ class DockerSandbox:
             container.remove()
         for remover in removing:  # nothing left behind: recycled ones too
             remover.join(timeout=120)
+        # A container whose `docker run` was still starting when it was removed can appear afterwards (the daemon
+        # creates it once the client gets through; on a loaded host that takes seconds). Remove what is left of
+        # this pool's containers until none is, for at most 60 s.
+        deadline = time.monotonic() + 60
+        while True:
+            try:
+                left = subprocess.run([self.docker, "ps", "-aq", "--filter", f"name={self._name_prefix}"],
+                                      capture_output=True, text=True, timeout=60).stdout.split()
+            except (OSError, subprocess.TimeoutExpired):
+                return
+            if not left or time.monotonic() > deadline:
+                return
+            subprocess.run([self.docker, "rm", "-f", *left], capture_output=True, timeout=60)
+            time.sleep(0.5)
 
 
 class _Container:
