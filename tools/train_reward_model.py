@@ -64,6 +64,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--add-layers", type=int, default=0, help="new decoder layers on top of --init's (a Qwen2/Llama-"
                    "style decoder), their attention and MLP output projections zero, so that the model starts as "
                    "--init's trunk and the new layers can compare the response with what the lower ones predict")
+    p.add_argument("--freeze-init", action="store_true", help="with --add-layers: keep --init's embeddings and "
+                   "layers as they are and train only the added layers, the final norm and the head")
     p.add_argument("--calibrate", action="store_true", help="pairs also train the chosen score towards positive and "
                    "the rejected towards negative (binary cross-entropy), so that the sign of a score says right or "
                    "wrong (what --reward-model-threshold 0 and rm_agreement read)")
@@ -252,7 +254,15 @@ def main(argv=None) -> int:
     shutil.rmtree(tmp, ignore_errors=True)
     init_model(args.init, tmp, args.add_layers)
     rm = HFRewardModel(tmp, batch_size=256)
-    opt = torch.optim.AdamW(rm.model.parameters(), lr=args.lr, betas=(0.9, args.adam_beta2), weight_decay=0.0)
+    if args.freeze_init:
+        if not args.add_layers:
+            raise SystemExit("--freeze-init needs --add-layers (else nothing but the head would train)")
+        base = getattr(rm.model, rm.model.base_model_prefix)
+        n = len(base.layers) - args.add_layers
+        for p in [*base.embed_tokens.parameters(), *(q for layer in base.layers[:n] for q in layer.parameters())]:
+            p.requires_grad_(False)
+    trained = [p for p in rm.model.parameters() if p.requires_grad]
+    opt = torch.optim.AdamW(trained, lr=args.lr, betas=(0.9, args.adam_beta2), weight_decay=0.0)
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: learning_rate_factor(s, args.steps, args.warmup_steps))
     print(f"train_reward_model: {len(train)} training rows, {len(test)} held-out rows, {args.steps} steps", flush=True)
     start, losses = time.time(), []
@@ -261,7 +271,7 @@ def main(argv=None) -> int:
         loss = loss_of(rm, rng.sample(train, min(args.batch_size, len(train))), args.calibrate)
         opt.zero_grad()
         loss.backward()
-        torch.nn.utils.clip_grad_norm_(rm.model.parameters(), 1.0)
+        torch.nn.utils.clip_grad_norm_(trained, 1.0)
         opt.step()
         sched.step()
         losses.append(loss.item())

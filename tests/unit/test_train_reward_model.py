@@ -168,3 +168,33 @@ def test_the_schedule_warms_up_then_decays_to_a_tenth():
     assert tool.learning_rate_factor(0, 100) == pytest.approx(1.0)  # no warm-up: the default, as before
     assert tool.learning_rate_factor(0, 100, warmup=10) == pytest.approx(0.1 * (0.1 + 0.9 * 0.5 * (1 + math.cos(0))))
     assert tool.learning_rate_factor(100, 100, warmup=10) == pytest.approx(0.1)
+
+
+def test_freeze_init_needs_added_layers(tmp_path):
+    tool = _tool()
+    init = make_tiny_hf_model(tmp_path / "init", "qwen2", with_tokenizer=True, seed=1)
+    data = tmp_path / "rows.jsonl"
+    data.write_text("".join(json.dumps({"prompt": f"{a}=", "chosen": "1", "rejected": "2"}) + "\n" for a in range(20)))
+    with pytest.raises(SystemExit, match="--freeze-init needs --add-layers"):
+        tool.main(["--init", str(init), "--out", str(tmp_path / "rm"), "--data", str(data), "--steps", "1",
+                   "--freeze-init"])
+
+
+def test_freeze_init_trains_only_the_added_layers_and_the_head(tmp_path):
+    import torch
+    from transformers import AutoModelForSequenceClassification
+
+    tool = _tool()
+    init = make_tiny_hf_model(tmp_path / "init", "qwen2", with_tokenizer=True, seed=1)
+    data = tmp_path / "rows.jsonl"
+    data.write_text("".join(json.dumps({"prompt": f"{a}+{b}=", "chosen": str(a + b), "rejected": str(a + b + 1)})
+                            + "\n" for a in range(6) for b in range(6)))
+    out = tmp_path / "rm"
+    assert tool.main(["--init", str(init), "--out", str(out), "--data", str(data), "--steps", "3", "--lr", "1e-2",
+                      "--add-layers", "1", "--freeze-init"]) == 0
+    before = AutoModelForSequenceClassification.from_pretrained(str(init), num_labels=1).state_dict()
+    after = AutoModelForSequenceClassification.from_pretrained(str(out), num_labels=1).state_dict()
+    assert after["model.layers.2.mlp.down_proj.weight"].abs().sum() > 0, "the added layer trained"
+    for name, value in before.items():
+        if name.startswith(("model.embed_tokens", "model.layers.0.", "model.layers.1.")):
+            assert torch.equal(value, after[name]), name
