@@ -28,6 +28,38 @@
 #   0.35 in the last 20 while the model's mean score rose (-0.12 -> 0.22).
 # Still reward hacking, slower: a reward model that picks the right answer from 16 samples no more often than
 # chance cannot teach the sums. The aim (+20 points sampled in 15 min) is not met.
+#
+# Later measurements (2 cores shared with 4-7 other training processes and paused at times, so wall times are
+# high; every run is bound by its step count):
+# - Where a step goes (this recipe, 1,000 steps, the medians of metrics.jsonl): 0.38 s a step, of which the reward
+#   server scoring the 64 completions 0.03 s, the critic 0.16 s, the actor update 0.11 s, log-probs 0.03 s,
+#   generation 0.01 s; a more loaded run: 0.69 s, reward 0.05 s, critic 0.31 s, update 0.19 s. The 0.75 s a step
+#   above was the load, not the reward model (0.24 s a step for tiny_cpu_ppo.sh was measured on a quieter machine).
+# - The ceiling, tiny_cpu_ppo.sh with the exact verifier reward: lr 1.5e-4 -> 1e-5 over 2,400 steps gave held-out
+#   sampled 23.6 %, greedy 27.5 % at step 600; lr 1e-4 -> 1e-5 over 2,000 steps with --critic-lr 1e-3 gave 27.0 % /
+#   32.5 % at step 500 (both stopped there); the critic's explained variance stayed -0.02..0.00 even at
+#   --critic-lr 1e-3 (it learns the mean reward only), so the advantages are reward minus a batch-wide baseline and
+#   the hard prompts' samples are all pushed down: greedy falls fast at GRPO's learning rates. The best measured
+#   with the exact reward stays 31.8 % (+8) at 5e-5, 1,000 steps: +20 in 15 minutes is out of this PPO's reach
+#   even with a perfect reward model.
+# - Reward models, judged on fresh samples (16 a problem) of 600 training problems (the prompts PPO trains on) and
+#   of the 200 held-out ones: policy pairs / best of 16 by score (a random sample: 25.0 % / 22.9 %):
+#     the 400-step model (verifier-made pairs only)                     train 51.0/16.0  held-out 44.2/10.5
+#     2 layers, all trained, lr 1e-3, 50 warm-up steps, beta2 0.98, 500 train 52.2/16.0  held-out 51.3/14.5
+#     (its loss stalls at ~1.25 from step 300; lr 1e-4 and 3e-5 were on the same course at step 200: 1.27, 1.32)
+#     --add-layers 1 --freeze-init, lr 2e-3, 300 steps                  train 56.4/20.3  held-out 54.4/14.5
+#     --add-layers 2 --freeze-init, lr 1e-3, 30 warm-up, beta2 0.98, 600 train 62.0/27.2  held-out 60.0/23.0
+#   (same data as the build: the verifier's pairs plus 8 starter samples a training problem). With two new layers
+#   over the frozen starter the loss falls below the 2-layer model's floor (1.08 at step 600, still falling): the
+#   new layers can read what the starter's layers predict at the answer's earlier tokens, where a 2-layer model
+#   read at the last token has to learn the sums itself. Still far from the >90 % on training problems the
+#   policy would need. The tool's own build with these options (--policy-samples 8 --calibrate --add-layers 2
+#   --freeze-init --lr 1e-3 --warmup-steps 30 --adam-beta2 0.98 --steps 600 --eval-train-problems 600) reports
+#   training pairs 76.7 %, held-out pairs 69.5 % (verifier-made and sampled together), fresh samples of training
+#   problems 65.8 %. PPO from it, this recipe unchanged (REWARD_MODEL_DIR=that model, 1,000 steps, 0.45 s a step
+#   median, reward server 0.06 s of it): held-out sampled 23.6 % -> 15.2 % at step 500 -> 12.5 %, greedy
+#   64.0 % -> 17.5 % -> 11.5 %, rm_agreement 0.38 in the first 10 steps -> 0.28 in the last 20 (the model's
+#   mean score -0.10 -> 0.14): exploited faster than the 1,000-step build, so `make demo-rm` keeps that one.
 REPO_ROOT=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
 source "$REPO_ROOT/recipes/tiny_cpu_ppo.sh"
 REWARD_MODEL_DIR=${REWARD_MODEL_DIR:-$REPO_ROOT/.cache/reward_model}

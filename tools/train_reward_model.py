@@ -55,6 +55,17 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--steps", type=int, default=600, help="optimizer steps (the schedule's length)")
     p.add_argument("--batch-size", type=int, default=64, help="pairs (or labelled rows) per step")
     p.add_argument("--lr", type=float, default=3e-4, help="peak learning rate (AdamW, cosine to 10%%)")
+    p.add_argument("--warmup-steps", type=int, default=0, help="linear learning-rate warm-up over this many steps "
+                   "(0 = none), as tools/make_starter_model.py's")
+    p.add_argument("--adam-beta2", type=float, default=0.999, help="AdamW's beta2 (make_starter_model.py uses 0.98)")
+    p.add_argument("--eval-train-problems", type=int, default=0, help="with --arithmetic and --policy-samples: also "
+                   "report the accuracies on this many training problems (fresh samples, drawn with seed + 2), the "
+                   "prompts RL trains on")
+    p.add_argument("--add-layers", type=int, default=0, help="new decoder layers on top of --init's (a Qwen2/Llama-"
+                   "style decoder), their attention and MLP output projections zero, so that the model starts as "
+                   "--init's trunk and the new layers can compare the response with what the lower ones predict")
+    p.add_argument("--freeze-init", action="store_true", help="with --add-layers: keep --init's embeddings and "
+                   "layers as they are and train only the added layers, the final norm and the head")
     p.add_argument("--calibrate", action="store_true", help="pairs also train the chosen score towards positive and "
                    "the rejected towards negative (binary cross-entropy), so that the sign of a score says right or "
                    "wrong (what --reward-model-threshold 0 and rm_agreement read)")
@@ -117,10 +128,13 @@ def policy_pairs(problems: list[dict], samples: list[list[str]]) -> list[dict]:
             if verifier.verify(s, row["answer"]).outcome != "correct"]
 
 
-def sampled_pairs(init: Path, path: Path, n: int, seed: int) -> list[dict]:
+def sampled_pairs(init: Path, path: Path, n: int, seed: int, subset: int = 0) -> list[dict]:
+    """policy_pairs of `n` samples per problem of `path` (of `subset` of them, drawn with `seed`, when > 0)."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     problems = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    if subset:
+        problems = random.Random(seed).sample(problems, min(subset, len(problems)))
     lm = AutoModelForCausalLM.from_pretrained(str(init), dtype=torch.float32)
     samples = sample_responses(lm, AutoTokenizer.from_pretrained(str(init)), [r["prompt"] for r in problems], n, seed)
     return policy_pairs(problems, samples)
@@ -145,16 +159,37 @@ def read_rows(path: Path) -> list[dict]:
     return rows
 
 
-def init_model(src: Path, out: Path) -> None:
-    """`src`'s trunk with a new one-label head, saved to `out` with its tokenizer (pad id set)."""
-    from transformers import AutoModelForSequenceClassification, AutoTokenizer
+def init_model(src: Path, out: Path, add_layers: int = 0) -> None:
+    """`src`'s trunk with a new one-label head (and `add_layers` new decoder layers on top, their output
+    projections zero), saved to `out` with its tokenizer (pad id set)."""
+    from transformers import AutoConfig, AutoModelForSequenceClassification, AutoTokenizer
 
     tok = AutoTokenizer.from_pretrained(str(src))
     model = AutoModelForSequenceClassification.from_pretrained(str(src), num_labels=1, dtype=torch.float32)
+    if add_layers:
+        config = AutoConfig.from_pretrained(str(src), num_labels=1)
+        n = config.num_hidden_layers
+        config.num_hidden_layers = n + add_layers
+        if getattr(config, "layer_types", None):
+            config.layer_types = list(config.layer_types) + [config.layer_types[-1]] * add_layers
+        deeper = AutoModelForSequenceClassification.from_config(config, dtype=torch.float32)
+        missing = deeper.load_state_dict(model.state_dict(), strict=False).missing_keys
+        assert all(".layers." in k and int(k.split(".layers.")[1].split(".")[0]) >= n for k in missing), missing
+        with torch.no_grad():
+            for layer in getattr(deeper, deeper.base_model_prefix).layers[n:]:
+                layer.self_attn.o_proj.weight.zero_()
+                layer.mlp.down_proj.weight.zero_()
+        model = deeper
     model.config.pad_token_id = tok.pad_token_id if tok.pad_token_id is not None else tok.eos_token_id
     torch.nn.init.normal_(model.score.weight, std=1.0 / math.sqrt(model.config.hidden_size))
     model.save_pretrained(str(out))
     tok.save_pretrained(str(out))
+
+
+def learning_rate_factor(step: int, steps: int, warmup: int = 0) -> float:
+    """The schedule's factor on --lr at `step`: linear warm-up over `warmup` steps, times cosine to 10%."""
+    return min(1.0, (step + 1) / warmup if warmup else 1.0) * \
+        (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * min(step, steps) / steps)))
 
 
 def loss_of(rm, batch: list[dict], calibrate: bool = False) -> torch.Tensor:
@@ -196,6 +231,7 @@ def main(argv=None) -> int:
     args = parse_args(argv)
     from megarl.reward_model import HFRewardModel
 
+    train_problems: list[dict] = []
     rng = random.Random(args.seed)
     torch.manual_seed(args.seed)
     if args.arithmetic:
@@ -206,6 +242,9 @@ def main(argv=None) -> int:
             train += sampled_pairs(args.init, args.arithmetic / "train.jsonl", args.policy_samples, args.seed)
             if held.is_file():
                 test += sampled_pairs(args.init, held, args.policy_samples, args.seed + 1)
+            if args.eval_train_problems:
+                train_problems = sampled_pairs(args.init, args.arithmetic / "train.jsonl", args.policy_samples,
+                                               args.seed + 2, subset=args.eval_train_problems)
     else:
         rows = read_rows(args.data)
         rng.shuffle(rows)
@@ -213,11 +252,18 @@ def main(argv=None) -> int:
         train, test = rows[cut:], rows[:cut]
     tmp = args.out.with_name("." + args.out.name + ".partial")
     shutil.rmtree(tmp, ignore_errors=True)
-    init_model(args.init, tmp)
+    init_model(args.init, tmp, args.add_layers)
     rm = HFRewardModel(tmp, batch_size=256)
-    opt = torch.optim.AdamW(rm.model.parameters(), lr=args.lr, weight_decay=0.0)
-    sched = torch.optim.lr_scheduler.LambdaLR(
-        opt, lambda s: 0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * min(s, args.steps) / args.steps)))
+    if args.freeze_init:
+        if not args.add_layers:
+            raise SystemExit("--freeze-init needs --add-layers (else nothing but the head would train)")
+        base = getattr(rm.model, rm.model.base_model_prefix)
+        n = len(base.layers) - args.add_layers
+        for p in [*base.embed_tokens.parameters(), *(q for layer in base.layers[:n] for q in layer.parameters())]:
+            p.requires_grad_(False)
+    trained = [p for p in rm.model.parameters() if p.requires_grad]
+    opt = torch.optim.AdamW(trained, lr=args.lr, betas=(0.9, args.adam_beta2), weight_decay=0.0)
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: learning_rate_factor(s, args.steps, args.warmup_steps))
     print(f"train_reward_model: {len(train)} training rows, {len(test)} held-out rows, {args.steps} steps", flush=True)
     start, losses = time.time(), []
     rm.model.train()
@@ -225,7 +271,7 @@ def main(argv=None) -> int:
         loss = loss_of(rm, rng.sample(train, min(args.batch_size, len(train))), args.calibrate)
         opt.zero_grad()
         loss.backward()
-        torch.nn.utils.clip_grad_norm_(rm.model.parameters(), 1.0)
+        torch.nn.utils.clip_grad_norm_(trained, 1.0)
         opt.step()
         sched.step()
         losses.append(loss.item())
@@ -241,6 +287,7 @@ def main(argv=None) -> int:
     rm.model.config.reward_mean, rm.model.config.reward_std = mean, std
     rm.model.save_pretrained(str(tmp))
     metrics = {"train": evaluate(rm, train[:2000]), "heldout": evaluate(rm, test) if test else {},
+               **({"train_problems_policy_pairs": evaluate(rm, train_problems)} if train_problems else {}),
                "steps": args.steps, "seconds": round(time.time() - start, 1), "reward_mean": mean, "reward_std": std}
     (tmp / "reward_model_eval.json").write_text(json.dumps(metrics, indent=2))
     shutil.rmtree(args.out, ignore_errors=True)

@@ -4,6 +4,7 @@ loads as an ordinary HF checkpoint, with the stored normalisation its own scores
 from __future__ import annotations
 
 import importlib.util
+import math
 import json
 import random
 
@@ -138,3 +139,62 @@ def test_sample_responses_keep_the_prompts_order_and_stop_at_eos(tmp_path):
     prompts = ["12+3=", "1+2=", "10+20=", "2+2="]  # lengths 5, 4, 6, 4: three length groups, out of order
     out = tool.sample_responses(_ScriptedLM(tok), tok, prompts, n=2, seed=0, max_new_tokens=7)
     assert out == [["5678901"] * 2, ["4567"] * 2, ["678901"] * 2, ["4567"] * 2]
+
+
+def test_added_layers_start_as_the_init_trunk(tmp_path):
+    """--add-layers N: N new decoder layers on top whose output projections are zero, so the deeper reward model
+    scores every text as the plain one does (given the same head) until training moves them; it loads as an ordinary
+    checkpoint with N more layers."""
+    import torch
+
+    from megarl.reward_model import HFRewardModel
+
+    tool = _tool()
+    init = make_tiny_hf_model(tmp_path / "init", "qwen2", with_tokenizer=True, seed=3)
+    torch.manual_seed(0)
+    tool.init_model(init, tmp_path / "plain")
+    torch.manual_seed(0)
+    tool.init_model(init, tmp_path / "deeper", add_layers=2)
+    plain, deeper = HFRewardModel(tmp_path / "plain"), HFRewardModel(tmp_path / "deeper")
+    with torch.no_grad():  # the heads are drawn from different points of the random stream: make them equal
+        deeper.model.score.weight.copy_(plain.model.score.weight)
+    assert deeper.model.config.num_hidden_layers == plain.model.config.num_hidden_layers + 2
+    rows = [("12+34=", "46", None), ("3-7=", "", None), ("50+50=", "100", None)]
+    assert deeper.score(rows) == pytest.approx(plain.score(rows), abs=1e-5)
+
+
+def test_the_schedule_warms_up_then_decays_to_a_tenth():
+    tool = _tool()
+    assert tool.learning_rate_factor(0, 100) == pytest.approx(1.0)  # no warm-up: the default, as before
+    assert tool.learning_rate_factor(0, 100, warmup=10) == pytest.approx(0.1 * (0.1 + 0.9 * 0.5 * (1 + math.cos(0))))
+    assert tool.learning_rate_factor(100, 100, warmup=10) == pytest.approx(0.1)
+
+
+def test_freeze_init_needs_added_layers(tmp_path):
+    tool = _tool()
+    init = make_tiny_hf_model(tmp_path / "init", "qwen2", with_tokenizer=True, seed=1)
+    data = tmp_path / "rows.jsonl"
+    data.write_text("".join(json.dumps({"prompt": f"{a}=", "chosen": "1", "rejected": "2"}) + "\n" for a in range(20)))
+    with pytest.raises(SystemExit, match="--freeze-init needs --add-layers"):
+        tool.main(["--init", str(init), "--out", str(tmp_path / "rm"), "--data", str(data), "--steps", "1",
+                   "--freeze-init"])
+
+
+def test_freeze_init_trains_only_the_added_layers_and_the_head(tmp_path):
+    import torch
+    from transformers import AutoModelForSequenceClassification
+
+    tool = _tool()
+    init = make_tiny_hf_model(tmp_path / "init", "qwen2", with_tokenizer=True, seed=1)
+    data = tmp_path / "rows.jsonl"
+    data.write_text("".join(json.dumps({"prompt": f"{a}+{b}=", "chosen": str(a + b), "rejected": str(a + b + 1)})
+                            + "\n" for a in range(6) for b in range(6)))
+    out = tmp_path / "rm"
+    assert tool.main(["--init", str(init), "--out", str(out), "--data", str(data), "--steps", "3", "--lr", "1e-2",
+                      "--add-layers", "1", "--freeze-init"]) == 0
+    before = AutoModelForSequenceClassification.from_pretrained(str(init), num_labels=1).state_dict()
+    after = AutoModelForSequenceClassification.from_pretrained(str(out), num_labels=1).state_dict()
+    assert after["model.layers.2.mlp.down_proj.weight"].abs().sum() > 0, "the added layer trained"
+    for name, value in before.items():
+        if name.startswith(("model.embed_tokens", "model.layers.0.", "model.layers.1.")):
+            assert torch.equal(value, after[name]), name
