@@ -303,6 +303,12 @@ class DockerSandbox:
                 "seccomp filter, where the engine allows a user namespace (else the pid-1 runner kills all and "
                 "cleans up after each job)")
 
+    def containers(self) -> list[str]:
+        """Ids of this pool's containers that Docker still has (running or not): none after `close()`."""
+        out = subprocess.run([self.docker, "ps", "-aq", "--filter", f"name={self._name_prefix}"],
+                             capture_output=True, text=True, timeout=60)
+        return out.stdout.split()
+
     def close(self) -> None:
         with self._lock, self._live_lock:
             live, self._live, self._idle, self._harness_idle = list(self._live), set(), None, None
@@ -317,8 +323,7 @@ class DockerSandbox:
         deadline = time.monotonic() + 60
         while True:
             try:
-                left = subprocess.run([self.docker, "ps", "-aq", "--filter", f"name={self._name_prefix}"],
-                                      capture_output=True, text=True, timeout=60).stdout.split()
+                left = self.containers()
             except (OSError, subprocess.TimeoutExpired):
                 return
             if not left or time.monotonic() > deadline:
