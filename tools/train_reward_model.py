@@ -229,6 +229,8 @@ def evaluate(rm, rows: list[dict]) -> dict:
 
 def main(argv=None) -> int:
     args = parse_args(argv)
+    if args.freeze_init and not args.add_layers:  # before any sampling or model loading
+        raise SystemExit("--freeze-init needs --add-layers (else nothing but the head would train)")
     from megarl.reward_model import HFRewardModel
 
     train_problems: list[dict] = []
@@ -255,8 +257,6 @@ def main(argv=None) -> int:
     init_model(args.init, tmp, args.add_layers)
     rm = HFRewardModel(tmp, batch_size=256)
     if args.freeze_init:
-        if not args.add_layers:
-            raise SystemExit("--freeze-init needs --add-layers (else nothing but the head would train)")
         base = getattr(rm.model, rm.model.base_model_prefix)
         n = len(base.layers) - args.add_layers
         for p in [*base.embed_tokens.parameters(), *(q for layer in base.layers[:n] for q in layer.parameters())]:

@@ -4,8 +4,8 @@ loads as an ordinary HF checkpoint, with the stored normalisation its own scores
 from __future__ import annotations
 
 import importlib.util
-import math
 import json
+import math
 import random
 
 import pytest
