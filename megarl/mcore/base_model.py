@@ -264,6 +264,9 @@ class MegatronModel:
         if max_tokens > 0:  # PP = 1 only (`megarl.config`): pipeline stages exchange fixed-shape micro-batches
             micro = _budget_micro_batches(batch, max_tokens)
         else:
+            # A batch smaller than a micro-batch (a PPO mini-batch, a short last batch) is one micro-batch of its
+            # own size: padding it to --micro-batch-size rows would compute the empty rows too.
+            micro_batch_size = max(1, min(micro_batch_size, batch["tokens"].shape[0]))
             micro = _micro_batches(batch, micro_batch_size)
         # Sequence parallelism splits the sequence over TP ranks: widths are padded to a multiple of TP (on the
         # right, so causal attention keeps the real positions unchanged) and the padding's logits cut off.

@@ -43,6 +43,9 @@ def test_logits_logprobs_and_export_match_hf(family, tiny_qwen2, tiny_llama_tied
                 assert (r["logits"] - ref_logits).abs().max() < 1e-4, name
         logp = _last_stage_logprobs(results)
         assert (logp - ref_logp).abs().max() < 1e-4, name
+        wide = _last_stage_logprobs([{"logprobs": r["wide_logprobs"]} for r in results])
+        assert (wide - ref_logp).abs().max() < 1e-4, name
+        assert all(r["wide_rows_seen"] == [4] for r in results), (name, [r["wide_rows_seen"] for r in results])
         per_layout[name] = logp
         exported = results[0]["exported"]  # rank 0 is the model-parallel leader
         assert set(exported) == set(original), name

@@ -41,6 +41,12 @@ def scenario_forward(args, info):
     tokens = _fixed_tokens(shape.vocab_size).to(parallel_device())
     logprobs = policy.logprobs(tokens, micro_batch_size=2, temperature=0.7)
     out = {"logprobs": None if logprobs is None else logprobs.cpu()}
+    # A micro-batch size above the batch's 4 rows: one micro-batch of 4 rows, not 16 with 12 padded ones.
+    rows_seen = []
+    hook = policy.model.register_forward_pre_hook(lambda module, args: rows_seen.append(args[0].shape[0]))
+    wide = policy.logprobs(tokens, micro_batch_size=16, temperature=0.7)
+    hook.remove()
+    out.update(wide_logprobs=None if wide is None else wide.cpu(), wide_rows_seen=rows_seen)
     if info.pp_size == 1:
         with cpu_compat.megatron_scope(), torch.no_grad():
             logits = policy.model(tokens, torch.arange(tokens.shape[1], device=tokens.device).expand_as(tokens), None)
