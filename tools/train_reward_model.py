@@ -52,6 +52,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--policy-samples", type=int, default=0, help="with --arithmetic: also sample this many responses "
                    "per problem from --init (a causal LM: the policy RL starts from) and pair the right answer with "
                    "each sample the verifier calls wrong")
+    p.add_argument("--far-negatives", action="store_true", help="with --arithmetic: also pair the right answer with "
+                   "wrong responses unlike the starter's (a digit dropped, reversed, random numbers, stray "
+                   "characters: far_misses), which a policy otherwise finds and exploits")
     p.add_argument("--steps", type=int, default=600, help="optimizer steps (the schedule's length)")
     p.add_argument("--batch-size", type=int, default=64, help="pairs (or labelled rows) per step")
     p.add_argument("--lr", type=float, default=3e-4, help="peak learning rate (AdamW, cosine to 10%%)")
@@ -80,14 +83,31 @@ def near_misses(answer: str, rng: random.Random) -> list[str]:
     return off + [answer + str(rng.randrange(10)), ""]
 
 
-def arithmetic_pairs(path: Path, rng: random.Random) -> list[dict]:
-    """One pair per wrong response of every problem in `path`, each side labelled by the verifier."""
+_JUNK = "abcxyz+-=.?"
+
+
+def far_misses(answer: str, rng: random.Random) -> list[str]:
+    """Wrong responses further from the answer than `near_misses`, the kinds a policy drifts to once it exploits
+    a reward model: each digit dropped, the digits reversed, two random numbers 0-100 and a random single digit
+    (none equal to the answer), a leading zero, a minus sign, a character after the answer, no digit at all."""
+    c = int(answer)
+    out = [answer[:i] + answer[i + 1 :] for i in range(len(answer))] if len(answer) > 1 else []
+    out += [answer[::-1]] if answer[::-1] != answer else []
+    out += [str(x) for x in rng.sample([x for x in range(101) if x != c], 2)]
+    out += [str(rng.choice([x for x in range(10) if x != c]))]
+    out += ["0" + answer, "-" + answer, answer + rng.choice(_JUNK), "".join(rng.choices(_JUNK, k=rng.randint(1, 3)))]
+    return out
+
+
+def arithmetic_pairs(path: Path, rng: random.Random, far: bool = False) -> list[dict]:
+    """One pair per wrong response of every problem in `path` (`near_misses`, and `far_misses` when `far`), each
+    side labelled by the verifier."""
     verifier, pairs = ArithmeticVerifier(), []
     for line in path.read_text().splitlines():
         row = json.loads(line)
         good = row["answer"]
         assert verifier.verify(good, row["answer"]).outcome == "correct"
-        for bad in near_misses(good, rng):
+        for bad in near_misses(good, rng) + (far_misses(good, rng) if far else []):
             if verifier.verify(bad, row["answer"]).outcome != "correct":
                 pairs.append({"prompt": row["prompt"], "chosen": good, "rejected": bad})
     return pairs
@@ -237,9 +257,9 @@ def main(argv=None) -> int:
     rng = random.Random(args.seed)
     torch.manual_seed(args.seed)
     if args.arithmetic:
-        train = arithmetic_pairs(args.arithmetic / "train.jsonl", rng)
+        train = arithmetic_pairs(args.arithmetic / "train.jsonl", rng, args.far_negatives)
         held = args.arithmetic / "heldout.jsonl"
-        test = arithmetic_pairs(held, rng) if held.is_file() else []
+        test = arithmetic_pairs(held, rng, args.far_negatives) if held.is_file() else []
         if args.policy_samples:
             train += sampled_pairs(args.init, args.arithmetic / "train.jsonl", args.policy_samples, args.seed)
             if held.is_file():

@@ -102,6 +102,36 @@ def test_policy_pairs_are_the_verifiers_wrong_samples_against_the_answer():
         {"prompt": "9-4=", "chosen": "5", "rejected": "05"}]
 
 
+def test_far_misses_are_wrong_by_the_verifier_and_cover_the_drifts():
+    """Every far miss is a response the verifier calls wrong; they include each digit dropped, the digits reversed,
+    a single digit, a leading zero, a minus sign, a stray character and a response with no digit."""
+    from megarl.verifiers.arithmetic import ArithmeticVerifier
+
+    tool, verifier, rng = _tool(), ArithmeticVerifier(), random.Random(3)
+    for answer in ("0", "7", "28", "100"):
+        for _ in range(20):
+            misses = tool.far_misses(answer, rng)
+            assert all(verifier.verify(m, answer).outcome != "correct" for m in misses), (answer, misses)
+            assert "0" + answer in misses and "-" + answer in misses
+            assert any(m.startswith(answer) and len(m) == len(answer) + 1 and not m[-1].isdigit() for m in misses)
+            assert any(m and not any(ch.isdigit() for ch in m) for m in misses)
+            assert any(len(m) == 1 and m.isdigit() for m in misses)
+    misses = tool.far_misses("28", random.Random(0))
+    assert {"2", "8", "82"} <= set(misses)
+    assert tool.far_misses("100", random.Random(0))[:2] == ["00", "10"]  # dropped digits, in order
+
+
+def test_far_negatives_add_pairs_only_when_asked(tmp_path):
+    tool = _tool()
+    path = tmp_path / "train.jsonl"
+    path.write_text("".join(json.dumps({"prompt": f"{a}+{a}=", "answer": str(2 * a)}) + "\n" for a in (3, 14)))
+    near = tool.arithmetic_pairs(path, random.Random(0))
+    both = tool.arithmetic_pairs(path, random.Random(0), far=True)
+    assert len(near) == 2 * 8 and len(both) > len(near)
+    assert all(p["chosen"] == str(2 * int(p["prompt"].split("+")[0])) for p in both)
+    assert {"8", "2"} <= {p["rejected"] for p in both if p["prompt"] == "14+14="}
+
+
 class _ScriptedLM:
     """A causal LM whose next token is scripted from the prompt's length and the tokens so far: prompt length L
     gives str(L) then str(L+1) ... for L tokens, then eos (or never eos when L is 5)."""
