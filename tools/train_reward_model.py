@@ -13,6 +13,9 @@ each problem of DIR/train.jsonl, the answer the arithmetic verifier calls correc
 (off by 1-3, a digit too many, none at all) - the verifier's labels, so the reward model learns to stand in for
 it. `--policy-samples K` adds the mistakes the policy actually makes: K responses per problem sampled from
 `--init` (the starter RL begins from), each one the verifier calls wrong paired against the right answer. Texts
+`--far-negatives` adds wrong answers unlike the starter's (digits dropped, random numbers, stray characters), the
+drift a policy exploits otherwise; `--listwise K` trains each prompt's right answer against K of its wrong ones
+at once (softmax cross-entropy: the hard negatives weigh most) instead of pair by pair. Texts
 are what `megarl.reward_model.HFRewardModel` scores (prompt + response through the tokenizer's chat
 template when it has one), so training and scoring read the same tokens.
 
@@ -69,6 +72,10 @@ def parse_args(argv=None) -> argparse.Namespace:
                    "--init's trunk and the new layers can compare the response with what the lower ones predict")
     p.add_argument("--freeze-init", action="store_true", help="with --add-layers: keep --init's embeddings and "
                    "layers as they are and train only the added layers, the final norm and the head")
+    p.add_argument("--listwise", type=int, default=0, metavar="K", help="pairs: train each step on --batch-size / "
+                   "(K + 1) prompts, each prompt's right answer against K of its wrong ones (drawn from its pairs), "
+                   "with the softmax cross-entropy of the right one among the K + 1 (a ranking loss: the hard "
+                   "negatives weigh most) instead of one Bradley-Terry term per pair; 0 = pairs")
     p.add_argument("--calibrate", action="store_true", help="pairs also train the chosen score towards positive and "
                    "the rejected towards negative (binary cross-entropy), so that the sign of a score says right or "
                    "wrong (what --reward-model-threshold 0 and rm_agreement read)")
@@ -231,6 +238,37 @@ def loss_of(rm, batch: list[dict], calibrate: bool = False) -> torch.Tensor:
     return loss / len(batch)
 
 
+def listwise_loss_of(rm, groups: list[tuple[str, str, list[str]]], calibrate: bool = False) -> torch.Tensor:
+    """Each group (prompt, right answer, K wrong answers): -log softmax(scores)[right], averaged over the groups;
+    `calibrate` adds the binary cross-entropy of every score's sign, as for pairs."""
+    k = len(groups[0][2])
+    ids = [rm.token_ids(prompt, r) for prompt, right, wrong in groups for r in [right, *wrong]]
+    s = rm.forward_ids(ids).view(len(groups), k + 1)
+    loss = -torch.log_softmax(s, dim=1)[:, 0].mean()
+    if calibrate:
+        labels = torch.zeros_like(s)
+        labels[:, 0] = 1.0
+        loss = loss + torch.nn.functional.binary_cross_entropy_with_logits(s, labels, reduction="none").sum(1).mean() / 2
+    return loss
+
+
+def listwise_groups(pairs: list[dict]) -> list[tuple[str, str, list[str]]]:
+    """Pairs grouped by prompt: (prompt, right answer, every wrong answer paired with it), in first-seen order."""
+    by_prompt: dict[str, tuple[str, list[str]]] = {}
+    for r in pairs:
+        by_prompt.setdefault(r["prompt"], (r["chosen"], []))[1].append(r["rejected"])
+    return [(prompt, right, wrong) for prompt, (right, wrong) in by_prompt.items()]
+
+
+def sample_groups(groups, n: int, k: int, rng: random.Random) -> list[tuple[str, str, list[str]]]:
+    """`n` groups, each with `k` of its wrong answers (drawn without replacement while there are enough)."""
+    out = []
+    for prompt, right, wrong in rng.sample(groups, min(n, len(groups))):
+        picked = rng.sample(wrong, k) if len(wrong) >= k else [rng.choice(wrong) for _ in range(k)]
+        out.append((prompt, right, picked))
+    return out
+
+
 @torch.no_grad()
 def evaluate(rm, rows: list[dict]) -> dict:
     pairs = [r for r in rows if "chosen" in r]
@@ -272,6 +310,9 @@ def main(argv=None) -> int:
         rng.shuffle(rows)
         cut = max(1, len(rows) // 10) if len(rows) >= 10 else 0
         train, test = rows[cut:], rows[:cut]
+    groups = listwise_groups([r for r in train if "chosen" in r]) if args.listwise else []
+    if args.listwise and not groups:
+        raise SystemExit("--listwise needs preference pairs {prompt, chosen, rejected}")
     tmp = args.out.with_name("." + args.out.name + ".partial")
     shutil.rmtree(tmp, ignore_errors=True)
     init_model(args.init, tmp, args.add_layers)
@@ -288,7 +329,11 @@ def main(argv=None) -> int:
     start, losses = time.time(), []
     rm.model.train()
     for step in range(1, args.steps + 1):
-        loss = loss_of(rm, rng.sample(train, min(args.batch_size, len(train))), args.calibrate)
+        if groups:
+            loss = listwise_loss_of(rm, sample_groups(groups, max(1, args.batch_size // (args.listwise + 1)),
+                                                      args.listwise, rng), args.calibrate)
+        else:
+            loss = loss_of(rm, rng.sample(train, min(args.batch_size, len(train))), args.calibrate)
         opt.zero_grad()
         loss.backward()
         torch.nn.utils.clip_grad_norm_(trained, 1.0)

@@ -49,6 +49,34 @@ def test_labelled_rows_train_a_reward_model_hf_rm_loads(tmp_path):
     assert not (tmp_path / ".rm.partial").exists()
 
 
+def test_listwise_pairs_train_a_reward_model_that_ranks_the_chosen_first(tmp_path):
+    """--listwise on preference pairs: the chosen response ends up ranked first among each prompt's responses."""
+    from megarl.reward_model import HFRewardModel
+
+    tool = _tool()
+    init = make_tiny_hf_model(tmp_path / "init", "qwen2", with_tokenizer=True, seed=1)
+    rows = [{"prompt": f"{a}+{b}=", "chosen": "yes" + str(a), "rejected": bad + str(a)}
+            for a in range(10) for b in range(4) for bad in ("no", "maybe", "x")]
+    data = tmp_path / "pairs.jsonl"
+    data.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    assert tool.main(["--init", str(init), "--out", str(tmp_path / "rm"), "--data", str(data), "--steps", "40",
+                      "--lr", "3e-3", "--batch-size", "16", "--listwise", "3"]) == 0
+    rm = HFRewardModel(tmp_path / "rm")
+    chosen = rm.score([(r["prompt"], r["chosen"], None) for r in rows])
+    rejected = rm.score([(r["prompt"], r["rejected"], None) for r in rows])
+    assert sum(c > j for c, j in zip(chosen, rejected)) / len(rows) > 0.9
+
+
+def test_listwise_refuses_labelled_rows(tmp_path):
+    tool = _tool()
+    init = make_tiny_hf_model(tmp_path / "init", "qwen2", with_tokenizer=True, seed=1)
+    data = tmp_path / "rows.jsonl"
+    data.write_text("".join(json.dumps({"prompt": "1+1=", "response": str(x), "label": int(x == 2)}) + "\n"
+                            for x in range(20)))
+    with pytest.raises(SystemExit, match="--listwise needs preference pairs"):
+        tool.main(["--init", str(init), "--out", str(tmp_path / "rm"), "--data", str(data), "--listwise", "3"])
+
+
 def _held_out(rows):
     """The rows the tool sets aside: the first 10% after its seeded shuffle (seed 0)."""
     shuffled = list(rows)
@@ -88,6 +116,48 @@ def test_the_losses_by_hand():
         (-math.log(sig(3.0)) - math.log(1 - sig(0.5))) / 2)
     assert tool.loss_of(FakeRM(), [pair], calibrate=True).item() == pytest.approx(
         -math.log(sig(3.0)) - 0.5 * (math.log(sig(2.0)) + math.log(sig(1.0))))
+
+
+def test_the_listwise_loss_by_hand():
+    """--listwise: -log of the right answer's softmax share among itself and its K wrong ones, averaged over the
+    prompts; --calibrate adds each score's binary cross-entropy (right 1, wrong 0), summed over the K + 1, halved."""
+    import torch
+
+    tool = _tool()
+    scores = {"a": 2.0, "b": -1.0, "c": 0.5, "d": 1.0, "e": 0.0, "f": -2.0}
+
+    class FakeRM:
+        def token_ids(self, prompt, response):
+            return [response]
+
+        def forward_ids(self, ids):
+            return torch.tensor([scores[x[0]] for x in ids])
+
+    def ce(right, wrong):
+        return -math.log(math.exp(scores[right]) / sum(math.exp(scores[x]) for x in [right, *wrong]))
+
+    def bce(right, wrong):
+        sig = lambda x: 1 / (1 + math.exp(-x))  # noqa: E731
+        return -math.log(sig(scores[right])) - sum(math.log(1 - sig(scores[x])) for x in wrong)
+
+    groups = [("p", "a", ["b", "c"]), ("q", "d", ["e", "f"])]
+    assert tool.listwise_loss_of(FakeRM(), groups).item() == pytest.approx((ce("a", "bc") + ce("d", "ef")) / 2)
+    assert tool.listwise_loss_of(FakeRM(), groups, calibrate=True).item() == pytest.approx(
+        (ce("a", "bc") + ce("d", "ef")) / 2 + (bce("a", "bc") + bce("d", "ef")) / 4)
+
+
+def test_listwise_groups_gather_each_prompts_wrong_answers():
+    tool = _tool()
+    pairs = [{"prompt": "1+1=", "chosen": "2", "rejected": r} for r in ("3", "1", "")] + \
+        [{"prompt": "2+2=", "chosen": "4", "rejected": "5"}, {"prompt": "1+1=", "chosen": "2", "rejected": "22"}]
+    groups = tool.listwise_groups(pairs)
+    assert groups == [("1+1=", "2", ["3", "1", "", "22"]), ("2+2=", "4", ["5"])]
+    picked = tool.sample_groups(groups, 2, 3, random.Random(0))
+    assert sorted(g[0] for g in picked) == ["1+1=", "2+2="]
+    for prompt, right, wrong in picked:
+        assert len(wrong) == 3 and set(wrong) <= set(dict((g[0], g[2]) for g in groups)[prompt])
+        if prompt == "1+1=":
+            assert len(set(wrong)) == 3  # enough wrong answers: drawn without replacement
 
 
 def test_policy_pairs_are_the_verifiers_wrong_samples_against_the_answer():
