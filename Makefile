@@ -23,6 +23,7 @@ VPY := $(VENV)/bin/python
 STAMP := $(VENV)/.stamp
 STARTER := .cache/starter/config.json
 REWARD_MODEL := .cache/reward_model/config.json
+REWARD_TRUNK := .cache/reward_trunk/config.json
 # Pre-training is bound by its step count only (no wall-time budget), so every machine builds the same starter.
 STARTER_STEPS ?= 1760
 MOE_STARTER := .cache/starter_moe/config.json
@@ -84,9 +85,17 @@ demo-tool: venv $(TOOL_STARTER)
 	$(VENV)/bin/torchrun --nproc-per-node $(NPROC) megarl/train.py recipes/tiny_cpu_tool.sh
 
 # The four-model PPO: a reward model trained from the arithmetic verifier's labels, then recipes/tiny_cpu_ppo_rm.sh.
-$(REWARD_MODEL): $(STARTER)
-	OMP_NUM_THREADS=1 $(VPY) tools/train_reward_model.py --init $(dir $(STARTER)) --arithmetic $(dir $(STARTER)) \
-	  --policy-samples 8 --calibrate --steps 1000 --out $(dir $@)
+# Its trunk is a language model of the task pre-trained like the starter but on clean answers (a reward model
+# usually starts from a stronger model than the policy); it is then trained on the verifier's verdicts on the
+# starter's own samples and on made-up wrong answers. Built by step counts, one thread, so every machine builds
+# the same model.
+$(REWARD_TRUNK): | $(STAMP)
+	OMP_NUM_THREADS=1 $(VPY) tools/make_starter_model.py --out $(dir $@) --steps $(STARTER_STEPS) --noise-p 0
+
+$(REWARD_MODEL): $(STARTER) $(REWARD_TRUNK)
+	OMP_NUM_THREADS=1 $(VPY) tools/train_reward_model.py --init $(dir $(REWARD_TRUNK)) --policy $(dir $(STARTER)) \
+	  --arithmetic $(dir $(STARTER)) --policy-samples 8 --far-negatives --calibrate --lr 3e-4 --steps 800 \
+	  --out $(dir $@)
 
 demo-rm: venv $(STARTER) $(REWARD_MODEL)
 	$(VENV)/bin/torchrun --nproc-per-node $(NPROC) megarl/train.py recipes/tiny_cpu_ppo_rm.sh

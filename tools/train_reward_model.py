@@ -55,6 +55,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--policy-samples", type=int, default=0, help="with --arithmetic: also sample this many responses "
                    "per problem from --init (a causal LM: the policy RL starts from) and pair the right answer with "
                    "each sample the verifier calls wrong")
+    p.add_argument("--policy", type=Path, help="with --policy-samples: the causal LM to sample from (the policy RL "
+                   "starts from), when the reward model's trunk (--init) is another model; default --init")
     p.add_argument("--far-negatives", action="store_true", help="with --arithmetic: also pair the right answer with "
                    "wrong responses unlike the starter's (a digit dropped, reversed, random numbers, stray "
                    "characters: far_misses), which a policy otherwise finds and exploits")
@@ -299,11 +301,12 @@ def main(argv=None) -> int:
         held = args.arithmetic / "heldout.jsonl"
         test = arithmetic_pairs(held, rng, args.far_negatives) if held.is_file() else []
         if args.policy_samples:
-            train += sampled_pairs(args.init, args.arithmetic / "train.jsonl", args.policy_samples, args.seed)
+            policy = args.policy or args.init
+            train += sampled_pairs(policy, args.arithmetic / "train.jsonl", args.policy_samples, args.seed)
             if held.is_file():
-                test += sampled_pairs(args.init, held, args.policy_samples, args.seed + 1)
+                test += sampled_pairs(policy, held, args.policy_samples, args.seed + 1)
             if args.eval_train_problems:
-                train_problems = sampled_pairs(args.init, args.arithmetic / "train.jsonl", args.policy_samples,
+                train_problems = sampled_pairs(policy, args.arithmetic / "train.jsonl", args.policy_samples,
                                                args.seed + 2, subset=args.eval_train_problems)
     else:
         rows = read_rows(args.data)

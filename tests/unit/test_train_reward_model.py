@@ -77,6 +77,23 @@ def test_listwise_refuses_labelled_rows(tmp_path):
         tool.main(["--init", str(init), "--out", str(tmp_path / "rm"), "--data", str(data), "--listwise", "3"])
 
 
+def test_policy_samples_come_from_policy_when_the_trunk_is_another_model(tmp_path):
+    """--policy: the starter RL begins from is sampled, not the reward model's trunk (--init); without it, --init."""
+    tool = _tool()
+    init = make_tiny_hf_model(tmp_path / "init", "qwen2", with_tokenizer=True, seed=1)
+    task = tmp_path / "task"
+    task.mkdir()
+    (task / "train.jsonl").write_text("".join(json.dumps({"prompt": f"{a}+1=", "answer": str(a + 1)}) + "\n"
+                                              for a in range(6)))
+    sampled = []
+    tool.sampled_pairs = lambda lm, path, n, seed, subset=0: sampled.append((lm, path.name, n)) or []
+    argv = ["--init", str(init), "--arithmetic", str(task), "--policy-samples", "3", "--steps", "1"]
+    assert tool.main(argv + ["--out", str(tmp_path / "a"), "--policy", str(tmp_path / "policy")]) == 0
+    assert sampled == [(tmp_path / "policy", "train.jsonl", 3)]
+    assert tool.main(argv + ["--out", str(tmp_path / "b")]) == 0
+    assert sampled[1:] == [(init, "train.jsonl", 3)]
+
+
 def _held_out(rows):
     """The rows the tool sets aside: the first 10% after its seeded shuffle (seed 0)."""
     shuffled = list(rows)
