@@ -385,6 +385,28 @@ def test_tiny_cpu_recipe_honours_env_and_command_line(monkeypatch, tmp_path):
     assert (cfg.training.num_steps, cfg.training.max_train_minutes) == (5, 0.0)
 
 
+def test_tiny_cpu_ppo_rm_recipe(clean_env, monkeypatch, tmp_path):
+    """The four-model PPO demo: PPO's GAE from tiny_cpu_ppo.sh, every row scored by the reward model alone (the
+    verifier's outcome kept), normalised scores, 32 prompts a step, and a clear error while the model is unbuilt."""
+    from helpers import make_tiny_reward_model
+
+    monkeypatch.setenv("REWARD_MODEL_DIR", str(tmp_path / "unbuilt"))
+    with pytest.raises(ConfigError, match=r"--reward-model .*/unbuilt: no config.json"):
+        parse_args([str(REPO / "recipes/tiny_cpu_ppo_rm.sh")])
+    rm = make_tiny_reward_model(tmp_path / "rm", seed=0)
+    monkeypatch.setenv("REWARD_MODEL_DIR", str(rm))
+    cfg = parse_args([str(REPO / "recipes/tiny_cpu_ppo_rm.sh")])
+    assert (cfg.algorithm.advantage_estimator, cfg.algorithm.gae_gamma, cfg.algorithm.gae_lambda) == ("gae", 1.0, 1.0)
+    assert (cfg.data.default_verifier, cfg.data.verifier_key) == ("hf_rm + 0*arithmetic", "reward_spec")
+    assert cfg.reward.reward_model == str(rm) and cfg.reward.reward_model_normalize is True
+    assert (cfg.data.rollout_batch_size, cfg.rollout.n_samples_per_prompt, cfg.reward.reward_model_batch_size) == \
+        (32, 8, 128)
+    assert (cfg.training.num_steps, cfg.training.lr, cfg.training.min_lr, cfg.training.critic_lr) == \
+        (1200, 1.5e-4, 1e-5, 1e-4)
+    assert (cfg.training.micro_batch_size, cfg.logging.eval_interval) == (128, 300)
+    assert cfg.logging.output_dir == f"{REPO}/runs/tiny_cpu_ppo_rm"
+
+
 def test_r1_math_recipe(clean_env):
     root = str(REPO)
     cfg = parse_args([str(REPO / "recipes/r1_math.sh")])
