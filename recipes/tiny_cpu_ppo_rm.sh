@@ -60,14 +60,11 @@ REWARD_ARGS=(
   --reward-model-batch-size 128         # one request per process per step (128 completions)
 )
 
-TRAINING_ARGS=(
+TRAINING_ARGS+=(                        # over tiny_cpu_ppo.sh's: the last of a flag wins
   --num-steps 1200
   --lr 1.5e-4
   --min-lr 1e-5
-  --lr-decay-style linear
-  --critic-lr 1e-4
-  --micro-batch-size 128
-  --seed 1234
+  --micro-batch-size 128                # a process's 128 completions in one micro-batch
 )
 
 LOGGING_ARGS=(
