@@ -12,8 +12,8 @@ sign says right or wrong, not only its order). `--arithmetic DIR` makes the demo
 each problem of DIR/train.jsonl, the answer the arithmetic verifier calls correct against answers it calls wrong
 (off by 1-3, a digit too many, none at all) - the verifier's labels, so the reward model learns to stand in for
 it. `--policy-samples K` adds the mistakes the policy actually makes: K responses per problem sampled from
-`--init` (the starter RL begins from), each one the verifier calls wrong paired against the right answer. Texts
-`--far-negatives` adds wrong answers unlike the starter's (digits dropped, random numbers, stray characters), the
+`--policy` (the starter RL begins from; default `--init`), each one the verifier calls wrong paired against the
+right answer. `--far-negatives` adds wrong answers unlike the starter's (digits dropped, random numbers, stray characters), the
 drift a policy exploits otherwise; `--listwise K` trains each prompt's right answer against K of its wrong ones
 at once (softmax cross-entropy: the hard negatives weigh most) instead of pair by pair. Texts
 are what `megarl.reward_model.HFRewardModel` scores (prompt + response through the tokenizer's chat
@@ -53,7 +53,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     src.add_argument("--arithmetic", type=Path, help="the demo task's directory (train.jsonl, heldout.jsonl): pairs "
                      "labelled by the arithmetic verifier")
     p.add_argument("--policy-samples", type=int, default=0, help="with --arithmetic: also sample this many responses "
-                   "per problem from --init (a causal LM: the policy RL starts from) and pair the right answer with "
+                   "per problem from --policy (a causal LM: the policy RL starts from) and pair the right answer with "
                    "each sample the verifier calls wrong")
     p.add_argument("--policy", type=Path, help="with --policy-samples: the causal LM to sample from (the policy RL "
                    "starts from), when the reward model's trunk (--init) is another model; default --init")
@@ -250,7 +250,8 @@ def listwise_loss_of(rm, groups: list[tuple[str, str, list[str]]], calibrate: bo
     if calibrate:
         labels = torch.zeros_like(s)
         labels[:, 0] = 1.0
-        loss = loss + torch.nn.functional.binary_cross_entropy_with_logits(s, labels, reduction="none").sum(1).mean() / 2
+        bce = torch.nn.functional.binary_cross_entropy_with_logits(s, labels, reduction="none")
+        loss = loss + bce.sum(1).mean() / 2
     return loss
 
 
