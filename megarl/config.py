@@ -251,9 +251,9 @@ class SandboxConfig:
 class ToolConfig:
     tool_parser: str = _name("hermes", "--rollout-function tool_use: how a turn's tool calls are read (hermes: "
                              "<tool_call>{json}</tool_call>; python: a fenced python block calls the python tool)",
-                             "megarl.tools:parser_names")
+                             "megarl.tool_calls:parser_names")
     tools: str = _f("python", "--rollout-function tool_use: comma-separated tools the model may call (registered "
-                    "with megarl.tools.register_tool)")
+                    "with megarl.tool_calls.register_tool)")
     max_turns: int = _f(4, "tool_use: most model turns per trajectory (a turn ends at a tool call or the end)")
     max_tool_calls: int = _f(4, "tool_use: most tool calls per trajectory; a turn that calls beyond them ends it, "
                              "those calls unrun")
@@ -533,7 +533,7 @@ SECTIONS: dict[str, type] = {
 
 def tool_settings(tc: ToolConfig, sb: SandboxConfig):
     """The per-call limits and sandbox the tools of `--rollout-function tool_use` are built with."""
-    from megarl.tools import ToolSettings
+    from megarl.tool_calls import ToolSettings
 
     return ToolSettings(timeout_s=tc.tool_timeout, memory_mb=tc.tool_memory_mb, output_bytes=tc.tool_output_bytes,
                         sandbox=sb.sandbox, workers=tc.tool_workers, image=sb.sandbox_image or None)
@@ -684,7 +684,7 @@ def check_names(cfg: Config, origins: dict[str, str] | None = None) -> None:
             raise ConfigError(f"{where}: {spec.flag} {value!r} is not registered; choose one of: {', '.join(valid)} "
                               "(--plugins imports modules that register more)")
     get_backend(cfg.rollout.rollout_backend).check(cfg)
-    from megarl.tools import tool_names
+    from megarl.tool_calls import tool_names
 
     for name in (t.strip() for t in cfg.tools.tools.split(",")):
         if name and name not in tool_names():

@@ -20,7 +20,7 @@ from typing import Protocol, Sequence
 import torch
 import torch.distributed as dist
 
-from megarl.types import TrainBatch
+from megarl.samples import TrainBatch
 
 # Per-phase seconds that train.py records in each row, in loop order, with the names the console line uses.
 PHASES: tuple[tuple[str, str], ...] = (("t_generate", "rollout"), ("t_reward", "reward"), ("t_logprobs", "logp"),

@@ -21,7 +21,7 @@ import time
 from typing import TYPE_CHECKING, Any, Protocol, Sequence
 
 from megarl.data import PromptRecord
-from megarl.types import Sample
+from megarl.samples import Sample
 from megarl.verifiers import VerifyResult, get_verifier
 from megarl.verifiers import compose
 from megarl.verifiers.reward_models import get_reward_model, is_reward_model

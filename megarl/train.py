@@ -15,16 +15,9 @@ from __future__ import annotations
 
 import os
 import sys
+import time
 
-# `torchrun megarl/train.py` puts megarl/ itself first on sys.path, where megarl's own module names could shadow
-# top-level packages; replace it with the repository root.
-_here = os.path.dirname(os.path.abspath(__file__))
-if sys.path and os.path.abspath(sys.path[0] or ".") == _here:
-    sys.path[0] = os.path.dirname(_here)
-
-import time  # noqa: E402
-
-from megarl.config import Config, ConfigError, help_text, parse_args  # noqa: E402
+from megarl.config import Config, ConfigError, help_text, parse_args
 
 
 def main(argv: list[str]) -> int:

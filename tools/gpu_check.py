@@ -134,7 +134,7 @@ def grpo_part(args, hf_config: dict, *, bf16: bool, offload: bool, use_te: bool 
     from megarl.stages.colocation import WeightSync, enter_rollout, enter_training
     from megarl.stages.setup import optim_config
     from megarl.stages.update import update as update_actor
-    from megarl.types import RolloutBatch
+    from megarl.samples import RolloutBatch
 
     cuda = torch.cuda.is_available()
     if cuda:

@@ -27,7 +27,7 @@ from megarl.data import PromptRecord
 from megarl.registry import Registry
 from megarl.reward import RewardFn
 from megarl.rollout.base import Completion, RolloutEngine, SamplingParams
-from megarl.types import Sample, SampleStatus
+from megarl.samples import Sample, SampleStatus
 
 
 class RolloutFn(Protocol):

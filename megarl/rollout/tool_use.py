@@ -38,8 +38,8 @@ from megarl.data import PromptRecord
 from megarl.reward import RewardFn
 from megarl.rollout.base import Completion, RolloutEngine, SamplingParams
 from megarl.rollout.functions import register_rollout
-from megarl.tools import Observation, ParseError, ToolCall, get_parser, get_tool
-from megarl.types import Sample, SampleStatus
+from megarl.tool_calls import Observation, ParseError, ToolCall, get_parser, get_tool
+from megarl.samples import Sample, SampleStatus
 
 UNAVAILABLE = "error: the tool is unavailable"  # what --tool-calls-fail answers every call
 

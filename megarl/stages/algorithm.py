@@ -23,7 +23,7 @@ from megarl.config import Config
 from megarl.mcore.actor import MegatronPolicy
 from megarl.mcore.parallel import ParallelInfo, broadcast_from_last_stage
 from megarl.stages.critic import Critic
-from megarl.types import PackedSamples, RolloutBatch, Sample, SampleStatus, TrainBatch
+from megarl.samples import PackedSamples, RolloutBatch, Sample, SampleStatus, TrainBatch
 
 
 def pack(samples: Sequence[Sample], pad_id: int, mask_truncated: bool = False) -> PackedSamples:

@@ -43,7 +43,7 @@ from typing import TYPE_CHECKING, Iterable, Sequence
 
 import torch
 
-from megarl.types import RolloutBatch, Sample
+from megarl.samples import RolloutBatch, Sample
 
 if TYPE_CHECKING:
     from megarl.rollout.base import Completion, RolloutEngine, SamplingParams

@@ -19,7 +19,7 @@ from megarl.data import PromptRecord, PromptSampler
 from megarl.mcore.parallel import ParallelInfo, agree_any, broadcast_in_mp_group
 from megarl.reward import RewardFn, RewardMeter
 from megarl.rollout import RolloutEngine, RolloutFn, SamplingParams
-from megarl.types import RolloutBatch, Sample
+from megarl.samples import RolloutBatch, Sample
 
 
 class Collect(Protocol):

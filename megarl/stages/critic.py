@@ -34,7 +34,7 @@ from megarl.mcore.model import MoEOptions
 from megarl.mcore.parallel import ParallelInfo
 from megarl.metrics import reduce_over_ranks
 from megarl.model_shape import ModelShape
-from megarl.types import PackedSamples
+from megarl.samples import PackedSamples
 
 CRITIC_DIR = "critic"
 _SUM_KEYS = ["value_loss_num", "value_tokens", "value_clipped", "n", "v_sum", "r_sum", "r_sq", "e_sum", "e_sq"]

@@ -19,7 +19,7 @@ from megarl.stages.algorithm import Algorithm
 from megarl.stages.collect import sampling_params
 from megarl.stages.colocation import enter_rollout, enter_training
 from megarl.stages.setup import Run
-from megarl.types import RolloutBatch, SampleStatus, TrainBatch
+from megarl.samples import RolloutBatch, SampleStatus, TrainBatch
 
 _SUM_KEYS = ["n_samples", "reward_sum", "correct", "response_tokens", "truncated", "groups", "uniform_groups",
              "loss_num", "loss_den", "tokens", "clip_frac_sum", "kl_sum", "entropy_sum", "mismatch_abs_sum",

@@ -7,7 +7,7 @@ import torch
 from megarl.algorithms import aggregate, grpo_token_loss
 from megarl.config import AlgorithmConfig, RolloutConfig, TrainingConfig
 from megarl.mcore.actor import MegatronPolicy
-from megarl.types import TrainBatch
+from megarl.samples import TrainBatch
 
 
 def make_loss_fn(a: AlgorithmConfig, max_response_len: int):

@@ -43,5 +43,5 @@ def tool_call(problem: Problem) -> str:
 
 
 def tool_output(answer: str) -> str:
-    """What the python parser wraps the tool's output in (`megarl.tools.parsers.PythonBlockParser.wrap`)."""
+    """What the python parser wraps the tool's output in (`megarl.tool_calls.parsers.PythonBlockParser.wrap`)."""
     return f"```output\n{answer}\n```\n"

@@ -218,7 +218,7 @@ def scenario_routing_replay(args, info):
     from megarl.rollout.builtin import BuiltinEngine
     from megarl.stages.algorithm import pack
     from megarl.stages.update import make_loss_fn
-    from megarl.types import Sample, SampleStatus
+    from megarl.samples import Sample, SampleStatus
 
     shape = ModelShape.from_pretrained(args.hf)
     # Prompts of different lengths: left padding in the engine, right padding in the actor's rows.

@@ -182,7 +182,7 @@ def _cfg(**algo):
 
 
 def _sample(n_tokens, reward=1.0, outcome="correct", group=0):
-    from megarl.types import Sample, SampleStatus
+    from megarl.samples import Sample, SampleStatus
 
     return Sample(group=group, prompt_index=0, prompt_ids=[1, 2], response_ids=list(range(3, 3 + n_tokens)),
                   loss_mask=[1] * n_tokens, rollout_logprobs=[-0.5] * n_tokens, weight_version=0,
@@ -201,7 +201,7 @@ class _Fixed:
 
 def test_overlong_reward_shaping_returns_new_samples():
     from megarl.stages.collect import OverlongShaping
-    from megarl.types import RolloutBatch
+    from megarl.samples import RolloutBatch
 
     inner = RolloutBatch([_sample(4), _sample(6), _sample(8), _sample(6, reward=0.0, outcome="incorrect")], 4)
     shaped = OverlongShaping(_Fixed(inner), max_len=8, buffer_len=4, penalty=1.0)(step=0)

@@ -41,7 +41,7 @@ def test_verifiers_and_sandbox_import_no_torch():
     assert [str(p.relative_to(REPO)) for p in light if _imports(p) & {"torch", "megatron"}] == []
     # and not through anything they import: load every one of them, and megarl-verify, in a fresh interpreter
     names = [".".join(p.relative_to(REPO).with_suffix("").parts) for p in light if p.name != "__init__.py"]
-    code = (f"import importlib, sys\nfor n in {names + ['megarl.cli.verify', 'megarl.reward', 'megarl.types']!r}:\n"
+    code = (f"import importlib, sys\nfor n in {names + ['megarl.cli.verify', 'megarl.reward', 'megarl.samples']!r}:\n"
             "    importlib.import_module(n)\n"
             "print(sorted(m for m in sys.modules if m.split('.')[0] in ('torch', 'megatron')))")
     proc = subprocess.run([sys.executable, "-c", code], cwd=REPO, env=env(), capture_output=True, text=True,

@@ -55,7 +55,7 @@ def test_eta_uses_the_run_pace_and_the_time_budget():
 
 
 def sample(prompt_index, text, reward, outcome, response_ids):
-    from megarl.types import Sample, SampleStatus
+    from megarl.samples import Sample, SampleStatus
 
     return Sample(group=0, prompt_index=prompt_index, prompt_ids=[1], response_ids=response_ids,
                   loss_mask=[1] * len(response_ids), rollout_logprobs=[0.0] * len(response_ids), weight_version=4,
@@ -64,7 +64,7 @@ def sample(prompt_index, text, reward, outcome, response_ids):
 
 def batch_of(samples, advantages):
     """The step's TrainBatch as far as the sample rows read it: final rewards, advantages, the loss mask."""
-    from megarl.types import TrainBatch
+    from megarl.samples import TrainBatch
 
     n = len(samples)
     adv = torch.tensor(advantages)

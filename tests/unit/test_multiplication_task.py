@@ -9,7 +9,7 @@ from helpers import REPO
 
 from megarl.tasks.arithmetic import build_tokenizer
 from megarl.tasks.multiplication import CHARS, all_problems, split_problems, tool_call, tool_output
-from megarl.tools import ToolCall, get_parser
+from megarl.tool_calls import ToolCall, get_parser
 
 sys.path.insert(0, str(REPO))
 

@@ -7,8 +7,8 @@ from __future__ import annotations
 import pytest
 
 from megarl.sandbox import Limits, RunResult
-from megarl.tools import Observation, ToolCall, ToolSettings, get_tool, tool_names
-from megarl.tools.python import observation
+from megarl.tool_calls import Observation, ToolCall, ToolSettings, get_tool, tool_names
+from megarl.tool_calls.python import observation
 
 
 @pytest.fixture(scope="module")
@@ -90,7 +90,7 @@ def test_one_sandbox_however_many_calls_start_it_at_once(monkeypatch):
     import threading
     import time as _time
 
-    from megarl.tools import python as python_tool_module
+    from megarl.tool_calls import python as python_tool_module
 
     built = []
 

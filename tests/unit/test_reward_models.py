@@ -264,7 +264,7 @@ def test_a_mixed_batch_keeps_its_order(tiny_rm, flaky_rm):
     from megarl.data import PromptRecord
     from megarl.reward import PoolReward, RoutedReward, RewardMeter
     from megarl.reward_model import HFRewardModel
-    from megarl.types import Sample, SampleStatus
+    from megarl.samples import Sample, SampleStatus
     from megarl.verifiers import get_verifier
     from megarl.verifiers.pool import RewardPool
 

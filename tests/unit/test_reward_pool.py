@@ -90,7 +90,7 @@ def test_pool_settings():
 def test_reward_functions_score_samples_by_their_rows_verifier_with_the_runs_options():
     from megarl.data import PromptRecord
     from megarl.reward import InProcessReward, PoolReward, RewardMeter
-    from megarl.types import Sample, SampleStatus
+    from megarl.samples import Sample, SampleStatus
 
     rows = [PromptRecord(0, "1+1=", [1], "2", "arithmetic"), PromptRecord(1, "half?", [2], "1/2", "math")]
     answers = [["2", "3"], ["$\\boxed{0.5}$", "The answer is 0.5"]]

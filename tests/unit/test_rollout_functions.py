@@ -7,7 +7,7 @@ import pytest
 
 from megarl.data import PromptRecord
 from megarl.rollout import Completion, SamplingParams, get_rollout, register_rollout, rollout_names
-from megarl.types import SampleStatus
+from megarl.samples import SampleStatus
 from megarl.verifiers import VerifyResult
 
 

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from megarl.stages.algorithm import pack
-from megarl.types import Sample, SampleStatus
+from megarl.samples import Sample, SampleStatus
 
 PAD = 1
 

@@ -1,4 +1,4 @@
-"""Tool-call parsers (`megarl.tools.parsers`): the calls of a turn in order, malformed calls as `ParseError`s, and
+"""Tool-call parsers (`megarl.tool_calls.parsers`): the calls of a turn in order, malformed calls as `ParseError`s, and
 no exception escaping whatever the text (hypothesis)."""
 
 from __future__ import annotations
@@ -9,7 +9,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from megarl.tools import ParseError, ToolCall, get_parser, parser_names
+from megarl.tool_calls import ParseError, ToolCall, get_parser, parser_names
 
 
 def test_hermes_reads_calls_in_order_and_malformed_ones_as_errors():

@@ -13,8 +13,8 @@ from megarl.reward import InProcessReward
 from megarl.rollout import Completion, SamplingParams, get_rollout
 from megarl.rollout.tool_use import UNAVAILABLE, ToolUse, chat_tool_turn
 from megarl.tasks.arithmetic import TOKENIZER_CHARS, build_tokenizer
-from megarl.tools import Observation
-from megarl.types import SampleStatus
+from megarl.tool_calls import Observation
+from megarl.samples import SampleStatus
 
 EOS = 0
 

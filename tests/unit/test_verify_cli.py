@@ -120,7 +120,7 @@ def test_saved_rollouts_are_rescored_with_no_key_flags(tmp_path, capsys):
     """samples.jsonl as the trainer writes it (`rollout_sample_rows`): response, answer and verifier per row."""
     from megarl.data import PromptRecord
     from megarl.metrics import rollout_sample_rows
-    from megarl.types import Sample, SampleStatus
+    from megarl.samples import Sample, SampleStatus
 
     prompts = [PromptRecord(0, "12+7=", [1], "19", "arithmetic"), PromptRecord(1, "Area?", [1], "\\pi", "math")]
     samples = [Sample(group=i, prompt_index=i, prompt_ids=[1], response_ids=[2], loss_mask=[1], rollout_logprobs=[0.0],

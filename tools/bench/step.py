@@ -239,7 +239,7 @@ class MegarlStep:
         from megarl.stages.algorithm import pack
         from megarl.stages.colocation import enter_rollout, enter_training
         from megarl.stages.update import update
-        from megarl.types import RolloutBatch
+        from megarl.samples import RolloutBatch
 
         cfg, size, t = self.cfg, self.size, PhaseTimer()
         with t("total"):

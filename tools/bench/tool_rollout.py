@@ -34,7 +34,7 @@ import torch  # noqa: E402
 from megarl.rollout import SamplingParams  # noqa: E402
 from megarl.rollout.builtin import BuiltinEngine  # noqa: E402
 from megarl.tasks.multiplication import CHARS, tool_output  # noqa: E402
-from megarl.tools import ToolCall, ToolSettings, get_tool  # noqa: E402
+from megarl.tool_calls import ToolCall, ToolSettings, get_tool  # noqa: E402
 
 
 def median_time(fn, repeats: int) -> tuple[float, float, object]:

@@ -16,7 +16,7 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import Sequence
 
 from megarl.sandbox import Job, Limits, RunResult, make_sandbox
-from megarl.tools import Observation, ToolCall, ToolSettings, register_tool
+from megarl.tool_calls import Observation, ToolCall, ToolSettings, register_tool
 
 CELL_FILE = "cell.py"
 # Trusted: runs inside the sandbox, reads the model's code from the job's file.

@@ -114,7 +114,7 @@ def tool_names() -> list[str]:
     return _TOOLS.names()
 
 
-from megarl.tools import parsers, python  # noqa: E402,F401  (the built-in entries register themselves)
+from megarl.tool_calls import parsers, python  # noqa: E402,F401  (the built-in entries register themselves)
 
 __all__ = ["Observation", "ParseError", "Tool", "ToolCall", "ToolParser", "ToolSettings", "get_parser", "get_tool",
            "parser_names", "register_parser", "register_tool", "tool_names"]

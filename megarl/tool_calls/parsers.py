@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import json
 
-from megarl.tools import ParseError, ToolCall, register_parser
+from megarl.tool_calls import ParseError, ToolCall, register_parser
 
 MAX_CALL_CHARS = 65536  # longer than any call a rollout's token budget allows; JSON this size is not decoded
 
