@@ -26,7 +26,8 @@ sys.path[:] = [p for p in sys.path if os.path.abspath(p or ".") != str(ROOT / "l
 sys.path.insert(0, str(ROOT))
 
 from launch.render import LaunchError  # noqa: E402
-from megarl.config import ConfigError, parse_args  # noqa: E402
+from megarl.arguments import parse_args
+from megarl.config import ConfigError# noqa: E402
 from megarl.preflight import check_run  # noqa: E402
 
 NOT_INSTALLED = ("nemo-run is not installed: pip install -e '.[nemo-run]' (or use launch/slurm/*.sbatch, which "

@@ -26,7 +26,8 @@ KINDS = ("colocated", "disaggregated")
 sys.path[:] = [p for p in sys.path if os.path.abspath(p or ".") != str(ROOT / "launch")]
 sys.path.insert(0, str(ROOT))
 
-from megarl.config import Config, ConfigError, parse_args  # noqa: E402
+from megarl.arguments import parse_args
+from megarl.config import Config, ConfigError# noqa: E402
 from megarl.preflight import Layout, check_run, parallel_layout  # noqa: E402
 
 

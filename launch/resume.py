@@ -20,7 +20,7 @@ ROOT = Path(__file__).resolve().parents[1]
 
 def resume_args(argv: list[str]) -> list[str]:
     """`argv` plus `--load <save dir>` when that directory holds a complete checkpoint and no --load is set."""
-    from megarl.config import parse_args
+    from megarl.arguments import parse_args
 
     cfg = parse_args(argv, check_registries=False)  # only the paths are read; train.py checks the rest
     save, load = cfg.checkpoint.save, cfg.checkpoint.load

@@ -5,19 +5,19 @@ file that fills arrays named `*_ARGS` (`MODEL_ARGS`, `ROLLOUT_ARGS`, ...); bash 
 variables and `source recipes/models/<m>.sh` work. Flags after the recipe on the command line override it.
 Every problem is reported before any work starts, naming the flag, where it came from, and the valid values.
 
-Flags whose values name a registry entry (`--advantage-estimator`, `--policy-loss`, `--kl-estimator`,
-`--rollout-backend`, `--rollout-function`, `--default-verifier`) are checked against the registry once
-`--plugins` are imported, so a plugin's names are as valid as the built-in ones. Rules that tie fields of
-different sections together live in `Config.__post_init__`, or, when a registry entry declares them (a backend's
-requirements, an estimator's needs), in `check_names`: one place each. What the machine must offer (a GPU, an
-importable package) is checked by `megarl.stages.setup.preflight`.
+Besides these sections, a run's config holds the options that registered components declare for themselves (a
+verifier's, a reward model's, a tool's: `megarl.registry`); `megarl.arguments` gathers them and passes them here as
+`components`, so this module names none of them. Flags whose values name a registry entry carry the registry's
+`module:attribute` in their metadata (`names`); `megarl.arguments` checks them once `--plugins` are imported.
+Rules that tie fields of different sections together live in `Config.__post_init__`.
+
+A leaf: imports nothing of megarl but `megarl.errors`, so every layer may import it.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import difflib
-import importlib
 import json
 import os
 import subprocess
@@ -26,9 +26,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
 
-
-class ConfigError(ValueError):
-    """A bad recipe, flag or value; the message names it."""
+from megarl.errors import ConfigError
 
 
 def _f(default, help: str, **kw):
@@ -36,7 +34,8 @@ def _f(default, help: str, **kw):
 
 
 def _name(default: str, help: str, names: str):
-    """A field whose value names a registry entry: `names` is the `module:function` that lists the valid ones."""
+    """A field whose value names a registry entry: `names` is the `module:attribute` that lists the valid ones (a
+    `Registry`, or a function returning the names)."""
     return field(default=default, metadata={"help": help, "names": names})
 
 
@@ -106,10 +105,10 @@ class RolloutConfig:
     rollout_backend: str = _name(
         "builtin", "rollout engine: megarl's built-in PyTorch engine, SGLang (GPU), or Megatron's dynamic inference "
         "engine over the actor's own model (GPU with flash-attn; TP = PP = CP = 1; no weight copies)",
-        "megarl.rollout.backends:backend_names")
+        "megarl.rollout.backends:BACKENDS")
     rollout_function: str = _name(
         "single_turn", "how prompts become scored trajectories: a function registered with "
-        "megarl.rollout.register_rollout (single_turn: one completion per sample)", "megarl.rollout:rollout_names")
+        "megarl.rollout.register_rollout (single_turn: one completion per sample)", "megarl.rollout.functions:ROLLOUTS")
     n_samples_per_prompt: int = _f(8, "completions sampled per prompt (the GRPO group size)")
     rollout_temperature: float = _f(1.0, "sampling temperature; the actor's log-probs use the same temperature")
     rollout_top_p: float = _f(1.0, "nucleus sampling mass, 1 = off")
@@ -164,7 +163,7 @@ class DataConfig:
     verifier_key: str = _f("verifier", "field of a data row that names its verifier")
     default_verifier: str = _name("", "verifier for rows without a verifier field, or a reward spec ('hf_rm', "
                                   "'math > hf_rm', '0.7*math + 0.3*hf_rm'); empty = such rows are an error",
-                                  "megarl.verifiers:reward_names")
+                                  "megarl.reward.compose:reward_names")
     rollout_batch_size: int = _f(8, "prompts per step, over all data-parallel ranks")
     shuffle: bool = _f(True, "shuffle prompts each epoch (seeded by --seed; a new order every epoch)")
 
@@ -180,59 +179,13 @@ class RewardConfig:
     reward_workers: int = _f(0, "reward worker processes scoring each batch (-1 = one per CPU, at most 16); 0 = "
                              "score in the trainer process, each verifier under its own time budget")
     reward_timeout: float = _f(10.0, "seconds one sample may take in a reward worker before it scores 0 as a timeout")
-    code_reward: Literal["all", "fraction"] = _f("all", "code verifier: reward 1 only when every test passes, or the "
-                                                 "share of tests passed")
-    code_early_stop: bool = _f(False, "code verifier: stop a row's tests at the first failure")
-    code_extract: Literal["last", "first", "none"] = _f(
-        "last", "code verifier: the program is the last (or first) fenced code block of the response, or the whole "
-        "response (none)")
-    code_test_seconds: float = _f(5.0, "code verifier: seconds each test may run, unless its row sets time_s")
-    code_memory_mb: int = _f(1024, "code verifier: memory a program may use, unless its row sets memory_mb")
-    math_strategy: Literal["lenient", "strict"] = _f("lenient", "math verifier: answer extraction (strict: the last "
-                                                     "\\boxed{} only)")
-    reward_model: str = _f("", "hf_rm: HF sequence-classification checkpoint (one label) scoring the rows that name "
-                           "hf_rm, served resident by a megarl-serve-rm this process starts")
-    reward_model_batch_size: int = _f(16, "hf_rm: rows per request and forward pass; each request may take "
-                                      "--reward-timeout seconds")
-    reward_model_normalize: bool = _f(False, "hf_rm: (score - reward_mean) / reward_std, as stored in the reward "
-                                      "model's config.json")
     reward_model_threshold: float = _f(0.0, "reward models: a score above this is the outcome 'correct' (for accuracy "
                                        "and the agreement with a rule), else 'incorrect'; the reward is the score")
-    remote_rm_url: str = _f("", "remote_rm: URL each row is POSTed to as {prompt, response, label}; the reply is "
-                            "{score}")
-    remote_rm_timeout: float = _f(10.0, "remote_rm: seconds an attempt may wait for the server")
-    remote_rm_retries: int = _f(2, "remote_rm: attempts after the first when the server fails, hangs or answers "
-                                "garbage; then the row is a timeout or parse_error")
-    remote_rm_backoff: float = _f(0.5, "remote_rm: seconds before the first retry, doubling at each")
-    judge_url: str = _f("", "llm_judge: an OpenAI-compatible endpoint (http://host:port/v1) grading the rows that name "
-                        "llm_judge (the --remote-rm-timeout/-retries/-backoff apply)")
-    judge_model: str = _f("", "llm_judge: the model name sent to --judge-url")
-    judge_checkpoint: str = _f("", "llm_judge: a local HF causal LM to judge with instead of --judge-url, served by a "
-                               "megarl-serve-rm this process starts (the built-in engine)")
-    judge_template: str = _f("", "llm_judge: the judge's prompt, with {prompt}, {response} and {label} filled in; "
-                             "empty = a 0-10 grading prompt asking for 'Score: N'")
-    judge_pattern: str = _f("", "llm_judge: regular expression with one group, the grade in the judge's answer; "
-                            "empty = 'Score: N'; no match = parse_error")
-    judge_scale: float = _f(10.0, "llm_judge: the reward is the grade divided by this")
-    judge_max_tokens: int = _f(32, "llm_judge: longest answer the judge may give (greedy)")
-
     def __post_init__(self):
         if self.reward_workers < -1:
             raise ConfigError(f"--reward-workers must be -1 (one per CPU), 0 (in process) or more, got {self.reward_workers}")
-        if self.reward_timeout <= 0 or self.code_test_seconds <= 0:
-            raise ConfigError(f"--reward-timeout and --code-test-seconds must be > 0 seconds, got "
-                              f"{self.reward_timeout} and {self.code_test_seconds}")
-        _positive(self, "code_memory_mb", "reward_model_batch_size", "judge_max_tokens")
-        if self.judge_scale == 0:
-            raise ConfigError("--judge-scale must not be 0 (the reward is the grade divided by it)")
-        if self.remote_rm_timeout <= 0 or self.remote_rm_retries < 0 or self.remote_rm_backoff < 0:
-            raise ConfigError(f"--remote-rm-timeout must be > 0, --remote-rm-retries and --remote-rm-backoff >= 0; got "
-                              f"{self.remote_rm_timeout}, {self.remote_rm_retries} and {self.remote_rm_backoff}")
-        if self.remote_rm_url and not self.remote_rm_url.startswith(("http://", "https://")):
-            raise ConfigError(f"--remote-rm-url {self.remote_rm_url!r}: expected an http:// or https:// URL")
-        if self.reward_model and not Path(self.reward_model, "config.json").is_file():
-            raise ConfigError(f"--reward-model {self.reward_model}: no config.json there (an HF sequence-"
-                              "classification checkpoint directory is expected)")
+        if self.reward_timeout <= 0:
+            raise ConfigError(f"--reward-timeout must be > 0 seconds, got {self.reward_timeout}")
 
 
 @dataclass
@@ -251,7 +204,7 @@ class SandboxConfig:
 class ToolConfig:
     tool_parser: str = _name("hermes", "--rollout-function tool_use: how a turn's tool calls are read (hermes: "
                              "<tool_call>{json}</tool_call>; python: a fenced python block calls the python tool)",
-                             "megarl.tool_calls:parser_names")
+                             "megarl.tool_calls:TOOL_PARSERS")
     tools: str = _f("python", "--rollout-function tool_use: comma-separated tools the model may call (registered "
                     "with megarl.tool_calls.register_tool)")
     max_turns: int = _f(4, "tool_use: most model turns per trajectory (a turn ends at a tool call or the end)")
@@ -297,8 +250,8 @@ class PluginConfig:
 @dataclass
 class AlgorithmConfig:
     advantage_estimator: str = _name("grpo", "advantage estimator (gae: PPO with a critic, trained colocated with "
-                                     "the actor)", "megarl.algorithms:advantage_names")
-    policy_loss: str = _name("clip", "policy loss", "megarl.algorithms:policy_loss_names")
+                                     "the actor)", "megarl.algorithms.advantages:ADVANTAGES")
+    policy_loss: str = _name("clip", "policy loss", "megarl.algorithms.losses:POLICY_LOSSES")
     eps_clip: float = _f(0.2, "PPO clip range, lower side")
     eps_clip_high: float = _f(0.2, "PPO clip range, upper side (DAPO clip-higher when larger)")
     clip_ratio_c: float = _f(3.0, "dual-clip cap: a negative-advantage token's loss is at most -c * A (c > 1)")
@@ -314,7 +267,7 @@ class AlgorithmConfig:
                               "chose for each token (rollout routing replay) instead of their own top-k, so "
                               "log-probs are computed under the routing that produced the sample (built-in engine)")
     kl_coef: float = _f(0.0, "weight of the KL(actor || reference) penalty; 0 runs no reference model")
-    kl_estimator: str = _name("k3", "KL estimator", "megarl.algorithms:kl_names")
+    kl_estimator: str = _name("k3", "KL estimator", "megarl.algorithms.losses:KL_ESTIMATORS")
     kl_in_reward: bool = _f(False, "fold the KL penalty into the reward (kl_coef * summed per-token KL of each "
                             "response) instead of adding it to the loss")
     entropy_coef: float = _f(0.0, "entropy bonus weight (0 = off; entropy is reported either way)")
@@ -474,25 +427,31 @@ class Config:
     checkpoint: CheckpointConfig
     logging: LoggingConfig
     plugins: PluginConfig
+    # The options registered components declare (`megarl.registry`), by section ("verifier.code", ...): filled by
+    # `megarl.arguments`; empty when a config is built without them, and then each component gets its defaults.
+    components: dict[str, Any] = field(default_factory=dict)
 
-    # Where each non-default value came from (`parse_args`): a recipe, the command line, a saved config.
+    # Where each non-default value came from (`parse_config`): a recipe, the command line, a saved config.
     origins: dict[str, str] = field(default_factory=dict, compare=False, repr=False)
 
+    def sections(self) -> dict[str, Any]:
+        """Every section by name, megarl's own first, then the components'."""
+        return {**{section: getattr(self, section) for section in SECTIONS}, **self.components}
+
     def to_dict(self) -> dict[str, Any]:
-        """Every setting, by section: the form `config.json` stores and `parse_args` reads back."""
-        return {section: dataclasses.asdict(getattr(self, section)) for section in SECTIONS}
+        """Every setting, by section: the form `config.json` stores and `parse_config` reads back."""
+        return {section: dataclasses.asdict(values) for section, values in self.sections().items()}
 
     def non_default_flags(self) -> dict[str, list[str]]:
         """Per section, the `--flag value` words of every setting that differs from its default."""
         out: dict[str, list[str]] = {}
-        for spec in flag_specs().values():
-            cls = SECTIONS[spec.section]
-            default = next(f.default for f in dataclasses.fields(cls) if f.name == spec.name)
-            value = getattr(getattr(self, spec.section), spec.name)
-            if value != default:
-                words = [spec.flag] if value is True else [f"--no-{spec.flag[2:]}"] if value is False else \
-                    [spec.flag, str(value)]
-                out.setdefault(spec.section, []).extend(words)
+        for section, values in self.sections().items():
+            for f in dataclasses.fields(values):
+                value = getattr(values, f.name)
+                if value != f.default:
+                    flag = "--" + f.name.replace("_", "-")
+                    words = [flag] if value is True else [f"--no-{flag[2:]}"] if value is False else [flag, str(value)]
+                    out.setdefault(section, []).extend(words)
         return out
 
     def __post_init__(self):
@@ -509,7 +468,6 @@ class Config:
             if self.model.recompute_granularity == "full" or self.model.context_parallel_size > 1:
                 raise ConfigError("--routing-replay works without --recompute-granularity full and with "
                                   "--context-parallel-size 1 (the replayed experts follow one forward per micro-batch)")
-
 
     def _check_async(self):
         r, t, k = self.rollout, self.training, self.training.async_staleness
@@ -531,34 +489,6 @@ SECTIONS: dict[str, type] = {
 }
 
 
-def tool_settings(tc: ToolConfig, sb: SandboxConfig):
-    """The per-call limits and sandbox the tools of `--rollout-function tool_use` are built with."""
-    from megarl.tool_calls import ToolSettings
-
-    return ToolSettings(timeout_s=tc.tool_timeout, memory_mb=tc.tool_memory_mb, output_bytes=tc.tool_output_bytes,
-                        sandbox=sb.sandbox, workers=tc.tool_workers, image=sb.sandbox_image or None)
-
-
-def verifier_options(r: RewardConfig, sb: SandboxConfig) -> dict[str, dict]:
-    """The keyword arguments each built-in verifier is built with, from the reward and sandbox flags: the one
-    way these settings reach verifiers, in the trainer, in every reward worker and in `megarl-verify`."""
-    return {
-        "code": dict(reward=r.code_reward, early_stop=r.code_early_stop, extract=r.code_extract,
-                     backend=sb.sandbox, workers=sb.sandbox_workers, time_s=r.code_test_seconds,
-                     memory_mb=r.code_memory_mb, image=sb.sandbox_image or None),
-        "math": dict(strategy=r.math_strategy),
-        "hf_rm": dict(model=r.reward_model, batch_size=r.reward_model_batch_size, normalize=r.reward_model_normalize,
-                      timeout_s=r.reward_timeout, threshold=r.reward_model_threshold),
-        "remote_rm": dict(url=r.remote_rm_url, timeout_s=r.remote_rm_timeout, retries=r.remote_rm_retries,
-                          backoff_s=r.remote_rm_backoff, threshold=r.reward_model_threshold),
-        "llm_judge": dict(url=r.judge_url, model=r.judge_model, checkpoint=r.judge_checkpoint, scale=r.judge_scale,
-                          max_tokens=r.judge_max_tokens, timeout_s=r.remote_rm_timeout, retries=r.remote_rm_retries,
-                          backoff_s=r.remote_rm_backoff, threshold=r.reward_model_threshold,
-                          **({"template": r.judge_template} if r.judge_template else {}),
-                          **({"pattern": r.judge_pattern} if r.judge_pattern else {})),
-    }
-
-
 def _positive(obj, *names):
     for n in names:
         if getattr(obj, n) < 1:
@@ -575,24 +505,32 @@ class FlagSpec:
     name: str  # dataclass field
     type: Any
     help: str
-    names: str = ""  # for a field naming a registry entry: the `module:function` listing the valid names
+    names: str = ""  # for a field naming a registry entry: the `module:attribute` listing the valid names
+    default: Any = None
 
     @property
     def flag(self) -> str:
         return "--" + self.name.replace("_", "-")
 
 
-def flag_specs() -> dict[str, FlagSpec]:
-    out = {}
-    for section, cls in SECTIONS.items():
+def flag_specs(components: dict[str, type] | None = None) -> dict[str, FlagSpec]:
+    """Every flag: megarl's sections', then the `components`' (section name -> options dataclass). A field name
+    declared twice is an error naming both sections."""
+    out: dict[str, FlagSpec] = {}
+    for section, cls in {**SECTIONS, **(components or {})}.items():
         hints = typing.get_type_hints(cls)
         for f in dataclasses.fields(cls):
-            spec = FlagSpec(section, f.name, hints[f.name], f.metadata.get("help", ""), f.metadata.get("names", ""))
+            spec = FlagSpec(section, f.name, hints[f.name], f.metadata.get("help", ""), f.metadata.get("names", ""),
+                            f.default)
+            if spec.flag in out:
+                raise ConfigError(f"{spec.flag} is declared twice: by {out[spec.flag].section} and by {section} "
+                                  "(each option needs a name of its own)")
             out[spec.flag] = spec
     return out
 
 
-def _convert(spec: FlagSpec, raw: str, where: str):
+def convert_value(spec: FlagSpec, raw: str, where: str):
+    """`raw`, the text of a flag's value, as the flag's type; ConfigError naming `where` and the flag otherwise."""
     t = spec.type
     if typing.get_origin(t) is Literal:
         choices = typing.get_args(t)
@@ -613,10 +551,10 @@ def _convert(spec: FlagSpec, raw: str, where: str):
 
 
 def parse_flags(tokens: list[str], where: str, values: dict[str, Any] | None = None,
-                origins: dict[str, str] | None = None) -> dict[str, Any]:
+                origins: dict[str, str] | None = None, specs: dict[str, FlagSpec] | None = None) -> dict[str, Any]:
     """Apply `--flag value` / `--flag=value` / `--bool-flag` / `--no-bool-flag` tokens onto `values`; `origins`
-    (when given) records where each value came from."""
-    specs = flag_specs()
+    (when given) records where each value came from. `specs`: the flags known (default: megarl's own)."""
+    specs = specs if specs is not None else flag_specs()
     values = dict(values or {})
     origins = origins if origins is not None else {}
     i = 0
@@ -637,7 +575,7 @@ def parse_flags(tokens: list[str], where: str, values: dict[str, Any] | None = N
         if spec.type is bool and not eq:
             nxt = tokens[i + 1] if i + 1 < len(tokens) else None
             if nxt is not None and nxt.lower() in ("true", "false", "1", "0", "yes", "no", "on", "off") and not negated:
-                values[spec.name], origins[spec.name] = _convert(spec, nxt, where), where
+                values[spec.name], origins[spec.name] = convert_value(spec, nxt, where), where
                 i += 2
                 continue
             values[spec.name], origins[spec.name] = not negated, where
@@ -651,66 +589,19 @@ def parse_flags(tokens: list[str], where: str, values: dict[str, Any] | None = N
                 raise ConfigError(f"{where}: {name} needs a value")
             raw = tokens[i + 1]
             i += 2
-        values[spec.name], origins[spec.name] = _convert(spec, raw, where), where
+        values[spec.name], origins[spec.name] = convert_value(spec, raw, where), where
     return values
 
 
-def _valid_names(spec: FlagSpec) -> list[str]:
-    module, _, function = spec.names.partition(":")
-    return list(getattr(importlib.import_module(module), function)())
-
-
-def check_names(cfg: Config, origins: dict[str, str] | None = None) -> None:
-    """Every flag that names a registry entry names a registered one (import `--plugins` first), and the rules
-    registry entries declare: a backend's requirements, an estimator's needs."""
-    from megarl.algorithms import get_advantage
-    from megarl.rollout.backends import get_backend
-
-    origins = origins or {}
-    for spec in flag_specs().values():
-        value = getattr(getattr(cfg, spec.section), spec.name)
-        if spec.name == "default_verifier" and value:  # a verifier, a reward model or a composition of them
-            from megarl.verifiers.compose import parse
-
-            try:
-                names = [p.name for p in parse(value).parts]
-            except ValueError as e:
-                raise ConfigError(f"{origins.get(spec.name, 'default')}: {spec.flag}: {e}") from None
-        else:
-            names = [value]
-        if spec.names and value != "" and any(n not in (valid := _valid_names(spec)) for n in names):
-            where = origins.get(spec.name, "default")
-            value = next(n for n in names if n not in valid)
-            raise ConfigError(f"{where}: {spec.flag} {value!r} is not registered; choose one of: {', '.join(valid)} "
-                              "(--plugins imports modules that register more)")
-    get_backend(cfg.rollout.rollout_backend).check(cfg)
-    from megarl.tool_calls import tool_names
-
-    for name in (t.strip() for t in cfg.tools.tools.split(",")):
-        if name and name not in tool_names():
-            raise ConfigError(f"{origins.get('tools', 'default')}: --tools {name!r} is not registered; choose from: "
-                              f"{', '.join(tool_names())} (--plugins imports modules that register more)")
-    if get_advantage(cfg.algorithm.advantage_estimator).needs.critic and cfg.model.context_parallel_size > 1:
-        raise ConfigError(f"--context-parallel-size > 1 is not supported with --advantage-estimator "
-                          f"{cfg.algorithm.advantage_estimator}: its critic is built without context parallelism")
-
-
-def load_plugin_modules(cfg: Config) -> tuple[str, ...]:
-    """Import `--plugins` (idempotent); their module names, for worker processes to import in turn."""
-    from megarl.registry import load_plugins
-
-    try:
-        return load_plugins(cfg.plugins.plugins)
-    except ValueError as e:
-        raise ConfigError(str(e)) from None
-
-
-def build_config(values: dict[str, Any]) -> Config:
-    sections = {}
-    for section, cls in SECTIONS.items():
+def build_config(values: dict[str, Any], components: dict[str, type] | None = None) -> Config:
+    """A Config from flag values by field name (the rest at their defaults); `components`: the options
+    dataclasses of registered components, by section."""
+    def make(cls):
         names = {f.name for f in dataclasses.fields(cls)}
-        sections[section] = cls(**{k: v for k, v in values.items() if k in names})
-    return Config(**sections)
+        return cls(**{k: v for k, v in values.items() if k in names})
+
+    return Config(**{section: make(cls) for section, cls in SECTIONS.items()},
+                  components={section: make(cls) for section, cls in (components or {}).items()})
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -749,27 +640,34 @@ def read_recipe(path: str | os.PathLike) -> list[str]:
     return [t for t in proc.stdout.split("\0") if t != ""]
 
 
-def parse_args(argv: list[str], check_registries: bool = True) -> Config:
-    """`[recipe.sh | config.json] [--flag value ...]` -> Config. The first argument may be a recipe or a run's
-    saved `config.json` (`saved_config`), which gives back that run's settings. Raises ConfigError naming the
-    problem. With `check_registries` (the trainer) `--plugins` are imported and named entries checked against
-    their registries (`check_names`); without, nothing beyond the standard library is imported (the launch
-    scripts' pre-flight check)."""
-    values: dict[str, Any] = {}
-    origins: dict[str, str] = {}
+def recipe_flags(argv: list[str]) -> tuple[list[tuple[list[str], str]], dict[str, Any] | None, str]:
+    """The flag tokens of `[recipe.sh | config.json] [--flag value ...]`, as (tokens, where) in the order they
+    apply, and a saved config's sections when the first argument is one (with its path)."""
     rest = list(argv)
     if rest and not rest[0].startswith("--"):
         source = rest.pop(0)
         if source.endswith(".json"):
-            values = read_saved_config(source, origins)
-        else:
-            values = parse_flags(read_recipe(source), f"recipe {source}", values, origins)
-    values = parse_flags(rest, "command line", values, origins)
-    cfg = build_config(values)
+            return [(rest, "command line")], _load_saved(source), source
+        return [(read_recipe(source), f"recipe {source}"), (rest, "command line")], None, ""
+    return [(rest, "command line")], None, ""
+
+
+def parse_config(argv: list[str], components: dict[str, type] | None = None) -> Config:
+    """`[recipe.sh | config.json] [--flag value ...]` -> Config, with the flags of megarl's sections and of
+    `components` (section -> options dataclass). The first argument may be a recipe or a run's saved
+    `config.json` (`saved_config`), which gives back that run's settings. Raises ConfigError naming the problem.
+    Registry names are not checked here: the trainer's command line is `megarl.arguments.parse_args`, which
+    imports `--plugins`, adds every component's options and checks the names."""
+    specs = flag_specs(components)
+    values: dict[str, Any] = {}
+    origins: dict[str, str] = {}
+    pieces, saved, saved_path = recipe_flags(argv)
+    if saved is not None:
+        values = saved_values(saved, saved_path, specs, origins)
+    for tokens, where in pieces:
+        values = parse_flags(tokens, where, values, origins, specs)
+    cfg = build_config(values, components)
     cfg.origins = origins
-    if check_registries:
-        load_plugin_modules(cfg)
-        check_names(cfg, origins)
     return cfg
 
 
@@ -787,8 +685,7 @@ def saved_config(cfg: Config, **facts: Any) -> dict[str, Any]:
     return {"megarl_version": __version__, **facts, "config": cfg.to_dict(), "origins": dict(cfg.origins)}
 
 
-def read_saved_config(path: str | os.PathLike, origins: dict[str, str] | None = None) -> dict[str, Any]:
-    """The settings of a saved `config.json` as flag values, each checked as a flag is; `origins` records them."""
+def _load_saved(path: str | os.PathLike) -> dict[str, Any]:
     where = f"config {path}"
     try:
         saved = json.loads(Path(path).read_text())
@@ -796,34 +693,51 @@ def read_saved_config(path: str | os.PathLike, origins: dict[str, str] | None = 
         raise ConfigError(f"{where}: no such file") from None
     except (OSError, ValueError) as e:
         raise ConfigError(f"{where}: not a readable JSON file ({e})") from None
-    sections = saved.get("config") if isinstance(saved, dict) else None
-    if not isinstance(sections, dict):
+    if not isinstance(saved, dict) or not isinstance(saved.get("config"), dict):
         raise ConfigError(f"{where}: no \"config\" object (a run's saved config.json has one)")
-    specs = {(s.section, s.name): s for s in flag_specs().values()}
+    return saved
+
+
+def saved_values(saved: dict[str, Any], path: str | os.PathLike, specs: dict[str, FlagSpec],
+                 origins: dict[str, str] | None = None) -> dict[str, Any]:
+    """The settings of a loaded `config.json` as flag values, each checked as a flag is; `origins` records them.
+    A setting saved under another section than today's (a component's option that was one of megarl's reward
+    settings) is read by its name: its flag is the same."""
+    where = f"config {path}"
+    by_name = {s.name: s for s in specs.values()}
     values: dict[str, Any] = {}
-    for section, fields in sections.items():
+    for section, fields in saved["config"].items():
         for name, value in (fields.items() if isinstance(fields, dict) else ()):
-            spec = specs.get((section, name))
+            spec = by_name.get(name)
             if spec is None:
+                plugin = " or needs the --plugins that declared it" if "." in section else ""
                 raise ConfigError(f"{where}: unknown setting {section}.{name} (written by megarl "
-                                  f"{saved.get('megarl_version', '?')}; this is a different version)")
-            values[name] = _convert(spec, value if isinstance(value, str) else json.dumps(value), where)
+                                  f"{saved.get('megarl_version', '?')}; this is a different version{plugin})")
+            values[name] = convert_value(spec, value if isinstance(value, str) else json.dumps(value), where)
             if origins is not None:
                 origins[name] = where
     return values
 
 
-def help_text() -> str:
+def read_saved_config(path: str | os.PathLike, origins: dict[str, str] | None = None,
+                      components: dict[str, type] | None = None) -> dict[str, Any]:
+    """The settings of a saved `config.json` as flag values, each checked as a flag is; `origins` records them."""
+    return saved_values(_load_saved(path), path, flag_specs(components), origins)
+
+
+def help_text(components: dict[str, type] | None = None, valid_names=None) -> str:
+    """Every flag by section, with its type, default and help; `valid_names(spec)` lists a registry flag's
+    choices (`megarl.arguments` passes the registries' names)."""
     lines = ["usage: torchrun --nproc-per-node N megarl/train.py [recipe.sh | run/config.json] [--flag value ...]",
              ""]
-    for section, cls in SECTIONS.items():
+    specs = flag_specs(components)
+    for section in {**SECTIONS, **(components or {})}:
         lines.append(f"{section}:")
-        for spec in flag_specs().values():
+        for spec in specs.values():
             if spec.section == section:
                 t = spec.type
                 kind = "|".join(typing.get_args(t)) if typing.get_origin(t) is Literal else t.__name__
-                if spec.names:
-                    kind = "|".join(_valid_names(spec))
-                default = next(f.default for f in dataclasses.fields(cls) if f.name == spec.name)
-                lines.append(f"  {spec.flag} <{kind}> (default {default!r}): {spec.help}")
+                if spec.names and valid_names is not None:
+                    kind = "|".join(valid_names(spec))
+                lines.append(f"  {spec.flag} <{kind}> (default {spec.default!r}): {spec.help}")
     return "\n".join(lines)

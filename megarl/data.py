@@ -34,7 +34,7 @@ def load_prompts(path: str, tokenizer, *, input_key: str, label_key: str, verifi
                  flag: str = "--prompt-data") -> list[PromptRecord]:
     """Read and validate every row before training starts; errors name the file and line (jsonl) or row
     (parquet). A `.parquet` path is read as parquet, any other as jsonl."""
-    from megarl.verifiers.compose import spec_error
+    from megarl.reward.compose import spec_error
 
     p = Path(path)
     if not path:

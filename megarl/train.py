@@ -17,14 +17,15 @@ import os
 import sys
 import time
 
-from megarl.config import Config, ConfigError, help_text, parse_args
+from megarl.arguments import help_text, parse_args
+from megarl.config import Config, ConfigError
 
 
 def main(argv: list[str]) -> int:
-    if any(a in ("-h", "--help") for a in argv):
-        print(help_text())
-        return 0
     try:
+        if any(a in ("-h", "--help") for a in argv):
+            print(help_text(argv))  # with the options of the --plugins it names
+            return 0
         cfg = parse_args(argv)
         from megarl.stages.setup import preflight
 

@@ -23,7 +23,8 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from megarl.config import ConfigError, parse_args  # noqa: E402
+from megarl.arguments import parse_args
+from megarl.config import ConfigError# noqa: E402
 from megarl.model_shape import ModelShape  # noqa: E402
 from megarl.plan import (GIB, GPUS, Cluster, Plan, Run, active_params, expert_bytes_per_gpu,  # noqa: E402
                          kv_bytes_per_token, num_params, plan, recommend, reward_model_params)
@@ -173,9 +174,10 @@ def main(argv: list[str] | None = None) -> int:
           f"{run.micro_batch_size}")
     for problem in refused:
         print(f"! {problem}")
-    if cfg.reward.reward_model:
-        rm = ModelShape.from_hf_config(json.loads((Path(cfg.reward.reward_model) / "config.json").read_text()),
-                                       source=cfg.reward.reward_model)
+    reward_model = cfg.components["reward_model.hf_rm"].reward_model
+    if reward_model:
+        rm = ModelShape.from_hf_config(json.loads((Path(reward_model) / "config.json").read_text()),
+                                       source=reward_model)
         servers = max(1, cluster.gpus_per_node // (run.tp * run.pp * run.cp))
         params = reward_model_params(rm)
         print(f"reward model (--reward-model): {params:,} parameters, {4 * params / GIB:.2f} GiB in fp32 per reward "

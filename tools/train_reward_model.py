@@ -16,7 +16,7 @@ it. `--policy-samples K` adds the mistakes the policy actually makes: K response
 right answer. `--far-negatives` adds wrong answers unlike the starter's (digits dropped, random numbers, stray characters), the
 drift a policy exploits otherwise; `--listwise K` trains each prompt's right answer against K of its wrong ones
 at once (softmax cross-entropy: the hard negatives weigh most) instead of pair by pair. Texts
-are what `megarl.reward_model.HFRewardModel` scores (prompt + response through the tokenizer's chat
+are what `megarl.reward.hf_scorer.HFRewardModel` scores (prompt + response through the tokenizer's chat
 template when it has one), so training and scoring read the same tokens.
 
 Reported at the end, on DIR/heldout.jsonl's problems when given (problems never trained on; their sampled pairs
@@ -292,7 +292,7 @@ def main(argv=None) -> int:
     args = parse_args(argv)
     if args.freeze_init and not args.add_layers:  # before any sampling or model loading
         raise SystemExit("--freeze-init needs --add-layers (else nothing but the head would train)")
-    from megarl.reward_model import HFRewardModel
+    from megarl.reward.hf_scorer import HFRewardModel
 
     train_problems: list[dict] = []
     rng = random.Random(args.seed)

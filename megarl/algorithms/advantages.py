@@ -2,7 +2,7 @@
 
 Every estimator has one signature, `fn(rewards: Tensor[num_groups, group_size], eps: float, **inputs) -> Tensor`,
 and is registered by name with `@register_advantage(name, needs=Needs(...))`; the trainer looks it up with
-`get_advantage(name)` and never switches on the name itself. `Needs` declares what the estimator uses besides the
+`ADVANTAGES.get(name)` and never switches on the name itself. `Needs` declares what the estimator uses besides the
 rewards, and the trainer provides exactly that (`megarl.stages.advantages`):
 
 - nothing: outcome estimators (GRPO, Dr. GRPO, RLOO, REINFORCE++) return one advantage per completion,
@@ -50,7 +50,8 @@ class AdvantageEstimator:
     needs: Needs
 
 
-_ADVANTAGES: Registry[AdvantageEstimator] = Registry("advantage estimator")
+# The estimators below, and GAE (PPO with a critic) in its own module, imported on first lookup.
+ADVANTAGES: Registry[AdvantageEstimator] = Registry("advantage estimator", builtins=("megarl.algorithms.gae",))
 
 
 def register_advantage(name: str, needs: Needs = Needs()) -> Callable[[AdvantageFn], AdvantageFn]:
@@ -60,24 +61,10 @@ def register_advantage(name: str, needs: Needs = Needs()) -> Callable[[Advantage
         raise ValueError(f"advantage estimator {name!r}: a critic gives per-token values; declare token_level=True")
 
     def decorate(fn: AdvantageFn) -> AdvantageFn:
-        _ADVANTAGES.register(name)(AdvantageEstimator(name, fn, needs))
+        ADVANTAGES.add(name, AdvantageEstimator(name, fn, needs))
         return fn
 
     return decorate
-
-
-def get_advantage(name: str) -> AdvantageEstimator:
-    """The estimator registered as `name`; an unknown name raises ValueError listing the valid ones."""
-    return _ADVANTAGES.get(name)
-
-
-def get_advantage_fn(name: str) -> AdvantageFn:
-    """The function of the estimator registered as `name`."""
-    return _ADVANTAGES.get(name).fn
-
-
-def advantage_names() -> list[str]:
-    return _ADVANTAGES.names()
 
 
 def _check_grouped(rewards: Tensor) -> Tensor:

@@ -6,8 +6,8 @@ produced the rollout (or the one before this update) and the frozen reference; `
 completion tokens that count. Masked-out positions may hold anything finite or not (padding): they are kept
 out of every exp(), give 0 loss and 0 gradient.
 
-Two registries, one signature each: policy losses (`@register_policy_loss`, `get_policy_loss_fn`) and KL
-estimators (`@register_kl`, `get_kl_fn`). `aggregate` returns a (numerator, denominator) pair instead of a
+Two registries, one signature each: policy losses (`@register_policy_loss`, `POLICY_LOSSES`) and KL
+estimators (`@register_kl`, `KL_ESTIMATORS`). `aggregate` returns a (numerator, denominator) pair instead of a
 mean, so that means are taken once over the whole optimizer step (see its docstring).
 """
 
@@ -35,36 +35,11 @@ class PolicyLossFn(Protocol):
 
 KLFn = Callable[[Tensor, Tensor], Tensor]
 
-_POLICY_LOSSES: Registry[PolicyLossFn] = Registry("policy loss")
-_KL_ESTIMATORS: Registry[KLFn] = Registry("KL estimator")
+POLICY_LOSSES: Registry[PolicyLossFn] = Registry("policy loss")
+KL_ESTIMATORS: Registry[KLFn] = Registry("KL estimator")  # `fn(logp, ref_logp) -> Tensor`, per token
 
-
-def register_policy_loss(name: str) -> Callable[[PolicyLossFn], PolicyLossFn]:
-    """Register a per-token policy loss under `name`."""
-    return _POLICY_LOSSES.register(name)
-
-
-def get_policy_loss_fn(name: str) -> PolicyLossFn:
-    """The policy loss registered as `name`; an unknown name raises ValueError listing the valid ones."""
-    return _POLICY_LOSSES.get(name)
-
-
-def policy_loss_names() -> list[str]:
-    return _POLICY_LOSSES.names()
-
-
-def register_kl(name: str) -> Callable[[KLFn], KLFn]:
-    """Register a per-token KL estimator `fn(logp, ref_logp) -> Tensor` under `name`."""
-    return _KL_ESTIMATORS.register(name)
-
-
-def get_kl_fn(name: str) -> KLFn:
-    """The KL estimator registered as `name`; an unknown name raises ValueError listing the valid ones."""
-    return _KL_ESTIMATORS.get(name)
-
-
-def kl_names() -> list[str]:
-    return _KL_ESTIMATORS.names()
+register_policy_loss = POLICY_LOSSES.register
+register_kl = KL_ESTIMATORS.register
 
 
 # KL(actor || reference) estimators from samples of the actor (Schulman, "Approximating KL divergence", 2020).
@@ -298,7 +273,7 @@ def grpo_token_loss(
     if off_policy_correction not in OFF_POLICY_CORRECTIONS:
         raise ValueError(f"unknown off-policy correction {off_policy_correction!r}; valid: "
                          f"{', '.join(OFF_POLICY_CORRECTIONS)}")
-    per_token, metrics = get_policy_loss_fn(policy_loss)(logp, old_logp, advantages, mask, clip_low, clip_high,
+    per_token, metrics = POLICY_LOSSES.get(policy_loss)(logp, old_logp, advantages, mask, clip_low, clip_high,
                                                          **options)
     zero = torch.zeros_like(logp)
     if off_policy_correction != "none":
@@ -322,7 +297,7 @@ def grpo_token_loss(
         return torch.where(mask, per_token, zero), metrics
 
     # Both arguments are zeroed at padding so that the KL there is exactly 0 with a finite gradient.
-    kl = get_kl_fn(kl_type)(torch.where(mask, logp, zero), torch.where(mask, ref_logp, zero))
+    kl = KL_ESTIMATORS.get(kl_type)(torch.where(mask, logp, zero), torch.where(mask, ref_logp, zero))
     metrics["kl_mean"] = _masked_mean(kl.detach(), mask)
     if kl_coef != 0:
         per_token = per_token + kl_coef * kl

@@ -153,7 +153,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.batch_size < 1:
         print("megarl-serve-rm: error: --batch-size must be >= 1", file=sys.stderr)
         return 2
-    from megarl.reward_model import HFRewardModel
+    from megarl.reward.hf_scorer import HFRewardModel
 
     try:
         if args.judge_checkpoint:

@@ -16,7 +16,7 @@ of `--timeout` and its verifier's own budget (the math verifier's 5 s). `--plugi
 here and in every worker, so a verifier they register can be named; the verifier and sandbox flags are the
 trainer's own (`megarl.config.RewardConfig`, `SandboxConfig`) and reach the verifiers the same way.
 
-A row's verifier may be any reward spec the trainer takes (`megarl.verifiers.compose`): a reward model (`hf_rm`
+A row's verifier may be any reward spec the trainer takes (`megarl.reward.compose`): a reward model (`hf_rm`
 with `--reward-model DIR`, `remote_rm` with `--remote-rm-url`, the trainer's flags) or a composition ("math >
 hf_rm"); a reward model reads the row's prompt (`--prompt-key`, needed then) and no ground truth unless a rule in
 the spec does. A row with `chosen` and `rejected` responses (`--chosen-key`, `--rejected-key`) instead of one
@@ -40,12 +40,25 @@ import sys
 from collections import Counter, defaultdict
 from pathlib import Path
 
-from megarl.config import ConfigError, RewardConfig, SandboxConfig, _convert, flag_specs, verifier_options
+from megarl.config import ConfigError, FlagSpec, build_config, convert_value, flag_specs
 from megarl.verifiers.base import OUTCOMES
 
-# The trainer's verifier and sandbox flags; the pool's own size and timeout are --workers and --timeout here.
-_VERIFIER_FLAGS = {flag: spec for flag, spec in flag_specs().items()
-                   if spec.section in ("reward", "sandbox") and spec.name not in ("reward_workers", "reward_timeout")}
+
+def _components() -> dict[str, type]:
+    """The options sections of the verifiers and reward models registered so far (`--plugins` imported)."""
+    from megarl.reward.models import REWARD_MODELS
+    from megarl.verifiers.base import VERIFIERS
+
+    return {r.section(name): cls for r in (VERIFIERS, REWARD_MODELS) for name, cls in r.options().items()}
+
+
+def _verifier_flags() -> dict[str, FlagSpec]:
+    """The trainer's flags that reach verifiers and reward models: their own options, the sandbox's and the reward
+    section's (the pool's own size and timeout are --workers and --timeout here)."""
+    components = _components()
+    return {flag: spec for flag, spec in flag_specs(components).items()
+            if spec.section in ("reward", "sandbox", *components) and spec.name not in ("reward_workers",
+                                                                                          "reward_timeout")}
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -78,7 +91,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
     p.add_argument("--plugins", default="", help="comma-separated modules (or .py files) to import here and in every "
                    "reward worker: verifiers they register can be named with --verifier")
-    for flag, spec in _VERIFIER_FLAGS.items():
+    for flag, spec in _verifier_flags().items():
         if spec.type is bool:
             p.add_argument(flag, nargs="?", const="true", default=None, metavar="true|false", help=spec.help)
         else:
@@ -87,15 +100,16 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def verifier_settings(args) -> dict[str, dict]:
-    """The verifiers' keyword arguments from the verifier and sandbox flags given (defaults otherwise)."""
+    """The keyword arguments of each verifier and reward model, from the flags given (defaults otherwise), as the
+    trainer computes them (`megarl.reward.reward_options`)."""
+    from megarl.reward import reward_options
+
     values = {}
-    for flag, spec in _VERIFIER_FLAGS.items():
-        raw = getattr(args, spec.name)
+    for flag, spec in _verifier_flags().items():
+        raw = getattr(args, spec.name, None)
         if raw is not None:
-            values[spec.name] = _convert(spec, raw, "command line")
-    sections = {cls: {k: v for k, v in values.items() if k in cls.__dataclass_fields__}
-                for cls in (RewardConfig, SandboxConfig)}
-    return verifier_options(RewardConfig(**sections[RewardConfig]), SandboxConfig(**sections[SandboxConfig]))
+            values[spec.name] = convert_value(spec, raw, "command line")
+    return reward_options(build_config(values, _components()))
 
 
 class InputError(Exception):
@@ -106,7 +120,7 @@ def check_usage(args) -> tuple[str, ...]:
     """Everything the flags alone can tell, before a row is read: the plugins import, `--verifier` is
     registered, the verifier flags are valid, math-verify is there. Returns the plugin modules."""
     from megarl.registry import load_plugins
-    from megarl.verifiers.compose import spec_error
+    from megarl.reward.compose import spec_error
 
     if args.workers < -1:
         raise InputError(f"--workers must be -1 (one per CPU), 0 (in this process) or more, got {args.workers}")
@@ -129,8 +143,8 @@ def check_usage(args) -> tuple[str, ...]:
 
 def _row_error(row, args) -> str | None:
     """Why a parsed line cannot be scored, or None."""
-    from megarl.verifiers.compose import parse, spec_error
-    from megarl.verifiers.reward_models import is_reward_model
+    from megarl.reward.compose import parse, spec_error
+    from megarl.reward.models import REWARD_MODELS
 
     if not isinstance(row, dict):
         return f"expected a JSON object, got {type(row).__name__}"
@@ -138,9 +152,9 @@ def _row_error(row, args) -> str | None:
     name = row.get(args.verifier_key) or args.verifier
     parts = [] if not isinstance(name, str) or spec_error(name) else [p.name for p in parse(name).parts]
     needs = [] if pair else [(args.response_key, "--response-key", "response")]
-    if not parts or not all(is_reward_model(p) for p in parts):
+    if not parts or not all(p in REWARD_MODELS for p in parts):
         needs.append((args.label_key, "--label-key", "ground truth"))
-    if any(is_reward_model(p) for p in parts):
+    if any(p in REWARD_MODELS for p in parts):
         needs.append((args.prompt_key, "--prompt-key", "prompt a reward model scores with the response"))
     for key, flag, what in needs:
         if key not in row:
@@ -194,7 +208,7 @@ def score_rows(rows: list[dict], args, plugins: tuple[str, ...]) -> list:
     """One result per row, in order (a pair's: (chosen, rejected)): rules in reward workers as in training, or in
     this process with --workers 0; reward models as the trainer runs them (`RoutedReward`)."""
     from megarl.reward import InProcessReward, PoolReward, RoutedReward
-    from megarl.verifiers.pool import RewardPool
+    from megarl.reward.pool import RewardPool
 
     requests, first = _requests(rows, args)
     options = verifier_settings(args)
@@ -381,7 +395,25 @@ def write_output(path: str, rows: list[dict], results: list, bad: list[dict], ar
             fh.write(json.dumps(obj, ensure_ascii=False) + "\n")
 
 
+def _import_plugins(argv: list[str] | None) -> None:
+    """`--plugins` first: the verifiers they register may declare flags of their own, which the parser then knows."""
+    from megarl.registry import load_plugins
+
+    early = argparse.ArgumentParser(add_help=False)
+    early.add_argument("--plugins", default="")
+    known, _ = early.parse_known_args(argv)
+    try:
+        load_plugins(known.plugins)
+    except ValueError as e:
+        raise InputError(str(e)) from None
+
+
 def main(argv: list[str] | None = None) -> int:
+    try:
+        _import_plugins(argv)
+    except InputError as e:
+        print(f"megarl-verify: error: {e}", file=sys.stderr)
+        return 2
     args = build_parser().parse_args(argv)
     try:
         plugins = check_usage(args)

@@ -45,7 +45,7 @@ class Backend:
     available: Callable[[Config], tuple[bool, str]] = _runs_anywhere
 
 
-_BACKENDS: Registry[Backend] = Registry("rollout backend")
+BACKENDS: Registry[Backend] = Registry("rollout backend")  # the built-in backends are registered below
 
 
 def register_backend(name: str, *, check: Callable[[Config], None] = _no_rule,
@@ -53,24 +53,15 @@ def register_backend(name: str, *, check: Callable[[Config], None] = _no_rule,
     """Decorator on a backend's `build(cfg, actor) -> RolloutEngine` (see the module docstring)."""
 
     def decorate(build):
-        _BACKENDS.register(name)(Backend(name, build, check, available))
+        BACKENDS.add(name, Backend(name, build, check, available))
         return build
 
     return decorate
 
 
-def get_backend(name: str) -> Backend:
-    """The backend registered as `name`; an unknown name raises ValueError listing the valid ones."""
-    return _BACKENDS.get(name)
-
-
-def backend_names() -> list[str]:
-    return _BACKENDS.names()
-
-
 def build_engine(cfg: Config, actor: MegatronPolicy | None = None) -> RolloutEngine:
     """This model-parallel leader's engine, from `--rollout-backend`."""
-    return get_backend(cfg.rollout.rollout_backend).build(cfg, actor)
+    return BACKENDS.get(cfg.rollout.rollout_backend).build(cfg, actor)
 
 
 # -- built-in ------------------------------------------------------------------------------------------------------
@@ -86,7 +77,7 @@ def _builtin_available(cfg: Config) -> tuple[bool, str]:
 def build_builtin(cfg: Config, actor: MegatronPolicy | None = None) -> RolloutEngine:
     """megarl's PyTorch engine with zero weights: the actor's arrive right after, through the first sync. With
     --async-staleness it runs in a process of its own (`megarl.rollout.engine_process`)."""
-    from megarl.rollout.builtin import BuiltinEngine
+    from megarl.rollout.builtin import BuiltinEngine, CheckpointTokenizer
 
     device = cfg.rollout.rollout_device
     if device == "auto":
@@ -98,21 +89,7 @@ def build_builtin(cfg: Config, actor: MegatronPolicy | None = None) -> RolloutEn
 
         return EngineProcess(config, cfg.model.hf_checkpoint, device=device, dtype=dtype,
                              threads=cfg.rollout.rollout_threads, timeout_s=cfg.training.distributed_timeout_seconds)
-    return BuiltinEngine(config, device=device, dtype=dtype, tokenizer=_CheckpointTokenizer(cfg.model.hf_checkpoint))
-
-
-class _CheckpointTokenizer:
-    """The checkpoint's tokenizer, loaded when first used (stop strings): a run without them never loads it."""
-
-    def __init__(self, path: str):
-        self.path, self._tokenizer = path, None
-
-    def decode(self, ids, skip_special_tokens: bool = False) -> str:
-        if self._tokenizer is None:
-            from transformers import AutoTokenizer
-
-            self._tokenizer = AutoTokenizer.from_pretrained(self.path)
-        return self._tokenizer.decode(ids, skip_special_tokens=skip_special_tokens)
+    return BuiltinEngine(config, device=device, dtype=dtype, tokenizer=CheckpointTokenizer(cfg.model.hf_checkpoint))
 
 
 # -- SGLang --------------------------------------------------------------------------------------------------------
@@ -162,7 +139,7 @@ def build_sglang(cfg: Config, actor: MegatronPolicy | None = None) -> RolloutEng
 
 
 def _megatron_rule(cfg: Config) -> None:
-    from megarl.config import ConfigError
+    from megarl.errors import ConfigError
 
     m = cfg.model
     if (m.tensor_model_parallel_size, m.pipeline_model_parallel_size, m.context_parallel_size) != (1, 1, 1):

@@ -616,3 +616,17 @@ def _truncate(logp: torch.Tensor, top_k: int, top_p: float) -> torch.Tensor:
         drop = torch.zeros_like(drop_sorted).scatter_(1, order, drop_sorted)
         logp = logp.masked_fill(drop, float("-inf"))
     return logp
+
+
+class CheckpointTokenizer:
+    """The checkpoint's tokenizer, loaded when first used (stop strings): a run without them never loads it."""
+
+    def __init__(self, path: str):
+        self.path, self._tokenizer = path, None
+
+    def decode(self, ids, skip_special_tokens: bool = False) -> str:
+        if self._tokenizer is None:
+            from transformers import AutoTokenizer
+
+            self._tokenizer = AutoTokenizer.from_pretrained(self.path)
+        return self._tokenizer.decode(ids, skip_special_tokens=skip_special_tokens)

@@ -129,7 +129,7 @@ def _serve(hf_config: dict, checkpoint: str | None, device: str, dtype: torch.dt
     """The child: a `BuiltinEngine` answering requests in order until told to stop or orphaned."""
     import threading
 
-    from megarl.rollout.builtin import BuiltinEngine
+    from megarl.rollout.builtin import BuiltinEngine, CheckpointTokenizer
 
     torch.set_num_threads(threads)
 
@@ -141,9 +141,7 @@ def _serve(hf_config: dict, checkpoint: str | None, device: str, dtype: torch.dt
     threading.Thread(target=watch_parent, daemon=True).start()
     tokenizer = None
     if checkpoint:
-        from megarl.rollout.backends import _CheckpointTokenizer
-
-        tokenizer = _CheckpointTokenizer(checkpoint)
+        tokenizer = CheckpointTokenizer(checkpoint)
     engine = BuiltinEngine(hf_config, device=device, dtype=dtype, tokenizer=tokenizer)
     buffers: dict[int, torch.Tensor] = {}
     while True:

@@ -35,26 +35,16 @@ class RolloutFn(Protocol):
                  reward: RewardFn, tokenizer) -> list[Sample]: ...
 
 
-_ROLLOUTS: Registry[RolloutFn] = Registry("rollout function")
+# `single_turn` is defined below; `tool_use` (multi-turn with tool calls) in its own module, imported on first lookup.
+ROLLOUTS: Registry[RolloutFn] = Registry("rollout function", builtins=("megarl.rollout.tool_use",))
 
-
-def register_rollout(name: str) -> Callable[[RolloutFn], RolloutFn]:
-    """Register a rollout function under `name` (a second registration of a name is an error)."""
-    return _ROLLOUTS.register(name)
-
-
-def get_rollout(name: str) -> RolloutFn:
-    """The rollout function registered as `name`; an unknown name raises ValueError listing the valid ones."""
-    return _ROLLOUTS.get(name)
-
-
-def rollout_names() -> list[str]:
-    return _ROLLOUTS.names()
+# Register a rollout function under `name` (a second registration of a name is an error).
+register_rollout = ROLLOUTS.register
 
 
 def build_rollout(cfg) -> RolloutFn:
     """The run's rollout function (`--rollout-function`), configured with the run's settings when it takes any."""
-    fn = get_rollout(cfg.rollout.rollout_function)
+    fn = ROLLOUTS.get(cfg.rollout.rollout_function)
     configure = getattr(fn, "configure", None)
     return configure(cfg) if callable(configure) else fn
 

@@ -33,12 +33,12 @@ import statistics
 from dataclasses import dataclass, field, replace
 from typing import Sequence
 
-from megarl.config import SandboxConfig, ToolConfig, tool_settings
+from megarl.config import SandboxConfig, ToolConfig
 from megarl.data import PromptRecord
 from megarl.reward import RewardFn
 from megarl.rollout.base import Completion, RolloutEngine, SamplingParams
 from megarl.rollout.functions import register_rollout
-from megarl.tool_calls import Observation, ParseError, ToolCall, get_parser, get_tool
+from megarl.tool_calls import TOOL_PARSERS, TOOLS, Observation, ParseError, ToolCall, build_tool, tool_settings
 from megarl.samples import Sample, SampleStatus
 
 UNAVAILABLE = "error: the tool is unavailable"  # what --tool-calls-fail answers every call
@@ -80,13 +80,16 @@ class _Trajectory:
 class ToolUse:
     """The `tool_use` rollout function with its settings (`ToolConfig`) and tools; see the module docstring."""
 
-    def __init__(self, tc: ToolConfig, sb: SandboxConfig, tools: dict | None = None):
-        """`tools`: name -> tool, instead of building the `--tools` (tests pass scripted ones)."""
+    def __init__(self, tc: ToolConfig, sb: SandboxConfig, tools: dict | None = None,
+                 options: dict[str, dict] | None = None):
+        """`tools`: name -> tool, instead of building the `--tools` (tests pass scripted ones); `options`: name ->
+        the keyword arguments of a tool that declares options (`TOOLS.kwargs(cfg)`)."""
         self.tc = tc
-        self.parser = get_parser(tc.tool_parser)
+        self.parser = TOOL_PARSERS.build(tc.tool_parser)
         names = [t.strip() for t in tc.tools.split(",") if t.strip()]
-        settings = tool_settings(tc, sb)
-        self.tools = tools if tools is not None else {name: get_tool(name, settings) for name in names}
+        settings, options = tool_settings(tc, sb), options or {}
+        self.tools = tools if tools is not None else {
+            name: build_tool(name, settings, **options.get(name, {})) for name in names}
         self._latencies: list[float] = []
 
     def __call__(self, engine: RolloutEngine, prompts: Sequence[PromptRecord], params: SamplingParams,
@@ -226,4 +229,4 @@ def tool_use(engine: RolloutEngine, prompts: Sequence[PromptRecord], params: Sam
         rollout.close()
 
 
-tool_use.configure = lambda cfg: ToolUse(cfg.tools, cfg.sandbox)
+tool_use.configure = lambda cfg: ToolUse(cfg.tools, cfg.sandbox, options=TOOLS.kwargs(cfg))

@@ -18,7 +18,7 @@ from typing import NamedTuple, Sequence
 
 import torch
 
-from megarl.algorithms import get_advantage, get_kl_fn
+from megarl.algorithms import ADVANTAGES, KL_ESTIMATORS
 from megarl.config import Config
 from megarl.mcore.actor import MegatronPolicy
 from megarl.mcore.parallel import ParallelInfo, broadcast_from_last_stage
@@ -66,15 +66,15 @@ class Algorithm:
 
     def __init__(self, cfg: Config, info: ParallelInfo, reference: MegatronPolicy | None, critic: Critic | None):
         self.cfg, self.info, self.reference, self.critic = cfg, info, reference, critic
-        self.estimator = get_advantage(cfg.algorithm.advantage_estimator)
+        self.estimator = ADVANTAGES.get(cfg.algorithm.advantage_estimator)
 
     @staticmethod
     def needs_reference(cfg: Config) -> bool:
-        return cfg.algorithm.kl_coef > 0 or get_advantage(cfg.algorithm.advantage_estimator).needs.reference
+        return cfg.algorithm.kl_coef > 0 or ADVANTAGES.get(cfg.algorithm.advantage_estimator).needs.reference
 
     @staticmethod
     def needs_critic(cfg: Config) -> bool:
-        return get_advantage(cfg.algorithm.advantage_estimator).needs.critic
+        return ADVANTAGES.get(cfg.algorithm.advantage_estimator).needs.critic
 
     def logprobs(self, actor: MegatronPolicy, packed: PackedSamples) -> LogProbs:
         """With a single update per rollout the old log-probs equal the current ones (ratio 1, as in TRL), so
@@ -107,7 +107,7 @@ class Algorithm:
             if ref is not None:
                 mask = packed.loss_mask.bool()
                 zero = torch.zeros_like(packed.rollout_logp)
-                per_token = get_kl_fn(a.kl_estimator)(torch.where(mask, packed.rollout_logp, zero),
+                per_token = KL_ESTIMATORS.get(a.kl_estimator)(torch.where(mask, packed.rollout_logp, zero),
                                                       torch.where(mask, ref.to(zero.dtype), zero))
                 kl = torch.where(mask, per_token, zero).sum(dim=-1).double()
             if self.info.pp_size > 1:

@@ -31,7 +31,7 @@ _SUM_KEYS = ["n_samples", "reward_sum", "correct", "response_tokens", "truncated
              "router_tokens", "router_entropy_sum", "routing_disagree_sum", "routing_replayed_sum",
              "router_imbalance_sum", "router_layers"]
 _DS_KEYS = ["ds_prompts_drawn", "ds_groups_dropped", "ds_rounds", "ds_groups_filled"]
-# reward health (`megarl.verifiers.pool.batch_health`): counts add up over ranks, latencies take the worst rank
+# reward health (`megarl.reward.pool.batch_health`): counts add up over ranks, latencies take the worst rank
 _REWARD_KEYS = ["reward_n_timeout", "reward_n_no_answer", "reward_n_parse_error", "reward_worker_restarts",
                 "reward_latency_p50_max", "reward_latency_p99_max"]
 _TOOL_LATENCY_KEYS = ["tool_latency_p50_max", "tool_latency_p99_max"]  # `tool_use`'s, the worst rank's

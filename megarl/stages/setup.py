@@ -16,8 +16,8 @@ from typing import Callable
 
 import torch
 
-from megarl.config import (SAVED_CONFIG, Config, ConfigError, TrainingConfig, load_plugin_modules, saved_config,
-                           verifier_options)
+from megarl.arguments import import_plugins
+from megarl.config import SAVED_CONFIG, Config, ConfigError, TrainingConfig, saved_config
 from megarl.data import PromptRecord, PromptSampler, load_prompts, split_by_length
 from megarl.mcore import checkpoint, parallel
 from megarl.mcore.actor import MegatronPolicy, OptimConfig
@@ -26,9 +26,9 @@ from megarl.mcore.parallel import ParallelInfo
 from megarl.metrics import MetricsLog, open_sinks
 from megarl.model_shape import ModelShape
 from megarl.preflight import Layout, check_run, padded_vocab_size, prompt_limit
-from megarl.reward import RewardFn, build_reward
+from megarl.reward import RewardFn, build_reward, reward_options
 from megarl.rollout import RolloutEngine, RolloutFn, build_rollout
-from megarl.rollout.backends import build_engine, get_backend
+from megarl.rollout.backends import BACKENDS, build_engine
 from megarl.stages.algorithm import Algorithm
 from megarl.stages.asynchronous import AsyncCollect, OrderedEngine, Pipeline
 from megarl.stages.collect import Collect, Collector, DynamicSampling, OverlongShaping
@@ -52,7 +52,7 @@ def preflight(cfg: Config) -> Checked:
     launchers run on the batch host too). The flags' own rules were checked when they were parsed."""
     from megarl.mcore.parallel import transformer_engine_available
 
-    ok, why = get_backend(cfg.rollout.rollout_backend).available(cfg)
+    ok, why = BACKENDS.get(cfg.rollout.rollout_backend).available(cfg)
     if not ok:
         raise ConfigError(why)
     if cfg.model.context_parallel_size > 1 and not transformer_engine_available():
@@ -140,7 +140,7 @@ def start(cfg: Config, checked: Checked) -> Run:
     sync = WeightSync(actor, engine, cfg.rollout, info)
     sync(version=start_step)
 
-    reward = build_reward(cfg.reward, verifier_options(cfg.reward, cfg.sandbox), load_plugin_modules(cfg))
+    reward = build_reward(cfg.reward, reward_options(cfg), import_plugins(cfg.plugins.plugins))
     rollout_fn = build_rollout(cfg)
     collector = Collector(rollout_engine, rollout_fn, reward, tokenizer, prompts, sampler, cfg.rollout,
                           d.rollout_batch_size, t.seed, info, context=shape.max_position_embeddings)

@@ -84,37 +84,26 @@ class Tool(Protocol):
     def close(self) -> None: ...
 
 
-_PARSERS: Registry[Callable[[], ToolParser]] = Registry("tool parser")
-_TOOLS: Registry[Callable[[ToolSettings], Tool]] = Registry("tool")
+TOOL_PARSERS: Registry[Callable[[], ToolParser]] = Registry("tool parser", builtins=("megarl.tool_calls.parsers",))
+# A tool's builder, `(settings: ToolSettings, **options) -> Tool`; `options` are the fields of the options dataclass
+# the tool may declare (`register_tool(name, options=...)`, `megarl.registry`).
+TOOLS: Registry[Callable[..., Tool]] = Registry("tool", builtins=("megarl.tool_calls.python",))
+
+register_parser = TOOL_PARSERS.register  # a parser class, built with no arguments
+register_tool = TOOLS.register
 
 
-def register_parser(name: str):
-    """Register a parser class (built with no arguments) under `name`."""
-    return _PARSERS.register(name)
+def tool_settings(tc, sb) -> ToolSettings:
+    """The per-call limits and sandbox the tools of `--rollout-function tool_use` are built with, from a run's
+    `ToolConfig` and `SandboxConfig` (`--tool-*`, `--sandbox*`)."""
+    return ToolSettings(timeout_s=tc.tool_timeout, memory_mb=tc.tool_memory_mb, output_bytes=tc.tool_output_bytes,
+                        sandbox=sb.sandbox, workers=tc.tool_workers, image=sb.sandbox_image or None)
 
 
-def get_parser(name: str) -> ToolParser:
-    return _PARSERS.get(name)()
+def build_tool(name: str, settings: ToolSettings | None = None, **options) -> Tool:
+    """A new instance of tool `name`, with `settings` (defaults when None) and its own options."""
+    return TOOLS.get(name)(settings or ToolSettings(), **options)
 
 
-def parser_names() -> list[str]:
-    return _PARSERS.names()
-
-
-def register_tool(name: str):
-    """Register a tool's builder, `(ToolSettings) -> Tool`, under `name`."""
-    return _TOOLS.register(name)
-
-
-def get_tool(name: str, settings: ToolSettings | None = None) -> Tool:
-    return _TOOLS.get(name)(settings or ToolSettings())
-
-
-def tool_names() -> list[str]:
-    return _TOOLS.names()
-
-
-from megarl.tool_calls import parsers, python  # noqa: E402,F401  (the built-in entries register themselves)
-
-__all__ = ["Observation", "ParseError", "Tool", "ToolCall", "ToolParser", "ToolSettings", "get_parser", "get_tool",
-           "parser_names", "register_parser", "register_tool", "tool_names"]
+__all__ = ["TOOLS", "TOOL_PARSERS", "Observation", "ParseError", "Tool", "ToolCall", "ToolParser", "ToolSettings",
+           "build_tool", "register_parser", "register_tool", "tool_settings"]

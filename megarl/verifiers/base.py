@@ -1,7 +1,8 @@
 """The verifier boundary: a response and its ground truth in, a structured result out.
 
 A verifier is chosen per sample by the `verifier` field of the data row, through the registry below, never by
-dataset name.
+dataset name. A verifier is a rule run on one sample at a time, in a reward worker process or the trainer; batch
+sources that score in the trainer (reward models) are `megarl.reward.models`.
 """
 
 from __future__ import annotations
@@ -33,35 +34,11 @@ class Verifier(Protocol):
     def verify(self, response: str, ground_truth: Any) -> VerifyResult: ...
 
 
-_VERIFIERS: Registry[Callable[..., Verifier]] = Registry("verifier")
+VERIFIERS: Registry[Callable[..., Verifier]] = Registry(
+    "verifier", builtins=("megarl.verifiers.arithmetic", "megarl.verifiers.code", "megarl.verifiers.math"))
 
-
-def register_verifier(name: str):
-    """Class decorator: `@register_verifier("arithmetic")`. The class is built with the run's options for that
-    verifier as keyword arguments (`megarl.config.verifier_options`; none for most verifiers), so every argument
-    needs a default."""
-    return _VERIFIERS.register(name)
-
-
-def verifier_names() -> list[str]:
-    _import_builtin()
-    return _VERIFIERS.names()
-
-
-def verifier_class(name: str) -> Callable[..., Verifier]:
-    """What is registered as `name` (a class, usually); an unknown name raises ValueError listing the valid ones."""
-    _import_builtin()
-    return _VERIFIERS.get(name)
-
-
-def get_verifier(name: str, **options) -> Verifier:
-    """A new instance of the verifier registered as `name`, built with `options`; an unknown name raises
-    ValueError listing the valid ones."""
-    return verifier_class(name)(**options)
-
-
-def _import_builtin():
-    # Importing the modules registers them; done lazily so that base stays import-cycle free.
-    from megarl.verifiers import arithmetic  # noqa: F401
-    from megarl.verifiers import code  # noqa: F401
-    from megarl.verifiers import math  # noqa: F401
+# Class decorator: `@register_verifier("arithmetic")`, or `@register_verifier("code", options=CodeOptions)` for a
+# verifier with flags of its own (`megarl.registry`). The class is built with the run's options for it as keyword
+# arguments (none for most verifiers), in the trainer, in every reward worker and in `megarl-verify`, so every
+# argument needs a default.
+register_verifier = VERIFIERS.register

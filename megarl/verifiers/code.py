@@ -30,7 +30,7 @@ harness is the job itself, exec'd as a fresh interpreter. Either way the program
 forked from a zygote made before the harness read any, and the job's files are gone before the first one runs.
 
 Settings are the constructor's arguments; the trainer and `megarl-verify` pass the run's `--code-*` and
-`--sandbox*` flags (`megarl.config.verifier_options`), in every reward worker too. The sandbox is started lazily,
+`--sandbox*` flags (`CodeOptions`), in every reward worker too. The sandbox is started lazily,
 once per process and configuration, so the verifier pickles into reward-pool workers and each starts its own there.
 """
 
@@ -42,7 +42,11 @@ import re
 import secrets
 import threading
 import time
+from dataclasses import dataclass
 from typing import Any, Literal, Sequence
+
+from megarl.errors import ConfigError
+from megarl.registry import option
 
 from megarl.sandbox import Job, Limits, Sandbox, make_sandbox
 from megarl.sandbox.code_harness import DONE, JOB_FILES, PART
@@ -57,7 +61,33 @@ _SANDBOXES: dict[tuple, Sandbox] = {}
 _SANDBOXES_LOCK = threading.Lock()
 
 
-@register_verifier("code")
+@dataclass
+class CodeOptions:
+    """The code verifier's flags; the sandbox it runs in is the run's `--sandbox*` (`megarl.config.SandboxConfig`)."""
+
+    code_reward: Literal["all", "fraction"] = option("all", "code verifier: reward 1 only when every test passes, or "
+                                                     "the share of tests passed")
+    code_early_stop: bool = option(False, "code verifier: stop a row's tests at the first failure")
+    code_extract: Literal["last", "first", "none"] = option(
+        "last", "code verifier: the program is the last (or first) fenced code block of the response, or the whole "
+        "response (none)")
+    code_test_seconds: float = option(5.0, "code verifier: seconds each test may run, unless its row sets time_s")
+    code_memory_mb: int = option(1024, "code verifier: memory a program may use, unless its row sets memory_mb")
+
+    def __post_init__(self):
+        if self.code_test_seconds <= 0:
+            raise ConfigError(f"--code-test-seconds must be > 0 seconds, got {self.code_test_seconds}")
+        if self.code_memory_mb < 1:
+            raise ConfigError(f"--code-memory-mb must be >= 1, got {self.code_memory_mb}")
+
+    def kwargs(self, cfg) -> dict[str, Any]:
+        sb = cfg.sandbox
+        return dict(reward=self.code_reward, early_stop=self.code_early_stop, extract=self.code_extract,
+                    backend=sb.sandbox, workers=sb.sandbox_workers, time_s=self.code_test_seconds,
+                    memory_mb=self.code_memory_mb, image=sb.sandbox_image or None)
+
+
+@register_verifier("code", options=CodeOptions)
 class CodeVerifier:
     name = "code"
 

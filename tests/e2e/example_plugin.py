@@ -10,7 +10,7 @@ from __future__ import annotations
 import os
 from dataclasses import replace
 
-from megarl.rollout import get_rollout, register_rollout
+from megarl.rollout import ROLLOUTS, register_rollout
 from megarl.verifiers import VerifyResult, register_verifier
 
 
@@ -37,6 +37,6 @@ def tagged_single_turn(engine, prompts, params, reward, tokenizer):
     """The default rollout function, each sample tagged with the number of turns it took (one) and whether its
     response ends with the stop token."""
     _trace("rollout")
-    samples = get_rollout("single_turn")(engine, prompts, params, reward, tokenizer)
+    samples = ROLLOUTS.get("single_turn")(engine, prompts, params, reward, tokenizer)
     return [replace(s, metadata={**s.metadata, "turns": 1.0, "stopped": float(s.status.value == "completed")})
             for s in samples]

@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 from helpers import torchrun
 
-from megarl.config import parse_args
+from megarl.arguments import parse_args
 
 pytestmark = [pytest.mark.distributed, pytest.mark.slow]
 TRAIN = "megarl/train.py"

@@ -12,9 +12,9 @@ import torch
 import torch.distributed as dist
 
 from megarl.algorithms import (
+    ADVANTAGES,
+    POLICY_LOSSES,
     aggregate,
-    get_advantage_fn,
-    get_policy_loss_fn,
     grpo_token_loss,
     policy_loss_dual_clip,
     policy_loss_gspo,
@@ -30,33 +30,33 @@ def t(*rows):
 
 
 def test_rloo_leave_one_out_baseline():
-    adv = get_advantage_fn("rloo")(t([1.0, 0.0, 0.0, 1.0]))
+    adv = ADVANTAGES.get("rloo").fn(t([1.0, 0.0, 0.0, 1.0]))
     # i=0: baseline (0 + 0 + 1) / 3 = 1/3 -> 2/3; i=1: baseline (1 + 0 + 1) / 3 = 2/3 -> -2/3
     torch.testing.assert_close(adv, t([2 / 3, -2 / 3, -2 / 3, 2 / 3]))
 
 
 def test_rloo_group_of_one_and_equal_rewards_are_zero():
-    fn = get_advantage_fn("rloo")
+    fn = ADVANTAGES.get("rloo").fn
     assert torch.equal(fn(t([1.0], [0.0])), torch.zeros(2, 1))
     assert torch.equal(fn(t([0.3, 0.3, 0.3])), torch.zeros(1, 3))
 
 
 def test_reinforce_pp_whitens_over_the_batch():
-    adv = get_advantage_fn("reinforce_pp")(t([1.0, 0.0], [1.0, 1.0]), eps=0.0)
+    adv = ADVANTAGES.get("reinforce_pp").fn(t([1.0, 0.0], [1.0, 1.0]), eps=0.0)
     # batch mean 0.75; unbiased std sqrt((3 * 0.25^2 + 0.75^2) / 3) = 0.5
     torch.testing.assert_close(adv, t([0.5, -1.5], [0.5, 0.5]))
-    assert torch.equal(get_advantage_fn("reinforce_pp")(t([2.0, 2.0], [2.0, 2.0])), torch.zeros(2, 2))
+    assert torch.equal(ADVANTAGES.get("reinforce_pp").fn(t([2.0, 2.0], [2.0, 2.0])), torch.zeros(2, 2))
 
 
 def test_reinforce_pp_baseline_centres_per_group_then_divides_by_batch_std():
-    adv = get_advantage_fn("reinforce_pp_baseline")(t([1.0, 0.0], [1.0, 1.0]), eps=0.0)
+    adv = ADVANTAGES.get("reinforce_pp_baseline").fn(t([1.0, 0.0], [1.0, 1.0]), eps=0.0)
     std = math.sqrt((0.25 + 0.25) / 3)  # centred values 0.5, -0.5, 0, 0 (mean 0, n - 1 = 3)
     torch.testing.assert_close(adv, t([0.5 / std, -0.5 / std], [0.0, 0.0]))
 
 
 def test_advantage_registry_lists_valid_names():
     with pytest.raises(ValueError, match="rloo"):
-        get_advantage_fn("no-such-estimator")
+        ADVANTAGES.get("no-such-estimator").fn
 
 
 # -- policy losses ----------------------------------------------------------------------------------------------
@@ -77,8 +77,8 @@ def test_dual_clip_caps_negative_advantage_loss():
 def test_dual_clip_leaves_positive_advantages_alone():
     old = torch.zeros(1, 2)
     logp = torch.log(t([5.0, 0.9]))
-    clip, _ = get_policy_loss_fn("clip")(logp, old, torch.tensor([1.0]), torch.ones(1, 2), 0.2, 0.2)
-    dual, _ = get_policy_loss_fn("dual_clip")(logp, old, torch.tensor([1.0]), torch.ones(1, 2), 0.2, 0.2)
+    clip, _ = POLICY_LOSSES.get("clip")(logp, old, torch.tensor([1.0]), torch.ones(1, 2), 0.2, 0.2)
+    dual, _ = POLICY_LOSSES.get("dual_clip")(logp, old, torch.tensor([1.0]), torch.ones(1, 2), 0.2, 0.2)
     assert torch.equal(clip, dual)
     with pytest.raises(ValueError, match="clip_ratio_c"):
         policy_loss_dual_clip(logp, old, torch.tensor([-1.0]), torch.ones(1, 2), clip_ratio_c=1.0)

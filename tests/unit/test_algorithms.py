@@ -11,12 +11,12 @@ import pytest
 import torch
 
 from megarl.algorithms import (
+    ADVANTAGES,
+    KL_ESTIMATORS,
+    POLICY_LOSSES,
     aggregate,
     compute_dr_grpo_advantages,
     compute_grpo_advantages,
-    get_advantage_fn,
-    get_kl_fn,
-    get_policy_loss_fn,
     grpo_token_loss,
     kl_k1,
     kl_k2,
@@ -79,10 +79,10 @@ def test_dr_grpo_advantages_only_center():
 
 
 def test_advantage_registry():
-    assert get_advantage_fn("grpo") is compute_grpo_advantages
-    assert get_advantage_fn("dr_grpo") is compute_dr_grpo_advantages
+    assert ADVANTAGES.get("grpo").fn is compute_grpo_advantages
+    assert ADVANTAGES.get("dr_grpo").fn is compute_dr_grpo_advantages
     with pytest.raises(ValueError, match="'ppo'.*valid names: dr_grpo, gae, grpo"):
-        get_advantage_fn("ppo")
+        ADVANTAGES.get("ppo").fn
 
 
 # ---------------------------------------------------------------------------------------------------------- KL
@@ -97,9 +97,9 @@ def test_kl_estimators_by_hand():
 
 
 def test_kl_registry():
-    assert (get_kl_fn("k1"), get_kl_fn("k2"), get_kl_fn("k3")) == (kl_k1, kl_k2, kl_k3)
+    assert (KL_ESTIMATORS.get("k1"), KL_ESTIMATORS.get("k2"), KL_ESTIMATORS.get("k3")) == (kl_k1, kl_k2, kl_k3)
     with pytest.raises(ValueError, match="'k4'.*valid names: k1, k2, k3"):
-        get_kl_fn("k4")
+        KL_ESTIMATORS.get("k4")
 
 
 # ----------------------------------------------------------------------------------------------- clipped loss
@@ -166,9 +166,9 @@ def test_masked_tokens_contribute_nothing_and_get_zero_gradient():
 
 
 def test_policy_loss_registry():
-    assert get_policy_loss_fn("clip") is policy_loss_clip
+    assert POLICY_LOSSES.get("clip") is policy_loss_clip
     with pytest.raises(ValueError, match="'cispo'.*valid names: clip"):
-        get_policy_loss_fn("cispo")
+        POLICY_LOSSES.get("cispo")
 
 
 # ---------------------------------------------------------------------------------------------- GRPO loss

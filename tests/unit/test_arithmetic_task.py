@@ -16,7 +16,7 @@ from megarl.tasks.arithmetic import (
     split_problems,
     write_jsonl,
 )
-from megarl.verifiers import get_verifier
+from megarl.verifiers import VERIFIERS
 from megarl.verifiers.arithmetic import ArithmeticVerifier
 
 
@@ -29,7 +29,7 @@ def verify():
 
 
 def test_registered_under_its_name():
-    v = get_verifier("arithmetic")
+    v = VERIFIERS.build("arithmetic")
     assert isinstance(v, ArithmeticVerifier) and v.name == "arithmetic"
 
 

@@ -15,7 +15,8 @@ import torch
 from helpers import make_tiny_hf_model
 from safetensors.torch import load_file
 
-from megarl.config import ConfigError, parse_args
+from megarl.arguments import parse_args
+from megarl.config import ConfigError
 from megarl.rollout.base import Completion, SamplingParams
 from megarl.rollout.builtin import BuiltinEngine
 from megarl.rollout.engine_process import EngineProcess, EngineProcessError

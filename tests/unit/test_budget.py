@@ -1,4 +1,4 @@
-"""The wall-clock budget helper (`megarl.verifiers._budget.Guard`): values, errors, timeouts and a dead helper, from
+"""The wall-clock budget helper (`megarl.verifiers.budget.Guard`): values, errors, timeouts and a dead helper, from
 several threads at once. The targets are standard-library functions, so the helper imports nothing of ours."""
 
 from __future__ import annotations
@@ -8,7 +8,7 @@ import time
 
 import pytest
 
-from megarl.verifiers._budget import BudgetExceeded, Guard, HelperFailed
+from megarl.verifiers.budget import BudgetExceeded, Guard, HelperFailed
 
 
 @pytest.fixture(scope="module")

@@ -4,7 +4,7 @@ import json
 
 import pytest
 
-from megarl.verifiers import get_verifier
+from megarl.verifiers import VERIFIERS
 from megarl.verifiers.code import CodeVerifier, extract_code, parse_gold, parse_verdict
 from sandbox_cases import (KEY_HUNT_FUNCTION, KEY_HUNT_IO, SECRET_ADD, SECRET_IO, humaneval_hacks,
                            humaneval_problems)
@@ -21,7 +21,7 @@ def verifier(request):
 
 
 def test_registered_and_built_without_arguments():
-    v = get_verifier("code")
+    v = VERIFIERS.build("code")
     assert v.name == "code" and v.reward == "all"
 
 
@@ -136,7 +136,7 @@ def test_humaneval_subset(verifier):
 
 def test_through_the_reward_pool():
     """The pool's helper processes build the verifier from the registry and start their own sandbox."""
-    from megarl.verifiers.pool import RewardPool
+    from megarl.reward.pool import RewardPool
 
     requests = [("code", "def add(a, b):\n    return a + b\n", ADD), ("code", "import sys\nsys.exit(0)\n", ADD),
                 ("code", "print(int(input()) * 2)", {"inputs": ["21\n"], "outputs": ["42\n"]})]

@@ -12,7 +12,8 @@ from pathlib import Path
 
 import pytest
 
-from megarl.config import SECTIONS, Config, ConfigError, help_text, parse_args, read_recipe
+from megarl.arguments import help_text, parse_args
+from megarl.config import SECTIONS, Config, ConfigError, read_recipe
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -310,9 +311,22 @@ def all_fields():
 
 
 def test_sections_cover_config():
-    assert [f.name for f in dataclasses.fields(Config) if f.name != "origins"] == list(SECTIONS)
-    assert {f.name: typing.get_type_hints(Config)[f.name] for f in dataclasses.fields(Config)
-            if f.name != "origins"} == SECTIONS
+    own = [f.name for f in dataclasses.fields(Config) if f.name not in ("origins", "components")]
+    assert own == list(SECTIONS)
+    assert {name: typing.get_type_hints(Config)[name] for name in own} == SECTIONS
+
+
+def test_component_options_are_flags_with_help_and_defaults_like_megarls_own():
+    from megarl.arguments import components
+
+    text, cfg = help_text(), parse_args([])
+    for section, cls in components().items():
+        assert f"{section}:" in text.splitlines()
+        for f in dataclasses.fields(cls):
+            flag = "--" + f.name.replace("_", "-")
+            lines = [line for line in text.splitlines() if line.strip().startswith(flag + " ")]
+            assert len(lines) == 1 and f.metadata["help"] in lines[0] and f"(default {f.default!r})" in lines[0]
+            assert getattr(cfg.components[section], f.name) == f.default
 
 
 def test_every_field_has_help():
@@ -398,8 +412,9 @@ def test_tiny_cpu_ppo_rm_recipe(clean_env, monkeypatch, tmp_path):
     cfg = parse_args([str(REPO / "recipes/tiny_cpu_ppo_rm.sh")])
     assert (cfg.algorithm.advantage_estimator, cfg.algorithm.gae_gamma, cfg.algorithm.gae_lambda) == ("gae", 1.0, 1.0)
     assert (cfg.data.default_verifier, cfg.data.verifier_key) == ("hf_rm + 0*arithmetic", "reward_spec")
-    assert cfg.reward.reward_model == str(rm) and cfg.reward.reward_model_normalize is True
-    assert (cfg.data.rollout_batch_size, cfg.rollout.n_samples_per_prompt, cfg.reward.reward_model_batch_size) == \
+    hf_rm = cfg.components["reward_model.hf_rm"]
+    assert hf_rm.reward_model == str(rm) and hf_rm.reward_model_normalize is True
+    assert (cfg.data.rollout_batch_size, cfg.rollout.n_samples_per_prompt, hf_rm.reward_model_batch_size) == \
         (32, 8, 128)
     assert (cfg.training.num_steps, cfg.training.lr, cfg.training.min_lr, cfg.training.critic_lr) == \
         (1200, 1.5e-4, 1e-5, 1e-4)
@@ -448,18 +463,18 @@ def test_plugins_that_do_not_import_stop_the_parse(tmp_path):
 
 
 def test_verifier_options_are_the_verifiers_own_arguments():
-    from megarl.config import verifier_options
-    from megarl.verifiers import get_verifier
+    from megarl.reward import reward_options
+    from megarl.verifiers import VERIFIERS
 
     cfg = parse_args(["--code-reward", "fraction", "--code-early-stop", "--code-extract", "first", "--sandbox",
                       "docker", "--sandbox-workers", "3", "--sandbox-image", "img:1", "--code-test-seconds", "2.5",
                       "--code-memory-mb", "512", "--math-strategy", "strict"])
-    options = verifier_options(cfg.reward, cfg.sandbox)
-    code, math = get_verifier("code", **options["code"]), get_verifier("math", **options["math"])
+    options = reward_options(cfg)
+    code, math = VERIFIERS.build("code", **options["code"]), VERIFIERS.build("math", **options["math"])
     assert (code.reward, code.early_stop, code.extract, code.backend, code.workers, code.image, code.time_s,
             code.memory_mb) == ("fraction", True, "first", "docker", 3, "img:1", 2.5, 512)
     assert math.strategy == "strict"
-    defaults = verifier_options(parse_args([]).reward, parse_args([]).sandbox)
+    defaults = reward_options(parse_args([]))
     assert defaults["code"]["image"] is None and defaults["code"]["backend"] == "local"
 
 
@@ -497,7 +512,7 @@ def test_a_broken_saved_config_is_named(tmp_path, text, message):
 
 
 def test_tool_flags_are_checked_and_reach_the_tools():
-    from megarl.config import tool_settings
+    from megarl.tool_calls import tool_settings
 
     cfg = parse_args(["--rollout-function", "tool_use", "--tool-parser", "python", "--tool-timeout", "1.5",
                       "--tool-memory-mb", "64", "--tool-output-bytes", "100", "--tool-workers", "3", "--sandbox",

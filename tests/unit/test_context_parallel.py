@@ -84,7 +84,8 @@ def test_gather_without_a_group_is_the_identity():
 
 def test_config_and_launch_count_cp():
     from launch.render import LaunchError, check_parallel
-    from megarl.config import ConfigError, parse_args
+    from megarl.arguments import parse_args
+    from megarl.config import ConfigError
 
     with pytest.raises(ConfigError, match="--context-parallel-size must be >= 1"):
         parse_args(["--context-parallel-size", "0"])
@@ -98,7 +99,8 @@ def test_config_and_launch_count_cp():
 
 
 def test_train_preflight_refuses_cp_without_transformer_engine():
-    from megarl.config import ConfigError, parse_args
+    from megarl.arguments import parse_args
+    from megarl.config import ConfigError
     from megarl.mcore.parallel import transformer_engine_available
     from megarl.stages.setup import preflight
 
@@ -112,7 +114,7 @@ def test_planner_counts_cp_in_dp_and_splits_activations():
     from dataclasses import replace
 
     from megarl import plan as P
-    from megarl.config import parse_args
+    from megarl.arguments import parse_args
     from megarl.model_shape import ModelShape
 
     s = ModelShape.from_hf_config(dict(model_type="qwen2", num_hidden_layers=28, hidden_size=3584,

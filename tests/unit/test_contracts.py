@@ -12,16 +12,13 @@ import pytest
 import torch
 
 from megarl.algorithms import (
+    ADVANTAGES,
     AGGREGATION_MODES,
+    KL_ESTIMATORS,
     OFF_POLICY_CORRECTIONS,
-    advantage_names,
+    POLICY_LOSSES,
     aggregate,
-    get_advantage,
-    get_kl_fn,
-    get_policy_loss_fn,
     grpo_token_loss,
-    kl_names,
-    policy_loss_names,
 )
 
 B, T = 6, 5
@@ -55,9 +52,9 @@ def _inputs(needs, mask: torch.Tensor) -> dict:
     return out
 
 
-@pytest.mark.parametrize("name", advantage_names())
+@pytest.mark.parametrize("name", ADVANTAGES.names())
 def test_advantage_estimator_contract(name):
-    est = get_advantage(name)
+    est = ADVANTAGES.get(name)
     mask = _mask()
     rewards = torch.tensor([[1.0, 0.0, 1.0], [0.0, 0.0, 0.0], [2.0, 2.0, 2.0], [0.5, 1.0, 0.0]]).view(-1)[:B]
     grouped = rewards.view(2, 3)
@@ -79,7 +76,7 @@ def test_advantage_estimator_contract(name):
 
 
 def test_batch_baseline_exceptions_are_registered():
-    assert BATCH_BASELINE <= set(advantage_names())
+    assert BATCH_BASELINE <= set(ADVANTAGES.names())
 
 
 def _policy_inputs():
@@ -91,28 +88,28 @@ def _policy_inputs():
     return logp, old, adv, mask
 
 
-@pytest.mark.parametrize("name", policy_loss_names())
+@pytest.mark.parametrize("name", POLICY_LOSSES.names())
 def test_policy_loss_contract(name):
     logp, old, adv, mask = _policy_inputs()
-    per_token, metrics = get_policy_loss_fn(name)(logp, old, adv, mask, 0.2, 0.28)
+    per_token, metrics = POLICY_LOSSES.get(name)(logp, old, adv, mask, 0.2, 0.28)
     assert per_token.shape == (B, T) and torch.isfinite(per_token).all()
     assert torch.equal(per_token[~mask], torch.zeros(int((~mask).sum()))), "loss at padding"
     assert all(math.isfinite(float(v)) for v in metrics.values()) and "clip_frac" in metrics
     per_token.sum().backward()
     assert torch.isfinite(logp.grad).all() and torch.equal(logp.grad[~mask], torch.zeros(int((~mask).sum())))
     # Per-token advantages [B, T] are accepted as well as one per sequence.
-    tokens, _ = get_policy_loss_fn(name)(logp.detach(), old, adv[:, None].expand(B, T), mask, 0.2, 0.28)
+    tokens, _ = POLICY_LOSSES.get(name)(logp.detach(), old, adv[:, None].expand(B, T), mask, 0.2, 0.28)
     assert torch.allclose(tokens, per_token.detach())
     # At ratio 1 with no advantage there is nothing to learn.
-    zero, _ = get_policy_loss_fn(name)(logp.detach(), logp.detach(), torch.zeros(B), mask, 0.2, 0.28)
+    zero, _ = POLICY_LOSSES.get(name)(logp.detach(), logp.detach(), torch.zeros(B), mask, 0.2, 0.28)
     assert torch.equal(zero, torch.zeros(B, T))
 
 
-@pytest.mark.parametrize("name", kl_names())
+@pytest.mark.parametrize("name", KL_ESTIMATORS.names())
 def test_kl_estimator_contract(name):
     g = torch.Generator().manual_seed(1)
     logp = -torch.rand(B, T, generator=g)
-    kl = get_kl_fn(name)(logp, logp.clone())
+    kl = KL_ESTIMATORS.get(name)(logp, logp.clone())
     assert kl.shape == (B, T) and torch.equal(kl, torch.zeros(B, T)), "KL of a policy to itself"
     # Inside the loss, padding that holds garbage gives a finite KL and gradient.
     lp, old, adv, mask = _policy_inputs()
@@ -123,7 +120,7 @@ def test_kl_estimator_contract(name):
 
 
 @pytest.mark.parametrize("correction", OFF_POLICY_CORRECTIONS)
-@pytest.mark.parametrize("name", policy_loss_names())
+@pytest.mark.parametrize("name", POLICY_LOSSES.names())
 def test_off_policy_correction_contract(name, correction):
     lp, old, adv, mask = _policy_inputs()
     g = torch.Generator().manual_seed(2)
@@ -139,7 +136,7 @@ def test_off_policy_correction_contract(name, correction):
     # The behaviour policy equal to the denominator of the ratio: weights 1, the policy loss unchanged.
     same, _ = grpo_token_loss(lp.detach(), old, None, adv, mask, policy_loss=name, rollout_logp=old,
                               off_policy_correction=correction, is_cap=2.0)
-    plain, _ = get_policy_loss_fn(name)(lp.detach(), old, adv, mask, 0.2, 0.2)
+    plain, _ = POLICY_LOSSES.get(name)(lp.detach(), old, adv, mask, 0.2, 0.2)
     assert torch.equal(same, plain)
 
 
@@ -166,9 +163,9 @@ GARBAGE_TRUTHS = [None, "", "\x00", 12, -3.5, [], {}, {"test": 5}, {"inputs": "x
 
 
 def _verifier_names() -> list[str]:
-    from megarl.verifiers import verifier_names
+    from megarl.verifiers import VERIFIERS
 
-    return verifier_names()
+    return VERIFIERS.names()
 
 
 # A well-formed ground truth per built-in verifier, for the garbage responses (others get "3").
@@ -177,9 +174,9 @@ TRUTH = {"code": {"test": "assert f() == 3", "entry_point": "f"}}
 
 @pytest.mark.parametrize("name", _verifier_names())
 def test_verifier_on_garbage_returns_a_result(name):
-    from megarl.verifiers import OUTCOMES, VerifyResult, get_verifier
+    from megarl.verifiers import OUTCOMES, VerifyResult, VERIFIERS
 
-    verifier = get_verifier(name)
+    verifier = VERIFIERS.build(name)
     pairs = [(r, TRUTH.get(name, "3")) for r in GARBAGE_RESPONSES] + [("3", t) for t in GARBAGE_TRUTHS]
     for response, truth in pairs:
         result = verifier.verify(response, truth)
@@ -192,9 +189,9 @@ def test_verifier_on_garbage_returns_a_result(name):
 
 
 def _backends() -> list[str]:
-    from megarl.rollout.backends import backend_names
+    from megarl.rollout.backends import BACKENDS
 
-    return backend_names()
+    return BACKENDS.names()
 
 
 @pytest.mark.parametrize("name", _backends())
@@ -203,14 +200,14 @@ def test_rollout_engine_backend_contract(name, tiny_qwen2):
     from megarl.rollout import Completion, RolloutEngine, SamplingParams
     from safetensors.torch import load_file
 
-    from megarl.rollout.backends import get_backend
+    from megarl.rollout.backends import BACKENDS
     from megarl.rollout.weight_sync import pack_buckets
 
     cfg = build_config({"hf_checkpoint": str(tiny_qwen2), "rollout_backend": name, "rollout_device": "cpu"})
-    ok, why = get_backend(name).available(cfg)
+    ok, why = BACKENDS.get(name).available(cfg)
     if not ok:
         pytest.skip(f"backend {name} cannot run here: {why}")
-    engine = get_backend(name).build(cfg, None)
+    engine = BACKENDS.get(name).build(cfg, None)
     assert isinstance(engine, RolloutEngine)
     weights = load_file(str(tiny_qwen2 / "model.safetensors")).items()  # the checkpoint, HF-named
     if not engine.shares_actor_weights:

@@ -12,7 +12,8 @@ import pytest
 
 from megarl.config import ConfigError
 from megarl.data import PromptSampler, load_prompts
-from megarl.verifiers import reward_names, verifier_names
+from megarl.reward.compose import reward_names
+from megarl.verifiers import VERIFIERS
 
 KEYS = dict(input_key="prompt", label_key="answer", verifier_key="verifier")
 
@@ -108,7 +109,7 @@ def test_unknown_verifier_lists_registered_ones(tmp_path, tokenizer):
         load(path, tokenizer)
     msg = str(e.value)
     assert msg.startswith(f"{path}:1: unknown verifier 'sympy'; registered: ")
-    assert "arithmetic" in verifier_names()
+    assert "arithmetic" in VERIFIERS.names()
     assert msg.endswith(", ".join(reward_names())), "rule verifiers and reward models"
 
 

@@ -48,7 +48,7 @@ def test_save_refuses_an_offloaded_policy(tmp_path):
 def test_disaggregated_servers_take_the_tp_size_flag(monkeypatch):
     import torch.distributed as dist
 
-    from megarl.config import parse_args
+    from megarl.arguments import parse_args
     from megarl.rollout.backends import build_engine
 
     monkeypatch.setattr(dist, "get_rank", lambda: 1)  # not the pushing rank: no weight-update group

@@ -105,12 +105,12 @@ def test_value_loss_clipped_hand_computed():
 
 
 def test_registered_gae_estimator_matches_compute_gae():
-    from megarl.algorithms import get_advantage_fn
+    from megarl.algorithms import ADVANTAGES
     from megarl.algorithms.gae import gae_returns
 
     mask = t([[0, 1, 1, 1, 0, 0]])
     values = t([[9.0, 0.5, 0.2, -0.1, 7.0, 7.0]])
-    fn = get_advantage_fn("gae")
+    fn = ADVANTAGES.get("gae").fn
     adv = fn(t([[1.0]]), 1e-6, values=values, mask=mask, gamma=0.9, lam=0.8)
     torch.testing.assert_close(adv, t([[0, 0.04144, 0.502, 1.1, 0, 0]]))
     torch.testing.assert_close(gae_returns(adv, values, mask), t([[0, 0.54144, 0.702, 1.0, 0, 0]]))

@@ -21,7 +21,7 @@ from helpers import REPO
 
 from launch import render
 from launch.resume import resume_args
-from megarl.config import parse_args
+from megarl.arguments import parse_args
 
 RECIPE = str(REPO / "recipes/r1_math.sh")  # TP=2, PP=1, 128 prompts per step
 

@@ -51,11 +51,11 @@ def test_verifiers_and_sandbox_import_no_torch():
 
 
 def _registered_names() -> set[str]:
-    from megarl.algorithms import advantage_names, kl_names, policy_loss_names
-    from megarl.rollout import rollout_names
-    from megarl.rollout.backends import backend_names
+    from megarl.algorithms import ADVANTAGES, KL_ESTIMATORS, POLICY_LOSSES
+    from megarl.rollout import ROLLOUTS
+    from megarl.rollout.backends import BACKENDS
 
-    return set(advantage_names() + policy_loss_names() + kl_names() + backend_names() + rollout_names())
+    return set(ADVANTAGES.names() + POLICY_LOSSES.names() + KL_ESTIMATORS.names() + BACKENDS.names() + ROLLOUTS.names())
 
 
 def _code_words(path: Path) -> set[str]:
@@ -92,7 +92,7 @@ def test_train_py_holds_no_algorithm_or_backend_names():
 def test_recipes_parse_without_torch_for_the_launch_scripts_check():
     """launch/render.py's pre-launch check runs on the batch host's python, which may have no torch."""
     code = ("import sys\nsys.modules['torch'] = None  # any import of torch now fails\n"
-            "from megarl.config import parse_args\n"
+            "from megarl.arguments import parse_args\n"
             "cfg = parse_args(['recipes/r1_code.sh', '--plugins', 'no_such_module'], check_registries=False)\n"
             "print(cfg.rollout.rollout_backend, cfg.sandbox.sandbox)")
     proc = subprocess.run([sys.executable, "-c", code], cwd=REPO, env=env(), capture_output=True, text=True,

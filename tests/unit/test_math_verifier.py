@@ -19,7 +19,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from helpers import REPO, env
-from megarl.verifiers import get_verifier, verifier_names
+from megarl.verifiers import VERIFIERS
 from megarl.verifiers.math import MathVerifier, judge
 
 OUTCOMES = {"correct", "incorrect", "no_answer", "parse_error", "timeout"}
@@ -175,7 +175,7 @@ def verifier():
 
 
 def test_registered_and_structured(verifier):
-    assert "math" in verifier_names() and get_verifier("math").name == "math"
+    assert "math" in VERIFIERS.names() and VERIFIERS.build("math").name == "math"
     verifier.verify("$\\boxed{1}$", "1")  # the first call also waits for the helper to start
     r = verifier.verify("Thus $\\boxed{\\dfrac{1}{2}}$.", "0.5")
     assert (r.score, r.outcome, r.extracted, r.normalized) == (1.0, "correct", "\\dfrac{1}{2}", "\\frac{1}{2}")

@@ -7,7 +7,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from megarl.config import ConfigError, parse_args
+from megarl.arguments import parse_args
+from megarl.config import ConfigError
 from megarl.rollout import weight_sync
 from megarl.rollout.base import SamplingParams
 from megarl.mcore.inference_engine import (

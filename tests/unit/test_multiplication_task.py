@@ -9,7 +9,7 @@ from helpers import REPO
 
 from megarl.tasks.arithmetic import build_tokenizer
 from megarl.tasks.multiplication import CHARS, all_problems, split_problems, tool_call, tool_output
-from megarl.tool_calls import ToolCall, get_parser
+from megarl.tool_calls import ToolCall, TOOL_PARSERS
 
 sys.path.insert(0, str(REPO))
 
@@ -26,7 +26,7 @@ def test_split_and_answers():
 
 def test_a_demonstration_is_what_the_parser_and_tool_make_of_the_call():
     p = all_problems()[12345]
-    parser = get_parser("python")
+    parser = TOOL_PARSERS.build("python")
     assert parser.parse(tool_call(p)) == [ToolCall("python", {"code": p.prompt[:-1] + "\n"})]
     assert any(tool_call(p).endswith(s) for s in parser.stop)  # the turn ends where the engine stops it
     assert parser.wrap(p.answer) == tool_output(p.answer)

@@ -130,11 +130,11 @@ def test_output_reads_back_through_megarl_loader_and_cli_limit(tmp_path, capsys)
 
 
 def _verifier(name):
-    from megarl.verifiers import get_verifier, verifier_names
+    from megarl.verifiers import VERIFIERS
 
-    if name not in verifier_names():
+    if name not in VERIFIERS.names():
         pytest.skip(f"no {name!r} verifier registered in this checkout")
-    return get_verifier(name)
+    return VERIFIERS.build(name)
 
 
 def test_converted_code_rows_are_what_the_code_verifier_grades(tmp_path):

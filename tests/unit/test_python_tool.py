@@ -7,13 +7,13 @@ from __future__ import annotations
 import pytest
 
 from megarl.sandbox import Limits, RunResult
-from megarl.tool_calls import Observation, ToolCall, ToolSettings, get_tool, tool_names
+from megarl.tool_calls import Observation, ToolCall, ToolSettings, build_tool, TOOLS
 from megarl.tool_calls.python import observation
 
 
 @pytest.fixture(scope="module")
 def python_tool():
-    tool = get_tool("python", ToolSettings(timeout_s=2.0, memory_mb=128, output_bytes=1000, workers=2))
+    tool = build_tool("python", ToolSettings(timeout_s=2.0, memory_mb=128, output_bytes=1000, workers=2))
     yield tool
     tool.close()
 
@@ -74,8 +74,8 @@ def test_observation_of_each_sandbox_status():
 
 def test_tool_contract():
     """Every registered tool: built from settings, a name, and a call with bad arguments is an observation."""
-    for name in tool_names():
-        tool = get_tool(name, ToolSettings(timeout_s=2.0))
+    for name in TOOLS.names():
+        tool = build_tool(name, ToolSettings(timeout_s=2.0))
         try:
             (obs,) = tool.run_many([ToolCall(name, {"no such argument": [1, 2]})])
             assert tool.name == name and isinstance(obs, Observation) and obs.status in ("ok", "error", "timeout")
@@ -106,7 +106,7 @@ def test_one_sandbox_however_many_calls_start_it_at_once(monkeypatch):
             pass
 
     monkeypatch.setattr(python_tool_module, "make_sandbox", lambda backend, **kw: SlowSandbox(**kw))
-    tool = get_tool("python", ToolSettings(workers=4))
+    tool = build_tool("python", ToolSettings(workers=4))
     barrier = threading.Barrier(4)
     tool.sandbox  # noqa: B018 - nothing yet: the property builds on first use
     built.clear()

@@ -2,12 +2,18 @@
 
 import pytest
 
-from megarl.algorithms import advantages, losses
-from megarl.config import ConfigError, _valid_names, flag_specs, parse_args
-from megarl.registry import Registry
-from megarl.rollout import backends, functions
-from megarl.verifiers import base, get_verifier, verifier_names
-from megarl.verifiers.reward_models import reward_model_names
+import dataclasses
+import sys
+
+from megarl.algorithms.advantages import ADVANTAGES
+from megarl.algorithms.losses import KL_ESTIMATORS, POLICY_LOSSES
+from megarl.arguments import components, parse_args, valid_names
+from megarl.config import ConfigError, flag_specs
+from megarl.registry import Registry, option
+from megarl.reward.models import REWARD_MODELS
+from megarl.rollout.backends import BACKENDS
+from megarl.rollout.functions import ROLLOUTS
+from megarl.verifiers import VERIFIERS
 
 
 def test_registry_register_get_and_errors():
@@ -21,19 +27,56 @@ def test_registry_register_get_and_errors():
         reg.get("z")
 
 
+def test_a_registry_imports_its_builtins_on_first_lookup_only(tmp_path, monkeypatch):
+    (tmp_path / "widget_builtin_mod.py").write_text(
+        "from widget_registry_mod import WIDGETS\nWIDGETS.add('builtin', 7)\n")
+    (tmp_path / "widget_registry_mod.py").write_text(
+        "from megarl.registry import Registry\nWIDGETS = Registry('widget', builtins=('widget_builtin_mod',))\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    from widget_registry_mod import WIDGETS
+
+    assert "widget_builtin_mod" not in sys.modules  # importing the registry registers nothing yet
+    assert WIDGETS.get("builtin") == 7 and WIDGETS.names() == ["builtin"] and "builtin" in WIDGETS
+    assert "widget_builtin_mod" in sys.modules
+
+
+def test_an_entrys_options_are_a_dataclass_and_give_its_keyword_arguments():
+    @dataclasses.dataclass
+    class Opts:
+        widget_size: int = option(3, "how big")
+
+    reg: Registry = Registry("widget")
+    reg.register("w", options=Opts)(dict)
+    assert reg.options() == {"w": Opts} and reg.section("w") == "widget.w"
+    cfg = type("Cfg", (), {"components": {"widget.w": Opts(widget_size=5)}})()
+    assert reg.kwargs(cfg) == {"w": {"widget_size": 5}}
+    assert reg.kwargs(type("Cfg", (), {"components": {}})()) == {"w": {"widget_size": 3}}  # defaults when absent
+    with pytest.raises(TypeError, match="options must be a dataclass"):
+        reg.register("v", options=int)(dict)
+
+
+def test_the_builtin_components_declare_their_options_and_config_names_none_of_them():
+    sections = components()
+    assert {"verifier.code", "verifier.math", "reward_model.hf_rm", "reward_model.remote_rm",
+            "reward_model.llm_judge"} <= set(sections)
+    flags = flag_specs(sections)
+    assert flags["--code-reward"].section == "verifier.code" and flags["--judge-url"].section == "reward_model.llm_judge"
+    assert "--code-reward" not in flag_specs()  # megarl.config alone knows only its own sections
+
+
 @pytest.mark.parametrize("flag, registry", [
-    ("--advantage-estimator", advantages._ADVANTAGES),
-    ("--policy-loss", losses._POLICY_LOSSES),
-    ("--kl-estimator", losses._KL_ESTIMATORS),
-    ("--rollout-backend", backends._BACKENDS),
-    ("--rollout-function", functions._ROLLOUTS),
-    ("--default-verifier", base._VERIFIERS),
+    ("--advantage-estimator", ADVANTAGES),
+    ("--policy-loss", POLICY_LOSSES),
+    ("--kl-estimator", KL_ESTIMATORS),
+    ("--rollout-backend", BACKENDS),
+    ("--rollout-function", ROLLOUTS),
+    ("--default-verifier", VERIFIERS),
 ])
 def test_flags_naming_registry_entries_take_exactly_the_registered_names(flag, registry, monkeypatch):
     spec = flag_specs()[flag]
     # A row's verifier (and so --default-verifier) may be a rule verifier or a reward model.
-    names = sorted(registry.names() + reward_model_names()) if flag == "--default-verifier" else registry.names()
-    assert _valid_names(spec) == names
+    names = sorted(registry.names() + REWARD_MODELS.names()) if flag == "--default-verifier" else registry.names()
+    assert valid_names(spec) == names
     with pytest.raises(ConfigError, match=f"command line: {flag} 'no_such_entry' is not registered; choose one of: "
                                           + ", ".join(names)):
         parse_args([flag, "no_such_entry"])
@@ -43,7 +86,7 @@ def test_flags_naming_registry_entries_take_exactly_the_registered_names(flag, r
 
 
 def test_verifier_registry():
-    assert "arithmetic" in verifier_names()
-    assert get_verifier("arithmetic").verify("19", "19").outcome == "correct"
+    assert "arithmetic" in VERIFIERS.names()
+    assert VERIFIERS.build("arithmetic").verify("19", "19").outcome == "correct"
     with pytest.raises(ValueError, match="unknown verifier 'nope'; valid names: .*arithmetic"):
-        get_verifier("nope")
+        VERIFIERS.build("nope")

@@ -42,7 +42,7 @@ def _reference(path, texts) -> list[float]:
 
 
 def test_hf_rm_equals_transformers_forward_for_any_batch_size_and_padding(tiny_rm):
-    from megarl.reward_model import HFRewardModel
+    from megarl.reward.hf_scorer import HFRewardModel
 
     want = _reference(tiny_rm, [p + r for p, r in TEXTS])
     rows = [(p, r, None) for p, r in TEXTS]
@@ -56,7 +56,7 @@ def test_hf_rm_equals_transformers_forward_for_any_batch_size_and_padding(tiny_r
 def test_hf_rm_uses_its_tokenizers_chat_template_and_normalises(tiny_rm, tmp_path):
     import shutil
 
-    from megarl.reward_model import HFRewardModel
+    from megarl.reward.hf_scorer import HFRewardModel
 
     chat = tmp_path / "chat"
     shutil.copytree(tiny_rm, chat)
@@ -76,19 +76,19 @@ def test_hf_rm_uses_its_tokenizers_chat_template_and_normalises(tiny_rm, tmp_pat
 
 
 def test_hf_rm_refuses_a_causal_lm(tiny_qwen2):
-    from megarl.reward_model import HFRewardModel
+    from megarl.reward.hf_scorer import HFRewardModel
 
     with pytest.raises(ValueError, match="ForSequenceClassification"):
         HFRewardModel(tiny_qwen2)
 
 
 def test_served_hf_rm_stays_resident_and_comes_back_after_dying(tiny_rm):
-    from megarl.reward_model import HFRewardModel
-    from megarl.verifiers.reward_models import get_reward_model
+    from megarl.reward.hf_scorer import HFRewardModel
+    from megarl.reward.models import REWARD_MODELS
 
     rows = [(p, r, None) for p, r in TEXTS]
     want = HFRewardModel(tiny_rm).score(rows)
-    rm = get_reward_model("hf_rm", model=str(tiny_rm), batch_size=4, timeout_s=60)
+    rm = REWARD_MODELS.build("hf_rm", model=str(tiny_rm), batch_size=4, timeout_s=60)
     try:
         first = rm.score(rows)
         pid = rm._proc.pid
@@ -168,11 +168,11 @@ def flaky_rm():
 
 
 def test_remote_rm_retries_then_maps_failures_to_outcomes_in_order(flaky_rm):
-    from megarl.verifiers.reward_models import get_reward_model
+    from megarl.reward.models import REWARD_MODELS
 
     responses = ["ok:1.5", "500", "flaky:2", "hang", "badjson", "ok:-3", "nonumber", "flaky:0.25"]
     rows = [("pq", r, None) for r in responses]
-    rm = get_reward_model("remote_rm", url=flaky_rm.url, timeout_s=1.0, retries=2, backoff_s=0.01, concurrency=4)
+    rm = REWARD_MODELS.build("remote_rm", url=flaky_rm.url, timeout_s=1.0, retries=2, backoff_s=0.01, concurrency=4)
     start = time.perf_counter()
     try:
         results = rm.score(rows)
@@ -191,19 +191,19 @@ def test_remote_rm_retries_then_maps_failures_to_outcomes_in_order(flaky_rm):
 
 
 def test_remote_rm_refuses_a_missing_or_bad_url():
-    from megarl.verifiers.reward_models import get_reward_model
+    from megarl.reward.models import REWARD_MODELS
 
     with pytest.raises(ValueError, match="--remote-rm-url is not set"):
-        get_reward_model("remote_rm")
+        REWARD_MODELS.build("remote_rm")
     with pytest.raises(ValueError, match="http:// or https://"):
-        get_reward_model("remote_rm", url="localhost:8000")
+        REWARD_MODELS.build("remote_rm", url="localhost:8000")
 
 
 # -- reward specs -------------------------------------------------------------------------------------------------
 
 
 def test_reward_spec_syntax_and_errors():
-    from megarl.verifiers.compose import Part, parse, spec_error
+    from megarl.reward.compose import Part, parse, spec_error
 
     assert parse("math").kind == "one" and parse("hf_rm").parts == (Part("hf_rm", 1.0),)
     assert parse("0.7*math + 0.3*hf_rm").parts == (Part("math", 0.7), Part("hf_rm", 0.3))
@@ -217,7 +217,7 @@ def test_reward_spec_syntax_and_errors():
 
 
 def test_combining_parts_by_hand():
-    from megarl.verifiers.compose import combine, parse
+    from megarl.reward.compose import combine, parse
 
     models = {"hf_rm"}
     right, wrong = VerifyResult(1.0, "correct", extracted="4"), VerifyResult(0.0, "incorrect", extracted="5")
@@ -237,7 +237,7 @@ def test_combining_parts_by_hand():
 
 def test_rm_health_by_hand():
     from megarl.stages.report import _rm_metrics
-    from megarl.verifiers.pool import batch_health
+    from megarl.reward.pool import batch_health
 
     results = [VerifyResult(1.0, "correct", model_score=2.0, agrees=True),
                VerifyResult(0.0, "incorrect", model_score=-1.0, agrees=True),
@@ -263,10 +263,10 @@ def test_a_mixed_batch_keeps_its_order(tiny_rm, flaky_rm):
     across both: every row's result is the one its source gives it alone, in place."""
     from megarl.data import PromptRecord
     from megarl.reward import PoolReward, RoutedReward, RewardMeter
-    from megarl.reward_model import HFRewardModel
+    from megarl.reward.hf_scorer import HFRewardModel
     from megarl.samples import Sample, SampleStatus
-    from megarl.verifiers import get_verifier
-    from megarl.verifiers.pool import RewardPool
+    from megarl.verifiers import VERIFIERS
+    from megarl.reward.pool import RewardPool
 
     code_truth = {"test": "assert f() == 3", "entry_point": "f"}
     rows = [("arithmetic", "1+1=", "2", "2"), ("hf_rm", "2+2=", "4", None), ("remote_rm", "pq", "ok:0.5", None),
@@ -291,7 +291,7 @@ def test_a_mixed_batch_keeps_its_order(tiny_rm, flaky_rm):
             reward.close()
     rm = HFRewardModel(tiny_rm)
     s_rm = rm.score([("2+2=", "4", None), ("3+4=", "7", None), ("3+4=", "8", None)])
-    rule = {"code": get_verifier("code")}
+    rule = {"code": VERIFIERS.build("code")}
     code = [rule["code"].verify(rows[i][2], code_truth) for i in (4, 10)]
     assert [c.outcome for c in code] == ["correct", "incorrect"]
     want = [(1.0, "correct"), (s_rm[0], "correct" if s_rm[0] > 0 else "incorrect"), (0.5 + len("pq"), "correct"),
@@ -310,7 +310,7 @@ def test_a_mixed_batch_keeps_its_order(tiny_rm, flaky_rm):
 
 def test_megarl_verify_scores_rows_and_pairs_with_a_reward_model(tiny_rm, tmp_path, capsys):
     from megarl.cli.verify import main
-    from megarl.reward_model import HFRewardModel
+    from megarl.reward.hf_scorer import HFRewardModel
 
     singles = [{"prompt": p, "response": r, "correct": i % 2 == 0} for i, (p, r) in enumerate(TEXTS)]
     pairs = [{"prompt": "2+2=", "chosen": "4", "rejected": "5"}, {"prompt": "9-3=", "chosen": "6", "rejected": ""},
@@ -398,10 +398,10 @@ class FakeOpenAI:
 
 
 def test_llm_judge_grades_and_calls_malformed_answers_parse_errors():
-    from megarl.verifiers.reward_models import get_reward_model
+    from megarl.reward.models import REWARD_MODELS
 
     server = FakeOpenAI()
-    judge = get_reward_model("llm_judge", url=server.url, model="judge", retries=1, backoff_s=0.01, timeout_s=5)
+    judge = REWARD_MODELS.build("llm_judge", url=server.url, model="judge", retries=1, backoff_s=0.01, timeout_s=5)
     try:
         responses = ["grade:Score: 7", "grade:score=10, well done", "grade:I like it", "badjson", "nochoices",
                      "grade:Score: 2.5"]
@@ -418,14 +418,14 @@ def test_llm_judge_grades_and_calls_malformed_answers_parse_errors():
 
 
 def test_llm_judge_refuses_bad_settings():
-    from megarl.verifiers.reward_models import get_reward_model
+    from megarl.reward.models import REWARD_MODELS
 
     with pytest.raises(ValueError, match="exactly one of --judge-url"):
-        get_reward_model("llm_judge")
+        REWARD_MODELS.build("llm_judge")
     with pytest.raises(ValueError, match="--judge-template"):
-        get_reward_model("llm_judge", url="http://x/v1", template="{question}")
+        REWARD_MODELS.build("llm_judge", url="http://x/v1", template="{question}")
     with pytest.raises(ValueError, match="exactly one group"):
-        get_reward_model("llm_judge", url="http://x/v1", pattern=r"\d+")
+        REWARD_MODELS.build("llm_judge", url="http://x/v1", pattern=r"\d+")
 
 
 def test_llm_judge_on_a_local_checkpoint_answers_as_transformers_greedy_decoding(tmp_path):
@@ -436,11 +436,11 @@ def test_llm_judge_on_a_local_checkpoint_answers_as_transformers_greedy_decoding
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from helpers import make_tiny_hf_model
-    from megarl.verifiers.reward_models import get_reward_model
+    from megarl.reward.models import REWARD_MODELS
 
     path = make_tiny_hf_model(tmp_path / "judge", "qwen2", with_tokenizer=True, seed=5)
     template = "Q {prompt} A {response} Score: "
-    judge = get_reward_model("llm_judge", checkpoint=str(path), template=template, pattern=r"(\d+)", scale=1.0,
+    judge = REWARD_MODELS.build("llm_judge", checkpoint=str(path), template=template, pattern=r"(\d+)", scale=1.0,
                              max_tokens=6, timeout_s=60)
     rows = [("1+1=", "2", None), ("7-3=", "4", None)]
     try:

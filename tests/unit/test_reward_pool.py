@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 
 from megarl.verifiers.base import VerifyResult
-from megarl.verifiers.pool import RewardPool, batch_health, default_workers, shared_pool
+from megarl.reward.pool import RewardPool, batch_health, default_workers, shared_pool
 
 N = 10_000
 TIMEOUT_S = 0.5

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 
 from megarl.data import PromptRecord
-from megarl.rollout import Completion, SamplingParams, get_rollout, register_rollout, rollout_names
+from megarl.rollout import Completion, SamplingParams, ROLLOUTS, register_rollout
 from megarl.samples import SampleStatus
 from megarl.verifiers import VerifyResult
 
@@ -46,7 +46,7 @@ def test_single_turn_makes_scored_policy_samples():
     prompts = [PromptRecord(10, "a", [4, 5], "x", "v"), PromptRecord(11, "b", [7], "y", "v")]
     params = SamplingParams(n=2, max_new_tokens=3, stop_token_ids=(0,))
     reward = _Reward()
-    samples = get_rollout("single_turn")(_Engine(), prompts, params, reward, _Tok())
+    samples = ROLLOUTS.get("single_turn")(_Engine(), prompts, params, reward, _Tok())
     assert [(s.group, s.prompt_index, s.prompt_ids) for s in samples] == [
         (0, 10, [4, 5]), (0, 10, [4, 5]), (1, 11, [7]), (1, 11, [7])]
     assert [s.response_ids for s in samples] == [[4, 4, 4], [5, 0], [7, 7, 7], [8, 0]]
@@ -59,15 +59,13 @@ def test_single_turn_makes_scored_policy_samples():
 
 
 def test_a_registered_rollout_function_is_found_by_name_and_names_are_unique(monkeypatch):
-    from megarl.rollout import functions
-
-    monkeypatch.setattr(functions, "_ROLLOUTS", functions.Registry("rollout function"))
+    monkeypatch.setattr(ROLLOUTS, "_items", dict(ROLLOUTS._items))  # undone after the test
     register_rollout("mine")(lambda *a: [])
-    assert rollout_names() == ["mine"] and get_rollout("mine")() == []
+    assert ROLLOUTS.names() == ["mine", "single_turn", "tool_use"] and ROLLOUTS.get("mine")() == []
     with pytest.raises(ValueError, match="rollout function 'mine' is already registered"):
         register_rollout("mine")(lambda *a: [])
-    with pytest.raises(ValueError, match="unknown rollout function 'other'; valid names: mine"):
-        get_rollout("other")
+    with pytest.raises(ValueError, match="unknown rollout function 'other'; valid names: mine, single_turn, tool_use"):
+        ROLLOUTS.get("other")
 
 
 def test_a_rollout_function_must_return_n_samples_per_prompt_in_order():
@@ -77,7 +75,7 @@ def test_a_rollout_function_must_return_n_samples_per_prompt_in_order():
     from megarl.stages.collect import Collector
 
     def one_per_prompt(engine, prompts, params, reward, tokenizer):
-        return get_rollout("single_turn")(engine, prompts, SamplingParams(n=1, max_new_tokens=2), reward, tokenizer)
+        return ROLLOUTS.get("single_turn")(engine, prompts, SamplingParams(n=1, max_new_tokens=2), reward, tokenizer)
 
     info = ParallelInfo(rank=0, world_size=1, tp_rank=0, tp_size=1, pp_rank=0, pp_size=1, dp_rank=0, dp_size=1)
     prompts = [PromptRecord(i, str(i), [i + 1], "", "v") for i in range(4)]
@@ -86,7 +84,7 @@ def test_a_rollout_function_must_return_n_samples_per_prompt_in_order():
                           global_batch=2, seed=0, info=info)
     with pytest.raises(RuntimeError, match="rollout function 'one_per_prompt' returned 2 samples for 2 prompts x 2"):
         collector(step=0)
-    good = Collector(_Engine(), get_rollout("single_turn"), _Reward(), _Tok(), prompts, PromptSampler(4, seed=0),
+    good = Collector(_Engine(), ROLLOUTS.get("single_turn"), _Reward(), _Tok(), prompts, PromptSampler(4, seed=0),
                      RolloutConfig(n_samples_per_prompt=2, max_response_len=3), global_batch=2, seed=0, info=info)
     rollout = good(step=0)
     assert len(rollout.samples) == 4 and rollout.group_size == 2 and rollout.metrics["reward_n"] == 4

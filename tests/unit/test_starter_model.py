@@ -110,7 +110,7 @@ def test_the_upcycled_starter_is_what_the_moe_recipe_runs(tmp_path):
     import torch
     from transformers import AutoModelForCausalLM
 
-    from megarl.config import parse_args
+    from megarl.arguments import parse_args
     from megarl.preflight import check_run
     from megarl.tasks.arithmetic import split_problems
 

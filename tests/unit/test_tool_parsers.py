@@ -9,7 +9,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from megarl.tool_calls import ParseError, ToolCall, get_parser, parser_names
+from megarl.tool_calls import ParseError, ToolCall, TOOL_PARSERS
 
 
 def test_hermes_reads_calls_in_order_and_malformed_ones_as_errors():
@@ -18,7 +18,7 @@ def test_hermes_reads_calls_in_order_and_malformed_ones_as_errors():
             '<tool_call>{"name": "python", "arguments": {"code": 1</tool_call>'
             '<tool_call>["python"]</tool_call><tool_call>{"arguments": {}}</tool_call>'
             '<tool_call>{"name": "python", "arguments": [1]}</tool_call><tool_call>{"name": "p"')
-    calls = get_parser("hermes").parse(text)
+    calls = TOOL_PARSERS.build("hermes").parse(text)
     assert calls[:2] == [ToolCall("python", {"code": "print(1)"}), ToolCall("search", {"q": "x"})]
     assert [type(c) for c in calls[2:]] == [ParseError] * 5
     messages = [c.message for c in calls[2:]]
@@ -27,26 +27,26 @@ def test_hermes_reads_calls_in_order_and_malformed_ones_as_errors():
                             'tool call has no "name" string',
                             "tool call 'python': \"arguments\" must be a JSON object, got list",
                             "<tool_call> without </tool_call>"]
-    assert get_parser("hermes").parse("no call here") == []
-    assert get_parser("hermes").stop == ("</tool_call>",)
+    assert TOOL_PARSERS.build("hermes").parse("no call here") == []
+    assert TOOL_PARSERS.build("hermes").stop == ("</tool_call>",)
 
 
 def test_hermes_refuses_what_json_cannot_hold_without_raising():
     deep = "<tool_call>" + "[" * 100_000 + "]" * 100_000 + "</tool_call>"
-    (err,) = get_parser("hermes").parse(deep)
+    (err,) = TOOL_PARSERS.build("hermes").parse(deep)
     assert isinstance(err, ParseError) and "longer than" in err.message
     nested = "<tool_call>" + "[" * 20_000 + "</tool_call>"
-    (err,) = get_parser("hermes").parse(nested)
+    (err,) = TOOL_PARSERS.build("hermes").parse(nested)
     assert isinstance(err, ParseError) and err.message.startswith("tool call is not valid JSON")
 
 
 def test_python_blocks_are_calls_of_the_python_tool():
     text = "Let me check.\n```python\nx = 12*34\nprint(x)\n```\nand\n```py\n1+1\n```\n```\nnot code\n```\n```python\n2"
-    calls = get_parser("python").parse(text)
+    calls = TOOL_PARSERS.build("python").parse(text)
     assert calls == [ToolCall("python", {"code": "x = 12*34\nprint(x)\n"}), ToolCall("python", {"code": "1+1\n"}),
                      ParseError("```python block without a closing ```")]
-    assert get_parser("python").parse("408") == []
-    p = get_parser("python")
+    assert TOOL_PARSERS.build("python").parse("408") == []
+    p = TOOL_PARSERS.build("python")
     assert p.wrap("408") == "```output\n408\n```\n"
     assert not any(s in "```python\n" for s in p.stop), "the opening fence must not end a turn"
     assert any(s in "```python\n1\n```\n" for s in p.stop)
@@ -60,8 +60,8 @@ _FRAGMENTS = ["<tool_call>", "</tool_call>", "```python\n", "```py\n", "```", "\
 @given(st.lists(st.one_of(st.sampled_from(_FRAGMENTS), st.text(max_size=8)), max_size=40))
 def test_no_exception_escapes_any_parser(pieces):
     text = "".join(pieces)
-    for name in parser_names():
-        calls = get_parser(name).parse(text)
+    for name in TOOL_PARSERS.names():
+        calls = TOOL_PARSERS.build(name).parse(text)
         assert isinstance(calls, list) and all(isinstance(c, (ToolCall, ParseError)) for c in calls)
         for c in calls:
             if isinstance(c, ToolCall):
@@ -85,13 +85,13 @@ def test_hermes_reads_back_what_was_written(name, arguments, prose):
     if "</tool_call>" in body or "<tool_call>" in prose:
         return
     text = f"{prose}<tool_call>\n{body}\n</tool_call>"
-    assert get_parser("hermes").parse(text) == [ToolCall(name, arguments)]
+    assert TOOL_PARSERS.build("hermes").parse(text) == [ToolCall(name, arguments)]
 
 
-@pytest.mark.parametrize("name", parser_names())
+@pytest.mark.parametrize("name", TOOL_PARSERS.names())
 def test_parser_contract(name):
     """Every registered parser: a name, stop strings that are strings, `wrap` keeps the output it is given."""
-    p = get_parser(name)
+    p = TOOL_PARSERS.build(name)
     assert p.name == name and isinstance(p.stop, tuple) and all(isinstance(s, str) and s for s in p.stop)
     assert "tool says 408" in p.wrap("tool says 408")
     assert p.parse("") == []

@@ -10,7 +10,7 @@ import torch
 from megarl.config import AlgorithmConfig, SandboxConfig, ToolConfig
 from megarl.data import PromptRecord
 from megarl.reward import InProcessReward
-from megarl.rollout import Completion, SamplingParams, get_rollout
+from megarl.rollout import Completion, SamplingParams, ROLLOUTS
 from megarl.rollout.tool_use import UNAVAILABLE, ToolUse, chat_tool_turn
 from megarl.tasks.arithmetic import TOKENIZER_CHARS, build_tokenizer
 from megarl.tool_calls import Observation
@@ -128,7 +128,7 @@ def test_a_trajectory_without_a_call_is_the_single_turn_sample(tok):
     params = SamplingParams(n=3, max_new_tokens=6, stop_token_ids=(EOS,), seed=1)
     tool = EvalTool()
     ours = _rollout(tool)(ScriptedEngine(tok, answer), prompts, params, InProcessReward(), tok)
-    theirs = get_rollout("single_turn")(ScriptedEngine(tok, answer), prompts, params, InProcessReward(), tok)
+    theirs = ROLLOUTS.get("single_turn")(ScriptedEngine(tok, answer), prompts, params, InProcessReward(), tok)
     assert tool.batches == []
     for a, b in zip(ours, theirs, strict=True):
         assert a.metadata["turns"] == 1 and a.metadata["tool_calls"] == 0
@@ -148,7 +148,7 @@ def test_without_a_call_the_builtin_engine_samples_what_single_turn_samples(tok,
     prompts = _prompts(tok, "12+7=", "3*3=")
     params = SamplingParams(n=4, max_new_tokens=24, stop_token_ids=(EOS,), seed=9)
     ours = _rollout()(engine, prompts, params, InProcessReward(), tok)
-    theirs = get_rollout("single_turn")(engine, prompts, params, InProcessReward(), tok)
+    theirs = ROLLOUTS.get("single_turn")(engine, prompts, params, InProcessReward(), tok)
     assert all(s.metadata["tool_calls"] == 0 for s in ours)
     assert [(s.response_ids, s.rollout_logprobs, s.status) for s in ours] == \
         [(s.response_ids, s.rollout_logprobs, s.status) for s in theirs]

@@ -21,7 +21,7 @@ def _tool():
 
 
 def test_labelled_rows_train_a_reward_model_hf_rm_loads(tmp_path):
-    from megarl.reward_model import HFRewardModel
+    from megarl.reward.hf_scorer import HFRewardModel
 
     tool = _tool()
     init = make_tiny_hf_model(tmp_path / "init", "qwen2", with_tokenizer=True, seed=1)
@@ -51,7 +51,7 @@ def test_labelled_rows_train_a_reward_model_hf_rm_loads(tmp_path):
 
 def test_listwise_pairs_train_a_reward_model_that_ranks_the_chosen_first(tmp_path):
     """--listwise on preference pairs: the chosen response ends up ranked first among each prompt's responses."""
-    from megarl.reward_model import HFRewardModel
+    from megarl.reward.hf_scorer import HFRewardModel
 
     tool = _tool()
     init = make_tiny_hf_model(tmp_path / "init", "qwen2", with_tokenizer=True, seed=1)
@@ -264,7 +264,7 @@ def test_added_layers_start_as_the_init_trunk(tmp_path):
     checkpoint with N more layers."""
     import torch
 
-    from megarl.reward_model import HFRewardModel
+    from megarl.reward.hf_scorer import HFRewardModel
 
     tool = _tool()
     init = make_tiny_hf_model(tmp_path / "init", "qwen2", with_tokenizer=True, seed=3)

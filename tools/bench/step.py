@@ -188,7 +188,7 @@ class MegarlStep:
     def __init__(self, model_dir: Path, data_path: Path, size: Size, args):
         from transformers import AutoTokenizer
 
-        from megarl.config import parse_args
+        from megarl.arguments import parse_args
         from megarl.data import PromptSampler, load_prompts
         from megarl.mcore import parallel
         from megarl.mcore.actor import MegatronPolicy

@@ -34,7 +34,7 @@ import torch  # noqa: E402
 from megarl.rollout import SamplingParams  # noqa: E402
 from megarl.rollout.builtin import BuiltinEngine  # noqa: E402
 from megarl.tasks.multiplication import CHARS, tool_output  # noqa: E402
-from megarl.tool_calls import ToolCall, ToolSettings, get_tool  # noqa: E402
+from megarl.tool_calls import ToolCall, ToolSettings, build_tool  # noqa: E402
 
 
 def median_time(fn, repeats: int) -> tuple[float, float, object]:
@@ -82,7 +82,7 @@ def main() -> int:
     output_ids = tok.encode(tool_output("56088"), add_special_tokens=False)
     total = args.first + len(output_ids) + args.second
     calls = [ToolCall("python", {"code": "123*456"})] * rows
-    tool = get_tool("python", ToolSettings(workers=max(int(w) for w in args.workers.split(","))))
+    tool = build_tool("python", ToolSettings(workers=max(int(w) for w in args.workers.split(","))))
     tool.run_many(calls[:2])  # start the sandbox outside the timings
 
     def plain():
@@ -107,7 +107,7 @@ def main() -> int:
 
     throughput = []
     for w in (int(x) for x in args.workers.split(",")):
-        box = get_tool("python", ToolSettings(workers=w))
+        box = build_tool("python", ToolSettings(workers=w))
         box.run_many(calls[:w])  # warm
         wall, _, _ = median_time(lambda: box.run_many(calls), args.repeats)
         one, _, _ = median_time(lambda: box.run_many(calls[:1]), args.repeats)

@@ -3,13 +3,13 @@
 A rollout function calls the reward function it is given on the trajectories it finished; each row's `verifier`
 field chooses the verifier (through the registry, never by dataset name). Two implementations:
 
-- `PoolReward`: worker processes (`megarl.verifiers.pool.RewardPool`), each sample under a wall-clock limit; the
+- `PoolReward`: worker processes (`megarl.reward.pool.RewardPool`), each sample under a wall-clock limit; the
   workers import `--plugins` and build verifiers with the run's verifier options;
 - `InProcessReward`: the verifiers in this process, each under its own budget (`--reward-workers 0`).
 
 `RoutedReward` wraps either: rows whose `verifier` is one rule verifier go to it exactly as before; rows that name
-a reward model (`hf_rm`, `remote_rm`, `llm_judge`: `megarl.verifiers.reward_models`) or a composition ("math >
-hf_rm": `megarl.verifiers.compose`) are split into parts, the rule parts scored by the wrapped function, each
+a reward model (`hf_rm`, `remote_rm`, `llm_judge`: `megarl.reward.models`) or a composition ("math >
+hf_rm": `megarl.reward.compose`) are split into parts, the rule parts scored by the wrapped function, each
 model's rows by that model in one batch in this process, and put back together in order. Anything else with the
 `RewardFn` shape plugs in the same way. `RewardMeter` wraps one for a rollout, adding up the seconds spent in it
 and the results' health (`batch_health`). This module imports neither torch nor megatron.
@@ -21,14 +21,14 @@ import time
 from typing import TYPE_CHECKING, Any, Protocol, Sequence
 
 from megarl.data import PromptRecord
+from megarl.reward import compose
+from megarl.reward.models import REWARD_MODELS
+from megarl.reward.pool import RewardPool, batch_health, shared_pool
 from megarl.samples import Sample
-from megarl.verifiers import VerifyResult, get_verifier
-from megarl.verifiers import compose
-from megarl.verifiers.reward_models import get_reward_model, is_reward_model
-from megarl.verifiers.pool import RewardPool, batch_health, shared_pool
+from megarl.verifiers import VERIFIERS, VerifyResult
 
 if TYPE_CHECKING:
-    from megarl.config import RewardConfig
+    from megarl.config import Config, RewardConfig
 
 
 class RewardFn(Protocol):
@@ -84,7 +84,7 @@ class InProcessReward:
 
     def _verifier(self, name: str):
         if name not in self._verifiers:
-            self._verifiers[name] = get_verifier(name, **self.options.get(name, {}))
+            self._verifiers[name] = VERIFIERS.build(name, **self.options.get(name, {}))
         return self._verifiers[name]
 
     def close(self) -> None:
@@ -119,7 +119,7 @@ class RoutedReward:
         model_jobs: dict[str, list[tuple[int, int]]] = {}
         for i, spec in enumerate(specs):
             for j, part in enumerate(spec.parts):
-                if is_reward_model(part.name):
+                if part.name in REWARD_MODELS:
                     model_jobs.setdefault(part.name, []).append((i, j))
                 else:
                     rule_jobs.append((i, j))
@@ -138,7 +138,7 @@ class RoutedReward:
 
     def _model(self, name: str):
         if name not in self.models:
-            self.models[name] = get_reward_model(name, **self.options.get(name, {}))
+            self.models[name] = REWARD_MODELS.build(name, **self.options.get(name, {}))
         return self.models[name]
 
     def close(self) -> None:
@@ -173,6 +173,12 @@ class RewardMeter:
         if "rm_n" in out:
             out["rm_seconds"] = getattr(self.inner, "model_seconds", 0.0) - self._model_seconds_before
         return out
+
+
+def reward_options(cfg: Config) -> dict[str, dict]:
+    """The keyword arguments each verifier and reward model is built with, by name, from the run's config (their
+    declared options, `megarl.registry`): what the trainer, every reward worker and `megarl-verify` use."""
+    return {**VERIFIERS.kwargs(cfg), **REWARD_MODELS.kwargs(cfg)}
 
 
 def build_reward(r: RewardConfig, options: dict[str, dict], plugins: tuple[str, ...] = ()) -> RewardFn:

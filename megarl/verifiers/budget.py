@@ -104,7 +104,7 @@ class Guard:
         # the parent's import path, so that modules it can import (e.g. ones registering verifiers) load here too
         path = [_ROOT] + [p for p in sys.path if p] + [os.environ.get("PYTHONPATH", "")]
         env = dict(os.environ, PYTHONPATH=os.pathsep.join(path))
-        code = f"from megarl.verifiers._budget import serve; serve({self.preload!r}, {self.memory_mib})"
+        code = f"from megarl.verifiers.budget import serve; serve({self.preload!r}, {self.memory_mib})"
         self._proc = subprocess.Popen([sys.executable, "-c", code], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
                                       env=env, close_fds=True)
         self._pid, self._ready = os.getpid(), False

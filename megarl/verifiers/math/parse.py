@@ -12,10 +12,10 @@ from dataclasses import dataclass
 
 import sympy
 
-from megarl.verifiers._normalize import strip_thousands, strip_units
+from megarl.verifiers.math.normalize import strip_thousands, strip_units
 
 
-class ParseError(ValueError):
+class AnswerSyntaxError(ValueError):
     pass
 
 
@@ -70,7 +70,7 @@ _MAX_DEPTH = 100
 def parse_answer(s: str, list_hint: bool = False) -> object:
     """Parse a normalised answer. `list_hint`: the other side is a list, so `1,234` means two items."""
     if _max_depth(s) > _MAX_DEPTH:  # refuse at once rather than recurse into the interpreter's limit
-        raise ParseError(f"brackets nested more than {_MAX_DEPTH} deep")
+        raise AnswerSyntaxError(f"brackets nested more than {_MAX_DEPTH} deep")
     matrices: list = []
     s = _MATRIX_ENV.sub(lambda m: _stash_matrix(m.group(2), matrices), s)
     if not list_hint:
@@ -134,7 +134,7 @@ def _item(s: str, matrices, top: bool = True) -> object:
     """One answer item. `top`: it may be words or a choice letter (not inside a relation)."""
     s = strip_units(s.strip())
     if not s:
-        raise ParseError("empty answer")
+        raise AnswerSyntaxError("empty answer")
     if "\\pm" in s or "\\mp" in s:
         plus = s.replace("\\pm", "+").replace("\\mp", "-")
         minus = s.replace("\\pm", "-").replace("\\mp", "+")
@@ -282,7 +282,7 @@ class Parser:
             if not m or m.end() == i:
                 if s[i:].strip() == "":
                     break
-                raise ParseError(f"unexpected {s[i:i + 10]!r}")
+                raise AnswerSyntaxError(f"unexpected {s[i:i + 10]!r}")
             out.append(next(g for g in m.groups() if g is not None))
             i = m.end()
         return out
@@ -293,16 +293,16 @@ class Parser:
     def take(self, expected: str | None = None) -> str:
         tok = self.peek()
         if tok is None or (expected is not None and tok != expected):
-            raise ParseError(f"expected {expected or 'more'}, got {tok!r}")
+            raise AnswerSyntaxError(f"expected {expected or 'more'}, got {tok!r}")
         self.i += 1
         return tok
 
     def parse(self):
         if not self.tokens:
-            raise ParseError("empty expression")
+            raise AnswerSyntaxError("empty expression")
         value = self.expr()
         if self.peek() is not None:
-            raise ParseError(f"unexpected {self.peek()!r}")
+            raise AnswerSyntaxError(f"unexpected {self.peek()!r}")
         return value
 
     def expr(self):
@@ -392,7 +392,7 @@ class Parser:
             return sympy.Abs(value)
         if tok.startswith("\\"):
             return self.command(tok[1:])
-        raise ParseError(f"unexpected {tok!r}")
+        raise AnswerSyntaxError(f"unexpected {tok!r}")
 
     def _subscripted(self, value, tok):
         if self.peek() != "_":
@@ -445,9 +445,9 @@ class Parser:
             index = self.take()
             self.take("}")
             if not index.isdigit() or int(index) >= len(self.matrices):
-                raise ParseError("\\MAT outside a matrix placeholder")
+                raise AnswerSyntaxError("\\MAT outside a matrix placeholder")
             return sympy.Matrix(self.matrices[int(index)])
-        raise ParseError(f"unsupported command \\{name}")
+        raise AnswerSyntaxError(f"unsupported command \\{name}")
 
     def function(self, name: str):
         base, power = None, None
@@ -486,7 +486,7 @@ class Parser:
 
 def _div(a, b):
     if getattr(b, "is_zero", False):
-        raise ParseError("division by zero")
+        raise AnswerSyntaxError("division by zero")
     return a / b
 
 

@@ -18,7 +18,7 @@ from __future__ import annotations
 import sympy
 from sympy.core.function import AppliedUndef
 
-from megarl.verifiers._parse import Assign, Expr, Matrix, Parser, ParseError, Rel, Seq, Text, Union
+from megarl.verifiers.math.parse import Assign, Expr, Matrix, Parser, AnswerSyntaxError, Rel, Seq, Text, Union
 
 _POINTS = [(0.5772156649, 1.3247179572, 2.2360679775, 0.8090169944),
            (1.6180339887, 0.6931471806, 1.4142135624, 2.7182818285),
@@ -203,7 +203,7 @@ def _assign_as_rel(node: Assign) -> Rel | None:
         return None
     try:
         label = Parser(node.label, []).parse()
-    except (ParseError, TypeError, ValueError, ZeroDivisionError):
+    except (AnswerSyntaxError, TypeError, ValueError, ZeroDivisionError):
         return None
     return Rel(("=",), (Expr(label, False), node.value))
 

@@ -16,7 +16,7 @@ What a row's score is:
   the checkpoint's config.json (`tools/train_reward_model.py` stores the training set's).
 - Texts longer than the model's `max_position_embeddings` keep their last tokens (where the response is).
 
-This module imports torch and transformers; the verifiers (`megarl.verifiers.reward_models`) reach it only through
+This module imports torch and transformers; the verifiers (`megarl.reward.models`) reach it only through
 the reward server (`megarl.cli.serve_rm`), a separate process.
 """
 

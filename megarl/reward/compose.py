@@ -27,8 +27,8 @@ from dataclasses import dataclass
 from functools import lru_cache
 from typing import Literal, Sequence
 
-from megarl.verifiers.base import VerifyResult, verifier_names
-from megarl.verifiers.reward_models import reward_model_names
+from megarl.reward.models import REWARD_MODELS
+from megarl.verifiers.base import VERIFIERS, VerifyResult
 
 GATE_WEIGHT = 0.5
 SYNTAX = "a name, 'w1*a + w2*b' (a weighted sum) or 'rule > [w*]model' (the rule first, the model for ties)"
@@ -71,13 +71,18 @@ def parse(spec: str) -> Spec:
     return Spec("sum", parts)
 
 
+def reward_names() -> list[str]:
+    """Everything a row's `verifier` field may name alone: the rule verifiers and the reward models."""
+    return sorted(VERIFIERS.names() + REWARD_MODELS.names())
+
+
 def spec_error(spec: str) -> str | None:
     """Why `spec` is not a valid reward spec (bad syntax, a name in neither registry), or None."""
     try:
         parsed = parse(spec)
     except ValueError as e:
         return str(e)
-    known = sorted(verifier_names() + reward_model_names())
+    known = reward_names()
     unknown = [p.name for p in parsed.parts if p.name not in known]
     if unknown:
         return f"unknown verifier {unknown[0]!r}; registered: {', '.join(known)}"
@@ -86,7 +91,7 @@ def spec_error(spec: str) -> str | None:
 
 def is_plain_rule(spec: str) -> bool:
     """A spec that is one registered rule verifier: scored exactly as before reward models existed."""
-    return spec in set(verifier_names())
+    return spec in VERIFIERS
 
 
 def combine(spec: Spec, results: Sequence[VerifyResult], models: set[str]) -> VerifyResult:

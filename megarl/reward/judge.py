@@ -8,7 +8,7 @@ answers greedily (temperature 0, at most `--judge-max-tokens` tokens). `--judge-
 with one group, finds the grade in the answer (the first match); the reward is that number divided by
 `--judge-scale` (default: "Score: 7" -> 0.7). An answer without a match, or with a number that is not finite, is a
 `parse_error` row with the judge's text in `normalized`; an endpoint that fails, hangs or answers garbage gives
-`timeout` / `parse_error` rows after the retries of `megarl.verifiers.http` (`--remote-rm-timeout`, `-retries`,
+`timeout` / `parse_error` rows after the retries of `megarl.reward.http` (`--remote-rm-timeout`, `-retries`,
 `-backoff`). With `--judge-checkpoint` this source starts `megarl-serve-rm --judge-checkpoint DIR` (an OpenAI-
 compatible server on a free local port, the model loaded once) and talks to it the same way.
 """
@@ -17,18 +17,53 @@ from __future__ import annotations
 
 import re
 from concurrent.futures import ThreadPoolExecutor
-from typing import Sequence
+from dataclasses import dataclass
+from typing import Any, Sequence
 
+from megarl.errors import ConfigError
+from megarl.registry import option
+from megarl.reward.http import post_json
+from megarl.reward.models import RemoteOptions, Row, model_result, register_reward_model, start_server, stop_server
 from megarl.verifiers.base import VerifyResult
-from megarl.verifiers.http import post_json
-from megarl.verifiers.reward_models import Row, model_result, register_reward_model, start_server, stop_server
 
 DEFAULT_TEMPLATE = ("Grade the response to the question from 0 to 10.\nQuestion: {prompt}\nReference answer: "
                     "{label}\nResponse: {response}\nReply with 'Score: N'.")
 DEFAULT_PATTERN = r"[Ss]core\s*[:=]?\s*(-?\d+(?:\.\d+)?)"
 
 
-@register_reward_model("llm_judge")
+@dataclass
+class JudgeOptions:
+    """The judge's flags; the endpoint's timeout and retries are remote_rm's (`--remote-rm-timeout`, ...)."""
+
+    judge_url: str = option("", "llm_judge: an OpenAI-compatible endpoint (http://host:port/v1) grading the rows that "
+                            "name llm_judge (the --remote-rm-timeout/-retries/-backoff apply)")
+    judge_model: str = option("", "llm_judge: the model name sent to --judge-url")
+    judge_checkpoint: str = option("", "llm_judge: a local HF causal LM to judge with instead of --judge-url, served "
+                                   "by a megarl-serve-rm this process starts (the built-in engine)")
+    judge_template: str = option("", "llm_judge: the judge's prompt, with {prompt}, {response} and {label} filled in; "
+                                 "empty = a 0-10 grading prompt asking for 'Score: N'")
+    judge_pattern: str = option("", "llm_judge: regular expression with one group, the grade in the judge's answer; "
+                                "empty = 'Score: N'; no match = parse_error")
+    judge_scale: float = option(10.0, "llm_judge: the reward is the grade divided by this")
+    judge_max_tokens: int = option(32, "llm_judge: longest answer the judge may give (greedy)")
+
+    def __post_init__(self):
+        if self.judge_max_tokens < 1:
+            raise ConfigError(f"--judge-max-tokens must be >= 1, got {self.judge_max_tokens}")
+        if self.judge_scale == 0:
+            raise ConfigError("--judge-scale must not be 0 (the reward is the grade divided by it)")
+
+    def kwargs(self, cfg) -> dict[str, Any]:
+        remote = cfg.components.get("reward_model.remote_rm") or RemoteOptions()
+        return dict(url=self.judge_url, model=self.judge_model, checkpoint=self.judge_checkpoint,
+                    scale=self.judge_scale, max_tokens=self.judge_max_tokens, timeout_s=remote.remote_rm_timeout,
+                    retries=remote.remote_rm_retries, backoff_s=remote.remote_rm_backoff,
+                    threshold=cfg.reward.reward_model_threshold,
+                    **({"template": self.judge_template} if self.judge_template else {}),
+                    **({"pattern": self.judge_pattern} if self.judge_pattern else {}))
+
+
+@register_reward_model("llm_judge", options=JudgeOptions)
 class LLMJudge:
     name = "llm_judge"
 

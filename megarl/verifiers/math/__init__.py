@@ -6,13 +6,13 @@ Outcomes: `correct` (score 1), `incorrect`, `no_answer` (nothing extractable), `
 but neither it nor a plain string comparison could be judged), `timeout` (the check ran out of its wall-clock
 budget: huge exponent towers, deep nesting, giant sums...). Only `correct` scores.
 
-Steps, cheapest first (see `_extract`, `_normalize`, `_parse`, `_equiv` for the rules):
+Steps, cheapest first (see `extract`, `normalize`, `parse`, `equiv` in this package for the rules):
 1. extraction (`strategy`: "lenient" by default, "strict" = the last `\\boxed{}` only);
 2. normalisation of both sides; identical strings are correct without any parsing;
 3. parsing into a small tree (numbers, expressions, relations, assignments, tuples and intervals, sets and
    lists, matrices, text); equivalence structure first, values second; sympy only for the values.
 
-The whole check runs in a helper process under a wall-clock budget (`megarl.verifiers._budget.Guard`), so it
+The whole check runs in a helper process under a wall-clock budget (`megarl.verifiers.budget.Guard`), so it
 behaves the same from the main thread, a worker thread or a subprocess, and it can always be stopped. Inside a
 reward-pool worker, which is itself killed when it overruns, `verify_unguarded` skips the extra hop.
 This module imports neither sympy, torch nor megatron: the helper does the heavy lifting.
@@ -21,15 +21,26 @@ This module imports neither sympy, torch nor megatron: the helper does the heavy
 from __future__ import annotations
 
 import time
-from typing import Any
+from dataclasses import dataclass
+from typing import Any, Literal
 
+from megarl.registry import option
 from megarl.verifiers.base import VerifyResult, register_verifier
 
 DEFAULT_BUDGET_S = 5.0
 _JUDGE = "megarl.verifiers.math:judge"
 
 
-@register_verifier("math")
+@dataclass
+class MathOptions:
+    math_strategy: Literal["lenient", "strict"] = option("lenient", "math verifier: answer extraction (strict: the "
+                                                         "last \\boxed{} only)")
+
+    def kwargs(self, cfg) -> dict[str, Any]:
+        return dict(strategy=self.math_strategy)
+
+
+@register_verifier("math", options=MathOptions)
 class MathVerifier:
     name = "math"
     budget_s = DEFAULT_BUDGET_S  # seconds a check may take; a reward pool's worker is held to it too
@@ -37,13 +48,13 @@ class MathVerifier:
     def __init__(self, strategy: str = "lenient", budget_s: float = DEFAULT_BUDGET_S):
         if strategy not in ("lenient", "strict"):
             raise ValueError(f"math verifier strategy must be 'lenient' or 'strict', got {strategy!r}")
-        from megarl.verifiers._budget import Guard
+        from megarl.verifiers.budget import Guard
 
         self.strategy, self.budget_s = strategy, budget_s
-        self._guard = Guard(preload=("megarl.verifiers._equiv",))
+        self._guard = Guard(preload=("megarl.verifiers.math.equiv",))
 
     def verify(self, response: str, ground_truth: Any) -> VerifyResult:
-        from megarl.verifiers._budget import BudgetExceeded
+        from megarl.verifiers.budget import BudgetExceeded
 
         start = time.perf_counter()
         try:
@@ -69,10 +80,10 @@ class MathVerifier:
 
 def judge(response: str, ground_truth: Any, strategy: str = "lenient") -> tuple:
     """(score, outcome, extracted, normalized) for one response; runs wherever it is called (no budget here)."""
-    from megarl.verifiers._equiv import equivalent
-    from megarl.verifiers._extract import final_answer
-    from megarl.verifiers._normalize import normalize
-    from megarl.verifiers._parse import Seq, parse_answer
+    from megarl.verifiers.math.equiv import equivalent
+    from megarl.verifiers.math.extract import final_answer
+    from megarl.verifiers.math.normalize import normalize
+    from megarl.verifiers.math.parse import Seq, parse_answer
 
     extracted = final_answer(str(response), strategy)
     if extracted is None:

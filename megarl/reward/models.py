@@ -1,7 +1,7 @@
 """Reward models beside the rule verifiers: sources that score (prompt, response, label) rows in batches.
 
 A data row names one in its `verifier` field like any verifier (`"verifier": "hf_rm"`), alone or composed with
-rules (`megarl.verifiers.compose`). Unlike a verifier a reward model sees the prompt, scores a batch at once and
+rules (`megarl.reward.compose`). Unlike a verifier a reward model sees the prompt, scores a batch at once and
 runs in the trainer's process (`megarl.reward.RoutedReward`), never in a reward worker: one resident copy per
 trainer, not one per worker.
 
@@ -9,8 +9,8 @@ trainer, not one per worker.
   `megarl-serve-rm` this source starts on a free local port on first use (and starts again if it dies); rows go
   to it in batches of `--reward-model-batch-size`.
 - `remote_rm`: one HTTP POST per row to `--remote-rm-url`, rows in flight concurrently; a server that fails,
-  hangs or answers garbage gives `timeout` / `parse_error` rows after bounded retries (`megarl.verifiers.http`).
-- `llm_judge`: `megarl.verifiers.judge`.
+  hangs or answers garbage gives `timeout` / `parse_error` rows after bounded retries (`megarl.reward.http`).
+- `llm_judge`: `megarl.reward.judge`.
 
 The protocol `remote_rm` speaks (and `megarl-serve-rm` serves): POST JSON `{"prompt", "response", "label"}`, the
 reply `{"score": <number>}` (or a bare number); a batch `{"rows": [{...}, ...]}` gets `{"scores": [...]}`.
@@ -29,11 +29,14 @@ import sys
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from pathlib import Path
 from typing import Any, Callable, Protocol, Sequence
 
-from megarl.registry import Registry
+from megarl.errors import ConfigError
+from megarl.registry import Registry, option
 from megarl.verifiers.base import VerifyResult
-from megarl.verifiers.http import post_json
+from megarl.reward.http import post_json
 
 Row = tuple[Any, str, Any]  # (prompt: text or chat messages, response, label)
 
@@ -49,31 +52,10 @@ class RewardModel(Protocol):
     def close(self) -> None: ...
 
 
-_MODELS: Registry[Callable[..., RewardModel]] = Registry("reward model")
+REWARD_MODELS: Registry[Callable[..., RewardModel]] = Registry("reward model", builtins=("megarl.reward.judge",))
 
-
-def register_reward_model(name: str):
-    """Class decorator, as `register_verifier`: built with the run's options for `name` as keyword arguments."""
-    return _MODELS.register(name)
-
-
-def reward_model_names() -> list[str]:
-    _import_builtin()
-    return _MODELS.names()
-
-
-def is_reward_model(name: str) -> bool:
-    _import_builtin()
-    return name in _MODELS
-
-
-def get_reward_model(name: str, **options) -> RewardModel:
-    _import_builtin()
-    return _MODELS.get(name)(**options)
-
-
-def _import_builtin():
-    from megarl.verifiers import judge  # noqa: F401 - registers llm_judge
+# Class decorator, as `register_verifier`: built with the run's options for `name` as keyword arguments.
+register_reward_model = REWARD_MODELS.register
 
 
 def model_result(score: float, threshold: float, seconds: float) -> VerifyResult:
@@ -91,7 +73,28 @@ def _number(value: Any) -> float | None:
     return float(value)
 
 
-@register_reward_model("remote_rm")
+@dataclass
+class RemoteOptions:
+    remote_rm_url: str = option("", "remote_rm: URL each row is POSTed to as {prompt, response, label}; the reply is "
+                                "{score}")
+    remote_rm_timeout: float = option(10.0, "remote_rm: seconds an attempt may wait for the server")
+    remote_rm_retries: int = option(2, "remote_rm: attempts after the first when the server fails, hangs or answers "
+                                    "garbage; then the row is a timeout or parse_error")
+    remote_rm_backoff: float = option(0.5, "remote_rm: seconds before the first retry, doubling at each")
+
+    def __post_init__(self):
+        if self.remote_rm_timeout <= 0 or self.remote_rm_retries < 0 or self.remote_rm_backoff < 0:
+            raise ConfigError(f"--remote-rm-timeout must be > 0, --remote-rm-retries and --remote-rm-backoff >= 0; got "
+                              f"{self.remote_rm_timeout}, {self.remote_rm_retries} and {self.remote_rm_backoff}")
+        if self.remote_rm_url and not self.remote_rm_url.startswith(("http://", "https://")):
+            raise ConfigError(f"--remote-rm-url {self.remote_rm_url!r}: expected an http:// or https:// URL")
+
+    def kwargs(self, cfg) -> dict[str, Any]:
+        return dict(url=self.remote_rm_url, timeout_s=self.remote_rm_timeout, retries=self.remote_rm_retries,
+                    backoff_s=self.remote_rm_backoff, threshold=cfg.reward.reward_model_threshold)
+
+
+@register_reward_model("remote_rm", options=RemoteOptions)
 class RemoteRewardModel:
     """One POST per row to `url` (see the module docstring), `concurrency` rows in flight."""
 
@@ -127,7 +130,29 @@ class RemoteRewardModel:
         self._pool.shutdown(wait=False, cancel_futures=True)
 
 
-@register_reward_model("hf_rm")
+@dataclass
+class HFOptions:
+    reward_model: str = option("", "hf_rm: HF sequence-classification checkpoint (one label) scoring the rows that "
+                               "name hf_rm, served resident by a megarl-serve-rm this process starts")
+    reward_model_batch_size: int = option(16, "hf_rm: rows per request and forward pass; each request may take "
+                                          "--reward-timeout seconds")
+    reward_model_normalize: bool = option(False, "hf_rm: (score - reward_mean) / reward_std, as stored in the reward "
+                                          "model's config.json")
+
+    def __post_init__(self):
+        if self.reward_model_batch_size < 1:
+            raise ConfigError(f"--reward-model-batch-size must be >= 1, got {self.reward_model_batch_size}")
+        if self.reward_model and not Path(self.reward_model, "config.json").is_file():
+            raise ConfigError(f"--reward-model {self.reward_model}: no config.json there (an HF sequence-"
+                              "classification checkpoint directory is expected)")
+
+    def kwargs(self, cfg) -> dict[str, Any]:
+        return dict(model=self.reward_model, batch_size=self.reward_model_batch_size,
+                    normalize=self.reward_model_normalize, timeout_s=cfg.reward.reward_timeout,
+                    threshold=cfg.reward.reward_model_threshold)
+
+
+@register_reward_model("hf_rm", options=HFOptions)
 class ServedHFRewardModel:
     """`--reward-model DIR` in a `megarl-serve-rm` process this source owns (see the module docstring)."""
 

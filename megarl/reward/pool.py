@@ -5,7 +5,7 @@
 
 - Each sample names its verifier (the data row's `verifier` field, looked up in the registry), so one batch can
   mix math, code and anything registered.
-- Workers are helper processes (`megarl.verifiers._budget.Guard`); one feeder thread per worker sends it one
+- Workers are helper processes (`megarl.verifiers.budget.Guard`); one feeder thread per worker sends it one
   sample at a time. A sample that overruns `timeout_s` gets outcome `timeout`; its worker is killed and
   replaced. A worker that dies (a crash, `os._exit`, the OOM killer) is replaced too and its sample gets
   `parse_error` with the reason in `normalized`. Either way every sample gets exactly one result, in input order.
@@ -27,8 +27,8 @@ import threading
 import time
 from typing import Any, Sequence
 
-from megarl.verifiers._budget import BudgetExceeded, Guard, HelperFailed
-from megarl.verifiers.base import OUTCOMES, VerifyResult, verifier_class
+from megarl.verifiers.budget import BudgetExceeded, Guard, HelperFailed
+from megarl.verifiers.base import OUTCOMES, VERIFIERS, VerifyResult
 
 Request = tuple[str, str, Any]  # (verifier name, response, ground truth)
 
@@ -54,7 +54,7 @@ class RewardPool:
         self.size = workers or default_workers()
         self.timeout_s = timeout_s
         self.options = options or {}
-        modules = ("megarl.verifiers.pool",) + tuple(preload)
+        modules = ("megarl.reward.pool",) + tuple(preload)
         self._guards = [Guard(preload=modules, memory_mib=memory_mib) for _ in range(self.size)]
         self.restarts = 0  # workers replaced so far (hung or died)
         self._lock = threading.Lock()
@@ -100,7 +100,7 @@ class RewardPool:
         """`timeout_s`, or the verifier's own budget when smaller (its option, else its class's `budget_s`)."""
         if name not in self._limits:
             try:
-                budget = self.options.get(name, {}).get("budget_s", getattr(verifier_class(name), "budget_s", None))
+                budget = self.options.get(name, {}).get("budget_s", getattr(VERIFIERS.get(name), "budget_s", None))
             except ValueError:  # not registered in this process: the worker says so
                 budget = None
             self._limits[name] = min(self.timeout_s, budget) if budget else self.timeout_s
@@ -111,7 +111,7 @@ class RewardPool:
         try:
             name = request[0]
             call = (*request, self.options.get(name, {}))
-            result = VerifyResult(*guard.call("megarl.verifiers.pool:_verify_here", call, self._limit(name)))
+            result = VerifyResult(*guard.call("megarl.reward.pool:_verify_here", call, self._limit(name)))
         except BudgetExceeded:
             self._count_restart()
             result = VerifyResult(0.0, "timeout")
@@ -150,12 +150,12 @@ _INSTANCES: dict = {}
 
 def _verify_here(name: str, response: str, ground_truth: Any, options: dict | None = None) -> tuple:
     """Runs inside a worker: one verifier instance per name and options, reused."""
-    from megarl.verifiers import get_verifier
+    from megarl.verifiers import VERIFIERS
 
     key = (name, repr(sorted((options or {}).items())))
     verifier = _INSTANCES.get(key)
     if verifier is None:
-        verifier = _INSTANCES[key] = get_verifier(name, **(options or {}))
+        verifier = _INSTANCES[key] = VERIFIERS.build(name, **(options or {}))
     r = getattr(verifier, "verify_unguarded", verifier.verify)(response, ground_truth)
     return float(r.score), r.outcome, r.extracted, r.normalized, r.seconds
 
