@@ -213,7 +213,7 @@ def test_mixed_stream_with_attacks_loses_nothing():
 
 def test_remove_tree_never_touches_what_holds_the_tree(tmp_path):
     """A tree already gone (a worker removed it first) leaves its parent's mode alone: /tmp stays 1777."""
-    from megarl.sandbox.jobexec import remove_tree
+    from megarl.sandbox.guest.jobexec import remove_tree
 
     os.chmod(tmp_path, 0o1777)
     remove_tree(str(tmp_path / "gone"))
