@@ -36,7 +36,7 @@ ROOT = os.geteuid() == 0
 
 def _child_env() -> dict:
     """The environment of a child Python that imports megarl from this checkout and the shared test cases."""
-    paths = [str(REPO), str(REPO / "tests"), os.environ.get("PYTHONPATH", "")]
+    paths = [str(REPO), str(REPO / "tests"), str(REPO / "tools" / "bench"), os.environ.get("PYTHONPATH", "")]
     return {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in paths if p)}
 
 
