@@ -6,6 +6,8 @@ import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # tests/helpers.py
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # megarl from the checkout
+# The benches' case modules (tools/bench/sandbox_cases.py), last: nothing there may shadow an installed module.
+sys.path.append(str(Path(__file__).resolve().parents[1] / "tools" / "bench"))
 
 from helpers import make_tiny_hf_model, build_test_starter  # noqa: E402
 
@@ -28,8 +30,9 @@ def starter():
 
 # `make test` runs the suite on two xdist workers (`-n 2 --dist loadgroup`): a 2-core machine is half idle while a
 # test waits on its subprocesses' start-up. Each test file stays on one worker (its module fixtures are built once),
-# and every file that runs sandboxes, code harnesses or Docker containers goes to one worker in turn: those tests
-# count host-wide processes, uids and containers, which another file's sandbox running beside them would change.
+# and every file that runs sandboxes, code harnesses or Docker containers (all of tests/sandbox and tests/docker, and
+# any other file naming them) goes to one worker in turn: those tests count host-wide processes, uids and
+# containers, which another file's sandbox running beside them would change.
 _HOST_STATE = re.compile(r"sandbox|harness|docker|pgrep|/proc/")
 
 
@@ -40,5 +43,6 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         path = Path(str(item.fspath))
         if path not in groups:
-            groups[path] = "host-sandboxes" if _HOST_STATE.search(path.read_text()) else path.name
+            host = path.parent.name in ("sandbox", "docker") or _HOST_STATE.search(path.read_text())
+            groups[path] = "host-sandboxes" if host else path.name
         item.add_marker(pytest.mark.xdist_group(groups[path]))

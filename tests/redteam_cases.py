@@ -1,6 +1,6 @@
 """Issue 13's red-team review as data: the attack programs and the correct programs, one group per class of the
 issue, plus the host-side helpers the regression tests need (`tests/redteam_checks.py`,
-`tests/unit/test_redteam_local.py`, `tests/docker/test_redteam_docker.py`).
+`tests/sandbox/test_redteam_local.py`, `tests/docker/test_redteam_docker.py`).
 
 Every group is a function whose docstring names the class and what it checks; it returns `Case`s (a program, the
 gold it is verified against, what must happen) or, where the test needs more than a verdict, the programs alone.

@@ -1,4 +1,4 @@
-"""Issue 13's red-team regression tests, written once for both backends (`tests/unit/test_redteam_local.py`,
+"""Issue 13's red-team regression tests, written once for both backends (`tests/sandbox/test_redteam_local.py`,
 `tests/docker/test_redteam_docker.py`; the programs and host helpers: `tests/redteam_cases.py`). Not a test module:
 nothing here is collected where it stands.
 

@@ -2,8 +2,8 @@
 
 A `Sandbox` runs a `Job` (source, stdin, files, `Limits`) and returns a `RunResult` whose status is one of
 `ok`, `nonzero_exit`, `timeout`, `memory_limit`, `output_limit`, `killed`, `sandbox_error`. The code verifier's
-cases (`Job.harness`) go to a persistent trusted harness instead (`code_harness.py`, `harness_rpc.py`,
-`spawner.py`). The threat model, and what each backend does and does not protect, is SECURITY.md at the
+cases (`Job.harness`) go to a persistent trusted harness instead (`guest/harness.py`, `guest/rpc.py`,
+`guest/spawner.py`). The threat model, and what each backend does and does not protect, is SECURITY.md at the
 repository's root; in short:
 
 local (the default, `LocalSandbox`): pre-forked workers, each in a network namespace of its own (with a user
@@ -37,7 +37,7 @@ docker (production, `DockerSandbox`): a pool of warm containers (`--network none
   pid-1 process kills everything and empties /tmp and /dev/shm after each job instead, and says so.
   Does NOT protect against: kernel exploits (a container is not a VM).
 
-Neither backend trusts the program's exit code for grading: see `megarl/sandbox/code_harness.py`.
+Neither backend trusts the program's exit code for grading: see `megarl/sandbox/guest/harness.py`.
 """
 
 from megarl.sandbox.base import STATUSES, Job, Limits, RunResult, Sandbox, Status

@@ -1,8 +1,8 @@
 """The Docker backend: a pool of warm, hardened containers, each running `jobexec.main` as pid 1.
 
 Code-verifier cases (`Job.harness`) go to a second pool, started on the first such case, whose containers run the
-persistent trusted harness (`code_harness.serve`) as pid 1 instead: same flags, one case line in and one verdict
-payload line out, every program forked from a zygote made before any case, everything killed after each case,
+persistent trusted harness (`serve` in `guest/harness.py`) as pid 1 instead: same flags, one case line in and one
+verdict payload line out, every program forked from a zygote made before any case, everything killed after each case,
 `/tmp` and `/dev/shm` emptied; a case past its wall-clock limit gets its container replaced.
 
 The pool talks to each container over `docker run -i`'s stdin/stdout, one JSON line per job each way (never
@@ -29,14 +29,14 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Sequence
 
-from megarl.sandbox import isolation
 from megarl.sandbox.base import Job, LineReader, Limits, RunResult
-from megarl.sandbox.code_harness import verdict_line
+from megarl.sandbox.guest import isolation
+from megarl.sandbox.guest.harness import verdict_line
 from megarl.sandbox.local import HARNESS_FILES, HARNESS_PREIMPORTS, PREIMPORTS
 
 DEFAULT_IMAGE = "megarl-sandbox:latest"
 LABEL = "megarl.sandbox"
-_RUNNER_FILES = {"jobexec.py": (Path(__file__).parent / "jobexec.py").read_text(),
+_RUNNER_FILES = {"jobexec.py": (Path(__file__).parent / "guest" / "jobexec.py").read_text(),
                  **{name: HARNESS_FILES[name] for name in ("isolation.py", "spawner.py", "cgroups.py")}}
 _RECYCLE_AFTER = {"timeout", "memory_limit", "killed", "sandbox_error"}
 # A container's memory beyond its job's (case's): the runner (~15 MB measured) or the harness and its spawner
@@ -170,10 +170,10 @@ class DockerSandbox:
 
     def _new_container(self, harness: bool = False) -> "_Container":
         name = f"{self._name_prefix}{uuid.uuid4().hex[:12]}"
-        if harness:  # pid 1 is the code verifier's persistent harness (code_harness.serve) instead of the runner
+        if harness:  # pid 1: the code verifier's persistent harness (guest/harness.py's serve), not the runner
             cfg = {"preimports": HARNESS_PREIMPORTS, "memory_mb": self.limits.memory_mb, "memory_accounted": True,
                    "nproc_extra": 3}  # the container's cgroup counts every page; the spawner runs as the programs
-            code = _bundle("code_harness.py", HARNESS_FILES)
+            code = _bundle("harness.py", HARNESS_FILES)
             command = [self.python, "-I", "-c", _BOOT, "--serve", json.dumps(cfg)]
         else:
             code = _bundle("jobexec.py", _RUNNER_FILES)

@@ -27,12 +27,12 @@ from dataclasses import asdict
 from pathlib import Path
 from typing import Sequence
 
-from megarl.sandbox import cgroups
-from megarl.sandbox import isolation as iso_mod
 from megarl.sandbox.base import Job, LineReader, Limits, RunResult
-from megarl.sandbox.code_harness import verdict_line
-from megarl.sandbox.jobexec import _write_all, address_space_base, compiled, remove_tree, run_program, write_files
-from megarl.sandbox.spawner import _forked_ok, _unshare_fork_setns
+from megarl.sandbox.guest import cgroups
+from megarl.sandbox.guest import isolation as iso_mod
+from megarl.sandbox.guest.harness import verdict_line
+from megarl.sandbox.guest.jobexec import address_space_base, compiled, remove_tree, run_program, write_all, write_files
+from megarl.sandbox.guest.spawner import forked_ok, unshare_fork_setns
 
 log = logging.getLogger(__name__)
 
@@ -42,12 +42,11 @@ PREIMPORTS = ("abc ast array bisect cmath collections contextlib copy ctypes dat
 # What the persistent code harness imports for the programs it runs: few, since a fork costs ~0.07 ms per MB the
 # forking process maps on the VMs measured (a bare interpreter forks in ~0.45 ms, the worker's PREIMPORTS in ~1.2).
 HARNESS_PREIMPORTS = "bisect collections functools heapq itertools math re string typing"
-HARNESS_PATH = str(Path(__file__).resolve().with_name("code_harness.py"))
+HARNESS_PATH = str(Path(__file__).resolve().parent / "guest" / "harness.py")
 # What the code verifier's harness is made of (read once: the code verifier's job files, the Docker containers'
 # bundle): the harness and its sibling modules, by file name.
 HARNESS_FILES = {name: Path(HARNESS_PATH).with_name(name).read_text()
-                 for name in ("code_harness.py", "harness_rpc.py", "spawner.py", "isolation.py", "cgroups.py")}
-HARNESS_SOURCE = HARNESS_FILES["code_harness.py"]
+                 for name in ("harness.py", "rpc.py", "spawner.py", "isolation.py", "cgroups.py")}
 HARNESS_MB = 1024  # the persistent harness and its spawner: their memory cgroup holds twice this
 _TMP, _SHM, _WORK = "/tmp", "/dev/shm", "/tmp/w"  # a job's (and a case's) own tmpfs mounts, and its cwd
 _TMPFS_INODES = 16384
@@ -172,7 +171,7 @@ class LocalSandbox:
                 self._root = None
             if self._cgroup is not None:
                 os.close(self._cgroup.dir_fd)
-                cgroups.remove_tree(self._cgroup.path)
+                cgroups.remove_cgroup_tree(self._cgroup.path)
                 self._cgroup = None
 
     def __del__(self):
@@ -277,9 +276,9 @@ class _WorkerSide:
         self.pidns_fd = None
         if iso.pid_ns and iso.root:
             fd = os.open("/proc/self/ns/pid", os.O_RDONLY | os.O_CLOEXEC)
-            if _forked_ok(lambda: _unshare_fork_setns(iso_mod, fd)):
+            if forked_ok(lambda: unshare_fork_setns(iso_mod, fd)):
                 self.pidns_fd = fd
-        self.private_tmp = _forked_ok(lambda: iso_mod.unshare(iso_mod.CLONE_NEWNS | iso_mod.CLONE_NEWIPC))
+        self.private_tmp = forked_ok(lambda: iso_mod.unshare(iso_mod.CLONE_NEWNS | iso_mod.CLONE_NEWIPC))
 
     def run(self, job: dict) -> dict:
         self.jobs += 1
@@ -458,7 +457,7 @@ class _WorkerSide:
 
 
 class _Harness:
-    """A worker's persistent code harness (`code_harness.serve`): a fresh lean interpreter, pid 1 of its own pid
+    """A worker's persistent code harness (`guest/harness.py`'s `serve`): a fresh lean interpreter, pid 1 of its own pid
     namespace, in the worker's `harness` cgroup, answering a line per test result and a final line per case.
     Started on the first case; killed and started again after a case that timed out or broke it."""
 
@@ -512,7 +511,7 @@ class _Harness:
     def run_case(self, case: dict, timeout: float, results: list) -> dict:
         """Send a case; collect its results into `results` as they come; its final line. TimeoutError past
         `timeout` seconds, EOFError if the harness dies (`results` holds what came before either)."""
-        _write_all(self.case_w, json.dumps(case).encode() + b"\n")
+        write_all(self.case_w, json.dumps(case).encode() + b"\n")
         deadline = time.monotonic() + timeout
         while True:
             line = json.loads(self.lines.readline(max(0.0, deadline - time.monotonic()), self._last_words))
@@ -560,7 +559,7 @@ def probe_and_enter(uid: int) -> iso_mod.HostIsolation:
         except OSError as e:
             iso.warnings.append(f"no user namespaces ({e}): no network or pid namespace; jobs share the host's "
                                 "network and a process a job detaches can outlive it")
-    iso.pid_ns = _forked_ok(lambda: iso_mod.unshare(iso_mod.CLONE_NEWPID))
+    iso.pid_ns = forked_ok(lambda: iso_mod.unshare(iso_mod.CLONE_NEWPID))
     if not iso.pid_ns and iso.net_ns:
         iso.warnings.append("no pid namespace: processes a job detaches are killed by uid/process group only")
     if iso.root:
@@ -577,7 +576,7 @@ def probe_and_enter(uid: int) -> iso_mod.HostIsolation:
         else:
             iso.warnings.append("the Python install is not readable by the jobs' uid and there is no Landlock to "
                                 "confine a read capability: jobs can import only the preimported modules")
-    iso.seccomp = iso_mod.seccomp_supported() and _forked_ok(
+    iso.seccomp = iso_mod.seccomp_supported() and forked_ok(
         lambda: (iso_mod.prctl(iso_mod.PR_SET_NO_NEW_PRIVS, 1), iso_mod.seccomp_install(iso_mod.seccomp_program())))
     if not iso.seccomp:
         iso.warnings.append("no seccomp filter on this host/architecture")

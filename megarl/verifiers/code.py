@@ -49,7 +49,7 @@ from megarl.errors import ConfigError
 from megarl.registry import option
 
 from megarl.sandbox import Job, Limits, Sandbox, make_sandbox
-from megarl.sandbox.code_harness import DONE, JOB_FILES, PART
+from megarl.sandbox.guest.harness import DONE, JOB_FILES, PART
 from megarl.sandbox.local import HARNESS_FILES
 from megarl.verifiers.base import VerifyResult, register_verifier
 
@@ -150,7 +150,7 @@ class CodeVerifier:
         if self.persistent_harness and getattr(self.sandbox, "harness_server", False):
             job = Job(source="", stdin=secret, limits=limits, harness={"code": code, "spec": spec})
         else:
-            files = {name: HARNESS_FILES["code_harness.py" if name == "harness.py" else name] for name in JOB_FILES}
+            files = {name: HARNESS_FILES[name] for name in JOB_FILES}
             job = Job(source=_EXEC_HARNESS, stdin=secret, limits=limits,
                       files={**files, "solution.py": code, "spec.json": json.dumps(spec)})
         return job, secret, code, n_tests

@@ -1,5 +1,5 @@
 """Issue 13's red-team classes as regression tests on the Docker backend (the local twin:
-`tests/unit/test_redteam_local.py`; the tests and checks both run: `tests/redteam_checks.py`; the programs:
+`tests/sandbox/test_redteam_local.py`; the tests and checks both run: `tests/redteam_checks.py`; the programs:
 `tests/redteam_cases.py`). Skipped with the reason where there is no Docker engine or sandbox image
 (`tests/docker/conftest.py`).
 

@@ -13,7 +13,7 @@ pytestmark = [pytest.mark.distributed, pytest.mark.slow]
 
 
 def _harnesses() -> set[str]:
-    out = subprocess.run(["pgrep", "-f", "code_harness.py --serve"], capture_output=True, text=True).stdout
+    out = subprocess.run(["pgrep", "-f", "guest/harness.py --serve"], capture_output=True, text=True).stdout
     return set(out.split())
 
 

@@ -99,3 +99,37 @@ def test_recipes_parse_without_torch_for_the_launch_scripts_check():
                           timeout=60)
     assert proc.returncode == 0, proc.stderr
     assert proc.stdout.split() == ["sglang", "local"]
+
+
+def _guest_import_offenders(path: Path, guest: set[str]) -> list[str]:
+    """What a guest file imports that is neither the standard library nor a guest module (`from . import rpc`,
+    `megarl.sandbox.guest.rpc`), and the siblings it loads by path (`_load("rpc")`) that are not guest files."""
+    def allowed(name: str) -> bool:
+        parts = name.split(".")
+        return parts[0] in sys.stdlib_module_names or (parts[:3] == ["megarl", "sandbox", "guest"]
+                                                       and (len(parts) == 3 or parts[3] in guest))
+
+    bad = []
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Import):
+            bad += [a.name for a in node.names if not allowed(a.name)]
+        elif isinstance(node, ast.ImportFrom) and node.level == 0:
+            bad += [node.module] if not allowed(node.module) else []
+        elif isinstance(node, ast.ImportFrom):  # relative: a sibling, never above the folder
+            names = [node.module.split(".")[0]] if node.module else [a.name for a in node.names]
+            bad += ["." * node.level + n for n in names if node.level != 1 or n not in guest]
+        elif (isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and node.func.id == "_load"
+              and node.args and isinstance(node.args[0], ast.Constant) and node.args[0].value not in guest):
+            bad.append(f"_load({node.args[0].value!r})")
+    return bad
+
+
+def test_sandbox_guest_files_import_only_the_standard_library_and_each_other():
+    """What runs inside the sandbox's boundary (megarl/sandbox/guest/) runs where megarl is not installed (a
+    container gets the files on stdin, a job gets them as files): nothing of megarl's host side, no third party."""
+    folder = PACKAGE / "sandbox" / "guest"
+    files = _modules(folder)
+    guest = {p.stem for p in files}
+    assert {"harness", "rpc", "spawner", "isolation", "cgroups", "jobexec"} <= guest, "the scan must see the guest"
+    offenders = {str(p.relative_to(REPO)): bad for p in files if (bad := _guest_import_offenders(p, guest))}
+    assert offenders == {}

@@ -5,7 +5,7 @@
                                        [--sandbox local|docker] [--json out.json]
 
 A scripted engine (no model) writes, for prompt i, a python call holding attack i mod 12: the containment suite of
-tests/sandbox_cases.py (fork bomb, memory bomb, infinite loops, 100 MB of output, writes and reads outside the job
+tools/bench/sandbox_cases.py (fork bomb, memory bomb, infinite loops, 100 MB of output, writes and reads outside the job
 directory, a TCP connection to a listener on the host's loopback, a detached grandchild, killing the parent and
 everything) and a harmless cell; then, after the tool's output, a final answer. Batches of `--batch` trajectories
 go through the rollout function as training sends them (their calls together through the sandbox's workers).
@@ -28,16 +28,13 @@ import uuid
 from collections import Counter, defaultdict
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parents[2]
-sys.path[:0] = [str(REPO), str(REPO / "tests")]
-
-from megarl.config import SandboxConfig, ToolConfig  # noqa: E402
-from megarl.data import PromptRecord  # noqa: E402
-from megarl.reward import InProcessReward  # noqa: E402
-from megarl.rollout import Completion, SamplingParams  # noqa: E402
-from megarl.rollout.tool_use import ToolUse  # noqa: E402
-from megarl.tasks.arithmetic import build_tokenizer  # noqa: E402
-from sandbox_cases import Attack, Listener, attacks, make_secret, target_paths  # noqa: E402
+from megarl.config import SandboxConfig, ToolConfig
+from megarl.data import PromptRecord
+from megarl.reward import InProcessReward
+from megarl.rollout import Completion, SamplingParams
+from megarl.rollout.tool_use import ToolUse
+from megarl.tasks.arithmetic import build_tokenizer
+from sandbox_cases import Attack, Listener, attacks, make_secret, target_paths  # tools/bench/sandbox_cases.py
 
 EOS = 0
 FINAL = "done"

@@ -26,15 +26,14 @@ import tempfile
 import time
 from pathlib import Path
 
+import torch
+
+from megarl.rollout import SamplingParams
+from megarl.rollout.builtin import BuiltinEngine
+from megarl.tasks.multiplication import CHARS, tool_output
+from megarl.tool_calls import ToolCall, ToolSettings, build_tool
+
 REPO = Path(__file__).resolve().parents[2]
-sys.path[:0] = [str(REPO), str(REPO / "tests")]
-
-import torch  # noqa: E402
-
-from megarl.rollout import SamplingParams  # noqa: E402
-from megarl.rollout.builtin import BuiltinEngine  # noqa: E402
-from megarl.tasks.multiplication import CHARS, tool_output  # noqa: E402
-from megarl.tool_calls import ToolCall, ToolSettings, build_tool  # noqa: E402
 
 
 def median_time(fn, repeats: int) -> tuple[float, float, object]:
@@ -56,11 +55,14 @@ def load(model_dir: Path | None):
 
         tok = AutoTokenizer.from_pretrained(model_dir)
         return BuiltinEngine.from_pretrained(model_dir, tokenizer=tok), tok, str(model_dir)
-    from helpers import make_tiny_hf_model
+    from transformers import AutoModelForCausalLM, Qwen2Config
 
     tok = build_tokenizer(chars=CHARS)
-    path = make_tiny_hf_model(Path(tempfile.mkdtemp()) / "m", vocab=96, hidden_size=256, intermediate_size=1024,
-                              num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128)
+    torch.manual_seed(0)
+    cfg = Qwen2Config(vocab_size=96, num_hidden_layers=2, tie_word_embeddings=False, hidden_size=256,
+                      intermediate_size=1024, num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128)
+    path = Path(tempfile.mkdtemp()) / "m"
+    AutoModelForCausalLM.from_config(cfg).float().eval().save_pretrained(path)
     return BuiltinEngine.from_pretrained(path, tokenizer=tok), tok, "random, the demo starter's shape"
 
 

@@ -4,16 +4,11 @@ trajectories is its default)."""
 
 from __future__ import annotations
 
-import importlib.util
-
-from helpers import REPO
+import tool_attacks  # tools/bench/tool_attacks.py (tests/conftest.py puts tools/bench on the path)
 
 
 def test_attacks_inside_tool_calls_are_contained():
-    spec = importlib.util.spec_from_file_location("tool_attacks", REPO / "tools/bench/tool_attacks.py")
-    bench = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(bench)
-    report = bench.run(trajectories=48, batch=48, timeout=2.0, workers=2, sandbox="local")
+    report = tool_attacks.run(trajectories=48, batch=48, timeout=2.0, workers=2, sandbox="local")
     assert report["failures"] == [] and (report["finished"], report["lost"]) == (48, 0)
     obs = report["observations"]
     assert sum(sum(c.values()) for c in obs.values()) == 48 and len(obs) == 12

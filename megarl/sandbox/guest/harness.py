@@ -1,6 +1,6 @@
 """Trusted test harness for `megarl/verifiers/code.py`: runs the tests, while the program runs in other processes.
 
-Standard library only (with its siblings `harness_rpc`, `spawner`, `isolation`, `cgroups`, loaded by path). Two
+Standard library only (with its siblings `rpc`, `spawner`, `isolation`, `cgroups`, loaded by path). Two
 ways to run it:
 - persistent (`serve`): the local backend's workers and the Docker backend's harness containers keep it running
   as pid 1 of its own pid namespace; a case (program, tests, limits) comes in as a JSON line, one JSON line per
@@ -16,7 +16,7 @@ Why it cannot be fooled by the program:
   it inherits; as a job, the job files are unlinked before the first program starts. A program process has
   /dev/null or its own pipes as fds, a fresh pid namespace where it is pid 1, its own Landlock domain (no signal
   to this process), the program seccomp filter; this process is non-dumpable and ignores every signal.
-- Test code runs here, in a namespace whose missing names come from the program (`harness_rpc`): values cross
+- Test code runs here, in a namespace whose missing names come from the program (`rpc`): values cross
   as plain data only, bounded in size; the row's `prompt` code (helpers the tests call) runs here and cannot be
   replaced by the program; comparisons are between plain values this process holds.
 - The verdict channel is this process's own pipe, and the secret is never in a program process: the persistent
@@ -57,7 +57,7 @@ def _load(name):
     return module
 
 
-rpc = _load("harness_rpc")
+rpc = _load("rpc")
 _spawner = _load("spawner")
 
 
@@ -403,7 +403,7 @@ MODES = {"server": rpc.program_server, "stdio": stdio_program}
 # ---- the persistent harness ---------------------------------------------------------------------------------
 
 def serve(cfg):
-    """`python -I code_harness.py --serve CFG`: one harness for many cases, pid 1 of its own pid namespace.
+    """`python -I harness.py --serve CFG`: one harness for many cases, pid 1 of its own pid namespace.
 
     Started by a local-backend worker (`megarl/sandbox/local.py`) as root (or root of the worker's user
     namespace) in a fresh pid namespace, or as a Docker container's pid 1 (`megarl/sandbox/docker.py`), with its
@@ -507,7 +507,7 @@ def _nondumpable():
 
 # ---- as a sandbox job -----------------------------------------------------------------------------------------
 
-JOB_FILES = ("harness.py", "harness_rpc.py", "spawner.py", "isolation.py")
+JOB_FILES = ("harness.py", "rpc.py", "spawner.py", "isolation.py")
 
 
 def main():

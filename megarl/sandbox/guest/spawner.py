@@ -227,7 +227,7 @@ def _program_process(setup, run, params: dict, fds: list[int]) -> None:
         os._exit(code)
 
 
-def set_rlimits(rlimits: list) -> None:
+def lower_rlimits(rlimits: list) -> None:
     """Lower each limit to `value`; never above a hard limit already in force (raising one needs a capability)."""
     for which, value in rlimits:
         hard = resource.getrlimit(which)[1]
@@ -265,7 +265,7 @@ class PlainSetup:
 
     def confine_program(self, rlimits: list, kept: tuple[int, ...]) -> None:
         os.chdir(self.cfg["workdir"])
-        set_rlimits(rlimits)
+        lower_rlimits(rlimits)
         self.iso_mod.landlock_scope_only(self.abi)  # no signal to the harness or its spawner
         self.iso_mod.close_fds_except(kept)
 
@@ -352,7 +352,7 @@ class FreshSetup(PlainSetup):
                 self.missing.append(f"memfds are executable ({memfd_why})")
         self.fresh_state()
         self.mounted = True
-        if _forked_ok(lambda: _unshare_fork_setns(iso, pid_ns)):
+        if forked_ok(lambda: unshare_fork_setns(iso, pid_ns)):
             self.pid_ns_fd = pid_ns
         else:
             self.missing.append("no pid namespace per program process")
@@ -390,7 +390,7 @@ class FreshSetup(PlainSetup):
             os.chdir(_WORK)
         if self.cgroup_fd is not None:
             os.write(self.cgroup_fd, b"0")
-        set_rlimits(rlimits)
+        lower_rlimits(rlimits)
         self.confinement.apply(kept)
 
     def _writes(self) -> list[str]:
@@ -454,7 +454,7 @@ class FreshSetup(PlainSetup):
             self.confinement.refresh(self._writes())  # Landlock rules name the mounts: the new ones
 
 
-def _unshare_fork_setns(iso, fd: int) -> None:
+def unshare_fork_setns(iso, fd: int) -> None:
     """Raises unless this process can make a pid namespace for a child and return to its own after."""
     iso.unshare(iso.CLONE_NEWPID)
     pid = os.fork()
@@ -470,7 +470,7 @@ def _unshare_fork_setns(iso, fd: int) -> None:
         raise OSError("setns did not return to our own pid namespace")
 
 
-def _forked_ok(fn) -> bool:
+def forked_ok(fn) -> bool:
     """Whether `fn` succeeds, tried in a throwaway child so this process is unchanged."""
     pid = os.fork()
     if pid == 0:

@@ -103,7 +103,7 @@ def test_bounds_of_what_crosses():
     that contains itself is refused, depth and integer size are bounded; the check is quick on the worst."""
     import time
 
-    from megarl.sandbox.harness_rpc import MAX_DEPTH, check_plain
+    from megarl.sandbox.guest.rpc import MAX_DEPTH, check_plain
 
     dag = [0]
     for _ in range(60):

@@ -151,8 +151,7 @@ def test_works_as_a_non_root_user():
 def _run_as_nobody(tmp_path):
     script = tmp_path / "nonroot.py"
     script.write_text(
-        "import json, sys\n"
-        f"sys.path.insert(0, {str(REPO)!r})\n"
+        "import json\n"
         "from megarl.sandbox.local import LocalSandbox\n"
         "from megarl.sandbox import Job, Limits\n"
         "sb = LocalSandbox(workers=1, limits=Limits(wall_s=2, cpu_s=2))\n"
@@ -175,7 +174,8 @@ def _run_as_nobody(tmp_path):
     script.chmod(0o644)
     tmp_path.chmod(0o755)
     proc = subprocess.run(["setpriv", "--reuid=65534", "--regid=65534", "--clear-groups", "/usr/bin/python3",
-                           str(script)], capture_output=True, text=True, timeout=120, cwd="/")
+                           str(script)], capture_output=True, text=True, timeout=120, cwd="/",
+                          env={**os.environ, "PYTHONPATH": str(REPO)})
     assert proc.returncode == 0, proc.stderr[-2000:]
     out = json.loads(proc.stdout.strip().splitlines()[-1])
     assert out["ok"] == "42\n" and out["loop"] == "timeout" and out["tcp"] == "refused\n"
@@ -213,7 +213,7 @@ def test_mixed_stream_with_attacks_loses_nothing():
 
 def test_remove_tree_never_touches_what_holds_the_tree(tmp_path):
     """A tree already gone (a worker removed it first) leaves its parent's mode alone: /tmp stays 1777."""
-    from megarl.sandbox.jobexec import remove_tree
+    from megarl.sandbox.guest.jobexec import remove_tree
 
     os.chmod(tmp_path, 0o1777)
     remove_tree(str(tmp_path / "gone"))

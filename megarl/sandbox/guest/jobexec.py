@@ -37,7 +37,7 @@ def run_program(job: dict, workdir: str, base_vsize: int, confine=None, cleanup=
     lim = job["limits"]
     code = compiled(job["source"])
     stdin_fd = os.memfd_create("stdin", os.MFD_CLOEXEC)
-    _write_all(stdin_fd, job.get("stdin", "").encode())
+    write_all(stdin_fd, job.get("stdin", "").encode())
     os.lseek(stdin_fd, 0, os.SEEK_SET)
     out_r, out_w = os.pipe2(os.O_CLOEXEC)
     err_r, err_w = os.pipe2(os.O_CLOEXEC)
@@ -72,7 +72,7 @@ def _child(source, lim, workdir, stdin_fd, out_w, err_w, vsize, confine):
     os.dup2(out_w, 1)
     os.dup2(err_w, 2)
     os.chdir(workdir)
-    set_rlimits(lim, vsize)
+    set_job_rlimits(lim, vsize)
     signal.signal(signal.SIGPIPE, signal.SIG_DFL)
     for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGCHLD):
         signal.signal(sig, signal.SIG_DFL)
@@ -159,7 +159,8 @@ def _exit_status(code) -> int:
     return 1
 
 
-def set_rlimits(lim: dict, vsize: int) -> None:
+def set_job_rlimits(lim: dict, vsize: int) -> None:
+    """The rlimits of a job from its limits (`Limits` as a dict); `vsize`: what the forked interpreter maps."""
     cpu = max(1, int(-(-lim["cpu_s"] // 1)))
     _limit(resource.RLIMIT_CPU, cpu, cpu + 1)
     # Address space: what the forked interpreter already maps plus the job's allowance.
@@ -270,7 +271,8 @@ def _drain(fd: int, buf: bytearray, cap: int) -> None:
         buf += chunk
 
 
-def _write_all(fd: int, data: bytes) -> None:
+def write_all(fd: int, data: bytes) -> None:
+    """All of `data` to `fd` (one `os.write` may take less)."""
     view = memoryview(data)
     while view:
         view = view[os.write(fd, view):]

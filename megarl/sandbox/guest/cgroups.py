@@ -61,9 +61,6 @@ class MemoryCgroup:
                 return int(value)
         return 0
 
-    def usage_mb(self) -> float:
-        return int(_read(self.dir_fd, "memory.current" if self.version == 2 else "memory.usage_in_bytes")) / (1 << 20)
-
     def remove(self) -> None:
         """Remove the cgroup (its processes must be gone; charges left move to the parent)."""
         os.close(self.dir_fd)
@@ -73,7 +70,7 @@ class MemoryCgroup:
             pass
 
 
-def remove_tree(path: str) -> None:
+def remove_cgroup_tree(path: str) -> None:
     """Remove a cgroup and every cgroup below it (their processes must be gone)."""
     for base, _, _ in sorted(os.walk(path), key=lambda entry: -entry[0].count("/")):
         try:

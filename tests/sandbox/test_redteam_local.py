@@ -34,6 +34,12 @@ REPO = Path(__file__).resolve().parents[2]
 ROOT = os.geteuid() == 0
 
 
+def _child_env() -> dict:
+    """The environment of a child Python that imports megarl from this checkout and the shared test cases."""
+    paths = [str(REPO), str(REPO / "tests"), str(REPO / "tools" / "bench"), os.environ.get("PYTHONPATH", "")]
+    return {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in paths if p)}
+
+
 def verifier(persistent: bool, **kwargs) -> CodeVerifier:
     return CodeVerifier(workers=1, persistent_harness=persistent, **kwargs)
 
@@ -112,11 +118,9 @@ from redteam_checks import class5_host_unix_sockets_code_verifier as test_class5
 
 
 _NONROOT_SOCKET = r'''
-import json, os, socket, sys, tempfile
-sys.path.insert(0, {repo!r})
+import json, os, socket, tempfile
 from megarl.sandbox import Job, Limits
 from megarl.sandbox.local import LocalSandbox
-sys.path.insert(0, {tests!r})
 import redteam_cases as rc
 base = tempfile.mkdtemp(prefix="megarl-redteam-agent-", dir={top!r})
 os.chmod(base, 0o700)
@@ -144,10 +148,10 @@ def test_class5_user_agent_socket_as_non_root():
     try:
         os.chmod(top, 0o777)
         script = Path(top) / "probe.py"
-        script.write_text(_NONROOT_SOCKET.format(repo=str(REPO), tests=str(REPO / "tests"), top=top))
+        script.write_text(_NONROOT_SOCKET.format(top=top))
         script.chmod(0o644)
         proc = subprocess.run(["setpriv", "--reuid=65534", "--regid=65534", "--clear-groups", "/usr/bin/python3",
-                               str(script)], capture_output=True, text=True, timeout=120, cwd="/")
+                               str(script)], capture_output=True, text=True, timeout=120, cwd="/", env=_child_env())
     finally:
         shutil.rmtree(top, ignore_errors=True)
     assert proc.returncode == 0, proc.stderr[-2000:]
@@ -257,8 +261,7 @@ from redteam_checks import class8_partial_score_survives_a_crash as test_class8_
 # ---- class 9 ---------------------------------------------------------------------------------------------------
 
 _CLASS9_DRIVER = r'''
-import json, sys, time
-sys.path[:0] = [{repo!r}, {tests!r}]
+import json, time
 import redteam_cases as rc
 from megarl.verifiers.code import CodeVerifier
 case = next(c for c in rc.class9_work() if c.name == {name!r})
@@ -286,10 +289,9 @@ def _address_space_cap():
 def test_class9_harness_work_is_bounded(persistent, name):
     """Run in a child process whose address space (and so its sandbox's, which inherits it) is capped at 3 GB:
     with the hole open the harness grows until the cap instead of taking the machine."""
-    script = _CLASS9_DRIVER.format(repo=str(REPO), tests=str(REPO / "tests"), name=name, time_s=CLASS9_TIME_S,
-                                   persistent=persistent)
+    script = _CLASS9_DRIVER.format(name=name, time_s=CLASS9_TIME_S, persistent=persistent)
     proc = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                            text=True, preexec_fn=_address_space_cap)
+                            text=True, preexec_fn=_address_space_cap, env=_child_env())
     try:
         assert proc.stdout.readline().strip() == "READY", proc.stderr.read()[-2000:]
         with rc.MemSampler() as mem:

@@ -28,7 +28,7 @@ SCRIPT = textwrap.dedent("""
     from megarl.sandbox import Job
     from megarl.sandbox.local import LocalSandbox
     from megarl.verifiers.code import CodeVerifier
-    from megarl.sandbox.isolation import read_roots
+    from megarl.sandbox.guest.isolation import read_roots
     assert root in read_roots(), read_roots()
     program = "import os\\nprint(open(%r).read().strip(), sorted(os.listdir('/tmp')))\\n" % (root + "/probe.txt")
     # what a job's /tmp holds: its work dir, and the top directories of the read roots beneath /tmp (this one;
