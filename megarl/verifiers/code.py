@@ -22,7 +22,7 @@ Reward (`reward`): `all` (default) 1.0 only if every test passed; `fraction` the
 whole timed out).
 
 Reward hacking: the verdict comes only from a line carrying a per-run secret, written by the trusted harness
-(`megarl/sandbox/code_harness.py`) after the last test, on a channel the program has no access to; the program
+(`megarl/sandbox/guest/harness.py`) after the last test, on a channel the program has no access to; the program
 runs in other processes and only plain data crosses back. Exit codes are never read. On a sandbox with
 `harness_server` (the local backend where it has a pid namespace; the Docker backend) the harness is a persistent
 process per worker or container, and the backend, not the harness, adds the secret to the verdict; elsewhere the

@@ -1,5 +1,6 @@
-"""A user's plugin module, outside the megarl package (tests/e2e/test_plugins.py): a verifier and a rollout
-function, registered by name, usable from a recipe with `--plugins tests/e2e/example_plugin.py`.
+"""A user's plugin module, outside the megarl package (tests/e2e/test_plugins.py): a verifier with an option of
+its own and a rollout function, registered by name, usable from a recipe with `--plugins tests/e2e/example_plugin.py`
+(the option is then a flag, `--first-chars`, with no edit to megarl).
 
 Each records the process it ran in as an empty file `<what>.<pid>` under $EXAMPLE_PLUGIN_TRACE (when set), so
 the test can tell the trainer's processes from the reward workers'.
@@ -8,8 +9,9 @@ the test can tell the trainer's processes from the reward workers'.
 from __future__ import annotations
 
 import os
-from dataclasses import replace
+from dataclasses import dataclass, replace
 
+from megarl.registry import option
 from megarl.rollout import ROLLOUTS, register_rollout
 from megarl.verifiers import VerifyResult, register_verifier
 
@@ -20,15 +22,24 @@ def _trace(what: str) -> None:
         open(os.path.join(where, f"{what}.{os.getpid()}"), "a").close()
 
 
-@register_verifier("starts_with_digit")
+@dataclass
+class StartsWithOptions:
+    first_chars: str = option("0123456789", "starts_with_digit: the characters a response may start with")
+
+
+@register_verifier("starts_with_digit", options=StartsWithOptions)
 class StartsWithDigit:
-    """Reward 1 when the response starts with a digit, whatever the row's ground truth."""
+    """Reward 1 when the response starts with one of `first_chars` (a digit by default), whatever the row's ground
+    truth."""
 
     name = "starts_with_digit"
 
+    def __init__(self, first_chars: str = "0123456789"):
+        self.first_chars = first_chars
+
     def verify(self, response: str, ground_truth) -> VerifyResult:
-        _trace("verifier")
-        ok = response[:1].isdigit()
+        _trace(f"verifier-{self.first_chars}")
+        ok = response[:1] != "" and response[:1] in self.first_chars
         return VerifyResult(float(ok), "correct" if ok else "incorrect", extracted=response[:1])
 
 

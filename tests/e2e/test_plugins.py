@@ -1,6 +1,7 @@
-"""`--plugins`: a module outside the package registers a verifier and a rollout function; `train.py` trains with
-both (the verifier inside the reward pool's workers, the rollout function in the trainer's ranks) and
-`megarl-verify` scores rows with the verifier (in its own workers)."""
+"""`--plugins`: a module outside the package registers a verifier (with an option of its own) and a rollout
+function; `train.py` trains with both (the verifier inside the reward pool's workers, built with the option the
+recipe sets; the rollout function in the trainer's ranks) and `megarl-verify` scores rows with the verifier (in its
+own workers, the option from its command line)."""
 
 from __future__ import annotations
 
@@ -20,15 +21,23 @@ def _traced(trace: Path, what: str) -> set[int]:
     return {int(p.suffix[1:]) for p in trace.glob(f"{what}.*")}
 
 
+def _recipe(tmp_path: Path) -> Path:
+    """A user's recipe: the demo's, plus the plugin and the plugin verifier's own option."""
+    recipe = tmp_path / "with_plugin.sh"
+    recipe.write_text(f"source {REPO}/recipes/tiny_cpu.sh\nPLUGIN_ARGS=(--plugins {PLUGIN})\n"
+                      "REWARD_ARGS+=(--first-chars 13579)\n")
+    return recipe
+
+
 def test_train_with_a_plugin_verifier_and_rollout_function(starter, tmp_path):
     rows = [json.loads(line) for line in (starter / "train.jsonl").read_text().splitlines()[:8]]
     data = tmp_path / "rows.jsonl"
     data.write_text("".join(json.dumps({**r, "verifier": "starts_with_digit"}) + "\n" for r in rows))
     trace, out = tmp_path / "trace", tmp_path / "run"
     trace.mkdir()
-    torchrun(2, "megarl/train.py", "recipes/tiny_cpu.sh", "--hf-checkpoint", starter, "--prompt-data", data,
+    torchrun(2, "megarl/train.py", _recipe(tmp_path), "--hf-checkpoint", starter, "--prompt-data", data,
              "--eval-data", "", "--max-train-minutes", "0", "--num-steps", 2, "--rollout-batch-size", 4,
-             "--n-samples-per-prompt", 4, "--micro-batch-size", 8, "--reward-workers", 2, "--plugins", PLUGIN,
+             "--n-samples-per-prompt", 4, "--micro-batch-size", 8, "--reward-workers", 2,
              "--rollout-function", "tagged_single_turn", "--output-dir", out, "--log-interval", 1,
              "--log-samples-interval", 1, "--log-samples-count", 8, timeout=400,
              extra_env={"EXAMPLE_PLUGIN_TRACE": str(trace)})
@@ -38,9 +47,12 @@ def test_train_with_a_plugin_verifier_and_rollout_function(starter, tmp_path):
     assert all(m["sample_turns"] == 1.0 and 0.0 <= m["sample_stopped"] <= 1.0 for m in metrics)  # its metadata
     samples = [json.loads(line) for line in (out / "samples.jsonl").read_text().splitlines()]
     assert len(samples) == 16 and all(s["turns"] == 1.0 for s in samples)
-    for s in samples:  # the plugin's rule, not the arithmetic verifier's
-        assert s["reward"] == float(s["response"][:1].isdigit()), s
-    rollout_pids, verifier_pids = _traced(trace, "rollout"), _traced(trace, "verifier")
+    for s in samples:  # the plugin's rule with the recipe's option, not the arithmetic verifier's
+        assert s["reward"] == float(s["response"][:1] != "" and s["response"][:1] in "13579"), s
+    assert any(s["response"][:1] in "02468" for s in samples if s["response"]), "the option must matter here"
+    saved = json.loads((out / "config.json").read_text())
+    assert saved["config"]["verifier.starts_with_digit"] == {"first_chars": "13579"}
+    rollout_pids, verifier_pids = _traced(trace, "rollout"), _traced(trace, "verifier-13579")
     assert len(rollout_pids) == 2, "one rollout per data-parallel rank, in the trainer's processes"
     assert verifier_pids and not verifier_pids & rollout_pids, "the verifier runs in the reward workers"
 
@@ -60,7 +72,14 @@ def test_megarl_verify_scores_rows_with_a_plugin_verifier(tmp_path):
     scored = [json.loads(line) for line in (tmp_path / "scored.jsonl").read_text().splitlines()]
     assert [s["score"] for s in scored] == [1.0, 0.0, 0.0, 1.0]
     assert "accuracy 100.0% on 4 labelled rows" in stdout
-    assert _traced(trace, "verifier") and proc.pid not in _traced(trace, "verifier"), "scored in a worker process"
+    assert _traced(trace, "verifier-0123456789") and proc.pid not in _traced(trace, "verifier-0123456789"), \
+        "scored in a worker process"
+    # the plugin verifier's own option is a flag of megarl-verify too, once --plugins is named
+    only_seven = subprocess.run([*cmd, "--first-chars", "7"], cwd=REPO, env=env(), capture_output=True, text=True,
+                                timeout=120)
+    assert only_seven.returncode == 0, only_seven.stderr
+    assert [json.loads(line)["score"] for line in (tmp_path / "scored.jsonl").read_text().splitlines()] == \
+        [1.0, 0.0, 0.0, 0.0]
 
     unknown = subprocess.run([*cmd[:6], "--verifier", "starts_with_a_letter"], cwd=REPO, env=env(),
                              capture_output=True, text=True, timeout=120)

@@ -1,5 +1,7 @@
-"""The direction of dependencies, checked mechanically: megatron-core only under megarl/mcore/, no torch in the
-verifiers, the sandbox or megarl-verify, and an entrypoint that holds no algorithm or backend names."""
+"""The direction of dependencies, checked mechanically: no import cycles, a config that imports nothing of megarl,
+megatron-core only under megarl/mcore/, no torch in the verifiers, the reward stage, the sandbox or megarl-verify,
+sandbox guest files that import only the standard library, no module that shadows the standard library, and an
+entrypoint that holds no algorithm or backend names."""
 
 from __future__ import annotations
 
@@ -37,17 +39,130 @@ def test_only_megarl_mcore_imports_megatron():
 
 
 def test_verifiers_and_sandbox_import_no_torch():
-    light = _modules(PACKAGE / "verifiers") + _modules(PACKAGE / "sandbox") + _modules(PACKAGE / "tools")
+    reward = [p for p in _modules(PACKAGE / "reward") if p.name != "hf_scorer.py"]  # the reward server's model
+    light = _modules(PACKAGE / "verifiers") + _modules(PACKAGE / "sandbox") + _modules(PACKAGE / "tool_calls") + reward
+    assert len(reward) >= 6 and len(light) > 30, "the scan must see the packages"
     assert [str(p.relative_to(REPO)) for p in light if _imports(p) & {"torch", "megatron"}] == []
     # and not through anything they import: load every one of them, and megarl-verify, in a fresh interpreter
     names = [".".join(p.relative_to(REPO).with_suffix("").parts) for p in light if p.name != "__init__.py"]
-    code = (f"import importlib, sys\nfor n in {names + ['megarl.cli.verify', 'megarl.reward', 'megarl.samples']!r}:\n"
+    extra = ['megarl.cli.verify', 'megarl.samples', 'megarl.config', 'megarl.registry', 'megarl.arguments']
+    code = (f"import importlib, sys\nfor n in {names + extra!r}:\n"
             "    importlib.import_module(n)\n"
             "print(sorted(m for m in sys.modules if m.split('.')[0] in ('torch', 'megatron')))")
     proc = subprocess.run([sys.executable, "-c", code], cwd=REPO, env=env(), capture_output=True, text=True,
                           timeout=120)
     assert proc.returncode == 0, proc.stderr
     assert proc.stdout.strip() == "[]"
+
+
+def module_name(path: Path, root: Path = REPO) -> str:
+    parts = path.relative_to(root).with_suffix("").parts
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def import_graph(package: Path, root: Path = REPO) -> dict[str, set[str]]:
+    """Each module of `package` -> the modules of `package` it imports at run time: anywhere in the file, functions
+    included, except under `if TYPE_CHECKING:`. `from a.b import c` is an edge to a.b.c when that is a module, else
+    to a.b (the package, whose `__init__` then runs); importing a submodule does not count as importing its parent
+    package's names."""
+    top = package.name
+    modules = {module_name(p, root): p for p in _modules(package)}
+
+    def resolve(name: str) -> str | None:
+        while name and name not in modules:
+            name = name.rpartition(".")[0]
+        return name or None
+
+    graph = {}
+    for name, path in modules.items():
+        tree = ast.parse(path.read_text())
+        typing_only = {id(n) for node in ast.walk(tree) if isinstance(node, ast.If)
+                       and "TYPE_CHECKING" in ast.unparse(node.test) for n in ast.walk(node)}
+        here = name if path.name == "__init__.py" else name.rpartition(".")[0]
+        edges = set()
+        for node in ast.walk(tree):
+            if id(node) in typing_only:
+                continue
+            if isinstance(node, ast.Import):
+                edges |= {resolve(a.name) for a in node.names if a.name.split(".")[0] == top}
+            elif isinstance(node, ast.ImportFrom):
+                base = node.module or ""
+                if node.level:
+                    parts = here.split(".")
+                    base = ".".join(parts[:len(parts) - node.level + 1] + ([node.module] if node.module else []))
+                if base.split(".")[0] != top:
+                    continue
+                edges |= {f"{base}.{a.name}" if f"{base}.{a.name}" in modules else resolve(base) for a in node.names}
+        graph[name] = edges - {name, None}
+    return graph
+
+
+def cycles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """The strongly connected components of more than one module (Tarjan), each sorted: the import cycles."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    found = []
+
+    def visit(v: str) -> None:
+        index[v] = low[v] = len(index)
+        stack.append(v)
+        for w in sorted(graph.get(v, ())):
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in stack:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            component = []
+            while True:
+                w = stack.pop()
+                component.append(w)
+                if w == v:
+                    break
+            if len(component) > 1:
+                found.append(sorted(component))
+
+    for v in sorted(graph):
+        if v not in index:
+            visit(v)
+    return found
+
+
+def test_megarl_has_no_import_cycles_at_run_time():
+    graph = import_graph(PACKAGE)
+    assert len(graph) > 70 and graph["megarl.train"], "the scan must see the package and its imports"
+    assert cycles(graph) == []
+
+
+def test_the_cycle_check_sees_a_cycle_through_a_function_level_import_and_not_a_typing_one(tmp_path):
+    pkg = tmp_path / "megarl"
+    (pkg / "sub").mkdir(parents=True)
+    (pkg / "__init__.py").write_text("")
+    (pkg / "sub" / "__init__.py").write_text("from megarl.sub import a\n")
+    (pkg / "sub" / "a.py").write_text("from megarl.sub.b import f\n")
+    (pkg / "sub" / "b.py").write_text("def f():\n    from megarl.sub import a\n")
+    (pkg / "c.py").write_text("from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    from megarl import d\n")
+    (pkg / "d.py").write_text("from megarl import c\n")
+    assert cycles(import_graph(pkg, tmp_path)) == [["megarl.sub.a", "megarl.sub.b"]]
+
+
+def test_config_and_the_registry_import_nothing_of_megarl_but_its_errors():
+    """config.py is a leaf: every layer may import it, and it names no verifier, tool or backend (their options
+    are declared where they are registered)."""
+    graph = import_graph(PACKAGE)
+    assert graph["megarl.config"] <= {"megarl", "megarl.errors"}, graph["megarl.config"]
+    assert graph["megarl.registry"] == set() and graph["megarl.errors"] == set()
+    words = _code_words(PACKAGE / "config.py")
+    assert not words & {"code_reward", "math_strategy", "reward_model_batch_size", "judge_url", "remote_rm_url",
+                        "verifier_options", "tool_settings"}
+
+
+def test_no_module_of_megarl_shadows_the_standard_library():
+    """`torchrun megarl/train.py` puts megarl/ first on sys.path: a megarl/types.py would be every library's `types`."""
+    top = {p.stem for p in PACKAGE.glob("*.py")} | {p.name for p in PACKAGE.iterdir() if (p / "__init__.py").exists()}
+    assert "train" in top and "config" in top
+    assert sorted(top & set(sys.stdlib_module_names)) == []
 
 
 def _registered_names() -> set[str]:
