@@ -1,6 +1,6 @@
 """Will a run fit, and how long will a step take? Per-GPU memory by component and a step-time estimate.
 
-Arithmetic over the model shape and the run's settings: no torch, nothing allocated. `tools/plan.py` is the
+Arithmetic over the model shape and the run's settings: no torch, nothing allocated. `megarl-plan` is the
 command line. Memory, in bytes, for P parameters held by one GPU (its TP shard of its PP stage):
 
 - a mixture of experts (Qwen3-MoE) holds on a GPU its TP shard of the attention, the dense MLPs and the routers,
@@ -19,7 +19,7 @@ command line. Memory, in bytes, for P parameters held by one GPU (its TP shard o
 - reference model (when --kl-coef > 0): its bf16 weights, sharded like the actor.
 - reward model (`hf_rm`, --reward-model): not on the GPUs: each trainer process that leads a model replica starts
   one megarl-serve-rm holding it in fp32 on the CPU, so a node holds (GPUs per node / (TP x PP x CP)) copies of
-  4 bytes x its parameters in host memory (`tools/plan.py` prints them; `reward_model_params`).
+  4 bytes x its parameters in host memory (`megarl-plan` prints them; `reward_model_params`).
 - rollout engine (SGLang): it reserves --sglang-mem-fraction of the GPU (0.85 on a dedicated rollout GPU) for its
   weights (2 x all parameters / engine TP) and a KV pool; colocated, it releases both while the actor trains,
   and the actor's optimizer (and weights) can leave the GPU while the engine generates (--offload-optimizer,

@@ -285,8 +285,7 @@ MODELS = sorted(p.stem for p in (REPO / "recipes/models").glob("*.sh") if "MODEL
 def test_real_recipes_fit_their_launches(monkeypatch, recipe, model):
     """Each GPU recipe with each real model file: TP within a node and dividing the heads, and a whole number of
     replicas on 2 nodes x 8 GPUs (on two replicas' worth of GPUs for a model larger than that)."""
-    sys.path.insert(0, str(REPO / "tools"))
-    from plan import shape_from_bash
+    from megarl.cli.plan import shape_from_bash
 
     monkeypatch.setenv("RECIPE_MODEL", model)
     cfg = parse_args([str(REPO / f"recipes/{recipe}.sh")])

@@ -9,13 +9,11 @@ from dataclasses import replace
 
 import pytest
 
-from helpers import REPO
+from helpers import REPO, env
 
 from megarl import plan as P
+from megarl.cli.plan import main as plan_main, shape_from_bash
 from megarl.model_shape import ModelShape
-
-sys.path.insert(0, str(REPO / "tools"))
-from plan import main as plan_main, shape_from_bash  # noqa: E402
 
 H100 = P.GPUS["h100"]
 
@@ -123,9 +121,19 @@ def test_cli_on_a_shape_file_and_on_a_config_json(tmp_path, capsys):
 
 
 def test_cli_without_a_shape_says_what_to_give():
-    proc = subprocess.run([sys.executable, str(REPO / "tools/plan.py"), "--gpus", "8"], capture_output=True,
-                          text=True, cwd=REPO)
+    proc = subprocess.run([sys.executable, "-m", "megarl.cli.plan", "--gpus", "8"], capture_output=True,
+                          text=True, cwd=REPO, env=env())
     assert proc.returncode == 2 and "no model shape: give --model" in proc.stderr
+
+
+def test_the_old_command_names_the_new_one_and_still_runs():
+    """`python tools/plan.py` (the command before megarl-plan) says where it went, then runs it, same arguments."""
+    proc = subprocess.run([sys.executable, "tools/plan.py", "recipes/models/qwen2.5-math-1.5b.sh", "--gpus", "8"],
+                          capture_output=True, text=True, cwd=REPO, env=env(), timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stderr.splitlines()[0] == ("note: tools/plan.py is now megarl-plan (python -m megarl.cli.plan); "
+                                           "running it")
+    assert "recommendation: colocated" in proc.stdout
 
 
 ONE_GPU = ["--tensor-model-parallel-size", "1", "--no-sequence-parallel"]
