@@ -28,6 +28,10 @@ from megarl.model_shape import ModelShape
 LATEST = "latest"  # <dir>/latest names the newest complete iter_N directory
 
 
+class LaunchError(ValueError):
+    """A launch that cannot work as asked (launch/render.py, launch/nemo_run_launcher.py); the message says why."""
+
+
 @dataclass(frozen=True)
 class Layout:
     tp: int
