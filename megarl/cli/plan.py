@@ -22,8 +22,8 @@ from pathlib import Path
 
 from megarl.config import ConfigError, parse_args
 from megarl.model_shape import ModelShape
-from megarl.plan import (GIB, GPUS, Cluster, Plan, Run, active_params, expert_bytes_per_gpu, kv_bytes_per_token,
-                         num_params, plan, recommend, reward_model_params)
+from megarl.plan import (GIB, GPUS, Cluster, Plan, RunSettings, active_params, expert_bytes_per_gpu,
+                         kv_bytes_per_token, num_params, plan, recommend, reward_model_params)
 from megarl.preflight import model_problems, prompt_limit
 
 _SHAPE_DUMP = 'source "$1" >/dev/null; for k in "${!MODEL_SHAPE[@]}"; do printf "%s\\0%s\\0" "$k" "${MODEL_SHAPE[$k]}"; done'
@@ -105,7 +105,7 @@ def format_plan(p: Plan, title: str, gpus_per_node: int = 8) -> str:
     return "\n".join(lines)
 
 
-def _layout_that_divides(run: Run, shape: ModelShape, gpus: int) -> Run:
+def _layout_that_divides(run: RunSettings, shape: ModelShape, gpus: int) -> RunSettings:
     """`run`, or, when its TP x PP x CP does not divide the GPUs, the same run at the largest lower TP that does
     (and divides the model's heads), said on stdout: a layout that cannot start is no memory verdict."""
     unit = run.pp * run.cp
@@ -151,7 +151,8 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     gpus = args.gpus or args.nodes * args.gpus_per_node
     cluster = Cluster(GPUS[args.gpu], gpus, min(args.gpus_per_node, gpus), args.internode_gbps)
-    run = Run.from_config(cfg, prompt_len=args.prompt_len, mean_response_frac=args.mean_response_frac, mfu=args.mfu)
+    run = RunSettings.from_config(cfg, prompt_len=args.prompt_len, mean_response_frac=args.mean_response_frac,
+                                  mfu=args.mfu)
     if args.engine_tp:
         run = replace(run, engine_tp=args.engine_tp)
     print(f"model: {shape.family}, {num_params(shape) / 1e9:.2f}B parameters ({2 * num_params(shape) / GIB:.1f} GiB "
