@@ -273,9 +273,9 @@ def test_nemo_run_launcher_runs_as_a_script_and_the_old_name_still_works(tmp_pat
     """As a script, launch/ is first on sys.path: the launcher must still get the nemo_run package, not the file that
     keeps its old command (launch/nemo_run.py), which says where the launcher went and runs it."""
     pytest.importorskip("nemo_run", reason="nemo-run is an optional extra: pip install -e '.[nemo-run]'")
-    proc = subprocess.run([sys.executable, script, "local", "--gpus", "2", "--dryrun", str(REPO / "recipes/tiny_cpu.sh")],
-                          cwd=REPO, env={**env(), "NEMORUN_HOME": str(tmp_path)}, capture_output=True, text=True,
-                          timeout=300)
+    proc = subprocess.run([sys.executable, script, "local", "--gpus", "2", "--dryrun",
+                           str(REPO / "recipes/tiny_cpu.sh")], cwd=REPO, env={**env(), "NEMORUN_HOME": str(tmp_path)},
+                          capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "torchrun" in proc.stdout and str(REPO / "launch/resume.py") in proc.stdout
     note = "note: launch/nemo_run.py is now launch/nemo_run_launcher.py; running it"
