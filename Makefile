@@ -93,7 +93,7 @@ $(REWARD_TRUNK): | $(STAMP)
 	OMP_NUM_THREADS=1 $(VPY) tools/make_starter_model.py --out $(dir $@) --steps $(STARTER_STEPS) --noise-p 0
 
 $(REWARD_MODEL): $(STARTER) $(REWARD_TRUNK)
-	OMP_NUM_THREADS=1 $(VPY) tools/train_reward_model.py --init $(dir $(REWARD_TRUNK)) --policy $(dir $(STARTER)) \
+	OMP_NUM_THREADS=1 $(VENV)/bin/megarl-train-reward-model --init $(dir $(REWARD_TRUNK)) --policy $(dir $(STARTER)) \
 	  --arithmetic $(dir $(STARTER)) --policy-samples 8 --far-negatives --calibrate --lr 3e-4 --steps 800 \
 	  --out $(dir $@)
 

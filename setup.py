@@ -51,5 +51,9 @@ setup(
                 "hypothesis", "math-verify==0.9.0"],  # property tests; math-verify: megarl-verify --compare, bench
     },
     entry_points={"console_scripts": ["megarl-verify = megarl.cli.verify:main",
-                                      "megarl-serve-rm = megarl.cli.serve_rm:main"]},
+                                      "megarl-serve-rm = megarl.cli.serve_rm:main",
+                                      "megarl-plan = megarl.cli.plan:main",
+                                      "megarl-convert-checkpoint = megarl.cli.convert_checkpoint:main",
+                                      "megarl-prepare-data = megarl.cli.prepare_data:main",
+                                      "megarl-train-reward-model = megarl.cli.train_reward_model:main"]},
 )

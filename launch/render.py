@@ -7,7 +7,8 @@
 
 The rendered script is the sbatch file with its `#SBATCH` header filled in; the dry run executes that same file
 with MEGARL_DRY_RUN=1, which prints every command it would run (shell-quoted) and starts nothing. Standard
-library only, so the batch host needs no more than python3 and the checkout.
+library only, so the batch host needs no more than python3 and the checkout (launch/slurm/common.sh puts the
+checkout on PYTHONPATH for it; elsewhere megarl comes from the install, `make venv`).
 """
 
 from __future__ import annotations
@@ -20,19 +21,13 @@ import subprocess
 import sys
 from pathlib import Path
 
+from megarl.arguments import parse_args
+from megarl.config import Config, ConfigError
+from megarl.preflight import LaunchError, Layout, check_run, parallel_layout
+
 ROOT = Path(__file__).resolve().parents[1]
 SLURM_DIR = ROOT / "launch" / "slurm"
 KINDS = ("colocated", "disaggregated")
-sys.path[:] = [p for p in sys.path if os.path.abspath(p or ".") != str(ROOT / "launch")]
-sys.path.insert(0, str(ROOT))
-
-from megarl.arguments import parse_args
-from megarl.config import Config, ConfigError# noqa: E402
-from megarl.preflight import Layout, check_run, parallel_layout  # noqa: E402
-
-
-class LaunchError(ValueError):
-    """A launch that cannot work as asked; the message says why."""
 
 
 def check_parallel(cfg: Config, world_size: int) -> Layout:

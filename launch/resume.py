@@ -30,9 +30,6 @@ def resume_args(argv: list[str]) -> list[str]:
 
 
 def main() -> None:
-    # torchrun puts launch/ first on sys.path; megarl lives at the repository root.
-    sys.path[:] = [p for p in sys.path if os.path.abspath(p or ".") != str(ROOT / "launch")]
-    sys.path.insert(0, str(ROOT))
     from megarl.config import ConfigError
 
     try:

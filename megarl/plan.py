@@ -1,6 +1,6 @@
 """Will a run fit, and how long will a step take? Per-GPU memory by component and a step-time estimate.
 
-Arithmetic over the model shape and the run's settings: no torch, nothing allocated. `tools/plan.py` is the
+Arithmetic over the model shape and the run's settings: no torch, nothing allocated. `megarl-plan` is the
 command line. Memory, in bytes, for P parameters held by one GPU (its TP shard of its PP stage):
 
 - a mixture of experts (Qwen3-MoE) holds on a GPU its TP shard of the attention, the dense MLPs and the routers,
@@ -19,7 +19,7 @@ command line. Memory, in bytes, for P parameters held by one GPU (its TP shard o
 - reference model (when --kl-coef > 0): its bf16 weights, sharded like the actor.
 - reward model (`hf_rm`, --reward-model): not on the GPUs: each trainer process that leads a model replica starts
   one megarl-serve-rm holding it in fp32 on the CPU, so a node holds (GPUs per node / (TP x PP x CP)) copies of
-  4 bytes x its parameters in host memory (`tools/plan.py` prints them; `reward_model_params`).
+  4 bytes x its parameters in host memory (`megarl-plan` prints them; `reward_model_params`).
 - rollout engine (SGLang): it reserves --sglang-mem-fraction of the GPU (0.85 on a dedicated rollout GPU) for its
   weights (2 x all parameters / engine TP) and a KV pool; colocated, it releases both while the actor trains,
   and the actor's optimizer (and weights) can leave the GPU while the engine generates (--offload-optimizer,
@@ -73,8 +73,8 @@ class Cluster:
 
 
 @dataclass(frozen=True)
-class Run:
-    """The settings that size a run; names follow megarl's flags (see Run.from_config)."""
+class RunSettings:
+    """The settings that size a run; names follow megarl's flags (see RunSettings.from_config)."""
 
     tp: int = 1
     pp: int = 1
@@ -101,7 +101,7 @@ class Run:
     mfu: float = 0.35  # training model-FLOPs utilisation
 
     @classmethod
-    def from_config(cls, cfg, **planner) -> "Run":
+    def from_config(cls, cfg, **planner) -> "RunSettings":
         """From a megarl Config; flags that this checkout's config lacks keep the defaults above."""
         t, r, m = cfg.training, cfg.rollout, cfg.model
         return cls(tp=m.tensor_model_parallel_size, pp=m.pipeline_model_parallel_size,
@@ -165,7 +165,7 @@ def stage_params(s: ModelShape, tp: int, pp: int, ep: int = 1, etp: int = 0) -> 
     return first + last - layers if pp == 1 else max(first, last)
 
 
-def expert_bytes_per_gpu(s: ModelShape, r: "Run") -> float:
+def expert_bytes_per_gpu(s: ModelShape, r: "RunSettings") -> float:
     """The bf16 expert weights one GPU holds (its EP rank's experts, its expert-TP shard) in its PP stage."""
     per_stage = math.ceil(s.num_layers / r.pp)
     return 2 * sum(expert_params(s, i) for i in range(per_stage)) / (r.ep * (r.etp or r.tp))
@@ -223,11 +223,11 @@ class MemoryPlan:
         return not self.problems
 
 
-def _sequence_len(r: Run) -> int:
+def _sequence_len(r: RunSettings) -> int:
     return r.prompt_len + r.max_response_len
 
 
-def _engine_tp(s: ModelShape, r: Run, cluster: Cluster) -> int:
+def _engine_tp(s: ModelShape, r: RunSettings, cluster: Cluster) -> int:
     """--sglang-tp-size if set; colocated, the actor's TP; on dedicated GPUs the smallest power of two (within a
     node) whose weight shard leaves at least half the engine's memory for the KV cache."""
     if r.engine_tp:
@@ -240,7 +240,7 @@ def _engine_tp(s: ModelShape, r: Run, cluster: Cluster) -> int:
     return tp
 
 
-def _train_phase(s: ModelShape, r: Run, dp: int) -> dict[str, float]:
+def _train_phase(s: ModelShape, r: RunSettings, dp: int) -> dict[str, float]:
     p = stage_params(s, r.tp, r.pp, r.ep, r.etp)
     samples_per_rank = r.rollout_batch_size * r.n_samples_per_prompt / dp / r.updates_per_rollout
     micro_batches = max(1, math.ceil(samples_per_rank / r.micro_batch_size))
@@ -256,7 +256,7 @@ def _train_phase(s: ModelShape, r: Run, dp: int) -> dict[str, float]:
             "reference model": weights_bytes(p) if r.kl else 0.0}
 
 
-def memory_plan(s: ModelShape, r: Run, cluster: Cluster) -> list[MemoryPlan]:
+def memory_plan(s: ModelShape, r: RunSettings, cluster: Cluster) -> list[MemoryPlan]:
     """One MemoryPlan per pool of GPUs: colocated has one; disaggregated has training and rollout GPUs."""
     cap = cluster.gpu.memory_bytes
     total = num_params(s)
@@ -341,7 +341,7 @@ class StepTime:
         return self.asynchronous if self.overlapped else self.synchronous
 
 
-def step_time(s: ModelShape, r: Run, cluster: Cluster, plans: list[MemoryPlan]) -> StepTime:
+def step_time(s: ModelShape, r: RunSettings, cluster: Cluster, plans: list[MemoryPlan]) -> StepTime:
     g = cluster.gpu
     total, active = num_params(s), active_params(s)  # memory traffic reads every expert; FLOPs follow the active
     etp = _engine_tp(s, r, cluster)
@@ -379,7 +379,7 @@ def step_time(s: ModelShape, r: Run, cluster: Cluster, plans: list[MemoryPlan]) 
 
 @dataclass
 class Plan:
-    run: Run
+    run: RunSettings
     memory: list[MemoryPlan]
     time: StepTime
 
@@ -388,7 +388,7 @@ class Plan:
         return all(m.fits for m in self.memory)
 
 
-def plan(s: ModelShape, r: Run, cluster: Cluster) -> Plan:
+def plan(s: ModelShape, r: RunSettings, cluster: Cluster) -> Plan:
     if r.mode == "disaggregated" and not r.rollout_gpus:
         r = best_split(s, r, cluster).run
     r = replace(r, engine_tp=_engine_tp(s, r, cluster))
@@ -396,7 +396,7 @@ def plan(s: ModelShape, r: Run, cluster: Cluster) -> Plan:
     return Plan(r, mem, step_time(s, r, cluster, mem))
 
 
-def best_split(s: ModelShape, r: Run, cluster: Cluster) -> Plan:
+def best_split(s: ModelShape, r: RunSettings, cluster: Cluster) -> Plan:
     """The disaggregated split with the shortest step among those that fit: whole nodes for the rollout, as
     launch/slurm/disaggregated.sbatch splits them, or whole engines within a single node."""
     unit = r.tp * r.pp
@@ -418,7 +418,7 @@ def best_split(s: ModelShape, r: Run, cluster: Cluster) -> Plan:
     return best
 
 
-def fixes(s: ModelShape, r: Run, cluster: Cluster) -> list[str]:
+def fixes(s: ModelShape, r: RunSettings, cluster: Cluster) -> list[str]:
     """Single changes of megarl flags that make a colocated run fit."""
     out = []
     tries = [("--sequence-parallel", dict(sequence_parallel=True))] if r.tp > 1 and not r.sequence_parallel else []
@@ -438,7 +438,7 @@ def fixes(s: ModelShape, r: Run, cluster: Cluster) -> list[str]:
     return out
 
 
-def recommend(s: ModelShape, r: Run, cluster: Cluster) -> tuple[str, str, Plan, Plan]:
+def recommend(s: ModelShape, r: RunSettings, cluster: Cluster) -> tuple[str, str, Plan, Plan]:
     """(choice, reason, colocated plan, best disaggregated plan)."""
     colo = plan(s, replace(r, mode="colocated", rollout_gpus=0), cluster)
     dis = best_split(s, replace(r, rollout_gpus=0), cluster) if cluster.gpus > 1 else None

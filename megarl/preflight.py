@@ -1,10 +1,10 @@
 """What the flags and the checkpoints on disk say before any process group, model or data exists.
 
-Standard library only. train.py runs `check_run` on every rank before any work (`megarl.stages.setup.preflight`
-adds what needs the machine: a GPU, Transformer Engine), and the Slurm and nemo-run launchers run it on the batch
-host before they start anything (`launch/render.py check`). So a run that cannot work stops at once, with every
-problem listed in one message naming the flag and the config field, and exit status 2, which the launchers never
-requeue. What it checks:
+Standard library only. train.py runs `check_run` on every rank before any work
+(`megarl.stages.setup.check_before_start` adds what needs the machine: a GPU, Transformer Engine), and the Slurm and
+nemo-run launchers run it on the batch host before they start anything (`launch/render.py check`). So a run that
+cannot work stops at once, with every problem listed in one message naming the flag and the config field, and exit
+status 2, which the launchers never requeue. What it checks:
 - the layout: TP x PP x CP and expert-TP x EP x PP divide the world size, and DP the prompts;
 - the actor's `config.json`: an architecture megarl trains (`ModelShape`), heads, KV heads and the MLP divisible
   by TP, layers by PP, experts by EP and their width by expert-TP (EP > 1 only for a mixture of experts),
@@ -26,6 +26,10 @@ from megarl.config import SAVED_CONFIG, Config, ConfigError
 from megarl.model_shape import ModelShape
 
 LATEST = "latest"  # <dir>/latest names the newest complete iter_N directory
+
+
+class LaunchError(ValueError):
+    """A launch that cannot work as asked (launch/render.py, launch/nemo_run_launcher.py); the message says why."""
 
 
 @dataclass(frozen=True)

@@ -27,9 +27,9 @@ def main(argv: list[str]) -> int:
             print(help_text(argv))  # with the options of the --plugins it names
             return 0
         cfg = parse_args(argv)
-        from megarl.stages.setup import preflight
+        from megarl.stages.setup import check_before_start
 
-        return run(cfg, preflight(cfg))
+        return run(cfg, check_before_start(cfg))
     except ConfigError as e:
         rank = os.environ.get("RANK", "0")
         if rank != "0":

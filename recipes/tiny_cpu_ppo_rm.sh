@@ -3,7 +3,7 @@
 # by hand, build it first (both by step counts, one thread; ~7 and ~4 minutes):
 #
 #   OMP_NUM_THREADS=1 .venv/bin/python tools/make_starter_model.py --out .cache/reward_trunk --steps 1760 --noise-p 0
-#   OMP_NUM_THREADS=1 .venv/bin/python tools/train_reward_model.py --init .cache/reward_trunk --policy .cache/starter \
+#   OMP_NUM_THREADS=1 .venv/bin/megarl-train-reward-model --init .cache/reward_trunk --policy .cache/starter \
 #       --arithmetic .cache/starter --policy-samples 8 --far-negatives --calibrate --lr 3e-4 --steps 800 \
 #       --out .cache/reward_model
 #

@@ -30,9 +30,7 @@ import time
 import traceback
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-import torch  # noqa: E402
+import torch
 
 QWEN25_05B = dict(model_type="qwen2", num_hidden_layers=24, hidden_size=896, num_attention_heads=14,
                   num_key_value_heads=2, intermediate_size=4864, vocab_size=151936, max_position_embeddings=4096,

@@ -34,4 +34,6 @@ if (( ${#missing[@]} )); then
   export PYTHONPATH=$DEPS${PYTHONPATH:+:$PYTHONPATH}
 fi
 export PYTHONWARNINGS=${PYTHONWARNINGS:-ignore} OMP_NUM_THREADS=${OMP_NUM_THREADS:-4}
+# megarl from this checkout, installed or not (a bare GPU machine has only the carried wheels)
+export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}
 exec timeout --kill-after=15 "${GPU_CHECK_TIMEOUT:-465}" "$PY" tools/gpu_check.py "$@"

@@ -57,10 +57,8 @@ from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout without installing
-
-from megarl.tasks.arithmetic import Problem, build_tokenizer, split_problems, write_jsonl  # noqa: E402
-from megarl.verifiers.arithmetic import ArithmeticVerifier  # noqa: E402
+from megarl.tasks.arithmetic import Problem, build_tokenizer, split_problems, write_jsonl
+from megarl.verifiers.arithmetic import ArithmeticVerifier
 
 LR = 1.5e-3
 WARMUP_STEPS = 50  # without it the model sits at a "predict the tens digit" plateau: ~8 % greedy after 1,000 steps

@@ -18,20 +18,25 @@ count, like the arithmetic starter.
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import math
 import os
 import random
-import sys
 import time
 from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from megarl.tasks.arithmetic import build_tokenizer, write_jsonl
+from megarl.tasks.multiplication import CHARS, split_problems, tool_call, tool_output
 
-from megarl.tasks.arithmetic import build_tokenizer, write_jsonl  # noqa: E402
-from megarl.tasks.multiplication import CHARS, split_problems, tool_call, tool_output  # noqa: E402
-from tools.make_starter_model import ADAM_BETAS, OutOfTime, learning_rate, write_atomically  # noqa: E402
+# The arithmetic starter's schedule and atomic write, from its script by path: tools/ is a folder of scripts, not a
+# package, so an import that works when this file runs as a script would fail when a test imports it, or the reverse.
+_spec = importlib.util.spec_from_file_location("make_starter_model", Path(__file__).with_name("make_starter_model.py"))
+_starter = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(_starter)
+ADAM_BETAS, OutOfTime, learning_rate, write_atomically = (_starter.ADAM_BETAS, _starter.OutOfTime,
+                                                          _starter.learning_rate, _starter.write_atomically)
 
 STEPS = 1500
 BATCH = 64

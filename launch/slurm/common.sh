@@ -49,11 +49,13 @@ megarl_show() {  # one command on one line, each word shell-quoted where it need
 }
 
 # The recipe's parallel sizes against the world size, before any GPU work. Sets HF_CHECKPOINT, TP, PP, DP,
-# SAVE_DIR (and CP). Needs a python3 with nothing but the standard library (megarl/config.py is pure Python).
+# SAVE_DIR (and CP). Needs a python3 with nothing but the standard library (megarl/config.py is pure Python);
+# megarl comes from the checkout, installed there or not.
 megarl_check() {
   local world=$1 out
   shift
-  out=$("$PYTHON" "$MEGARL_ROOT/launch/render.py" check --world-size "$world" -- "$@") || {
+  out=$(PYTHONPATH="$MEGARL_ROOT${PYTHONPATH:+:$PYTHONPATH}" "$PYTHON" "$MEGARL_ROOT/launch/render.py" check \
+          --world-size "$world" -- "$@") || {
     echo "megarl: the launch does not fit the recipe (above); nothing was started" >&2
     exit 2
   }

@@ -13,7 +13,7 @@ What a row's score is:
   at each row's own last token, so a score does not depend on the batch it came in, its padding, or on a token
   that happens to equal the pad id.
 - Optional normalisation (`normalize=True`): (score - mean) / std with the `reward_mean` and `reward_std` stored in
-  the checkpoint's config.json (`tools/train_reward_model.py` stores the training set's).
+  the checkpoint's config.json (`megarl-train-reward-model` stores the training set's).
 - Texts longer than the model's `max_position_embeddings` keep their last tokens (where the response is).
 
 This module imports torch and transformers; the verifiers (`megarl.reward.models`) reach it only through
@@ -43,7 +43,7 @@ class HFRewardModel:
         arch = config.get("architectures") or []
         if not any(a.endswith("ForSequenceClassification") for a in arch):
             raise ValueError(f"--reward-model {path}: config.json architectures {arch} has no *ForSequenceClassification "
-                             "(a causal LM has no reward head; tools/train_reward_model.py makes one)")
+                             "(a causal LM has no reward head; megarl-train-reward-model makes one)")
         if config.get("num_labels", len(config.get("id2label") or {0: 0})) != 1:
             raise ValueError(f"--reward-model {path}: a reward model has one label, this classifier has "
                              f"{len(config.get('id2label') or {})} (config.json id2label)")
@@ -51,7 +51,7 @@ class HFRewardModel:
         if normalize:
             if "reward_mean" not in config or "reward_std" not in config:
                 raise ValueError(f"--reward-model-normalize: {path / 'config.json'} has no reward_mean/reward_std "
-                                 "(tools/train_reward_model.py stores them); drop the flag or add them")
+                                 "(megarl-train-reward-model stores them); drop the flag or add them")
             self.mean, self.std = float(config["reward_mean"]), max(float(config["reward_std"]), 1e-8)
         self.tokenizer = AutoTokenizer.from_pretrained(str(path))
         self.model = AutoModelForSequenceClassification.from_pretrained(str(path), num_labels=1, dtype=dtype)
@@ -91,7 +91,7 @@ class HFRewardModel:
         return self.forward_ids(batch).float().view(-1).tolist()
 
     def forward_ids(self, batch: list[list[int]]) -> torch.Tensor:
-        """[B] raw scores of token-id rows (differentiable when grad is on: `tools/train_reward_model.py`)."""
+        """[B] raw scores of token-id rows (differentiable when grad is on: `megarl-train-reward-model`)."""
         width = max(len(x) for x in batch)
         tokens = torch.zeros(len(batch), width, dtype=torch.long)
         mask = torch.zeros(len(batch), width, dtype=torch.long)

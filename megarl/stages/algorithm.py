@@ -8,7 +8,7 @@
                                                                 registered estimator's advantages -> TrainBatch
 
 The estimator declares what it needs (`megarl.algorithms.Needs`) and `Algorithm` provides exactly that: a frozen
-reference, a critic (`megarl.stages.critic`, trained here, before the actor), per-token inputs. Nothing here
+reference, a critic (`megarl.stages.critic_update`, trained here, before the actor), per-token inputs. Nothing here
 knows an estimator by name.
 """
 
@@ -22,7 +22,7 @@ from megarl.algorithms import ADVANTAGES, KL_ESTIMATORS
 from megarl.config import Config
 from megarl.mcore.actor import MegatronPolicy
 from megarl.mcore.parallel import ParallelInfo, broadcast_from_last_stage
-from megarl.stages.critic import Critic
+from megarl.stages.critic_update import Critic
 from megarl.samples import PackedSamples, RolloutBatch, Sample, SampleStatus, TrainBatch
 
 

@@ -18,7 +18,7 @@ from megarl.metrics import MetricsLog, held_out_curve, plot_run, reduce_over_ran
 from megarl.stages.algorithm import Algorithm
 from megarl.stages.collect import sampling_params
 from megarl.stages.colocation import enter_rollout, enter_training
-from megarl.stages.setup import Run
+from megarl.stages.setup import TrainingRun
 from megarl.samples import RolloutBatch, SampleStatus, TrainBatch
 
 _SUM_KEYS = ["n_samples", "reward_sum", "correct", "response_tokens", "truncated", "groups", "uniform_groups",
@@ -127,7 +127,7 @@ def _metadata_keys(samples) -> list[str]:
     return sorted({k for keys in everyone for k in keys})
 
 
-def evaluate(run: Run, quiet: bool = False) -> dict:
+def evaluate(run: TrainingRun, quiet: bool = False) -> dict:
     """Held-out accuracy, sampled (temperature, `--eval-samples-per-prompt` each) and greedy, through the run's
     rollout function and reward function; DP ranks split the prompts, each model replica's leader runs its share.
     The engine must hold the GPU (`enter_rollout`)."""
@@ -156,7 +156,7 @@ def evaluate(run: Run, quiet: bool = False) -> dict:
     return out
 
 
-def evaluate_between_steps(run: Run, step: int) -> dict:
+def evaluate_between_steps(run: TrainingRun, step: int) -> dict:
     """`--eval-interval`: held-out accuracy after `step`, as metrics.jsonl keys, the GPU handed to the engine for it
     and back. The seeds are those of every evaluation, so the curve compares like with like."""
     enter_rollout(run.actor, run.engine, run.cfg.training)
@@ -187,7 +187,8 @@ def save_hf(actor: MegatronPolicy, tokenizer, src_dir: str, out_dir: str, info: 
     dist.barrier()
 
 
-def finish(run: Run, log: MetricsLog, before: dict | None, after: dict | None, minutes: float, steps: int) -> None:
+def finish(run: TrainingRun, log: MetricsLog, before: dict | None, after: dict | None, minutes: float,
+           steps: int) -> None:
     """The end of a run on every rank: peak memory, the before/after table and figure (rank 0), the log closed."""
     say = run.say
     say(f"megarl: peak memory per process {peak_rss_mib():.0f} MiB (max over ranks)")

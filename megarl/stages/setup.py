@@ -33,12 +33,12 @@ from megarl.stages.algorithm import Algorithm
 from megarl.stages.asynchronous import AsyncCollect, OrderedEngine, Pipeline
 from megarl.stages.collect import Collect, Collector, DynamicSampling, OverlongShaping
 from megarl.stages.colocation import WeightSync
-from megarl.stages.critic import Critic
+from megarl.stages.critic_update import Critic
 
 
 @dataclass(frozen=True)
 class Checked:
-    """What `preflight` found: the layout, the actor's architecture, the checkpoint to resume from (None: a
+    """What `check_before_start` found: the layout, the actor's architecture, the checkpoint to resume from (None: a
     fresh start)."""
 
     layout: Layout
@@ -46,7 +46,7 @@ class Checked:
     resume_from: Path | None
 
 
-def preflight(cfg: Config) -> Checked:
+def check_before_start(cfg: Config) -> Checked:
     """Every check that needs no process group, model or data, on every rank before any work: what this machine
     must offer, then the layout, the checkpoint's config.json and `--load` (`megarl.preflight`, which the
     launchers run on the batch host too). The flags' own rules were checked when they were parsed."""
@@ -70,7 +70,10 @@ def optim_config(t: TrainingConfig) -> OptimConfig:
 
 
 @dataclass
-class Run:
+class TrainingRun:
+    """What `start` built for a training run, and its state between steps (the planner's sizing inputs are
+    `megarl.plan.RunSettings`)."""
+
     cfg: Config
     info: ParallelInfo
     say: Callable[..., None]  # print on rank 0 only
@@ -94,7 +97,7 @@ class Run:
         return parallel.agree_any(flag)
 
 
-def start(cfg: Config, checked: Checked) -> Run:
+def start(cfg: Config, checked: Checked) -> TrainingRun:
     """Process groups, data, models, engine and rollout stage, resumed from `checked.resume_from` when set."""
     from transformers import AutoTokenizer
 
@@ -150,7 +153,7 @@ def start(cfg: Config, checked: Checked) -> Run:
     if pending is not None:
         pending.start()
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
-    return Run(cfg, info, say, tokenizer, pad_id, prompts, eval_prompts, sampler, actor,
+    return TrainingRun(cfg, info, say, tokenizer, pad_id, prompts, eval_prompts, sampler, actor,
                Algorithm(cfg, info, reference, critic), engine, reward, rollout_fn, collect, sync, start_step, record,
                pending)
 
@@ -211,7 +214,7 @@ def _collect(cfg: Config, collector: Collector) -> Collect:
     return collect
 
 
-def open_log(run: Run) -> MetricsLog:
+def open_log(run: TrainingRun) -> MetricsLog:
     """The run's metrics log, with the resolved config written beside it (`config.json`, rank 0)."""
     lg, resumed = run.cfg.logging, run.start_step > 0
     sinks = open_sinks(lg, lg.output_dir, run.cfg.to_dict(), resumed=resumed) if run.info.rank == 0 else []
@@ -223,7 +226,7 @@ def open_log(run: Run) -> MetricsLog:
     return log
 
 
-def save(run: Run, step: int) -> None:
+def save(run: TrainingRun, step: int) -> None:
     """Collective. The algorithm's own models first (a critic), then the actor, the data position, this rank's
     rollout state and the resolved config, so the actor's `latest` step always has everything next to it."""
     c = run.cfg.checkpoint
@@ -232,7 +235,7 @@ def save(run: Run, step: int) -> None:
                     rank_state=run.collect.rank_state(), config=run.record)
 
 
-def close(run: Run) -> None:
+def close(run: TrainingRun) -> None:
     if run.pending is not None:
         run.pending.stop()
     if run.engine is not None:

@@ -1,6 +1,6 @@
 # Llama-3.1-70B / -Instruct (Llama architecture, 80 layers, GQA with 8 KV heads). TP=8 within a node and PP=4
-# across nodes: 32 GPUs per model replica, so 64 GPUs give DP=2 (see tools/plan.py for whether a setting fits).
-# The shape below (HF config.json keys) is for tools/plan.py. The real checkpoint's "llama3" RoPE scaling is read
+# across nodes: 32 GPUs per model replica, so 64 GPUs give DP=2 (see megarl-plan for whether a setting fits).
+# The shape below (HF config.json keys) is for megarl-plan. The real checkpoint's "llama3" RoPE scaling is read
 # from its config.json.
 MODEL_DIR=${MODEL_DIR:-/models/Llama-3.1-70B-Instruct}
 declare -A MODEL_SHAPE=(

@@ -1,5 +1,5 @@
 # Llama-3.1-8B / -Instruct (Llama architecture, GQA with 8 KV heads, untied embeddings). The shape below (HF
-# config.json keys) is for tools/plan.py. The real checkpoint's "llama3" RoPE scaling is read from its config.json
+# config.json keys) is for megarl-plan. The real checkpoint's "llama3" RoPE scaling is read from its config.json
 # (megarl/model_shape.py; the same frequencies in Megatron and the built-in engine).
 MODEL_DIR=${MODEL_DIR:-/models/Llama-3.1-8B-Instruct}
 declare -A MODEL_SHAPE=(

@@ -1,5 +1,5 @@
 # Qwen2.5-7B / Qwen2.5-7B-Instruct (Qwen2 architecture, untied embeddings, 128k context with rope_theta 1e6).
-# The shape below (HF config.json keys) is for tools/plan.py; megarl itself reads the checkpoint's config.json.
+# The shape below (HF config.json keys) is for megarl-plan; megarl itself reads the checkpoint's config.json.
 MODEL_DIR=${MODEL_DIR:-/models/Qwen2.5-7B-Instruct}
 declare -A MODEL_SHAPE=(
   [model_type]=qwen2 [num_hidden_layers]=28 [hidden_size]=3584 [num_attention_heads]=28 [num_key_value_heads]=4

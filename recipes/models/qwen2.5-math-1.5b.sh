@@ -1,5 +1,5 @@
 # Qwen2.5-Math-1.5B (Qwen2 architecture, tied embeddings). megarl reads the architecture from the checkpoint's
-# config.json; MODEL_SHAPE repeats it (HF config.json keys) so that tools/plan.py can size a run before the
+# config.json; MODEL_SHAPE repeats it (HF config.json keys) so that megarl-plan can size a run before the
 # checkpoint is downloaded.
 MODEL_DIR=${MODEL_DIR:-/models/Qwen2.5-Math-1.5B}
 declare -A MODEL_SHAPE=(

@@ -1,5 +1,5 @@
 # Qwen2.5-Math-7B (Qwen2 architecture, untied embeddings). The shape below (HF config.json keys) is for
-# tools/plan.py; megarl itself reads the checkpoint's config.json. Its 4k context suits math RL responses of up
+# megarl-plan; megarl itself reads the checkpoint's config.json. Its 4k context suits math RL responses of up
 # to ~3.5k tokens.
 MODEL_DIR=${MODEL_DIR:-/models/Qwen2.5-Math-7B}
 declare -A MODEL_SHAPE=(

@@ -1,6 +1,6 @@
 # Qwen3-30B-A3B (Qwen3-MoE: 48 layers, each with 128 experts of width 768 of which every token takes 8,
 # renormalised; ~30.5B parameters, ~3.3B active per token). The shape below (HF config.json keys) is for
-# tools/plan.py; megarl itself reads the checkpoint's config.json. Expert parallelism splits the experts over 8
+# megarl-plan; megarl itself reads the checkpoint's config.json. Expert parallelism splits the experts over 8
 # GPUs (16 per GPU, each whole: expert-TP 1), while attention runs at TP 2 with sequence parallelism (Megatron's
 # MoE layer needs it at TP > 1); the world size must be a multiple of 8 (expert-TP x EP x PP) and of TP x PP.
 MODEL_DIR=${MODEL_DIR:-/models/Qwen3-30B-A3B}

@@ -1,5 +1,5 @@
 # Qwen3-8B (Qwen3 architecture: per-head q/k RMSNorm, no q/k/v bias, head_dim 128, untied embeddings). The shape
-# below (HF config.json keys) is for tools/plan.py; megarl itself reads the checkpoint's config.json.
+# below (HF config.json keys) is for megarl-plan; megarl itself reads the checkpoint's config.json.
 MODEL_DIR=${MODEL_DIR:-/models/Qwen3-8B}
 declare -A MODEL_SHAPE=(
   [model_type]=qwen3 [num_hidden_layers]=36 [hidden_size]=4096 [num_attention_heads]=32 [num_key_value_heads]=8

@@ -41,7 +41,7 @@ def main() -> None:
     from megarl.mcore.critic import MegatronCritic
     from megarl.metrics import reduce_over_ranks
     from megarl.model_shape import ModelShape
-    from megarl.stages.critic import value_loss_fn
+    from megarl.stages.critic_update import value_loss_fn
 
     torch.set_num_threads(1)
     info = parallel.init_distributed(tp=args.tp, pp=args.pp, timeout_s=120, seed=1234)

@@ -1,5 +1,5 @@
 """A vocabulary that TP does not divide (97 rows at TP 3), padded as Megatron pads it, against `transformers`; and
-the offline converter (`tools/convert_checkpoint.py`) of the padded TP 3 checkpoint back to an HF directory."""
+the offline converter (`megarl-convert-checkpoint`) of the padded TP 3 checkpoint back to an HF directory."""
 
 from __future__ import annotations
 
@@ -70,8 +70,9 @@ def test_offline_converter_writes_what_transformers_loads(padded_run):
     """The TP 3 checkpoint of the updated actor, converted in one process, is the actor's own export, and
     transformers' logits on it give the actor's log-probs."""
     out = padded_run["root"] / "converted"
-    proc = subprocess.run([sys.executable, "tools/convert_checkpoint.py", "--load", str(padded_run["ckpt"]),
-                           "--out", str(out)], cwd=REPO, env=env(), capture_output=True, text=True, timeout=300)
+    proc = subprocess.run([sys.executable, "-m", "megarl.cli.convert_checkpoint", "--load",
+                           str(padded_run["ckpt"]), "--out", str(out)], cwd=REPO, env=env(), capture_output=True,
+                          text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
     after = padded_run["ranks"][0]["exported_after"]
     converted = load_file(str(out / "model.safetensors"))
@@ -83,8 +84,8 @@ def test_offline_converter_writes_what_transformers_loads(padded_run):
     logp = _logprobs(_hf_logits(out, _tokens()), _tokens())
     assert (logp - padded_run["ranks"][0]["logprobs_after"]).abs().max() < 1e-4
 
-    again = subprocess.run([sys.executable, "tools/convert_checkpoint.py", "--load", str(padded_run["ckpt"]),
-                            "--ckpt-step", "7", "--out", str(out)], cwd=REPO, env=env(), capture_output=True,
-                           text=True, timeout=120)
+    again = subprocess.run([sys.executable, "-m", "megarl.cli.convert_checkpoint", "--load",
+                            str(padded_run["ckpt"]), "--ckpt-step", "7", "--out", str(out)], cwd=REPO, env=env(),
+                           capture_output=True, text=True, timeout=120)
     assert again.returncode == 2 and "Traceback" not in again.stderr
     assert "--ckpt-step 7: no iter_0000007 under --load" in again.stderr and "complete steps there: 1" in again.stderr

@@ -102,12 +102,12 @@ def test_train_preflight_refuses_cp_without_transformer_engine():
     from megarl.arguments import parse_args
     from megarl.config import ConfigError
     from megarl.mcore.parallel import transformer_engine_available
-    from megarl.stages.setup import preflight
+    from megarl.stages.setup import check_before_start
 
     if transformer_engine_available():
         pytest.skip("Transformer Engine is importable here")
     with pytest.raises(ConfigError, match="--context-parallel-size 2 needs Transformer Engine"):
-        preflight(parse_args(["--context-parallel-size", "2"]))
+        check_before_start(parse_args(["--context-parallel-size", "2"]))
 
 
 def test_planner_counts_cp_in_dp_and_splits_activations():
@@ -122,11 +122,11 @@ def test_planner_counts_cp_in_dp_and_splits_activations():
                                        vocab_size=152064, max_position_embeddings=32768, rms_norm_eps=1e-6,
                                        rope_theta=1e6, tie_word_embeddings=False))
     c = P.Cluster(P.GPUS["h100"], 8)
-    base = P.Run(tp=2, micro_batch_size=1, distributed_optimizer=True)
+    base = P.RunSettings(tp=2, micro_batch_size=1, distributed_optimizer=True)
     train = lambda r: P.memory_plan(s, r, c)[0].phases[0].components  # noqa: E731
     one, two = train(base), train(replace(base, cp=2))
     assert two["activations + logits"] == pytest.approx(one["activations + logits"] / 2)
     # the distributed optimizer shards over DP x CP (Megatron's dp-cp group): 8 / TP 2 either way
     assert two["optimizer (fp32 main + Adam)"] == pytest.approx(one["optimizer (fp32 main + Adam)"])
     assert any("CP 3" in p for p in P.memory_plan(s, replace(base, cp=3), c)[0].problems)
-    assert P.Run.from_config(parse_args(["--context-parallel-size", "2"])).cp == 2
+    assert P.RunSettings.from_config(parse_args(["--context-parallel-size", "2"])).cp == 2

@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 
-from helpers import REPO
+from helpers import REPO, env
 
 from launch import render
 from launch.resume import resume_args
@@ -208,7 +208,7 @@ def test_sbatch_requeues_when_the_time_limit_is_near(tmp_path):
 # ------------------------------------------------------------------------------------------------- nemo-run
 
 def test_nemo_run_absent_is_reported_clearly(monkeypatch):
-    from launch import nemo_run as nr
+    from launch import nemo_run_launcher as nr
 
     monkeypatch.setitem(sys.modules, "nemo_run", None)
     with pytest.raises(render.LaunchError, match=r"nemo-run is not installed: pip install"):
@@ -219,7 +219,7 @@ def test_nemo_run_absent_is_reported_clearly(monkeypatch):
 def nemo(tmp_path, monkeypatch):
     pytest.importorskip("nemo_run", reason="nemo-run is an optional extra: pip install -e '.[nemo-run]'")
     monkeypatch.setenv("NEMORUN_HOME", str(tmp_path / "nemo_home"))
-    from launch import nemo_run as nr
+    from launch import nemo_run_launcher as nr
 
     return nr
 
@@ -268,8 +268,22 @@ def test_nemo_run_local_dryrun(nemo):
     assert "torchrun" in text and "--nproc-per-node 2" in text and str(REPO / "launch/resume.py") in text
 
 
+@pytest.mark.parametrize("script", ["launch/nemo_run_launcher.py", "launch/nemo_run.py"])
+def test_nemo_run_launcher_runs_as_a_script_and_the_old_name_still_works(tmp_path, script):
+    """As a script, launch/ is first on sys.path: the launcher must still get the nemo_run package, not the file that
+    keeps its old command (launch/nemo_run.py), which says where the launcher went and runs it."""
+    pytest.importorskip("nemo_run", reason="nemo-run is an optional extra: pip install -e '.[nemo-run]'")
+    proc = subprocess.run([sys.executable, script, "local", "--gpus", "2", "--dryrun",
+                           str(REPO / "recipes/tiny_cpu.sh")], cwd=REPO, env={**env(), "NEMORUN_HOME": str(tmp_path)},
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "torchrun" in proc.stdout and str(REPO / "launch/resume.py") in proc.stdout
+    note = "note: launch/nemo_run.py is now launch/nemo_run_launcher.py; running it"
+    assert (proc.stderr.splitlines()[0] == note) == (script == "launch/nemo_run.py")
+
+
 def test_nemo_run_cli_rejects_a_bad_layout_before_importing_nemo_run(capsys):
-    from launch import nemo_run as nr
+    from launch import nemo_run_launcher as nr
 
     assert nr.main(["slurm", "--nodes", "1", "--gpus-per-node", "3", "--dryrun", RECIPE]) == 2
     assert "not divisible by --tensor-model-parallel-size 2" in capsys.readouterr().err
@@ -285,8 +299,7 @@ MODELS = sorted(p.stem for p in (REPO / "recipes/models").glob("*.sh") if "MODEL
 def test_real_recipes_fit_their_launches(monkeypatch, recipe, model):
     """Each GPU recipe with each real model file: TP within a node and dividing the heads, and a whole number of
     replicas on 2 nodes x 8 GPUs (on two replicas' worth of GPUs for a model larger than that)."""
-    sys.path.insert(0, str(REPO / "tools"))
-    from plan import shape_from_bash
+    from megarl.cli.plan import shape_from_bash
 
     monkeypatch.setenv("RECIPE_MODEL", model)
     cfg = parse_args([str(REPO / f"recipes/{recipe}.sh")])

@@ -63,11 +63,11 @@ def test_unavailable_on_cpu_with_a_reason():
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the CPU-only answer")
 def test_what_the_megatron_backend_needs_is_named_before_any_work():
-    from megarl.stages.setup import preflight
+    from megarl.stages.setup import check_before_start
 
     assert parse_args(["--rollout-backend", "megatron"]).rollout.rollout_backend == "megatron"
     with pytest.raises(ConfigError, match="--rollout-backend megatron: .*CUDA.*use --rollout-backend builtin"):
-        preflight(parse_args(["--rollout-backend", "megatron"]))  # the machine, before any process group
+        check_before_start(parse_args(["--rollout-backend", "megatron"]))  # the machine, before any process group
     with pytest.raises(ConfigError, match="needs --tensor-model-parallel-size 1"):  # the flags, when parsed
         parse_args(["--rollout-backend", "megatron", "--tensor-model-parallel-size", "2"])
     with pytest.raises(ConfigError, match="--offload-params"):

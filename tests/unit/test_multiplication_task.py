@@ -3,15 +3,9 @@ make of the call, and pre-training labels that cover only what the model writes.
 
 from __future__ import annotations
 
-import sys
-
-from helpers import REPO
-
 from megarl.tasks.arithmetic import build_tokenizer
 from megarl.tasks.multiplication import CHARS, all_problems, split_problems, tool_call, tool_output
 from megarl.tool_calls import ToolCall, TOOL_PARSERS
-
-sys.path.insert(0, str(REPO))
 
 
 def test_split_and_answers():

@@ -9,13 +9,11 @@ from dataclasses import replace
 
 import pytest
 
-from helpers import REPO
+from helpers import REPO, env
 
 from megarl import plan as P
+from megarl.cli.plan import main as plan_main, shape_from_bash
 from megarl.model_shape import ModelShape
-
-sys.path.insert(0, str(REPO / "tools"))
-from plan import main as plan_main, shape_from_bash  # noqa: E402
 
 H100 = P.GPUS["h100"]
 
@@ -41,7 +39,7 @@ def test_a_mixture_of_experts_counts_active_parameters_and_splits_experts_over_e
     assert P.num_params(s) - P.active_params(s) == 48 * (128 - 8) * 3 * 2048 * 768
     assert 3.3e9 < P.active_params(s) < 3.4e9  # "A3B"
     assert P.stage_params(s, tp=2, pp=1, ep=8, etp=1) == (P.num_params(s) - experts) / 2 + experts / 8
-    r = P.Run(tp=2, pp=1, ep=8, etp=1)
+    r = P.RunSettings(tp=2, pp=1, ep=8, etp=1)
     assert P.expert_bytes_per_gpu(s, r) == 2 * experts / 8
     dense = shape("qwen3-8b")
     assert P.active_params(dense) == P.num_params(dense) and P.expert_bytes_per_gpu(dense, r) == 0
@@ -64,7 +62,7 @@ def test_adam_with_fp32_states_puts_a_70b_actor_past_560_gb_before_activations()
     assert actor == 18 * params > 560e9
     # The planner's per-GPU components over one TP x PP model replica: the same figure, activations aside.
     s = shape("llama-3.1-70b")
-    r = P.Run(tp=8, pp=1, micro_batch_size=1)
+    r = P.RunSettings(tp=8, pp=1, micro_batch_size=1)
     [mem] = P.memory_plan(s, r, P.Cluster(H100, 8))
     train = mem.phases[0].components
     replica = 8 * (train["actor weights"] + train["gradients (fp32)"] + train["optimizer (fp32 main + Adam)"])
@@ -86,7 +84,7 @@ def test_kv_cache_bytes_per_token(layers, kv_heads, head_dim, expected):
 
 def test_distributed_optimizer_and_offload_shrink_what_they_should():
     s, c = shape("qwen2.5-math-7b"), P.Cluster(H100, 8)
-    base = P.Run(tp=2, micro_batch_size=1)
+    base = P.RunSettings(tp=2, micro_batch_size=1)
     opt = lambda r: P.memory_plan(s, r, c)[0].phases[0].components["optimizer (fp32 main + Adam)"]  # noqa: E731
     assert opt(replace(base, distributed_optimizer=True)) == pytest.approx(opt(base) / 4)  # DP = 8 / 2
     rollout = lambda r: P.memory_plan(s, r, c)[0].phases[1].components  # noqa: E731
@@ -96,15 +94,15 @@ def test_distributed_optimizer_and_offload_shrink_what_they_should():
 
 
 def test_recommendations():
-    small = P.Run(tp=2, rollout_batch_size=128, max_response_len=4096)
+    small = P.RunSettings(tp=2, rollout_batch_size=128, max_response_len=4096)
     choice, why, colo, _ = P.recommend(shape("qwen2.5-math-1.5b"), small, P.Cluster(H100, 8))
     assert choice == "colocated" and colo.fits and "every GPU works in both phases" in why
     # Colocated, the engine's reservation on top of the resident actor does not fit; dedicated pools do.
-    tight = P.Run(tp=2, micro_batch_size=1, distributed_optimizer=True, engine_mem_fraction=0.7)
+    tight = P.RunSettings(tp=2, micro_batch_size=1, distributed_optimizer=True, engine_mem_fraction=0.7)
     choice, why, colo, dis = P.recommend(shape("qwen2.5-math-7b"), tight, P.Cluster(H100, 16))
     assert choice == "disaggregated" and not colo.fits and dis.fits and "colocated does not fit" in why
     # 70B on one node: nothing fits; the reason names the largest component.
-    choice, why, *_ = P.recommend(shape("llama-3.1-70b"), P.Run(tp=8, micro_batch_size=1), P.Cluster(H100, 8))
+    choice, why, *_ = P.recommend(shape("llama-3.1-70b"), P.RunSettings(tp=8, micro_batch_size=1), P.Cluster(H100, 8))
     assert choice == "neither" and "optimizer" in why
 
 
@@ -123,9 +121,19 @@ def test_cli_on_a_shape_file_and_on_a_config_json(tmp_path, capsys):
 
 
 def test_cli_without_a_shape_says_what_to_give():
-    proc = subprocess.run([sys.executable, str(REPO / "tools/plan.py"), "--gpus", "8"], capture_output=True,
-                          text=True, cwd=REPO)
+    proc = subprocess.run([sys.executable, "-m", "megarl.cli.plan", "--gpus", "8"], capture_output=True,
+                          text=True, cwd=REPO, env=env())
     assert proc.returncode == 2 and "no model shape: give --model" in proc.stderr
+
+
+def test_the_old_command_names_the_new_one_and_still_runs():
+    """`python tools/plan.py` (the command before megarl-plan) says where it went, then runs it, same arguments."""
+    proc = subprocess.run([sys.executable, "tools/plan.py", "recipes/models/qwen2.5-math-1.5b.sh", "--gpus", "8"],
+                          capture_output=True, text=True, cwd=REPO, env=env(), timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stderr.splitlines()[0] == ("note: tools/plan.py is now megarl-plan (python -m megarl.cli.plan); "
+                                           "running it")
+    assert "recommendation: colocated" in proc.stdout
 
 
 ONE_GPU = ["--tensor-model-parallel-size", "1", "--no-sequence-parallel"]
@@ -191,13 +199,13 @@ def test_asynchronous_step_time_overlaps_rollout_and_training():
     """Disaggregated with --async-staleness: max(rollout, training) + sync, against rollout + training + sync; the
     same phases either way, and colocated never overlaps (the engine and the actor share the GPUs)."""
     s, cluster = shape("qwen2.5-math-7b"), P.Cluster(H100, 16)
-    sync = P.plan(s, P.Run(tp=2, mode="disaggregated", rollout_gpus=8), cluster)
-    asy = P.plan(s, P.Run(tp=2, mode="disaggregated", rollout_gpus=8, async_staleness=1), cluster)
+    sync = P.plan(s, P.RunSettings(tp=2, mode="disaggregated", rollout_gpus=8), cluster)
+    asy = P.plan(s, P.RunSettings(tp=2, mode="disaggregated", rollout_gpus=8, async_staleness=1), cluster)
     t = asy.time
     assert (t.rollout, t.training, t.weight_sync) == (sync.time.rollout, sync.time.training, sync.time.weight_sync)
     assert sync.time.total == pytest.approx(t.rollout + t.training + t.weight_sync)
     assert t.total == pytest.approx(max(t.rollout, t.training) + t.weight_sync) and t.total < sync.time.total
-    colo = P.plan(s, P.Run(tp=2, async_staleness=1), cluster)
+    colo = P.plan(s, P.RunSettings(tp=2, async_staleness=1), cluster)
     assert colo.time.total == pytest.approx(colo.time.synchronous)
 
 

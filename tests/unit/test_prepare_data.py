@@ -1,17 +1,13 @@
-"""tools/prepare_data.py on small files in each public dataset's layout, written here."""
+"""megarl-prepare-data (`megarl.cli.prepare_data`) on small files in each public dataset's layout, written here."""
 
 from __future__ import annotations
 
 import gzip
 import json
-import sys
 
 import pytest
 
-from helpers import REPO
-
-sys.path.insert(0, str(REPO / "tools"))
-from prepare_data import LAYOUTS, convert, last_boxed, main  # noqa: E402
+from megarl.cli.prepare_data import LAYOUTS, convert, last_boxed, main
 
 
 def rows(path):

@@ -8,8 +8,7 @@ import sys
 import pytest
 from helpers import REPO
 
-sys.path.insert(0, str(REPO / "tools"))
-import make_starter_model as starter  # noqa: E402
+from tools import make_starter_model as starter
 
 
 def test_pretrain_takes_its_steps_with_the_schedule_over_them(tmp_path, monkeypatch):
@@ -134,7 +133,7 @@ def test_a_build_stopped_by_sigterm_leaves_no_partial_directory(tmp_path):
     import signal
     import subprocess
 
-    script = ("import sys, time; sys.path.insert(0, 'tools'); from make_starter_model import write_atomically\n"
+    script = ("import time; from tools.make_starter_model import write_atomically\n"
               "def build(tmp):\n    (tmp / 'part').write_text('x'); print('building', flush=True); time.sleep(60)\n"
               f"write_atomically(__import__('pathlib').Path({str(tmp_path / 'out')!r}), False, build, 'test')\n")
     proc = subprocess.Popen([sys.executable, "-c", script], cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE,

@@ -1,29 +1,22 @@
-"""tools/train_reward_model.py: trains a sequence-classification reward model that HFRewardModel (and so hf_rm)
-loads as an ordinary HF checkpoint, with the stored normalisation its own scores give."""
+"""megarl-train-reward-model (`megarl.cli.train_reward_model`): trains a sequence-classification reward model that
+HFRewardModel (and so hf_rm) loads as an ordinary HF checkpoint, with the stored normalisation its own scores give."""
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import math
 import random
 
 import pytest
 
-from helpers import REPO, make_tiny_hf_model
+from helpers import make_tiny_hf_model
 
-
-def _tool():
-    spec = importlib.util.spec_from_file_location("train_reward_model", REPO / "tools" / "train_reward_model.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+import megarl.cli.train_reward_model as tool
 
 
 def test_labelled_rows_train_a_reward_model_hf_rm_loads(tmp_path):
     from megarl.reward.hf_scorer import HFRewardModel
 
-    tool = _tool()
     init = make_tiny_hf_model(tmp_path / "init", "qwen2", with_tokenizer=True, seed=1)
     rng = random.Random(0)
     rows = [{"prompt": f"{a}+{b}=", "response": ("yes" if good else "no") + str(a), "label": int(good)}
@@ -53,7 +46,6 @@ def test_listwise_pairs_train_a_reward_model_that_ranks_the_chosen_first(tmp_pat
     """--listwise on preference pairs: the chosen response ends up ranked first among each prompt's responses."""
     from megarl.reward.hf_scorer import HFRewardModel
 
-    tool = _tool()
     init = make_tiny_hf_model(tmp_path / "init", "qwen2", with_tokenizer=True, seed=1)
     rows = [{"prompt": f"{a}+{b}=", "chosen": "yes" + str(a), "rejected": bad + str(a)}
             for a in range(10) for b in range(4) for bad in ("no", "maybe", "x")]
@@ -68,7 +60,6 @@ def test_listwise_pairs_train_a_reward_model_that_ranks_the_chosen_first(tmp_pat
 
 
 def test_listwise_refuses_labelled_rows(tmp_path):
-    tool = _tool()
     init = make_tiny_hf_model(tmp_path / "init", "qwen2", with_tokenizer=True, seed=1)
     data = tmp_path / "rows.jsonl"
     data.write_text("".join(json.dumps({"prompt": "1+1=", "response": str(x), "label": int(x == 2)}) + "\n"
@@ -79,7 +70,6 @@ def test_listwise_refuses_labelled_rows(tmp_path):
 
 def test_policy_samples_come_from_policy_when_the_trunk_is_another_model(tmp_path):
     """--policy: the starter RL begins from is sampled, not the reward model's trunk (--init); without it, --init."""
-    tool = _tool()
     init = make_tiny_hf_model(tmp_path / "init", "qwen2", with_tokenizer=True, seed=1)
     task = tmp_path / "task"
     task.mkdir()
@@ -102,7 +92,6 @@ def _held_out(rows):
 
 
 def test_bad_rows_are_named_with_their_line(tmp_path):
-    tool = _tool()
     data = tmp_path / "rows.jsonl"
     data.write_text(json.dumps({"prompt": "a", "chosen": "b", "rejected": "c"}) + "\n{\"prompt\": 1}\n")
     with pytest.raises(SystemExit, match=r"rows.jsonl:2: expected \{prompt, chosen, rejected\}"):
@@ -115,7 +104,6 @@ def test_the_losses_by_hand():
 
     import torch
 
-    tool = _tool()
     scores = {"a": 2.0, "b": -1.0, "c": 0.5}
 
     class FakeRM:
@@ -140,7 +128,6 @@ def test_the_listwise_loss_by_hand():
     prompts; --calibrate adds each score's binary cross-entropy (right 1, wrong 0), summed over the K + 1, halved."""
     import torch
 
-    tool = _tool()
     scores = {"a": 2.0, "b": -1.0, "c": 0.5, "d": 1.0, "e": 0.0, "f": -2.0}
 
     class FakeRM:
@@ -164,7 +151,6 @@ def test_the_listwise_loss_by_hand():
 
 
 def test_listwise_groups_gather_each_prompts_wrong_answers():
-    tool = _tool()
     pairs = [{"prompt": "1+1=", "chosen": "2", "rejected": r} for r in ("3", "1", "")] + \
         [{"prompt": "2+2=", "chosen": "4", "rejected": "5"}, {"prompt": "1+1=", "chosen": "2", "rejected": "22"}]
     groups = tool.listwise_groups(pairs)
@@ -180,7 +166,6 @@ def test_listwise_groups_gather_each_prompts_wrong_answers():
 def test_policy_pairs_are_the_verifiers_wrong_samples_against_the_answer():
     """Each sample the verifier calls wrong (a near miss, junk after the answer, nothing) becomes one pair, repeats
     included; right samples make none."""
-    tool = _tool()
     problems = [{"prompt": "2+3=", "answer": "5"}, {"prompt": "9-4=", "answer": "5"}, {"prompt": "1+1=", "answer": "2"}]
     samples = [["5", "6", "6", " 5 "], ["5x", "", "05"], ["2", "2"]]
     assert tool.policy_pairs(problems, samples) == [
@@ -194,7 +179,7 @@ def test_far_misses_are_wrong_by_the_verifier_and_cover_the_drifts():
     a single digit, a leading zero, a minus sign, a stray character and a response with no digit."""
     from megarl.verifiers.arithmetic import ArithmeticVerifier
 
-    tool, verifier, rng = _tool(), ArithmeticVerifier(), random.Random(3)
+    verifier, rng = ArithmeticVerifier(), random.Random(3)
     for answer in ("0", "7", "28", "100"):
         for _ in range(20):
             misses = tool.far_misses(answer, rng)
@@ -209,7 +194,6 @@ def test_far_misses_are_wrong_by_the_verifier_and_cover_the_drifts():
 
 
 def test_far_negatives_add_pairs_only_when_asked(tmp_path):
-    tool = _tool()
     path = tmp_path / "train.jsonl"
     path.write_text("".join(json.dumps({"prompt": f"{a}+{a}=", "answer": str(2 * a)}) + "\n" for a in (3, 14)))
     near = tool.arithmetic_pairs(path, random.Random(0))
@@ -250,7 +234,6 @@ def test_sample_responses_keep_the_prompts_order_and_stop_at_eos(tmp_path):
 
     from megarl.tasks.arithmetic import build_tokenizer
 
-    tool = _tool()
     build_tokenizer(tmp_path)
     tok = AutoTokenizer.from_pretrained(str(tmp_path))
     prompts = ["12+3=", "1+2=", "10+20=", "2+2="]  # lengths 5, 4, 6, 4: three length groups, out of order
@@ -266,7 +249,6 @@ def test_added_layers_start_as_the_init_trunk(tmp_path):
 
     from megarl.reward.hf_scorer import HFRewardModel
 
-    tool = _tool()
     init = make_tiny_hf_model(tmp_path / "init", "qwen2", with_tokenizer=True, seed=3)
     torch.manual_seed(0)
     tool.init_model(init, tmp_path / "plain")
@@ -281,14 +263,12 @@ def test_added_layers_start_as_the_init_trunk(tmp_path):
 
 
 def test_the_schedule_warms_up_then_decays_to_a_tenth():
-    tool = _tool()
     assert tool.learning_rate_factor(0, 100) == pytest.approx(1.0)  # no warm-up: the default, as before
     assert tool.learning_rate_factor(0, 100, warmup=10) == pytest.approx(0.1 * (0.1 + 0.9 * 0.5 * (1 + math.cos(0))))
     assert tool.learning_rate_factor(100, 100, warmup=10) == pytest.approx(0.1)
 
 
 def test_freeze_init_needs_added_layers(tmp_path):
-    tool = _tool()
     init = make_tiny_hf_model(tmp_path / "init", "qwen2", with_tokenizer=True, seed=1)
     data = tmp_path / "rows.jsonl"
     data.write_text("".join(json.dumps({"prompt": f"{a}=", "chosen": "1", "rejected": "2"}) + "\n" for a in range(20)))
@@ -301,7 +281,6 @@ def test_freeze_init_trains_only_the_added_layers_and_the_head(tmp_path):
     import torch
     from transformers import AutoModelForSequenceClassification
 
-    tool = _tool()
     init = make_tiny_hf_model(tmp_path / "init", "qwen2", with_tokenizer=True, seed=1)
     data = tmp_path / "rows.jsonl"
     data.write_text("".join(json.dumps({"prompt": f"{a}+{b}=", "chosen": str(a + b), "rejected": str(a + b + 1)})

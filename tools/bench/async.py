@@ -41,7 +41,6 @@ import time
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[2]
-sys.path.insert(0, str(Path(__file__).resolve().parent))
 PLUGIN = Path(__file__).resolve().parent / "digits_reward.py"
 
 

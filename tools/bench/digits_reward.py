@@ -4,12 +4,7 @@ frameworks' plumbing, not a verifier; train.py loads it with `--plugins tools/be
 
 from __future__ import annotations
 
-import sys
-from pathlib import Path
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
-
-from megarl.verifiers import VerifyResult, register_verifier  # noqa: E402
+from megarl.verifiers import VerifyResult, register_verifier
 
 
 def digit_share(text: str) -> float:

@@ -14,18 +14,13 @@ from __future__ import annotations
 
 import argparse
 import statistics
-import sys
 import time
-from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-
-from megarl.mcore import cpu_compat, parallel  # noqa: E402
-from megarl.mcore import local_kernels as K  # noqa: E402
-from megarl.model_shape import ModelShape  # noqa: E402
+from megarl.mcore import cpu_compat, parallel
+from megarl.mcore import local_kernels as K
+from megarl.model_shape import ModelShape
 
 
 def fwd_bwd_ms(fn, inputs: list[torch.Tensor]) -> float:

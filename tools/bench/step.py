@@ -56,11 +56,11 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import importlib.util
 import json
 import os
 import random
 import statistics
-import sys
 import tempfile
 import time
 from collections import defaultdict
@@ -68,15 +68,11 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
+from digits_reward import digit_share_reward  # beside this file; registers the bench_digits verifier
+
+from megarl.tasks.arithmetic import build_tokenizer
 
 REPO = Path(__file__).resolve().parents[2]
-sys.path.insert(0, str(REPO))
-
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-
-from digits_reward import digit_share_reward  # noqa: E402  (registers the bench_digits verifier)
-
-from megarl.tasks.arithmetic import build_tokenizer  # noqa: E402
 
 PHASES = ("generation", "reward", "log-probs", "update", "sync", "other", "total")
 
@@ -154,10 +150,11 @@ def make_model(size: str, out: Path, tiny_model: str | None) -> Path:
     tokenizer = build_tokenizer(out)
     torch.manual_seed(0)
     if size == "tiny":
-        sys.path.insert(0, str(REPO / "tools"))
-        from make_starter_model import build_model
-
-        model = build_model(tokenizer)
+        # The demo starter's architecture, from its script by path (tools/ is a folder of scripts, not a package).
+        spec = importlib.util.spec_from_file_location("make_starter_model", REPO / "tools" / "make_starter_model.py")
+        starter = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(starter)
+        model = starter.build_model(tokenizer)
     else:
         config = Qwen2Config(**QWEN2_30M, bos_token_id=None, eos_token_id=tokenizer.eos_token_id,
                              pad_token_id=tokenizer.pad_token_id)

@@ -34,7 +34,6 @@ from collections import defaultdict
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[2]
-sys.path.insert(0, str(REPO))
 
 PATHOLOGICAL = [
     ("exponent tower", r"The answer is $\boxed{10^{10^{10^{10}}}}$.", "1"),
