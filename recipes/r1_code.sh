@@ -4,12 +4,12 @@
 #   sbatch --nodes 2 launch/slurm/colocated.sbatch recipes/r1_code.sh      # several nodes (docs/guide.md)
 # Data: problems with tests, converted to megarl's jsonl (`answer` holds {"inputs", "outputs"} stdin/stdout
 # cases, or {"test", "entry_point"} for function-style tests; `verifier` is "code"):
-#   python tools/prepare_data.py code-contests <code_contests_train.parquet> $DATA_DIR/train.jsonl
-#   python tools/prepare_data.py humaneval <HumanEval.jsonl> $DATA_DIR/humaneval.jsonl
+#   megarl-prepare-data code-contests <code_contests_train.parquet> $DATA_DIR/train.jsonl
+#   megarl-prepare-data humaneval <HumanEval.jsonl> $DATA_DIR/humaneval.jsonl
 # The response is the whole program, bare or in a ```python block; REWARD_ARGS choose how it is judged and the
 # sandbox it runs in (docs/guide.md, "Sandbox choice").
 # Needs CUDA GPUs, SGLang and Transformer Engine; on a CPU machine it stops at once with a message saying so.
-# Size it before launching: python tools/plan.py recipes/r1_code.sh --gpus 8
+# Size it before launching: megarl-plan recipes/r1_code.sh --gpus 8
 REPO_ROOT=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
 MODEL_DIR=${MODEL_DIR:-/models/Qwen2.5-Coder-7B-Instruct}  # same shape as Qwen2.5-7B
 source "$REPO_ROOT/recipes/models/${RECIPE_MODEL:-qwen2.5-7b}.sh"

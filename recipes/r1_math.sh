@@ -3,10 +3,10 @@
 #   RECIPE_MODEL=qwen2.5-math-7b torchrun ...           # the 7B model (TP=4), any recipes/models/<m>.sh
 #   sbatch --nodes 2 launch/slurm/colocated.sbatch recipes/r1_math.sh   # several nodes (docs/guide.md)
 # Data: DAPO-Math-17k for training and AIME 2024 for evaluation, converted to megarl's jsonl with
-#   python tools/prepare_data.py dapo-math <dapo-math-17k.parquet> $DATA_DIR/train.jsonl
-#   python tools/prepare_data.py math <aime-2024.parquet> $DATA_DIR/aime24.jsonl
+#   megarl-prepare-data dapo-math <dapo-math-17k.parquet> $DATA_DIR/train.jsonl
+#   megarl-prepare-data math <aime-2024.parquet> $DATA_DIR/aime24.jsonl
 # Needs CUDA GPUs, SGLang and Transformer Engine; on a CPU machine it stops at once with a message saying so.
-# Size it before launching: python tools/plan.py recipes/r1_math.sh --gpus 8
+# Size it before launching: megarl-plan recipes/r1_math.sh --gpus 8
 REPO_ROOT=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
 source "$REPO_ROOT/recipes/models/${RECIPE_MODEL:-qwen2.5-math-1.5b}.sh"
 DATA_DIR=${DATA_DIR:-/data/dapo-math}
