@@ -17,14 +17,9 @@ ALGORITHM_ARGS=(
 )
 
 # A step also runs the critic (values, then its update): about twice a GRPO step. Bound by the step count only.
-# Measured on `make demo`'s starter, 2 shared cores:
-#   1,000 steps (the learning rates fully decayed), 4.0 min: train reward 0.26 -> 0.34 (200-step means),
-#   held-out sampled 23.6% -> 31.8%, greedy 64.0% -> 50.0%;
-#   the first 1,094 of a 2,400-step schedule (stopped by a 9.5-minute budget): sampled 30.9%, greedy 50.0%.
-# Held-out greedy accuracy falls. The critic learns the mean reward but little more on this task (explained
-# variance ~0), so the advantages are close to REINFORCE with a batch baseline; this recipe with
-# --advantage-estimator reinforce_pp (no critic) gave sampled 30.4%, greedy 47.0% (888 steps). GRPO's greedy also
-# falls early at a high learning rate (tiny_cpu.sh's notes); at --lr 1e-4 PPO's fell to 40.5%, hence 5e-5 here.
+# Held-out greedy accuracy falls: the critic learns the mean reward but little more on this task, so the
+# advantages are close to REINFORCE with a batch baseline; a higher rate lost more, hence 5e-5.
+# Measured: docs/results.md, "PPO with a critic".
 TRAINING_ARGS=(
   --num-steps 1000
   --lr 5e-5
