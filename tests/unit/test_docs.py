@@ -8,6 +8,7 @@ import re
 import pytest
 from helpers import REPO
 
+from megarl.arguments import components
 from megarl.config import flag_specs
 
 DOCS = [REPO / "README.md", *sorted((REPO / "docs").glob("*.md"))]
@@ -43,7 +44,8 @@ def test_no_doc_points_outside_the_repository_or_at_work_in_progress(doc):
 
 
 def test_every_train_py_flag_in_the_docs_is_a_flag():
-    flags = set(flag_specs()) | {f"--no-{f[2:]}" for f in flag_specs()} | {"--help", "--flag"}  # --flag: a placeholder
+    specs = flag_specs(components())  # megarl's own and every built-in component's
+    flags = set(specs) | {f"--no-{f[2:]}" for f in specs} | {"--help", "--flag"}  # --flag: a placeholder
     unknown = set()
     for doc in DOCS:
         for line in _text(doc).splitlines():
