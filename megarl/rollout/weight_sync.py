@@ -25,14 +25,11 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Iterable, Iterator
+from typing import Iterable, Iterator, Protocol
 
 import torch
 
 from megarl.model_shape import ModelShape
-
-if TYPE_CHECKING:
-    from megarl.rollout.base import RolloutEngine
 
 DEFAULT_BUCKET_BYTES = 512 << 20
 
@@ -73,6 +70,18 @@ class WeightBucket:
     def tensors(self) -> list[tuple[str, torch.Tensor]]:
         """(name, view) pairs: views into `flat`, no copy."""
         return [(s.name, self.flat[s.start : s.end].view(s.dtype).view(s.shape)) for s in self.slots]
+
+
+class BucketTaker(Protocol):
+    """What a weight sync needs of an engine (`megarl.rollout.base.RolloutEngine` has it all)."""
+
+    dtype: torch.dtype | None
+    weight_version: int
+    shares_actor_weights: bool
+
+    def load_weight_buckets(self, buckets: Iterable[WeightBucket], version: int) -> None: ...
+
+    def update_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]], version: int | None = None) -> None: ...
 
 
 def pack_buckets(named_tensors: Iterable[tuple[str, torch.Tensor]], bucket_bytes: int = DEFAULT_BUCKET_BYTES,
@@ -128,7 +137,7 @@ class SyncStats:
                 "sync_peak_gpu_mib": self.peak_gpu_bytes / 2**20}
 
 
-def push(engine: RolloutEngine, named_tensors: Iterable[tuple[str, torch.Tensor]], version: int,
+def push(engine: BucketTaker, named_tensors: Iterable[tuple[str, torch.Tensor]], version: int,
          bucket_bytes: int = DEFAULT_BUCKET_BYTES) -> SyncStats:
     """Hand `named_tensors` to `engine` in buckets, cast to the engine's `dtype` (when not None), and stamp
     `version`; returns what moved."""
@@ -149,7 +158,7 @@ def push(engine: RolloutEngine, named_tensors: Iterable[tuple[str, torch.Tensor]
     return stats
 
 
-def stamp(engine: RolloutEngine, version: int) -> SyncStats:
+def stamp(engine: BucketTaker, version: int) -> SyncStats:
     """The sync of an engine that generates with the actor's own parameters (`shares_actor_weights`, e.g.
     Megatron's dynamic engine): nothing moves, the engine only takes the new version."""
     if not engine.shares_actor_weights:

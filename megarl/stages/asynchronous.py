@@ -283,9 +283,3 @@ def overlap_metrics(phases: dict[str, float], step_seconds: float) -> dict[str, 
     training = max(step_seconds - phases.get("t_wait_rollout", 0.0), 0.0)
     both = rollout + training
     return {"overlap": both / max(step_seconds, 1e-9), "overlap_bound": both / max(rollout, training, 1e-9)}
-
-
-def drop_stale_groups(groups: list[list[Sample]], step: int, bound: int) -> list[list[Sample]]:
-    """Dynamic sampling's buffer under a staleness bound: the groups step `step` may still train on."""
-    return [g for g in groups if all(step - s.weight_version <= bound for s in g)]
-

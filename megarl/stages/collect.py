@@ -145,8 +145,6 @@ class DynamicSampling:
         c, share = self.collector, self.collector.share
         bound = getattr(c, "staleness", 0)  # asynchronous: buffered groups past the bound are dropped
         if bound:
-            from megarl.stages.asynchronous import drop_stale_groups
-
             self.buffer = drop_stale_groups(self.buffer, step, bound)
         kept = [self.buffer.pop(0) for _ in range(min(share, len(self.buffer)))]
         dropped: list[list[Sample]] = []
@@ -207,3 +205,8 @@ class OverlongShaping:
 
     def load_rank_state(self, state: dict) -> None:
         self.inner.load_rank_state(state)
+
+
+def drop_stale_groups(groups: list[list[Sample]], step: int, bound: int) -> list[list[Sample]]:
+    """Dynamic sampling's buffer under a staleness bound: the groups step `step` may still train on."""
+    return [g for g in groups if all(step - s.weight_version <= bound for s in g)]

@@ -22,8 +22,8 @@ from megarl.rollout.builtin import BuiltinEngine
 from megarl.rollout.engine_process import EngineProcess, EngineProcessError
 from megarl.rollout.weight_sync import pack_buckets, push
 from megarl.stages.asynchronous import (AsyncCollect, OrderedEngine, Pipeline, StalenessError, check_staleness,
-                                        drop_stale_groups, overlap_metrics)
-from megarl.stages.collect import DynamicSampling
+                                        overlap_metrics)
+from megarl.stages.collect import DynamicSampling, drop_stale_groups
 from megarl.samples import RolloutBatch, Sample, SampleStatus
 
 PROMPTS = [[1, 5, 9, 3], [2, 7], [4, 4, 4, 8, 1]]
