@@ -13,7 +13,7 @@
   already bounds it, at the smaller of `timeout_s` and the verifier's own budget (`budget_s`, e.g. the math
   verifier's 5 s), so a sample gets the same limit in a worker as in the trainer's process.
 - Workers import `preload` (the run's `--plugins`) when they start, so verifiers registered there exist in them,
-  and build each verifier with `options[name]` (the run's verifier and sandbox flags, `verifier_options`).
+  and build each verifier with `options[name]` (the run's verifier and sandbox flags, `megarl.reward.reward_options`).
 
 `batch_health` turns a batch of results into the per-step metrics train.py logs: outcome counts, timeout rate,
 extraction-failure (no answer) rate, share of groups whose rewards are all equal, p50/p99 latency; when a reward

@@ -7,7 +7,7 @@
 step's `SamplingParams` (`params.n` trajectories per prompt), `reward` the `megarl.reward.RewardFn` to score
 them with and `tokenizer` the run's tokenizer (to decode what the verifier reads, or to encode a tool's output).
 It returns `params.n` samples per prompt, group by group in prompt order, each with `group` = its prompt's index
-in `prompts`, scored by `reward`. `--rollout-function NAME` picks one; `get_rollout(name)` returns a registered
+in `prompts`, scored by `reward`. `--rollout-function NAME` picks one; `ROLLOUTS.get(name)` returns a registered
 one, so a user's function can call the default and change what it returns.
 
 A rollout function with settings of its own (`tool_use`: its turns, tools and limits) has a `configure(cfg) ->
