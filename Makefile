@@ -103,8 +103,9 @@ demo-rm: venv $(STARTER) $(REWARD_MODEL)
 test: venv
 	$(VPY) -m pytest tests -q --durations=25 -n $(TEST_WORKERS) --dist loadgroup
 
+# The fast subset: every test not marked slow, distributed, docker or gpu (pytest.ini says what each marker means).
 test-fast: venv
-	$(VPY) -m pytest tests/unit -q
+	$(VPY) -m pytest tests -q -m "not slow and not distributed and not docker and not gpu" -n $(TEST_WORKERS) --dist loadgroup
 
 # The Docker sandbox's image, built from this host's Python with no registry (needs a running Docker engine).
 sandbox-image: venv

@@ -257,12 +257,12 @@ class AlgorithmConfig:
     clip_ratio_c: float = _f(3.0, "dual-clip cap: a negative-advantage token's loss is at most -c * A (c > 1)")
     off_policy_correction: Literal["none", "tis", "decoupled"] = _f(
         "none", "off-policy correction against the rollout engine's (behaviour) log-probs: tis (truncated importance "
-        "weight, cap --tis-cap), decoupled (AReaL's decoupled PPO: clip against the actor before the update, each "
-        "token weighted by the proximal/behaviour ratio truncated at --decoupled-is-cap), none")
+        "weight, cap --tis-cap; with the clip against the actor before the update, this is also AReaL's decoupled "
+        "PPO), none; decoupled is the former name of tis, its cap --decoupled-is-cap")
     tis_cap: float = _f(0.0, "truncated importance sampling against the rollout engine's log-probs: weight cap "
                         "(e.g. 2.0); 0 = off. A cap alone turns on --off-policy-correction tis (the older spelling)")
-    decoupled_is_cap: float = _f(5.0, "--off-policy-correction decoupled: cap on the proximal/behaviour importance "
-                                 "weight (5.0, as AReaL's recipes set behav_imp_weight_cap)")
+    decoupled_is_cap: float = _f(5.0, "the cap of --off-policy-correction decoupled, the former name of tis: "
+                                 "becomes --tis-cap (5.0, as AReaL's recipes set behav_imp_weight_cap)")
     routing_replay: bool = _f(False, "mixture of experts: the actor's routers take the experts the rollout engine "
                               "chose for each token (rollout routing replay) instead of their own top-k, so "
                               "log-probs are computed under the routing that produced the sample (built-in engine)")
@@ -308,20 +308,27 @@ class AlgorithmConfig:
         if self.off_policy_correction not in choices:
             raise ConfigError(f"--off-policy-correction {self.off_policy_correction!r} is not valid; choose one of: "
                               f"{', '.join(choices)}")
-        if self.off_policy_correction == "none" and self.tis_cap > 0:
-            self.off_policy_correction = "tis"  # --tis-cap C alone, the older spelling
-        if self.off_policy_correction == "tis" and self.tis_cap == 0:
-            raise ConfigError("--off-policy-correction tis needs --tis-cap > 0, its weight cap (e.g. 2.0)")
-        if self.off_policy_correction == "decoupled" and self.tis_cap > 0:
-            raise ConfigError(f"--tis-cap {self.tis_cap} is the cap of --off-policy-correction tis; decoupled takes "
-                              "--decoupled-is-cap")
         if self.decoupled_is_cap <= 0:
             raise ConfigError(f"--decoupled-is-cap must be > 0, got {self.decoupled_is_cap}")
+        # The older spellings, resolved here and nowhere else: the loss only ever sees "none" or "tis".
+        if self.off_policy_correction == "none" and self.tis_cap > 0:
+            self.off_policy_correction = "tis"  # --tis-cap C alone
+        if self.off_policy_correction == "decoupled":  # the same per-token loss as tis (`grpo_token_loss`)
+            if self.tis_cap > 0:
+                raise ConfigError(f"--tis-cap {self.tis_cap} is the cap of --off-policy-correction tis; decoupled "
+                                  "takes --decoupled-is-cap")
+            import sys
+
+            print(f"megarl: note: --off-policy-correction decoupled is now spelled --off-policy-correction tis "
+                  f"--tis-cap {self.decoupled_is_cap:g} (the same loss)", file=sys.stderr, flush=True)
+            self.off_policy_correction, self.tis_cap = "tis", self.decoupled_is_cap
+        if self.off_policy_correction == "tis" and self.tis_cap == 0:
+            raise ConfigError("--off-policy-correction tis needs --tis-cap > 0, its weight cap (e.g. 2.0)")
 
     @property
     def off_policy_cap(self) -> float:
         """The weight cap of the chosen `--off-policy-correction` (0 for none)."""
-        return {"none": 0.0, "tis": self.tis_cap, "decoupled": self.decoupled_is_cap}[self.off_policy_correction]
+        return self.tis_cap if self.off_policy_correction == "tis" else 0.0
 
 
 @dataclass

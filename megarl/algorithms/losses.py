@@ -191,7 +191,7 @@ def policy_loss_gspo(
     return _clipped_surrogate(ratio, adv, mask, clip_low, clip_high)
 
 
-OFF_POLICY_CORRECTIONS: tuple[str, ...] = ("none", "tis", "decoupled")
+OFF_POLICY_CORRECTIONS: tuple[str, ...] = ("none", "tis")
 
 
 def truncated_is_weights(old_logp: Tensor, rollout_logp: Tensor, mask: Tensor, cap: float,
@@ -232,7 +232,6 @@ def grpo_token_loss(
     rollout_logp: Tensor | None = None,
     off_policy_correction: str = "none",
     is_cap: float = 0.0,
-    tis_cap: float = 0.0,
     entropy: Tensor | None = None,
     entropy_coef: float = 0.0,
     **options,
@@ -247,18 +246,16 @@ def grpo_token_loss(
     `w_t` is the off-policy correction `off_policy_correction` (`rollout_logp`, the behaviour policy's log-probs,
     required unless "none"), with `is_cap` its cap:
       - "none": w_t = 1;
-      - "tis": truncated importance sampling against the rollout engine's log-probs (`truncated_is_weights`);
-      - "decoupled": AReaL's decoupled PPO objective (Fu et al. 2025, eq. 5), written per token as
+      - "tis": truncated importance sampling against the rollout engine's log-probs (`truncated_is_weights`),
 
-            l_t = min(exp(prox_t - behav_t), is_cap) * pg_t(ratio = exp(logp_t - prox_t))
+            l_t = min(exp(old_t - behav_t), is_cap) * pg_t(ratio = exp(logp_t - old_t)).
 
-        the policy loss's clip taken against the proximal policy `old_logp` (the actor before this update), each
-        token weighted by the truncated proximal/behaviour ratio, behaviour = `rollout_logp`, no gradient through
-        the weight. The proximal policy being `old_logp`, this is the same per-token loss as "tis" at the same cap:
-        the two differ only in their cap's flag (`--tis-cap`; `--decoupled-is-cap`, default 5.0 as in AReaL's
-        recipes) and their metric names.
-        (AReaL's code drops a token whose weight exceeds the cap, weight 0; here it is truncated, as TIS does.)
-    `tis_cap > 0` with `off_policy_correction="none"` is the older spelling of ("tis", tis_cap).
+        `old_logp` being the actor before the update (the proximal policy), not the engine's log-probs, this is
+        also AReaL's decoupled PPO objective (Fu et al. 2025, eq. 5): the clip taken against the proximal policy,
+        each token weighted by the truncated proximal/behaviour ratio. (AReaL's code drops a token whose weight
+        exceeds the cap; here it is truncated.)
+    The older spellings (`--tis-cap C` alone, `--off-policy-correction decoupled`) are resolved by
+    `megarl.config.AlgorithmConfig`, once; this function takes the correction by name only.
     `entropy` [B, T] is the actor's per-token entropy (differentiable); with `entropy_coef > 0` it is a bonus
     (subtracted from the loss); it is reported whenever given.
 
@@ -268,8 +265,8 @@ def grpo_token_loss(
     and `_clip_frac` when a correction is on).
     """
     mask = mask.bool()
-    if off_policy_correction == "none" and tis_cap > 0:
-        off_policy_correction, is_cap = "tis", tis_cap
+    if "tis_cap" in options:  # the policy losses take **options: a stale call would silently lose its weights
+        raise TypeError("grpo_token_loss takes off_policy_correction='tis', is_cap=C, not tis_cap")
     if off_policy_correction not in OFF_POLICY_CORRECTIONS:
         raise ValueError(f"unknown off-policy correction {off_policy_correction!r}; valid: "
                          f"{', '.join(OFF_POLICY_CORRECTIONS)}")

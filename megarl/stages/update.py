@@ -36,7 +36,7 @@ def make_loss_fn(a: AlgorithmConfig, max_response_len: int):
             "entropy_sum": m.get("entropy_mean", 0.0) * tokens,
             **mismatch_metrics(logp.detach(), rollout_logp, mask),
         }
-        if (c := a.off_policy_correction) != "none":  # tis_* or decoupled_*
+        if (c := a.off_policy_correction) != "none":  # tis_*
             metrics[f"{c}_weight_sum"] = m[f"{c}_weight_mean"] * tokens
             metrics[f"{c}_weight_max"] = m[f"{c}_weight_max"]
             metrics[f"{c}_clip_sum"] = m[f"{c}_clip_frac"] * tokens

@@ -5,7 +5,10 @@ from __future__ import annotations
 
 import json
 
+import pytest
 from helpers import torchrun
+
+pytestmark = [pytest.mark.distributed, pytest.mark.slow]
 
 
 def test_cp2_dp2_groups_gather_and_broadcast(tmp_path):

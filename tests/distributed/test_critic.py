@@ -7,7 +7,7 @@ import pytest
 import torch
 from helpers import torchrun
 
-pytestmark = pytest.mark.distributed
+pytestmark = [pytest.mark.distributed, pytest.mark.slow]
 WORKER = "tests/distributed/critic_worker.py"
 LAYOUTS = {"dp1": (1, 1, 1), "dp2": (2, 1, 1), "tp2": (2, 2, 1), "pp2": (2, 1, 2)}  # nproc, tp, pp
 

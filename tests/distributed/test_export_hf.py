@@ -11,6 +11,8 @@ import torch
 from helpers import make_tiny_hf_model, torchrun
 from safetensors.torch import load_file
 
+pytestmark = [pytest.mark.distributed, pytest.mark.slow]
+
 
 @pytest.mark.parametrize("tp,pp,ep", [(1, 1, 1), (1, 2, 1), (1, 1, 2)])
 def test_save_hf_in_shards_loads_back_in_transformers(tp, pp, ep, tiny_qwen2, tmp_path):

@@ -9,7 +9,7 @@ import torch
 from helpers import hf_reference, torchrun
 from safetensors.torch import load_file
 
-pytestmark = pytest.mark.distributed
+pytestmark = [pytest.mark.distributed, pytest.mark.slow]
 WORKER = "tests/distributed/worker.py"
 LAYOUTS = {"tp1": (1, 1, 1), "tp2": (2, 2, 1), "pp2": (2, 1, 2)}  # nproc, tp, pp
 

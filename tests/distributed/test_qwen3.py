@@ -13,7 +13,7 @@ import torch
 from helpers import hf_reference, make_tiny_hf_model, torchrun
 from safetensors.torch import load_file
 
-pytestmark = pytest.mark.distributed
+pytestmark = [pytest.mark.distributed, pytest.mark.slow]
 WORKER = "tests/distributed/worker.py"
 
 

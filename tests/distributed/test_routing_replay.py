@@ -15,7 +15,7 @@ import pytest
 import torch
 from helpers import make_tiny_hf_model, torchrun
 
-pytestmark = pytest.mark.distributed
+pytestmark = [pytest.mark.distributed, pytest.mark.slow]
 
 
 @pytest.fixture(scope="module")

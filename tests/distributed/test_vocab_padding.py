@@ -11,7 +11,7 @@ import torch
 from helpers import REPO, env, make_tiny_hf_model, torchrun
 from safetensors.torch import load_file
 
-pytestmark = pytest.mark.distributed
+pytestmark = [pytest.mark.distributed, pytest.mark.slow]
 TP = 3
 
 

@@ -44,11 +44,12 @@ def test_gspo_reinforce_pp_and_dynamic_sampling(starter, tmp_path):
 def test_decoupled_off_policy_correction(starter, tmp_path):
     # Two updates per rollout, so the proximal policy (the actor before the update) is computed by its own forward
     # pass; a cap of 1 truncates every token whose proximal/behaviour weight the engine's arithmetic puts above 1.
+    # decoupled, the former name of tis, runs as tis at --decoupled-is-cap and logs tis_*.
     rows = _run(starter, tmp_path / "c", "--off-policy-correction", "decoupled", "--decoupled-is-cap", 1.0,
                 "--updates-per-rollout", 2)
     for r in rows:
-        assert not any(k.startswith("tis_") for k in r)
-        assert 0 < r["decoupled_weight_mean"] <= r["decoupled_weight_max"] <= 1.0
-        assert 0 < r["decoupled_clip_frac"] < 1, "the cap reached the loss"
+        assert not any(k.startswith("decoupled_") for k in r)
+        assert 0 < r["tis_weight_mean"] <= r["tis_weight_max"] <= 1.0
+        assert 0 < r["tis_clip_frac"] < 1, "the cap reached the loss"
         # the behaviour policy is the built-in fp32 engine: the weights stay within rounding of 1
-        assert r["decoupled_weight_mean"] == pytest.approx(1.0, abs=1e-3)
+        assert r["tis_weight_mean"] == pytest.approx(1.0, abs=1e-3)

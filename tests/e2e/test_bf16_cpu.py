@@ -16,7 +16,7 @@ from helpers import make_tiny_hf_model, torchrun
 from megarl.model_shape import ModelShape
 from megarl.rollout.weight_sync import model_parameter_count
 
-pytestmark = [pytest.mark.distributed]
+pytestmark = [pytest.mark.distributed, pytest.mark.slow]
 WORKER = "tests/e2e/bf16_cpu_worker.py"
 
 
@@ -52,7 +52,6 @@ def test_bf16_engine_matches_the_bf16_actor_after_a_sync(results):
     assert results["sync"]["sync_probe_absdiff_max"] < 0.05, results["sync"]
 
 
-@pytest.mark.slow
 def test_train_py_bf16_on_cpu(tmp_path):
     from megarl.tasks.arithmetic import all_problems, build_tokenizer, write_jsonl
 

@@ -21,6 +21,7 @@ def _child_checksums(queue_in, queue_out):
     queue_out.put((flat.device.type, sums))
 
 
+@pytest.mark.distributed
 def test_cuda_bucket_crosses_processes_by_ipc():
     import torch.multiprocessing as mp
 
@@ -69,6 +70,7 @@ def _assert_ran(part: dict):
     assert part["summary"]["rollout_tokens_per_s"] > 0 and part["peak_gpu_mib"] > 0
 
 
+@pytest.mark.slow
 def test_gpu_check_tiny_and_05b(tmp_path):
     results = _gpu_check(tmp_path, "tiny,0.5b")
     _assert_ran(results["tiny"])
@@ -76,6 +78,7 @@ def test_gpu_check_tiny_and_05b(tmp_path):
     assert results["0.5b"]["parameters"] > 4e8
 
 
+@pytest.mark.slow
 def test_gpu_check_transformer_engine_spec(tmp_path):
     from megarl.mcore.parallel import transformer_engine_available
 
@@ -84,6 +87,7 @@ def test_gpu_check_transformer_engine_spec(tmp_path):
     _assert_ran(_gpu_check(tmp_path, "te")["te"])
 
 
+@pytest.mark.slow
 def test_gpu_check_sglang_colocated_cycle(tmp_path):
     from megarl.rollout.sglang_engine import sglang_available
 
@@ -93,6 +97,7 @@ def test_gpu_check_sglang_colocated_cycle(tmp_path):
     _assert_ran(_gpu_check(tmp_path, "sglang")["sglang"])
 
 
+@pytest.mark.slow
 def test_gpu_check_megatron_dynamic_engine(tmp_path):
     from megarl.mcore.inference_engine import megatron_engine_available
 

@@ -9,6 +9,8 @@ import pytest
 import torch
 from helpers import torchrun
 
+pytestmark = [pytest.mark.distributed, pytest.mark.slow]
+
 
 def test_cp2_matches_cp1(tiny_qwen2, tmp_path):
     from megarl.mcore.parallel import transformer_engine_available

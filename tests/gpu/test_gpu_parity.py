@@ -6,6 +6,7 @@ import pytest
 import torch
 from helpers import torchrun
 
+pytestmark = [pytest.mark.distributed, pytest.mark.slow]
 WORKER = "tests/distributed/worker.py"
 
 

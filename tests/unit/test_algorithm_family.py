@@ -119,11 +119,12 @@ def test_tis_scales_the_policy_gradient_per_token():
     logp = torch.zeros(1, 2, requires_grad=True)
     rollout = torch.log(t([0.5, 4.0]))  # weights exp(0 - log 0.5) = 2 -> capped 1.5, exp(-log 4) = 0.25
     loss, _ = grpo_token_loss(logp, logp.detach(), None, torch.tensor([1.0]), torch.ones(1, 2),
-                              rollout_logp=rollout, tis_cap=1.5)
+                              rollout_logp=rollout, off_policy_correction="tis", is_cap=1.5)
     loss.sum().backward()
     torch.testing.assert_close(logp.grad, t([-1.5, -0.25]))
     with pytest.raises(ValueError, match="rollout"):
-        grpo_token_loss(logp, logp.detach(), None, torch.tensor([1.0]), torch.ones(1, 2), tis_cap=1.5)
+        grpo_token_loss(logp, logp.detach(), None, torch.tensor([1.0]), torch.ones(1, 2), off_policy_correction="tis",
+                        is_cap=1.5)
 
 
 def test_entropy_bonus_is_subtracted_per_token():

@@ -48,6 +48,7 @@ def _same(a: list[list[Completion]], b: list[list[Completion]]):
             torch.testing.assert_close(torch.tensor(ca.logprobs), torch.tensor(cb.logprobs), rtol=0, atol=1e-5)
 
 
+@pytest.mark.distributed
 def test_engine_process_matches_the_in_process_engine_across_weight_versions(tiny):
     config, weights = tiny
     params = SamplingParams(n=3, temperature=1.0, max_new_tokens=6, seed=7)
@@ -69,6 +70,7 @@ def test_engine_process_matches_the_in_process_engine_across_weight_versions(tin
     assert not remote._proc.is_alive()
 
 
+@pytest.mark.distributed
 def test_engine_process_reports_its_failures_and_its_death(tiny):
     config, weights = tiny
     remote = EngineProcess(config, threads=1, timeout_s=60)

@@ -56,6 +56,7 @@ def test_verdict_needs_this_runs_secret():
     assert parse_verdict(line, "other") is None
 
 
+@pytest.mark.slow
 def test_function_style(verifier):
     r = verifier.verify("```python\ndef add(a, b):\n    return a + b\n```", ADD)
     assert (r.score, r.outcome, r.normalized) == (1.0, "correct", "1/1 tests passed")
@@ -122,6 +123,7 @@ def test_reward_hacks_earn_nothing(verifier, name):
     assert r.score == 0.0, (name, r)
 
 
+@pytest.mark.slow
 def test_humaneval_subset(verifier):
     """Canonical solutions pass, `return None` and the hack variants fail (the full 164: tools/bench/sandbox.py)."""
     problems = humaneval_problems()[::8]  # 21 problems spread over the set
@@ -134,6 +136,7 @@ def test_humaneval_subset(verifier):
     assert all(r.score == 0.0 for r in verifier.verify_many(hacks))
 
 
+@pytest.mark.distributed
 def test_through_the_reward_pool():
     """The pool's helper processes build the verifier from the registry and start their own sandbox."""
     from megarl.reward.pool import RewardPool

@@ -532,14 +532,47 @@ def test_tool_flags_are_checked_and_reach_the_tools():
         parse_args(["--tools", ","])
 
 
-def test_off_policy_correction_flags():
+def test_off_policy_correction_flags(capsys):
     assert parse_args([]).algorithm.off_policy_correction == "none"
     a = parse_args(["--tis-cap", "2"]).algorithm  # the older spelling turns tis on
-    assert (a.off_policy_correction, a.off_policy_cap) == ("tis", 2.0)
+    assert (a.off_policy_correction, a.tis_cap, a.off_policy_cap) == ("tis", 2.0, 2.0)
+    assert capsys.readouterr().err == ""
+    # decoupled, the former name of tis (the same loss), becomes tis at its own cap, and says the new spelling once
     a = parse_args(["--off-policy-correction", "decoupled"]).algorithm
-    assert (a.off_policy_correction, a.off_policy_cap) == ("decoupled", 5.0)
+    assert (a.off_policy_correction, a.tis_cap, a.off_policy_cap) == ("tis", 5.0, 5.0)
     a = parse_args(["--off-policy-correction", "decoupled", "--decoupled-is-cap", "3"]).algorithm
-    assert a.off_policy_cap == 3.0
+    assert (a.off_policy_correction, a.off_policy_cap) == ("tis", 3.0)
+    assert capsys.readouterr().err.splitlines() == [
+        "megarl: note: --off-policy-correction decoupled is now spelled --off-policy-correction tis --tis-cap 5 "
+        "(the same loss)",
+        "megarl: note: --off-policy-correction decoupled is now spelled --off-policy-correction tis --tis-cap 3 "
+        "(the same loss)"]
+
+
+def test_older_spellings_are_resolved_once_so_the_resolved_config_reads_back_unchanged(tmp_path, capsys):
+    import json
+
+    from megarl.config import AlgorithmConfig, saved_config
+
+    # A config.json saved by a run that said decoupled (before the rename) still loads, as tis at its cap.
+    old = tmp_path / "old" / "config.json"
+    old.parent.mkdir()
+    saved = saved_config(parse_args([]))
+    saved["config"]["algorithm"].update(off_policy_correction="decoupled", decoupled_is_cap=4.0)
+    old.write_text(json.dumps(saved))
+    a = parse_args([str(old)]).algorithm
+    assert (a.off_policy_correction, a.tis_cap) == ("tis", 4.0)
+    assert "decoupled is now spelled --off-policy-correction tis --tis-cap 4" in capsys.readouterr().err
+    # What a run saves is the resolved spelling: it reads back as the same settings, with no note.
+    for argv in (["--tis-cap", "2"], ["--off-policy-correction", "decoupled", "--decoupled-is-cap", "3"]):
+        cfg = parse_args(argv)
+        capsys.readouterr()
+        path = tmp_path / "config.json"
+        path.write_text(json.dumps(saved_config(cfg)))
+        again = parse_args([str(path)])
+        assert again.algorithm == cfg.algorithm and capsys.readouterr().err == ""
+        assert dataclasses.replace(cfg.algorithm) == cfg.algorithm
+    assert AlgorithmConfig(tis_cap=2.0).off_policy_correction == "tis"
 
 
 @pytest.mark.parametrize(

@@ -192,6 +192,7 @@ def test_sbatch_gives_up_after_max_failures(tmp_path):
     assert calls(tmp_path).count("scontrol requeue 77") == 2 and rcs[-1] == 1
 
 
+@pytest.mark.slow
 def test_sbatch_requeues_when_the_time_limit_is_near(tmp_path):
     env = fake_slurm(tmp_path, "sleep 3")
     proc = subprocess.Popen(["bash", str(REPO / "launch/slurm/colocated.sbatch"), RECIPE], env=env,

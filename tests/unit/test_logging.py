@@ -184,6 +184,7 @@ def read_wandb_history(run_file: Path) -> list[dict]:
     return history
 
 
+@pytest.mark.slow
 def test_wandb_offline_run_holds_the_metrics_and_samples(tmp_path, monkeypatch):
     pytest.importorskip("wandb")
     monkeypatch.setenv("WANDB_SILENT", "true")
@@ -248,6 +249,7 @@ def test_disabled_wandb_imports_nothing(tmp_path, monkeypatch):
 # -- the figure ------------------------------------------------------------------------------------------------
 
 
+@pytest.mark.slow
 def test_plot_run_writes_one_png_with_and_without_optional_metrics(tmp_path):
     pytest.importorskip("matplotlib")
     rows = [make_row(s) for s in range(1, 30)]

@@ -214,6 +214,7 @@ print(json.dumps([v.verify(r, g).outcome for r, g in cases]))
 """
 
 
+@pytest.mark.slow
 def test_same_answers_from_main_thread_thread_and_subprocess(verifier):
     main = [verifier.verify(r, g).outcome for r, g in CONSISTENCY]
     in_thread: list = []
@@ -239,6 +240,7 @@ LATEX_PIECES = list("0123456789+-*/^_{}()[]\\|=<>,.;:$ !%xyzabnpeiq") + [
 LATEXISH = st.lists(st.sampled_from(LATEX_PIECES), max_size=40).map("".join)
 
 
+@pytest.mark.slow
 @settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture,
                                                                    HealthCheck.too_slow])
 @given(response=st.one_of(st.text(max_size=200), LATEXISH), gold=st.one_of(st.text(max_size=30), LATEXISH))

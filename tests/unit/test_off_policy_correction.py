@@ -1,5 +1,7 @@
-"""`--off-policy-correction`: the decoupled PPO objective against a hand computation and against AReaL's own
-formula, its reduction to plain PPO-clip when the behaviour policy is the proximal one, and its relation to TIS.
+"""`--off-policy-correction tis`: against a hand computation and against AReaL's own decoupled PPO formula (the
+clip taken against the proximal policy, the actor before the update, the term weighted by the truncated
+proximal/behaviour ratio), its reduction to plain PPO-clip when the behaviour policy is the proximal one, and
+`--off-policy-correction decoupled`, the former name of the same loss, resolved by the config into tis.
 
 Expected values are computed elementwise on Python floats (or, for AReaL, by a re-implementation of its published
 function), never by calling the code under test.
@@ -13,6 +15,7 @@ import pytest
 import torch
 
 from megarl.algorithms import OFF_POLICY_CORRECTIONS, aggregate, grpo_token_loss, policy_loss_clip
+from megarl.config import AlgorithmConfig
 
 F64 = torch.float64
 EPS_LOW, EPS_HIGH, CAP = 0.2, 0.28, 5.0
@@ -44,7 +47,7 @@ def hand_decoupled(logp, prox, behav, adv, mask, cap, eps_low, eps_high):
     return loss, grad
 
 
-def test_decoupled_loss_and_gradient_by_hand():
+def test_tis_loss_and_gradient_by_hand():
     # Row 0 (A = +1.5): ratios 1.0, 1.5 (clipped high), 0.9; weights 2, 8 -> truncated at 5, 0.5.
     # Row 1 (A = -0.7): ratios 0.5 (clipped low), 1.1, then a padding position holding -inf.
     prox = [[-1.0, -2.0, -0.5], [-1.2, -0.3, -1.0]]
@@ -54,7 +57,7 @@ def test_decoupled_loss_and_gradient_by_hand():
 
     lp = t(logp).requires_grad_()
     per_token, m = grpo_token_loss(lp, t(prox), None, t(adv), torch.tensor(mask), EPS_LOW, EPS_HIGH,
-                                   rollout_logp=t(behav), off_policy_correction="decoupled", is_cap=CAP)
+                                   rollout_logp=t(behav), off_policy_correction="tis", is_cap=CAP)
     num, den = aggregate(per_token, torch.tensor(mask), "token-mean")
     (num / den).backward()
 
@@ -64,18 +67,18 @@ def test_decoupled_loss_and_gradient_by_hand():
     assert lp.grad[0, 1] == 0 and lp.grad[1, 0] == 0, "the clipped tokens give no gradient"
     # Weights over the 5 tokens: 2, 5 (8 truncated), 0.5, exp(0.4), exp(-0.25).
     weights = [2.0, 5.0, 0.5, math.exp(0.4), math.exp(-0.25)]
-    assert m["decoupled_weight_mean"] == pytest.approx(sum(weights) / 5, rel=1e-12)
-    assert m["decoupled_weight_max"] == 5.0 and m["decoupled_clip_frac"] == pytest.approx(1 / 5)
+    assert m["tis_weight_mean"] == pytest.approx(sum(weights) / 5, rel=1e-12)
+    assert m["tis_weight_max"] == 5.0 and m["tis_clip_frac"] == pytest.approx(1 / 5)
 
 
-def test_decoupled_with_one_update_per_rollout_weights_the_on_policy_gradient():
+def test_tis_with_one_update_per_rollout_weights_the_on_policy_gradient():
     # One update per rollout: the proximal policy is the actor itself (old = logp.detach(), ratio 1), so each
     # token's gradient is -w A / N with w = min(exp(logp - behav), cap), and no gradient flows through w.
     logp = [[-0.5, -1.0, -2.0]]
     behav = [[-0.5 - math.log(3.0), -1.0 - math.log(7.0), -2.0 + 0.3]]
     lp = t(logp).requires_grad_()
     per_token, _ = grpo_token_loss(lp, lp.detach(), None, t([2.0]), torch.ones(1, 3), rollout_logp=t(behav),
-                                   off_policy_correction="decoupled", is_cap=CAP)
+                                   off_policy_correction="tis", is_cap=CAP)
     num, den = aggregate(per_token, torch.ones(1, 3), "token-mean")
     (num / den).backward()
     w = [3.0, 5.0, math.exp(-0.3)]
@@ -118,7 +121,7 @@ def _random_batch(seed: int, rows: int = 6, steps: int = 7):
 
 
 @pytest.mark.parametrize("seed", [0, 1, 2])
-def test_decoupled_equals_areal_formula_below_the_cap(seed):
+def test_tis_equals_areal_decoupled_formula_below_the_cap(seed):
     logp, prox, behav, adv, mask = _random_batch(seed)
     # With no cap (AReaL's default, None) the two are the same objective: loss and gradient.
     a = logp.clone().requires_grad_()
@@ -126,7 +129,7 @@ def test_decoupled_equals_areal_formula_below_the_cap(seed):
     (want_grad,) = torch.autograd.grad(want, a)
     b = logp.clone().requires_grad_()
     per_token, _ = grpo_token_loss(b, prox, None, adv, mask, 0.2, 0.28, rollout_logp=behav,
-                                   off_policy_correction="decoupled", is_cap=math.inf)
+                                   off_policy_correction="tis", is_cap=math.inf)
     num, den = aggregate(per_token, mask, "token-mean")
     (got_grad,) = torch.autograd.grad(num / den, b)
     torch.testing.assert_close(num / den, want, rtol=1e-12, atol=1e-12)
@@ -136,7 +139,7 @@ def test_decoupled_equals_areal_formula_below_the_cap(seed):
     # drops the token and megarl truncates its weight to the cap (as TIS does), which the guide says.
     _, areal_terms = areal_ppo_actor_loss(logp, prox, behav, adv, 0.2, mask, 0.28, behav_imp_weight_cap=CAP)
     ours, _ = grpo_token_loss(logp, prox, None, adv, mask, 0.2, 0.28, rollout_logp=behav,
-                              off_policy_correction="decoupled", is_cap=CAP)
+                              off_policy_correction="tis", is_cap=CAP)
     over = mask & (torch.exp(prox - behav) > CAP)
     assert over.any() and (mask & ~over).any(), "the batch must hold tokens on both sides of the cap"
     torch.testing.assert_close(ours[~over], areal_terms[~over], rtol=1e-12, atol=1e-12)
@@ -146,31 +149,61 @@ def test_decoupled_equals_areal_formula_below_the_cap(seed):
     torch.testing.assert_close(ours[over], CAP * ratio_over, rtol=1e-12, atol=1e-12)
 
 
-def test_decoupled_is_plain_ppo_clip_when_behaviour_is_proximal():
+def test_tis_is_plain_ppo_clip_when_behaviour_is_proximal():
     logp, prox, _, adv, mask = _random_batch(3)
     a, b = logp.clone().requires_grad_(), logp.clone().requires_grad_()
     plain, plain_m = policy_loss_clip(a, prox, adv, mask, EPS_LOW, EPS_HIGH)
-    decoupled, m = grpo_token_loss(b, prox, None, adv, mask, EPS_LOW, EPS_HIGH, rollout_logp=prox.clone(),
-                                   off_policy_correction="decoupled", is_cap=CAP)
-    assert torch.equal(decoupled, plain)  # weight exp(0) = 1 exactly
+    tis, m = grpo_token_loss(b, prox, None, adv, mask, EPS_LOW, EPS_HIGH, rollout_logp=prox.clone(),
+                             off_policy_correction="tis", is_cap=CAP)
+    assert torch.equal(tis, plain)  # weight exp(0) = 1 exactly
     plain.sum().backward()
-    decoupled.sum().backward()
+    tis.sum().backward()
     assert torch.equal(a.grad, b.grad)
-    assert m["decoupled_weight_mean"] == 1.0 and m["decoupled_clip_frac"] == 0.0
+    assert m["tis_weight_mean"] == 1.0 and m["tis_clip_frac"] == 0.0
     assert m["clip_frac"] == plain_m["clip_frac"] > 0, "a comparison where something is clipped"
 
 
-def test_decoupled_and_tis_are_one_loss_at_one_cap():
-    # In this loop the proximal policy is the actor before the update, the denominator TIS's weight already uses:
-    # the two corrections differ in their cap flag and metric names, not in the loss.
+def _actor_loss_and_grad(a: AlgorithmConfig, logp, old, behav, adv, mask):
+    """The per-token loss and gradient the trainer's actor loss (`megarl.stages.update`) computes under `a`."""
+    lp = logp.clone().requires_grad_()
+    per_token, m = grpo_token_loss(lp, old, None, adv, mask, a.eps_clip, a.eps_clip_high, rollout_logp=behav,
+                                   off_policy_correction=a.off_policy_correction, is_cap=a.off_policy_cap)
+    num, den = aggregate(per_token, mask, a.loss_aggregation)
+    (num / den).backward()
+    return per_token.detach(), lp.grad, m
+
+
+@pytest.mark.parametrize("updates_per_rollout", [1, 2])
+def test_decoupled_is_tis_at_its_cap_loss_and_gradient(updates_per_rollout):
+    # In megarl the proximal policy is always the actor before the update: its own forward pass with two updates per
+    # rollout, the actor itself (logp.detach()) with one. TIS's weight already has it as its numerator, so AReaL's
+    # decoupled objective and TIS were one loss; `decoupled` is now a spelling of tis at --decoupled-is-cap.
     logp, prox, behav, adv, mask = _random_batch(4)
-    d, dm = grpo_token_loss(logp, prox, None, adv, mask, rollout_logp=behav, off_policy_correction="decoupled",
-                            is_cap=2.0)
-    s, sm = grpo_token_loss(logp, prox, None, adv, mask, rollout_logp=behav, off_policy_correction="tis",
-                            is_cap=2.0)
-    old_spelling, om = grpo_token_loss(logp, prox, None, adv, mask, rollout_logp=behav, tis_cap=2.0)
-    assert torch.equal(d, s) and torch.equal(s, old_spelling)
-    assert dm["decoupled_clip_frac"] == sm["tis_clip_frac"] == om["tis_clip_frac"] > 0
+    old = prox if updates_per_rollout > 1 else logp
+    decoupled = AlgorithmConfig(off_policy_correction="decoupled", decoupled_is_cap=2.0, eps_clip_high=0.28)
+    tis = AlgorithmConfig(off_policy_correction="tis", tis_cap=2.0, eps_clip_high=0.28)
+    assert (decoupled.off_policy_correction, decoupled.off_policy_cap) == ("tis", 2.0)
+    d_loss, d_grad, dm = _actor_loss_and_grad(decoupled, logp, old, behav, adv, mask)
+    t_loss, t_grad, tm = _actor_loss_and_grad(tis, logp, old, behav, adv, mask)
+    assert torch.equal(d_loss, t_loss) and torch.equal(d_grad, t_grad)
+    assert dm == tm and 0 < tm["tis_clip_frac"] < 1, "a comparison where the cap truncates some weights"
+    # and the weight is the one the config's cap sets: AReaL's formula with that cap on the tokens within it
+    _, areal_terms = areal_ppo_actor_loss(logp, old, behav, adv, 0.2, mask, 0.28, behav_imp_weight_cap=2.0)
+    within = mask & (torch.exp(old - behav) <= 2.0)
+    torch.testing.assert_close(d_loss[within], areal_terms[within], rtol=1e-12, atol=1e-12)
+
+
+def test_tis_cap_alone_is_resolved_by_the_config_not_the_loss():
+    # `--tis-cap C` alone means tis: AlgorithmConfig says so, once; the loss takes the correction by name only, and
+    # refuses the old keyword instead of passing it on to the policy loss, which would ignore it.
+    logp, prox, behav, adv, mask = _random_batch(6)
+    a = AlgorithmConfig(tis_cap=2.0)
+    assert (a.off_policy_correction, a.off_policy_cap) == ("tis", 2.0)
+    got, _, _ = _actor_loss_and_grad(a, logp, prox, behav, adv, mask)
+    want, _ = grpo_token_loss(logp, prox, None, adv, mask, rollout_logp=behav, off_policy_correction="tis", is_cap=2.0)
+    assert torch.equal(got, want) and not torch.equal(want, grpo_token_loss(logp, prox, None, adv, mask)[0])
+    with pytest.raises(TypeError, match="off_policy_correction='tis', is_cap=C, not tis_cap"):
+        grpo_token_loss(logp, prox, None, adv, mask, rollout_logp=behav, tis_cap=2.0)
 
 
 def test_none_leaves_the_loss_alone_and_bad_inputs_are_named():
@@ -178,11 +211,12 @@ def test_none_leaves_the_loss_alone_and_bad_inputs_are_named():
     none, m = grpo_token_loss(logp, prox, None, adv, mask, rollout_logp=behav, off_policy_correction="none",
                               is_cap=CAP)
     assert torch.equal(none, grpo_token_loss(logp, prox, None, adv, mask)[0])
-    assert not any(k.startswith(("tis_", "decoupled_")) for k in m)
-    with pytest.raises(ValueError, match="'decoupled' needs the rollout engine's log-probs"):
-        grpo_token_loss(logp, prox, None, adv, mask, off_policy_correction="decoupled", is_cap=CAP)
-    with pytest.raises(ValueError, match="'decoupled' needs a weight cap > 0, got 0"):
-        grpo_token_loss(logp, prox, None, adv, mask, rollout_logp=behav, off_policy_correction="decoupled")
-    with pytest.raises(ValueError, match="'aysnc'; valid: none, tis, decoupled"):
-        grpo_token_loss(logp, prox, None, adv, mask, rollout_logp=behav, off_policy_correction="aysnc", is_cap=1)
-    assert OFF_POLICY_CORRECTIONS == ("none", "tis", "decoupled")
+    assert not any(k.startswith("tis_") for k in m)
+    with pytest.raises(ValueError, match="'tis' needs the rollout engine's log-probs"):
+        grpo_token_loss(logp, prox, None, adv, mask, off_policy_correction="tis", is_cap=CAP)
+    with pytest.raises(ValueError, match="'tis' needs a weight cap > 0, got 0"):
+        grpo_token_loss(logp, prox, None, adv, mask, rollout_logp=behav, off_policy_correction="tis")
+    # the older name is the config's to resolve; the loss knows only what it computes
+    with pytest.raises(ValueError, match="'decoupled'; valid: none, tis$"):
+        grpo_token_loss(logp, prox, None, adv, mask, rollout_logp=behav, off_policy_correction="decoupled", is_cap=1)
+    assert OFF_POLICY_CORRECTIONS == ("none", "tis")

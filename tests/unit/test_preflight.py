@@ -158,12 +158,15 @@ def _train(*args) -> subprocess.CompletedProcess:
     ({"model_type": "gpt_neox"}, "model_type 'gpt_neox' is not supported"),
     ({"use_sliding_window": True, "sliding_window": 32}, "sliding-window attention layers are not supported"),
 ])
+@pytest.mark.slow
 def test_train_py_stops_with_exit_2_and_no_traceback(tmp_path, fields, message):
     proc = _train("--hf-checkpoint", checkpoint_dir(tmp_path, **fields), "--prompt-data", tmp_path / "none.jsonl")
     assert proc.returncode == 2, proc.stderr
     assert "Traceback" not in proc.stderr and proc.stderr.count(message) == 1, proc.stderr
 
 
+@pytest.mark.distributed
+@pytest.mark.slow
 def test_under_torchrun_rank_0_says_it_once_and_exits_2(tmp_path):
     hf = checkpoint_dir(tmp_path, num_key_value_heads=3, num_attention_heads=6, hidden_size=96)
     proc = torchrun(2, "megarl/train.py", "--hf-checkpoint", hf, "--tensor-model-parallel-size", 2, check=False,

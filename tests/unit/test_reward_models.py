@@ -82,6 +82,7 @@ def test_hf_rm_refuses_a_causal_lm(tiny_qwen2):
         HFRewardModel(tiny_qwen2)
 
 
+@pytest.mark.slow
 def test_served_hf_rm_stays_resident_and_comes_back_after_dying(tiny_rm):
     from megarl.reward.hf_scorer import HFRewardModel
     from megarl.reward.models import REWARD_MODELS
@@ -167,6 +168,7 @@ def flaky_rm():
     server.close()
 
 
+@pytest.mark.slow
 def test_remote_rm_retries_then_maps_failures_to_outcomes_in_order(flaky_rm):
     from megarl.reward.models import REWARD_MODELS
 
@@ -258,6 +260,8 @@ def test_rm_health_by_hand():
 # -- the router: a mixed batch ------------------------------------------------------------------------------------
 
 
+@pytest.mark.distributed
+@pytest.mark.slow
 def test_a_mixed_batch_keeps_its_order(tiny_rm, flaky_rm):
     """math + code + arithmetic rows in reward workers, hf_rm and remote_rm rows in their servers, composed rows
     across both: every row's result is the one its source gives it alone, in place."""
@@ -308,6 +312,7 @@ def test_a_mixed_batch_keeps_its_order(tiny_rm, flaky_rm):
 # -- megarl-verify with a reward model ----------------------------------------------------------------------------
 
 
+@pytest.mark.slow
 def test_megarl_verify_scores_rows_and_pairs_with_a_reward_model(tiny_rm, tmp_path, capsys):
     from megarl.cli.verify import main
     from megarl.reward.hf_scorer import HFRewardModel
@@ -428,6 +433,7 @@ def test_llm_judge_refuses_bad_settings():
         REWARD_MODELS.build("llm_judge", url="http://x/v1", pattern=r"\d+")
 
 
+@pytest.mark.slow
 def test_llm_judge_on_a_local_checkpoint_answers_as_transformers_greedy_decoding(tmp_path):
     """The judge server's answer is transformers' own greedy generation on the same prompt; llm_judge parses it."""
     import re

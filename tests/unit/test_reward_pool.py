@@ -24,6 +24,8 @@ def action(i: int) -> str:
     return "ok"
 
 
+@pytest.mark.distributed
+@pytest.mark.slow
 def test_ten_thousand_samples_with_hangs_crashes_and_dying_workers():
     requests = [("flaky", f"{action(i)}:{i}", i if i % 3 else -1) for i in range(N)]
     with RewardPool(workers=2, timeout_s=TIMEOUT_S, preload=("pool_flaky_verifier",)) as pool:
@@ -70,6 +72,7 @@ def test_batch_health_by_hand():
     assert batch_health([], group_size=2)["reward_n"] == 0
 
 
+@pytest.mark.distributed
 def test_mixed_verifiers_in_one_batch_and_errors_from_the_verifier():
     requests = [("arithmetic", "19", 19), ("math", "so $\\boxed{\\frac12}$", "0.5"), ("arithmetic", "x", 3),
                 ("nope", "1", 1)]
@@ -87,6 +90,8 @@ def test_pool_settings():
         RewardPool(workers=1, timeout_s=0)
 
 
+@pytest.mark.distributed
+@pytest.mark.slow
 def test_reward_functions_score_samples_by_their_rows_verifier_with_the_runs_options():
     from megarl.data import PromptRecord
     from megarl.reward import InProcessReward, PoolReward, RewardMeter

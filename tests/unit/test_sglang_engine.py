@@ -294,6 +294,7 @@ def _sglang_receiver(port, queue, buckets):
         queue.put([(n, t.clone()) for n, t in bucket.reconstruct_tensors()])
 
 
+@pytest.mark.distributed
 @pytest.mark.skipif(not _SGLANG, reason=f"{_WHY}; the adapter's contract is tested above with fakes")
 def test_weight_update_group_joins_sglang_and_broadcasts_a_bucket():
     """Disaggregated push over gloo: our group rendezvous meets SGLang's `init_custom_process_group`, and the

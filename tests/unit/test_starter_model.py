@@ -128,6 +128,7 @@ def test_the_upcycled_starter_is_what_the_moe_recipe_runs(tmp_path):
     assert cfg.model.expert_model_parallel_size == 2 and cfg.algorithm.routing_replay
 
 
+@pytest.mark.slow
 def test_a_build_stopped_by_sigterm_leaves_no_partial_directory(tmp_path):
     """kill (SIGTERM) in the middle of a build: the partial directory is removed and nothing is written."""
     import signal

@@ -56,6 +56,7 @@ _FRAGMENTS = ["<tool_call>", "</tool_call>", "```python\n", "```py\n", "```", "\
               ":", ",", '"python"', '"code"', "[", "]", "\\", '"', "null", "1e999", "\x00", "\ud800"]
 
 
+@pytest.mark.slow
 @settings(max_examples=400, deadline=None)
 @given(st.lists(st.one_of(st.sampled_from(_FRAGMENTS), st.text(max_size=8)), max_size=40))
 def test_no_exception_escapes_any_parser(pieces):
