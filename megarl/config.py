@@ -21,6 +21,7 @@ import difflib
 import json
 import os
 import subprocess
+import sys
 import typing
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -317,8 +318,6 @@ class AlgorithmConfig:
             if self.tis_cap > 0:
                 raise ConfigError(f"--tis-cap {self.tis_cap} is the cap of --off-policy-correction tis; decoupled "
                                   "takes --decoupled-is-cap")
-            import sys
-
             print(f"megarl: note: --off-policy-correction decoupled is now spelled --off-policy-correction tis "
                   f"--tis-cap {self.decoupled_is_cap:g} (the same loss)", file=sys.stderr, flush=True)
             self.off_policy_correction, self.tis_cap = "tis", self.decoupled_is_cap

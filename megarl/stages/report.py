@@ -25,8 +25,7 @@ _SUM_KEYS = ["n_samples", "reward_sum", "correct", "response_tokens", "truncated
              "loss_num", "loss_den", "tokens", "clip_frac_sum", "kl_sum", "entropy_sum", "mismatch_abs_sum",
              "mismatch_abs_max", "mismatch_kl_sum", "is_weight_sum", "is_weight_max", "is_weight_negmin_max",
              # off-policy correction (`--off-policy-correction`): its importance weights
-             "tis_weight_sum", "tis_weight_max", "tis_clip_sum", "decoupled_weight_sum", "decoupled_weight_max",
-             "decoupled_clip_sum",
+             "tis_weight_sum", "tis_weight_max", "tis_clip_sum",
              # mixture of experts (`megarl.mcore.routing.take_metrics`)
              "router_tokens", "router_entropy_sum", "routing_disagree_sum", "routing_replayed_sum",
              "router_imbalance_sum", "router_layers"]
@@ -78,9 +77,8 @@ def step_metrics(step: int, rollout: RolloutBatch, batch: TrainBatch, update: di
         "rollout_actor_kl": g["mismatch_kl_sum"] / tok,
         "is_weight_mean": g["is_weight_sum"] / tok, "is_weight_max": g["is_weight_max"],
         "is_weight_min": -g["is_weight_negmin_max"],
-        **{f"{c}_{k}": v for c in ("tis", "decoupled") if g[f"{c}_weight_sum"] > 0
-           for k, v in (("weight_mean", g[f"{c}_weight_sum"] / tok), ("weight_max", g[f"{c}_weight_max"]),
-                        ("clip_frac", g[f"{c}_clip_sum"] / tok))},
+        **({"tis_weight_mean": g["tis_weight_sum"] / tok, "tis_weight_max": g["tis_weight_max"],
+            "tis_clip_frac": g["tis_clip_sum"] / tok} if g["tis_weight_sum"] > 0 else {}),
         **({"router_entropy": g["router_entropy_sum"] / g["router_tokens"],
             "router_load_imbalance": g["router_imbalance_sum"] / max(g["router_layers"], 1),
             "routing_topk_disagree_frac": g["routing_disagree_sum"] / g["router_tokens"],
