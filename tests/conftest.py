@@ -9,7 +9,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # megarl from the 
 # The benches' case modules (tools/bench/sandbox_cases.py), last: nothing there may shadow an installed module.
 sys.path.append(str(Path(__file__).resolve().parents[1] / "tools" / "bench"))
 
-from helpers import make_tiny_hf_model, build_test_starter  # noqa: E402
+from helpers import make_tiny_hf_model, build_test_starter
 
 
 @pytest.fixture(scope="session")

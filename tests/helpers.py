@@ -90,7 +90,8 @@ def torchrun(nproc: int, script: str, *args: str, timeout: float = 300, check: b
     proc = subprocess.run(cmd, cwd=REPO, env={**env(), **(extra_env or {})}, capture_output=True, text=True,
                           timeout=timeout)
     if check and proc.returncode != 0:
-        raise AssertionError(f"{' '.join(cmd)} failed with {proc.returncode}:\n{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}")
+        raise AssertionError(f"{' '.join(cmd)} failed with {proc.returncode}:\n{proc.stdout[-3000:]}\n"
+                             f"{proc.stderr[-6000:]}")
     return proc
 
 

@@ -1257,7 +1257,7 @@ def close_quietly(sandbox) -> None:
 def close_error(sandbox) -> str | None:
     try:
         sandbox.close()
-    except Exception as e:  # noqa: BLE001
+    except Exception as e:  # noqa: BLE001 - whatever close raises is the finding, reported as text
         return f"{type(e).__name__}: {e}"[:300]
     return None
 

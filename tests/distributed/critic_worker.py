@@ -58,7 +58,8 @@ def main() -> None:
         old = critic.values(batch["tokens"], micro_batch_size=2)
         old = torch.zeros_like(batch["loss_mask"]) if old is None else old
         out = critic.train_step({**batch, "old_values": old}, value_loss_fn(clip=0.2), micro_batch_size=2)
-        mine = {k: out.get(k, 0.0) for k in ("value_loss_num", "value_tokens")} if info.is_last_stage and info.tp_rank == 0 else {}
+        last = info.is_last_stage and info.tp_rank == 0
+        mine = {k: out.get(k, 0.0) for k in ("value_loss_num", "value_tokens")} if last else {}
         g = reduce_over_ranks(mine, ["value_loss_num", "value_tokens"])
         losses.append(g["value_loss_num"] / g["value_tokens"])
     final = critic.values(batch["tokens"], micro_batch_size=2)

@@ -1,5 +1,5 @@
-"""`report.save_hf` (megarl/stages) under torchrun (tests/distributed/test_export_hf.py): load an HF checkpoint into the actor at
-the given TP x PP and export it again, streamed into small safetensors shards."""
+"""`report.save_hf` (megarl/stages) under torchrun (tests/distributed/test_export_hf.py): load an HF checkpoint into
+the actor at the given TP x PP and export it again, streamed into small safetensors shards."""
 
 from __future__ import annotations
 

@@ -169,7 +169,7 @@ def scenario_train_layouts(args, info):
     for index, layout in enumerate(_layouts(args)):
         info, moe = _relayout(layout)
         shape = ModelShape.from_pretrained(layout["hf"])
-        def build():
+        def build(shape=shape, info=info, moe=moe, layout=layout):
             return MegatronPolicy(shape, tp=info.tp_size, pp=info.pp_size, trainable=True, moe=moe,
                                   sequence_parallel=layout["sp"], optim=OptimConfig(lr=1e-2, adam_eps=1e-4))
 
@@ -370,14 +370,16 @@ def scenario_trl_parity(args, info):
     batch = {"tokens": tokens, "loss_mask": padded(completion_mask), "old_logp": padded(old), "ref_logp": padded(ref),
              "rollout_logp": padded(old), "advantages": advantages}
     results = {}
-    for trl_type, ours in (("grpo", "seq-mean-token-mean"), ("dapo", "token-mean"), ("dr_grpo", "seq-mean-token-sum-norm")):
+    for trl_type, ours in (("grpo", "seq-mean-token-mean"), ("dapo", "token-mean"),
+                           ("dr_grpo", "seq-mean-token-sum-norm")):
         cfg = build_config({"kl_coef": 0.04, "kl_estimator": "k3", "eps_clip": 0.2, "eps_clip_high": 0.28,
                             "loss_aggregation": ours, "rollout_temperature": temperature, "max_response_len": clen})
         actor = MegatronPolicy(shape, tp=1, pp=1, trainable=True)
         actor.load_hf(args.hf)
         actor.model.train()
         actor.model.zero_grad_buffer()
-        outputs = actor._run(batch, make_loss_fn(cfg.algorithm, cfg.rollout.max_response_len), 4, temperature, forward_only=False)  # 2 micro-batches
+        outputs = actor._run(batch, make_loss_fn(cfg.algorithm, cfg.rollout.max_response_len), 4, temperature,
+                             forward_only=False)  # 2 micro-batches
         loss = sum(float(o["loss_num"]) for o in outputs) / sum(float(o["loss_den"]) for o in outputs)
         params = list(actor.model.parameters())
         saved = [p.data for p in params]
@@ -461,9 +463,9 @@ def scenario_recompute(args, info):
         actor.load_hf(args.hf)
         layer = unwrap(actor.model).decoder.layers[0]
         calls = {"layer": 0, "core_attention": 0}
-        layer.register_forward_hook(lambda *a: calls.__setitem__("layer", calls["layer"] + 1))
+        layer.register_forward_hook(lambda *a, calls=calls: calls.__setitem__("layer", calls["layer"] + 1))
         layer.self_attention.core_attention.register_forward_hook(
-            lambda *a: calls.__setitem__("core_attention", calls["core_attention"] + 1))
+            lambda *a, calls=calls: calls.__setitem__("core_attention", calls["core_attention"] + 1))
         stats = actor.train_step(_synthetic_batch(shape.vocab_size), make_loss_fn(build_config({}).algorithm, 64),
                                  micro_batch_size=4)
         out[granularity] = {"loss": stats["loss_num"] / stats["loss_den"], "calls": calls,

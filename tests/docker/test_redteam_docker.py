@@ -70,17 +70,17 @@ def new_sandbox():
 
 # ---- class 1 ---------------------------------------------------------------------------------------------------
 
-from redteam_checks import class1_helpers_come_from_the_row as test_class1_helpers_come_from_the_row
+test_class1_helpers_come_from_the_row = checks.class1_helpers_come_from_the_row
 
 
 # ---- class 2 ---------------------------------------------------------------------------------------------------
 
-from redteam_checks import class2_no_oracle_across_cases as test_class2_no_oracle_across_cases
+test_class2_no_oracle_across_cases = checks.class2_no_oracle_across_cases
 
 
 # ---- class 3 ---------------------------------------------------------------------------------------------------
 
-from redteam_checks import class3_no_sabotage_of_later_cases as test_class3_no_sabotage_of_later_cases
+test_class3_no_sabotage_of_later_cases = checks.class3_no_sabotage_of_later_cases
 
 
 # ---- class 4 ---------------------------------------------------------------------------------------------------
@@ -97,14 +97,14 @@ def test_class4_deep_tree_plain_job(where):
 
 # ---- class 5 ---------------------------------------------------------------------------------------------------
 
-from redteam_checks import class5_host_unix_sockets_plain_job as test_class5_host_unix_sockets_plain_job
-from redteam_checks import class5_host_unix_sockets_code_verifier as test_class5_host_unix_sockets_code_verifier
+test_class5_host_unix_sockets_plain_job = checks.class5_host_unix_sockets_plain_job
+test_class5_host_unix_sockets_code_verifier = checks.class5_host_unix_sockets_code_verifier
 
 
 # ---- class 6 ---------------------------------------------------------------------------------------------------
 
-from redteam_checks import class6_host_segment_plain_job as test_class6_host_segment_plain_job
-from redteam_checks import class6_host_segment_code_verifier as test_class6_host_segment_code_verifier
+test_class6_host_segment_plain_job = checks.class6_host_segment_plain_job
+test_class6_host_segment_code_verifier = checks.class6_host_segment_code_verifier
 
 
 # ---- class 7 ---------------------------------------------------------------------------------------------------
@@ -112,7 +112,8 @@ from redteam_checks import class6_host_segment_code_verifier as test_class6_host
 def _containers_mb() -> float:
     """What the sandbox's containers hold now (docker stats: memory less page cache), in MB: measured on them,
     not on the host, whose other processes would blur it."""
-    ids = subprocess.run(["docker", "ps", "-q", "--filter", f"label={LABEL}"], capture_output=True, text=True).stdout.split()
+    ids = subprocess.run(["docker", "ps", "-q", "--filter", f"label={LABEL}"], capture_output=True,
+                         text=True).stdout.split()
     if not ids:
         return 0.0
     out = subprocess.run(["docker", "stats", "--no-stream", "--format", "{{.MemUsage}}"] + ids, capture_output=True,
@@ -173,8 +174,8 @@ def test_class7_memory_plain_job(attack):
 
 # ---- class 8 ---------------------------------------------------------------------------------------------------
 
-from redteam_checks import class8_crashes_lose_nothing as test_class8_crashes_lose_nothing
-from redteam_checks import class8_partial_score_survives_a_crash as test_class8_partial_score_survives_a_crash
+test_class8_crashes_lose_nothing = checks.class8_crashes_lose_nothing
+test_class8_partial_score_survives_a_crash = checks.class8_partial_score_survives_a_crash
 
 
 # ---- class 9 ---------------------------------------------------------------------------------------------------
@@ -195,18 +196,18 @@ def test_class9_harness_work_is_bounded(fresh, persistent, name):
 
 # ---- class 10 --------------------------------------------------------------------------------------------------
 
-from redteam_checks import class10_forged_exit_status as test_class10_forged_exit_status
+test_class10_forged_exit_status = checks.class10_forged_exit_status
 
 
 # ---- class 11 --------------------------------------------------------------------------------------------------
 
-from redteam_checks import class11_clone_namespaces_plain_job as test_class11_clone_namespaces_plain_job
-from redteam_checks import class11_clone_namespaces_code_verifier as test_class11_clone_namespaces_code_verifier
+test_class11_clone_namespaces_plain_job = checks.class11_clone_namespaces_plain_job
+test_class11_clone_namespaces_code_verifier = checks.class11_clone_namespaces_code_verifier
 
 
 # ---- class 12 --------------------------------------------------------------------------------------------------
 
-from redteam_checks import class12_correct_programs_pass as test_class12_correct_programs_pass
+test_class12_correct_programs_pass = checks.class12_correct_programs_pass
 
 
 def test_class12_numpy_program_passes(shared, persistent):

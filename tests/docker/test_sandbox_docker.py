@@ -47,7 +47,8 @@ def test_containment_suite(sandbox, host, index):
     # Nothing of the attack is left in the container that ran it, nor in the other one: each job is pid 1 of a
     # namespace of its own (nothing else runs there), with fresh /tmp (its cwd /tmp/w) and /dev/shm.
     for _ in range(2):
-        r = sandbox.run(Job("import json, os\nchild = os.fork()\nif child == 0:\n    os._exit(0)\nos.waitpid(child, 0)\n"
+        r = sandbox.run(Job("import json, os\nchild = os.fork()\nif child == 0:\n    os._exit(0)\n"
+                            "os.waitpid(child, 0)\n"
                             "print(json.dumps([os.getpid(), child, os.listdir('/tmp'), os.listdir('.'), "
                             "os.listdir('/dev/shm')]))"))
         pid, child, tmp, cwd, shm = json.loads(r.stdout)

@@ -4,7 +4,8 @@
 - `param_dtypes`, `main_dtypes`, `main_grad_dtypes`: the bf16 actor's model params, its optimizer's main params,
   and its gradient buffers' dtypes;
 - `losses`: {"fp32", "bf16"}: the mean next-token NLL of a fixed batch before each of `STEPS` updates;
-- `sync`: the bf16 engine's log-probs against the bf16 actor's after a weight sync (`megarl.stages.colocation.verify_sync` metrics).
+- `sync`: the bf16 engine's log-probs against the bf16 actor's after a weight sync
+  (`megarl.stages.colocation.verify_sync` metrics).
 """
 
 from __future__ import annotations

@@ -7,7 +7,6 @@ them; on this tiny random model the fp32 / bf16 log-prob gap measures ~3e-3 at m
 from __future__ import annotations
 
 import json
-from pathlib import Path
 
 import pytest
 import torch

@@ -3,9 +3,9 @@
 `recipes/tiny_cpu.sh` on the test starter at DP=2 with the recipe's seed, for 20 steps (so its learning rate decays
 over those 20 steps); once as the recipe stands, and once with a KL penalty and two updates per rollout. The
 recipe alone has no KL penalty (so no reference model) and one update per rollout (so the ratio is 1 and nothing
-is clipped): the variant runs the reference model and clips, making KL and clip fraction numbers worth comparing. Reward, loss, KL,
-clip fraction, gradient norm (and a few more) must equal the recorded ones bit for bit: same code path, same seeds,
-same CPU arithmetic. A change that is meant to alter them re-records the files:
+is clipped): the variant runs the reference model and clips, making KL and clip fraction numbers worth comparing.
+Reward, loss, KL, clip fraction, gradient norm (and a few more) must equal the recorded ones bit for bit: same code
+path, same seeds, same CPU arithmetic. A change that is meant to alter them re-records the files:
 
     python tests/e2e/test_golden_losses.py --record
 
@@ -25,7 +25,7 @@ from pathlib import Path
 import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # helpers, when run as a script
-from helpers import REPO, build_test_starter, torchrun  # noqa: E402
+from helpers import REPO, build_test_starter, torchrun
 
 pytestmark = [pytest.mark.distributed, pytest.mark.slow]
 LOSSES = REPO / "tests" / "assets" / "losses"

@@ -25,7 +25,8 @@ def test_tiny_qwen3_moe_trains_at_ep2(recipe, tmp_path):
     proc = torchrun(2, "megarl/train.py", recipe, "--hf-checkpoint", hf,
                     "--prompt-data", tmp_path / "train.jsonl", "--eval-data", "", "--num-steps", 2,
                     "--expert-model-parallel-size", 2, "--verify-weight-sync", "--verify-sync-tolerance", 1e-5,
-                    "--micro-batch-size", 16, "--rollout-batch-size", 8, "--lr", 1e-3, "--output-dir", out, "--save-hf", out / "hf",
+                    "--micro-batch-size", 16, "--rollout-batch-size", 8, "--lr", 1e-3, "--output-dir", out,
+                    "--save-hf", out / "hf",
                     # a random model earns no reward (every advantage 0): the entropy bonus gives the update a gradient
                     "--entropy-coef", 0.01, timeout=400)
     assert "EP 2" in proc.stdout and "4 experts (top-2) in 2 layers" in proc.stdout, proc.stdout[-2000:]

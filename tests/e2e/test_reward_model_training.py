@@ -54,7 +54,7 @@ def test_a_remote_reward_server_that_fails_hangs_and_sends_garbage_does_not_stop
     lock, stop = threading.Lock(), threading.Event()
 
     class Handler(BaseHTTPRequestHandler):
-        def do_POST(self):  # noqa: N802
+        def do_POST(self):
             body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
             with lock:
                 count[0] += 1

@@ -20,11 +20,13 @@ AGREE = [
     ("deque compares as a deque", "from collections import deque\ndef f():\n    return deque([1, 2])\n",
      "def check(c):\n    from collections import deque\n    assert c() == deque([1, 2]) and c() != [1, 2]\n"),
     ("an object's attributes and methods", "class A:\n    def __init__(s):\n        s.x = 3\n    def get(s):\n"
-     "        return s.x * 2\ndef f():\n    return A()\n", "def check(c):\n    a = c()\n    assert a.x == 3 and a.get() == 6\n"),
+     "        return s.x * 2\ndef f():\n    return A()\n",
+     "def check(c):\n    a = c()\n    assert a.x == 3 and a.get() == 6\n"),
     ("set of tuples", "def f():\n    return {(1, 2), (3, 4)}\n", "def check(c):\n    assert c() == {(1, 2), (3, 4)}\n"),
     ("nested in-place change keeps identity", "def f(a):\n    a[0].append(9)\n",
      "def check(c):\n    a = [[1], [2]]\n    b = a[0]\n    c(a)\n    assert b == [1, 9] and a == [[1, 9], [2]]\n"),
-    ("dict changed in place", "def f(d):\n    d['k'] = 1\n", "def check(c):\n    d = {}\n    c(d)\n    assert d == {'k': 1}\n"),
+    ("dict changed in place", "def f(d):\n    d['k'] = 1\n",
+     "def check(c):\n    d = {}\n    c(d)\n    assert d == {'k': 1}\n"),
     ("a test's callable raising inside the program", "def f(g):\n    try:\n        g(0)\n    except Exception:\n"
      "        return 'caught'\n", "def check(c):\n    assert c(lambda x: 1 / x) == 'caught'\n"),
     ("a builtin as key", "def f(xs, key):\n    return sorted(xs, key=key)\n",
@@ -35,7 +37,8 @@ AGREE = [
      "def check(c):\n    g = c()\n    assert next(g) == 1 and next(g) == 2\n"),
     ("a list of 100,000", "def f(n):\n    return list(range(n))\n",
      "def check(c):\n    assert c(100000) == list(range(100000))\n"),
-    ("str subclass", "class S(str):\n    pass\ndef f():\n    return S('ab')\n", "def check(c):\n    assert c() == 'ab'\n"),
+    ("str subclass", "class S(str):\n    pass\ndef f():\n    return S('ab')\n",
+     "def check(c):\n    assert c() == 'ab'\n"),
     ("recursion by the function's own name", "def f(n):\n    return 1 if n < 2 else n * f(n - 1)\n",
      "def check(c):\n    assert c(5) == 120\n"),
     ("asserts on a constant of the program", "N = 5\ndef f():\n    return N\n", "assert f() == N\n"),
@@ -69,7 +72,7 @@ def reference(program: str, test: str, entry: str = "f") -> bool:
         if "check" in env:
             env["check"](env[entry])
         return True
-    except Exception:  # noqa: BLE001
+    except Exception:  # noqa: BLE001 - any failure of the program or its check is a failed case
         return False
     finally:
         for name in set(table) - set(saved):

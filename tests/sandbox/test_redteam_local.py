@@ -71,7 +71,7 @@ def new_sandbox():
 
 # ---- class 1 ---------------------------------------------------------------------------------------------------
 
-from redteam_checks import class1_helpers_come_from_the_row as test_class1_helpers_come_from_the_row
+test_class1_helpers_come_from_the_row = checks.class1_helpers_come_from_the_row
 
 
 # ---- class 2 ---------------------------------------------------------------------------------------------------
@@ -91,12 +91,12 @@ def test_class2_control_the_oracle_passes_when_its_state_persists(problems, tmp_
     assert 1 < n <= 15, f"the {channel} oracle did not learn is_prime's answers even with its state kept ({n})"
 
 
-from redteam_checks import class2_no_oracle_across_cases as test_class2_no_oracle_across_cases
+test_class2_no_oracle_across_cases = checks.class2_no_oracle_across_cases
 
 
 # ---- class 3 ---------------------------------------------------------------------------------------------------
 
-from redteam_checks import class3_no_sabotage_of_later_cases as test_class3_no_sabotage_of_later_cases
+test_class3_no_sabotage_of_later_cases = checks.class3_no_sabotage_of_later_cases
 
 
 # ---- class 4 ---------------------------------------------------------------------------------------------------
@@ -113,8 +113,8 @@ def test_class4_deep_tree_plain_job(where):
 
 # ---- class 5 ---------------------------------------------------------------------------------------------------
 
-from redteam_checks import class5_host_unix_sockets_plain_job as test_class5_host_unix_sockets_plain_job
-from redteam_checks import class5_host_unix_sockets_code_verifier as test_class5_host_unix_sockets_code_verifier
+test_class5_host_unix_sockets_plain_job = checks.class5_host_unix_sockets_plain_job
+test_class5_host_unix_sockets_code_verifier = checks.class5_host_unix_sockets_code_verifier
 
 
 _NONROOT_SOCKET = r'''
@@ -162,8 +162,8 @@ def test_class5_user_agent_socket_as_non_root():
 
 # ---- class 6 ---------------------------------------------------------------------------------------------------
 
-from redteam_checks import class6_host_segment_plain_job as test_class6_host_segment_plain_job
-from redteam_checks import class6_host_segment_code_verifier as test_class6_host_segment_code_verifier
+test_class6_host_segment_plain_job = checks.class6_host_segment_plain_job
+test_class6_host_segment_code_verifier = checks.class6_host_segment_code_verifier
 
 
 def _outlived(before, after, keys, made) -> list:
@@ -254,8 +254,8 @@ def test_class7_memory_plain_job(attack):
 
 # ---- class 8 ---------------------------------------------------------------------------------------------------
 
-from redteam_checks import class8_crashes_lose_nothing as test_class8_crashes_lose_nothing
-from redteam_checks import class8_partial_score_survives_a_crash as test_class8_partial_score_survives_a_crash
+test_class8_crashes_lose_nothing = checks.class8_crashes_lose_nothing
+test_class8_partial_score_survives_a_crash = checks.class8_partial_score_survives_a_crash
 
 
 # ---- class 9 ---------------------------------------------------------------------------------------------------
@@ -307,18 +307,18 @@ def test_class9_harness_work_is_bounded(persistent, name):
 
 # ---- class 10 --------------------------------------------------------------------------------------------------
 
-from redteam_checks import class10_forged_exit_status as test_class10_forged_exit_status
+test_class10_forged_exit_status = checks.class10_forged_exit_status
 
 
 # ---- class 11 --------------------------------------------------------------------------------------------------
 
-from redteam_checks import class11_clone_namespaces_plain_job as test_class11_clone_namespaces_plain_job
-from redteam_checks import class11_clone_namespaces_code_verifier as test_class11_clone_namespaces_code_verifier
+test_class11_clone_namespaces_plain_job = checks.class11_clone_namespaces_plain_job
+test_class11_clone_namespaces_code_verifier = checks.class11_clone_namespaces_code_verifier
 
 
 # ---- class 12 --------------------------------------------------------------------------------------------------
 
-from redteam_checks import class12_correct_programs_pass as test_class12_correct_programs_pass
+test_class12_correct_programs_pass = checks.class12_correct_programs_pass
 
 
 def test_class12_numpy_program_passes(fresh, persistent):

@@ -39,7 +39,8 @@ def _job_processes(sandbox) -> list[int]:
 
 def test_protocol_and_basic_statuses(sandbox):
     assert isinstance(sandbox, Sandbox)
-    r = sandbox.run(Job("import sys\nname = open('data.txt').read()\nprint(input() + name)\nprint('e', file=sys.stderr)",
+    r = sandbox.run(Job("import sys\nname = open('data.txt').read()\nprint(input() + name)\n"
+                        "print('e', file=sys.stderr)",
                         stdin="hello ", files={"data.txt": "world"}))
     assert (r.status, r.exit_code, r.stdout, r.stderr) == ("ok", 0, "hello world\n", "e\n")
     assert r.wall_s > 0 and r.peak_mb > 0
@@ -182,7 +183,8 @@ def _run_as_nobody(tmp_path):
     assert out["detached"] == "ok" and out["fork_bomb"] == "timeout"
     assert "net ns per worker" in out["describe"] or out["warnings"]
     if out["harness"][0]:  # the persistent code harness runs in a user namespace too
-        assert all(v.strip().startswith('@@megarl-code-done s3 {"results": [{"ok": true}]}') for v in out["harness"][1:])
+        done = '@@megarl-code-done s3 {"results": [{"ok": true}]}'
+        assert all(v.strip().startswith(done) for v in out["harness"][1:])
     # what the jobs left would still carry their worker's or harness's command line, which names this sandbox's
     # directory (and only this sandbox's: other uid-65534 processes, e.g. Docker sandboxes', are not ours)
     leftover = subprocess.run(["pgrep", "-u", "65534", "-f", out["root"]], capture_output=True, text=True).stdout

@@ -56,7 +56,7 @@ def test_reinforce_pp_baseline_centres_per_group_then_divides_by_batch_std():
 
 def test_advantage_registry_lists_valid_names():
     with pytest.raises(ValueError, match="rloo"):
-        ADVANTAGES.get("no-such-estimator").fn
+        ADVANTAGES.get("no-such-estimator")
 
 
 # -- policy losses ----------------------------------------------------------------------------------------------

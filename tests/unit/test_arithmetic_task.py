@@ -112,7 +112,7 @@ def test_split_is_deterministic_seeded_and_order_independent():
     _, b = split_problems(seed=0)
     _, c = split_problems(seed=1)
     _, d = split_problems(list(reversed(all_problems())), seed=0)
-    ids = lambda ps: {p.id for p in ps}  # noqa: E731
+    ids = lambda ps: {p.id for p in ps}
     assert ids(a) == ids(b) == ids(d)
     assert ids(a) != ids(c)
     # Both operations are represented, not a contiguous slice of the fixed order.
@@ -128,7 +128,8 @@ def test_jsonl_rows(tmp_path):
     assert all(isinstance(r["answer"], str) and r["verifier"] == "arithmetic" for r in rows)
     assert read_jsonl(path) == heldout
     write_jsonl(path, [p for p in all_problems() if p.id == "add-12-7"])
-    assert json.loads(path.read_text()) == {"id": "add-12-7", "prompt": "12+7=", "answer": "19", "verifier": "arithmetic"}
+    assert json.loads(path.read_text()) == {"id": "add-12-7", "prompt": "12+7=", "answer": "19",
+                                            "verifier": "arithmetic"}
 
 
 # --- tokenizer ----------------------------------------------------------------------------------------------

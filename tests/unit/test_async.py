@@ -20,7 +20,7 @@ from megarl.config import ConfigError
 from megarl.rollout.base import Completion, SamplingParams
 from megarl.rollout.builtin import BuiltinEngine
 from megarl.rollout.engine_process import EngineProcess, EngineProcessError
-from megarl.rollout.weight_sync import pack_buckets, push
+from megarl.rollout.weight_sync import push
 from megarl.stages.asynchronous import (AsyncCollect, OrderedEngine, Pipeline, StalenessError, check_staleness,
                                         overlap_metrics)
 from megarl.stages.collect import DynamicSampling, drop_stale_groups

@@ -10,11 +10,11 @@ from __future__ import annotations
 import pytest
 import torch
 
-transformers = pytest.importorskip("transformers")
+from megarl.model_shape import ModelShape
+from megarl.rollout.base import RolloutEngine, SamplingParams
+from megarl.rollout.builtin import BuiltinEngine
 
-from megarl.rollout.base import RolloutEngine, SamplingParams  # noqa: E402
-from megarl.model_shape import ModelShape  # noqa: E402
-from megarl.rollout.builtin import BuiltinEngine  # noqa: E402
+transformers = pytest.importorskip("transformers")
 
 VOCAB = 96
 PROMPTS = [[5, 17, 33, 2, 8, 90, 41], [12, 7], [60, 61, 62, 63, 1]]  # different lengths: exercises left padding
@@ -219,11 +219,13 @@ def test_config_parsing():
     base = {"model_type": "llama", "vocab_size": VOCAB, "hidden_size": 64, "intermediate_size": 128,
             "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2}
     assert ModelShape.from_hf_config({**base, "rope_theta": 500.0}).rope_theta == 500.0  # transformers < 5
-    assert ModelShape.from_hf_config({**base, "rope_parameters": {"rope_type": "default", "rope_theta": 7.0}}).rope_theta == 7.0
+    default = {"rope_type": "default", "rope_theta": 7.0}
+    assert ModelShape.from_hf_config({**base, "rope_parameters": default}).rope_theta == 7.0
     assert ModelShape.from_hf_config(base).qkv_bias is False
     assert ModelShape.from_hf_config({**base, "model_type": "qwen2"}).qkv_bias is True
     with pytest.raises(ValueError, match="rope type 'dynamic'"):
-        ModelShape.from_hf_config({**base, "rope_parameters": {"rope_type": "dynamic", "rope_theta": 7.0, "factor": 8.0}})
+        ModelShape.from_hf_config({**base,
+                                   "rope_parameters": {"rope_type": "dynamic", "rope_theta": 7.0, "factor": 8.0}})
     with pytest.raises(ValueError, match="model_type"):
         ModelShape.from_hf_config({**base, "model_type": "gpt2"})
 

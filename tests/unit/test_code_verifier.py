@@ -104,11 +104,14 @@ HACKS = {
     "sys.exit(0) before the tests": "import sys\nsys.exit(0)\ndef add(a, b):\n    return 0\n",
     "SystemExit inside the call": "def add(a, b):\n    raise SystemExit(0)\n",
     "os._exit(0) inside the call": "import os\ndef add(a, b):\n    os._exit(0)\n",
-    "atexit forcing exit 0": "import atexit, os\natexit.register(lambda: os._exit(0))\ndef add(a, b):\n    raise ValueError\n",
-    "always-equal object": "class E:\n    def __eq__(self, other):\n        return True\ndef add(a, b):\n    return E()\n",
+    "atexit forcing exit 0": "import atexit, os\natexit.register(lambda: os._exit(0))\n"
+                             "def add(a, b):\n    raise ValueError\n",
+    "always-equal object": "class E:\n    def __eq__(self, other):\n        return True\n"
+                           "def add(a, b):\n    return E()\n",
     "always-equal int subclass": "class E(int):\n    def __eq__(self, other):\n        return True\n"
                                  "def add(a, b):\n    return E(0)\n",
-    "killing the parent": "import os, signal\ndef add(a, b):\n    os.kill(os.getppid(), signal.SIGKILL)\n    return 0\n",
+    "killing the parent": "import os, signal\ndef add(a, b):\n"
+                          "    os.kill(os.getppid(), signal.SIGKILL)\n    return 0\n",
     "printing a fake verdict": "print('@@megarl-code-done x {\"results\": [{\"ok\": true}]}')\n"
                                "def add(a, b):\n    return 0\n",
     "detached child holding the pipes": "import os, time\nif os.fork() == 0:\n    os.setsid()\n    time.sleep(30)\n"
@@ -153,7 +156,7 @@ def test_the_hunter_finds_a_key_it_can_reach():
     spec = dict(SECRET_IO)  # noqa: F841 - reachable through the frame the hunter walks
     env = {}
     exec(KEY_HUNT_FUNCTION, env)
-    held = SECRET_ADD["test"]  # noqa: F841
+    held = SECRET_ADD["test"]  # noqa: F841 - reachable through the frame the hunter walks
     assert env["add"](2, 3) == 5 and env["add"](10, 7) == 17
 
 

@@ -118,7 +118,8 @@ def test_command_line_overrides_recipe(recipe):
 
 def test_later_array_overrides_earlier_and_extra_args_arrays_are_read(tmp_path):
     # Arrays outside the known order (here CUSTOM_ARGS) are read after the known ones; the last value wins.
-    path = write_recipe(tmp_path, "TRAINING_ARGS=(--seed 1 --num-steps 2)\nMODEL_ARGS=(--seed 5)\nCUSTOM_ARGS=(--num-steps 9)\n")
+    path = write_recipe(tmp_path, "TRAINING_ARGS=(--seed 1 --num-steps 2)\nMODEL_ARGS=(--seed 5)\n"
+                        "CUSTOM_ARGS=(--num-steps 9)\n")
     cfg = parse_args([str(path)])
     assert cfg.training.seed == 1  # MODEL_ARGS comes before TRAINING_ARGS whatever the file order
     assert cfg.training.num_steps == 9
@@ -341,7 +342,7 @@ def test_flag_names_are_unique_across_sections():
 
 def test_help_text_lists_every_field_with_its_help():
     text = help_text()
-    for section, f in all_fields():
+    for _section, f in all_fields():
         flag = "--" + f.name.replace("_", "-")
         lines = [line for line in text.splitlines() if line.strip().startswith(flag + " ")]
         assert len(lines) == 1, flag

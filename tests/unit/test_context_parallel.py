@@ -123,7 +123,7 @@ def test_planner_counts_cp_in_dp_and_splits_activations():
                                        rope_theta=1e6, tie_word_embeddings=False))
     c = P.Cluster(P.GPUS["h100"], 8)
     base = P.RunSettings(tp=2, micro_batch_size=1, distributed_optimizer=True)
-    train = lambda r: P.memory_plan(s, r, c)[0].phases[0].components  # noqa: E731
+    train = lambda r: P.memory_plan(s, r, c)[0].phases[0].components
     one, two = train(base), train(replace(base, cp=2))
     assert two["activations + logits"] == pytest.approx(one["activations + logits"] / 2)
     # the distributed optimizer shards over DP x CP (Megatron's dp-cp group): 8 / TP 2 either way

@@ -48,7 +48,8 @@ def test_gae_gamma_lambda_one_is_reward_to_go_minus_value():
     # row 1: rewards -0.25, 0, -0.05;              reward-to-go -0.3, -0.05, -0.05
     torch.testing.assert_close(rewards, t([[-0.05, -0.1, 0.85, 0], [0, -0.25, 0.0, -0.05]]))
     adv, ret = compute_gae(rewards, values, mask, 1.0, 1.0)
-    torch.testing.assert_close(adv, t([[0.7 - 0.3, 0.75 + 0.2, 0.85 - 0.4, 0], [0, -0.3 - 0.1, -0.05 - 0.2, -0.05 - 0.3]]))
+    torch.testing.assert_close(adv, t([[0.7 - 0.3, 0.75 + 0.2, 0.85 - 0.4, 0],
+                                       [0, -0.3 - 0.1, -0.05 - 0.2, -0.05 - 0.3]]))
     torch.testing.assert_close(ret, t([[0.7, 0.75, 0.85, 0], [0, -0.3, -0.05, -0.05]]))
 
 

@@ -117,7 +117,8 @@ def test_disaggregated_dry_run_shows_the_synchronous_or_asynchronous_layout(stal
         assert ("megarl: asynchronous (--async-staleness 1): 4 SGLang server(s) on 1 node(s) generate step s's batch "
                 "with the weights of step s - 1 while 2 training node(s) train") in proc.stdout
     else:
-        assert "megarl: synchronous: 4 SGLang server(s) on 1 node(s) generate, then 2 training node(s) train" in proc.stdout
+        assert ("megarl: synchronous: 4 SGLang server(s) on 1 node(s) generate, then 2 training node(s) train"
+                in proc.stdout)
     _, train = commands(proc.stdout)
     cfg = parse_args(recipe_argv_of(train[train.index("torchrun"):]))
     assert cfg.training.async_staleness == staleness

@@ -1,13 +1,13 @@
 """megarl's fused kernels for Megatron's local spec (`megarl/mcore/local_kernels.py`), each against an independent
 reference: attention against softmax(QK^T)V written out in float64, RoPE against Megatron's own unfused RoPE and
-`transformers`' `apply_rotary_pos_emb`, RMSNorm against `torch.nn.RMSNorm`; forward values and gradients. The whole model against `transformers` is
-tests/distributed/test_parallel_equivalence.py (it runs these kernels: they are the default without TE)."""
+`transformers`' `apply_rotary_pos_emb`, RMSNorm against `torch.nn.RMSNorm`; forward values and gradients. The whole
+model against `transformers` is tests/distributed/test_parallel_equivalence.py (it runs these kernels: they are the
+default without TE)."""
 
 from __future__ import annotations
 
 import pytest
 import torch
-import torch.nn.functional as F
 
 from megarl.mcore import local_kernels as K
 

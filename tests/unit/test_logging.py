@@ -218,7 +218,8 @@ def test_wandb_offline_run_holds_the_metrics_and_samples(tmp_path, monkeypatch):
 def test_missing_wandb_and_tensorboard_warn_and_continue(tmp_path, monkeypatch, capsys):
     monkeypatch.setitem(sys.modules, "wandb", None)  # import wandb -> ImportError
     monkeypatch.setitem(sys.modules, "torch.utils.tensorboard", None)
-    cfg = LoggingConfig(output_dir=str(tmp_path), wandb_project="p", wandb_mode="offline", tensorboard_dir=str(tmp_path))
+    cfg = LoggingConfig(output_dir=str(tmp_path), wandb_project="p", wandb_mode="offline",
+                        tensorboard_dir=str(tmp_path))
     assert open_sinks(cfg, cfg.output_dir, {}, resumed=False) == []
     err = capsys.readouterr().err
     assert "--wandb-project needs the wandb package" in err and "continuing without wandb" in err
@@ -236,7 +237,8 @@ def test_wandb_that_cannot_start_is_a_config_error(tmp_path, monkeypatch):
     monkeypatch.setitem(sys.modules, "wandb", types.SimpleNamespace(init=init))
     cfg = LoggingConfig(output_dir=str(tmp_path), wandb_project="p", wandb_mode="online")
     with pytest.raises(ConfigError, match=r"--wandb-project p: wandb could not start a run \(RuntimeError: api_key "
-                                          r"not configured \(no-tty\)\); run `wandb login`, or use --wandb-mode offline"):
+                                          r"not configured \(no-tty\)\); run `wandb login`, "
+                                          r"or use --wandb-mode offline"):
         open_sinks(cfg, cfg.output_dir, {}, resumed=False)
 
 

@@ -31,7 +31,7 @@ def test_starter_rows_label_only_the_models_tokens():
 
     tok = build_tokenizer(chars=CHARS)
     p = all_problems()[777]
-    enc = lambda text: tok(text, add_special_tokens=False)["input_ids"]  # noqa: E731
+    enc = lambda text: tok(text, add_special_tokens=False)["input_ids"]
     ids, labels = row(p, tok, use_tool=True)
     prompt, call, out, answer = enc(p.prompt), enc(tool_call(p)), enc(tool_output(p.answer)), enc(p.answer) + [0]
     assert ids == prompt + call + out + answer

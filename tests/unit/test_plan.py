@@ -85,9 +85,9 @@ def test_kv_cache_bytes_per_token(layers, kv_heads, head_dim, expected):
 def test_distributed_optimizer_and_offload_shrink_what_they_should():
     s, c = shape("qwen2.5-math-7b"), P.Cluster(H100, 8)
     base = P.RunSettings(tp=2, micro_batch_size=1)
-    opt = lambda r: P.memory_plan(s, r, c)[0].phases[0].components["optimizer (fp32 main + Adam)"]  # noqa: E731
+    opt = lambda r: P.memory_plan(s, r, c)[0].phases[0].components["optimizer (fp32 main + Adam)"]
     assert opt(replace(base, distributed_optimizer=True)) == pytest.approx(opt(base) / 4)  # DP = 8 / 2
-    rollout = lambda r: P.memory_plan(s, r, c)[0].phases[1].components  # noqa: E731
+    rollout = lambda r: P.memory_plan(s, r, c)[0].phases[1].components
     off = rollout(replace(base, offload_optimizer=True, offload_params=True))
     assert off["optimizer (fp32 main + Adam)"] == off["gradients (fp32)"] == off["actor weights"] == 0
     assert rollout(base)["optimizer (fp32 main + Adam)"] > 0

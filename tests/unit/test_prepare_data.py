@@ -69,7 +69,7 @@ def test_dapo_math_chat_prompt_and_ground_truth(tmp_path):
 
 
 def test_code_contests_merges_test_sets_into_stdio_cases(tmp_path):
-    t = lambda i, o: {"input": i, "output": o}  # noqa: E731
+    t = lambda i, o: {"input": i, "output": o}
     src = write_parquet(tmp_path / "cc.parquet", [
         {"name": "sum", "description": "Read a and b, print a+b.", "public_tests": t(["1 2\n"], ["3\n"]),
          "private_tests": t(["5 5\n"], ["10\n"]), "generated_tests": t(["0 0\n", "9 1\n"], ["0\n", "10\n"])},

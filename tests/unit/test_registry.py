@@ -60,7 +60,8 @@ def test_the_builtin_components_declare_their_options_and_config_names_none_of_t
     assert {"verifier.code", "verifier.math", "reward_model.hf_rm", "reward_model.remote_rm",
             "reward_model.llm_judge"} <= set(sections)
     flags = flag_specs(sections)
-    assert flags["--code-reward"].section == "verifier.code" and flags["--judge-url"].section == "reward_model.llm_judge"
+    assert flags["--code-reward"].section == "verifier.code"
+    assert flags["--judge-url"].section == "reward_model.llm_judge"
     assert "--code-reward" not in flag_specs()  # megarl.config alone knows only its own sections
 
 

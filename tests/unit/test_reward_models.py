@@ -122,7 +122,7 @@ class FlakyRM:
         outer = self
 
         class Handler(BaseHTTPRequestHandler):
-            def do_POST(self):  # noqa: N802
+            def do_POST(self):
                 body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
                 kind, _, value = body["response"].partition(":")
                 with lock:
@@ -370,7 +370,7 @@ class FakeOpenAI:
         outer = self
 
         class Handler(BaseHTTPRequestHandler):
-            def do_POST(self):  # noqa: N802
+            def do_POST(self):
                 body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
                 assert self.path == "/v1/chat/completions" and body["temperature"] == 0.0
                 prompt = body["messages"][0]["content"]

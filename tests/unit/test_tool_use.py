@@ -124,7 +124,7 @@ def test_tokens_masks_and_logprobs_line_up_with_the_trajectory(tok):
 
 def test_a_trajectory_without_a_call_is_the_single_turn_sample(tok):
     prompts = _prompts(tok, "3*4=", "5*6=")
-    answer = lambda p, k, j: f"{eval(p[:-1]) + j}$" if j < 2 else "1234567890"  # noqa: E731 - right, wrong, cut
+    answer = lambda p, k, j: f"{eval(p[:-1]) + j}$" if j < 2 else "1234567890"
     params = SamplingParams(n=3, max_new_tokens=6, stop_token_ids=(EOS,), seed=1)
     tool = EvalTool()
     ours = _rollout(tool)(ScriptedEngine(tok, answer), prompts, params, InProcessReward(), tok)
@@ -156,13 +156,13 @@ def test_without_a_call_the_builtin_engine_samples_what_single_turn_samples(tok,
 
 def test_turn_and_call_limits(tok):
     prompts = _prompts(tok, "2*3=")
-    always = lambda p, k, j: "```python\n2*3\n```\n"  # noqa: E731
+    always = lambda p, k, j: "```python\n2*3\n```\n"
     params = SamplingParams(n=1, max_new_tokens=200, stop_token_ids=(EOS,))
     (s,) = _rollout(max_turns=3)(ScriptedEngine(tok, always), prompts, params, InProcessReward(), tok)
     assert (s.metadata["turns"], s.metadata["tool_calls"], s.status) == (3, 2, SampleStatus.COMPLETED)
     assert s.loss_mask[-len(enc(tok, always("", 0, 0))):] == [1] * len(enc(tok, always("", 0, 0))), "last call unrun"
     assert s.response_text == always("", 0, 0) and s.outcome == "no_answer"
-    two = lambda p, k, j: "```python\n1\n```\n```python\n2\n```\n"  # noqa: E731
+    two = lambda p, k, j: "```python\n1\n```\n```python\n2\n```\n"
     (s,) = _rollout(max_tool_calls=1)(ScriptedEngine(tok, two), prompts, params, InProcessReward(), tok)
     assert (s.metadata["turns"], s.metadata["tool_calls"], s.loss_mask) == (1, 0, [1] * len(s.response_ids))
 
@@ -184,7 +184,7 @@ def test_tool_output_is_cut_with_a_marker_and_the_budget_holds(tok):
 
 def test_malformed_and_unknown_calls_and_the_control_become_error_observations(tok):
     prompts = _prompts(tok, "2*3=")
-    script = lambda p, k, j: ('<tool_call>{"name": "python", "arguments": {"code": "2*3"}}</tool_call>'  # noqa: E731
+    script = lambda p, k, j: ('<tool_call>{"name": "python", "arguments": {"code": "2*3"}}</tool_call>'
                               '<tool_call>{bad</tool_call><tool_call>{"name": "search"}</tool_call>'
                               if k == 0 else "6$")
     params = SamplingParams(n=1, max_new_tokens=1000, stop_token_ids=(EOS,))
@@ -233,7 +233,7 @@ def test_chat_models_get_the_templates_tool_turn(tok):
     chat.chat_template = ("{% for m in messages %}{{ m.role }}: {{ m.content }}<|endoftext|>\n{% endfor %}"
                           "{% if add_generation_prompt %}assistant: {% endif %}")
     assert chat_tool_turn(chat, ["408", "7"]) == "\ntool: 408<|endoftext|>\ntool: 7<|endoftext|>\nassistant: "
-    script = lambda p, k, j: "```python\n12*34\n```$" if k == 0 else "408$"  # noqa: E731
+    script = lambda p, k, j: "```python\n12*34\n```$" if k == 0 else "408$"
     engine = ScriptedEngine(chat, script, marker="tool: ")
     (s,) = _rollout()(engine, _prompts(chat, "12*34="), SamplingParams(max_new_tokens=80, stop_token_ids=(EOS,)),
                       InProcessReward(), chat)

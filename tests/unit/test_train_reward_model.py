@@ -113,7 +113,7 @@ def test_the_losses_by_hand():
         def forward_ids(self, ids):
             return torch.tensor([scores[x[0]] for x in ids])
 
-    sig = lambda x: 1 / (1 + math.exp(-x))  # noqa: E731
+    sig = lambda x: 1 / (1 + math.exp(-x))
     pair = {"prompt": "p", "chosen": "a", "rejected": "b"}
     labelled = {"prompt": "p", "response": "c", "label": 0}
     assert tool.loss_of(FakeRM(), [pair]).item() == pytest.approx(-math.log(sig(3.0)))
@@ -141,7 +141,7 @@ def test_the_listwise_loss_by_hand():
         return -math.log(math.exp(scores[right]) / sum(math.exp(scores[x]) for x in [right, *wrong]))
 
     def bce(right, wrong):
-        sig = lambda x: 1 / (1 + math.exp(-x))  # noqa: E731
+        sig = lambda x: 1 / (1 + math.exp(-x))
         return -math.log(sig(scores[right])) - sum(math.log(1 - sig(scores[x])) for x in wrong)
 
     groups = [("p", "a", ["b", "c"]), ("q", "d", ["e", "f"])]
@@ -157,7 +157,7 @@ def test_listwise_groups_gather_each_prompts_wrong_answers():
     assert groups == [("1+1=", "2", ["3", "1", "", "22"]), ("2+2=", "4", ["5"])]
     picked = tool.sample_groups(groups, 2, 3, random.Random(0))
     assert sorted(g[0] for g in picked) == ["1+1=", "2+2="]
-    for prompt, right, wrong in picked:
+    for prompt, _right, wrong in picked:
         assert len(wrong) == 3 and set(wrong) <= set(dict((g[0], g[2]) for g in groups)[prompt])
         if prompt == "1+1=":
             assert len(set(wrong)) == 3  # enough wrong answers: drawn without replacement
