@@ -57,7 +57,8 @@ def environment() -> dict:
            "gpu": torch.cuda.get_device_name(0) if torch.cuda.is_available() else None}
     for name, module in (("megatron_core", "megatron.core"), ("einops", "einops"),
                          ("transformer_engine", "transformer_engine.pytorch"), ("sglang", "sglang"),
-                         ("flash_attn", "flash_attn"), ("safetensors", "safetensors"), ("transformers", "transformers")):
+                         ("flash_attn", "flash_attn"), ("safetensors", "safetensors"),
+                         ("transformers", "transformers")):
         try:
             mod = __import__(module, fromlist=["_"])
             top = sys.modules[module.split(".")[0]]

@@ -6,8 +6,9 @@ side in one process: forward + backward milliseconds per call at one layer and m
     python tools/bench/kernels.py --dtype fp32 --seq 512
 
 Megatron's side: `DotProductAttention` (causal, fp32 softmax), `_apply_rotary_pos_emb_bshd` (its unfused RoPE),
-`WrappedTorchNorm` (torch.nn.RMSNorm), as megatron-core ships them and as its local spec runs them without Transformer Engine. The two sides alternate
-call by call; the median of `--repeats` timed calls after a warm-up is reported.
+`WrappedTorchNorm` (torch.nn.RMSNorm), as megatron-core ships them and as its local spec runs them without
+Transformer Engine. The two sides alternate call by call; the median of `--repeats` timed calls after a warm-up is
+reported.
 """
 
 from __future__ import annotations
