@@ -175,7 +175,7 @@ def read_rows(path: Path) -> list[dict]:
         try:
             row = json.loads(line)
         except json.JSONDecodeError as e:
-            raise SystemExit(f"{path}:{n}: not valid JSON ({e.msg})")
+            raise SystemExit(f"{path}:{n}: not valid JSON ({e.msg})") from None
         pair = isinstance(row, dict) and {"prompt", "chosen", "rejected"} <= set(row)
         labelled = isinstance(row, dict) and {"prompt", "response", "label"} <= set(row)
         if not pair and not labelled:

@@ -105,7 +105,7 @@ def verifier_settings(args) -> dict[str, dict]:
     from megarl.reward import reward_options
 
     values = {}
-    for flag, spec in _verifier_flags().items():
+    for _flag, spec in _verifier_flags().items():
         raw = getattr(args, spec.name, None)
         if raw is not None:
             values[spec.name] = convert_value(spec, raw, "command line")

@@ -387,7 +387,7 @@ class SGLangServers:
                            "dtypes": [str(s.dtype).removeprefix("torch.") for s in bucket.slots],
                            "shapes": [list(s.shape) for s in bucket.slots], "group_name": self.group_name,
                            "flush_cache": False, "load_format": "flattened_bucket"}
-                pending = _in_threads([lambda u=u: self._post(u, "/update_weights_from_distributed", request)
+                pending = _in_threads([lambda u=u, body=request: self._post(u, "/update_weights_from_distributed", body)
                                        for u in self.urls])
                 dist.broadcast(bucket.flat, src=0, group=self.group)
                 for result in _join(pending):

@@ -369,7 +369,6 @@ class _Container:
         return wire
 
     def receive(self, timeout: float, wire: dict) -> RunResult:
-        start = time.monotonic()
         line = self._readline(timeout)
         if len(line) > 64 << 20:
             raise ValueError("oversized answer")
