@@ -63,7 +63,7 @@ def environment() -> dict:
             mod = __import__(module, fromlist=["_"])
             top = sys.modules[module.split(".")[0]]
             env[name] = getattr(mod, "__version__", None) or getattr(top, "__version__", "yes")
-        except Exception as e:  # a missing package or a CUDA kernel that fails to load
+        except Exception as e:  # noqa: BLE001 - a missing package or a CUDA kernel that fails to load in any way
             env[name] = f"unavailable ({type(e).__name__}: {str(e).splitlines()[0][:120] if str(e) else ''})"
     return env
 
@@ -311,7 +311,7 @@ def run_part(name: str, title: str, fn, results: dict, budget: Budget, need_s: f
     t = time.perf_counter()
     try:
         out = fn()
-    except Exception as e:  # report and go on: one broken part must not hide the others' figures
+    except Exception as e:  # noqa: BLE001 - report and go on: one broken part must not hide the others' figures
         out = {"status": "failed", "error": f"{type(e).__name__}: {e}", "trace": traceback.format_exc()[-3000:]}
         log(out["trace"])
     out.pop("engine", None)

@@ -43,8 +43,8 @@ KV_CACHE, WEIGHTS = "kv_cache", "weights"
 def sglang_available() -> tuple[bool, str]:
     """(importable, why not) without raising: `sglang` needs CUDA kernels to run a model, not to import."""
     try:
-        import sglang  # noqa: F401
-    except Exception as e:  # ImportError, or a kernel wheel that fails to load
+        import sglang  # noqa: F401 - only to see it imports
+    except Exception as e:  # noqa: BLE001 - ImportError, or a kernel wheel that fails to load in any way
         return False, f"sglang is not importable ({type(e).__name__}: {e})"
     return True, ""
 
