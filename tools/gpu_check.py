@@ -206,7 +206,7 @@ def grpo_part(args, hf_config: dict, *, bf16: bool, offload: bool, use_te: bool 
 
 def summarize(rows: list[dict]) -> dict:
     last = rows[1:] or rows  # the first step pays for warm-up
-    mean = lambda k: sum(r[k] for r in last) / len(last)  # noqa: E731
+    mean = lambda k: sum(r[k] for r in last) / len(last)
     return {"rollout_tokens_per_s": mean("rollout_tokens_per_s"), "sync_seconds": mean("sync_seconds"),
             "sync_total_seconds": mean("sync_total_seconds"), "step_seconds": mean("step_seconds"),
             "train_seconds": mean("train_seconds")}

@@ -57,7 +57,7 @@ def main() -> None:
     config = transformer_config(shape, tp=1, pp=1, params_dtype=dtype, bf16=dtype == torch.bfloat16)
     s, b, h, g, d = args.seq, args.batch, shape.num_attention_heads, shape.num_kv_heads, shape.head_dim
     torch.manual_seed(0)
-    randn = lambda *size: torch.randn(*size, dtype=dtype)  # noqa: E731
+    randn = lambda *size: torch.randn(*size, dtype=dtype)
 
     stock_attention = DotProductAttention(config, layer_number=1, attn_mask_type=AttnMaskType.causal,
                                           attention_type="self")

@@ -380,7 +380,7 @@ def bench_size(size: Size, args, work: Path) -> dict:
     ours.close()
     params = sum(t.numel() for t in load_file(str(model_dir / "model.safetensors")).values())
     megarl_runs, trl_runs = megarl_runs[args.warmup :], trl_runs[args.warmup :]
-    as_dicts = lambda runs: [{p: c.__dict__ for p, c in r.items()} for r in runs]  # noqa: E731
+    as_dicts = lambda runs: [{p: c.__dict__ for p, c in r.items()} for r in runs]
     return {"size": size.__dict__, "parameters": params, "threads": args.threads, "precision": args.precision,
             "megarl_kernels": args.megarl_kernels,
             "megarl": median_phases(megarl_runs), "trl": median_phases(trl_runs),

@@ -103,7 +103,7 @@ def summarize(rows, verdicts, seconds) -> dict:
     neg = [v["ok"] for r, v in main if not r["label"]]
     pos = [v["ok"] for r, v in main if r["label"]]
     lat = sorted(v["seconds"] for v in verdicts)
-    q = lambda p: lat[min(len(lat) - 1, int(p * len(lat)))]  # noqa: E731
+    q = lambda p: lat[min(len(lat) - 1, int(p * len(lat)))]
     return {
         "cases": len(main), "accuracy": sum(v["ok"] == r["label"] for r, v in main) / len(main),
         "errors": sum(v["ok"] != r["label"] for r, v in main),
