@@ -134,7 +134,7 @@ def check_usage(args) -> tuple[str, ...]:
         raise InputError(f"--verifier: {error}")
     if args.compare == "math-verify":
         try:
-            import math_verify  # noqa: F401
+            import math_verify  # noqa: F401 - only to see that it is installed
         except ImportError:
             raise InputError("--compare math-verify needs the math-verify package (pip install math-verify)") from None
     verifier_settings(args)  # a bad value stops here

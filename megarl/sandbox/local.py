@@ -214,7 +214,7 @@ class _Worker:
         try:
             self.proc.stdin.close()
             self.proc.wait(timeout=10)
-        except Exception:  # noqa: BLE001
+        except Exception:  # noqa: BLE001 - whatever stops a clean exit (a broken pipe, a timeout): kill it instead
             self.kill()
 
     def kill(self) -> None:

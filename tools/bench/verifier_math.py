@@ -151,7 +151,7 @@ def main() -> int:
     with_mv = not args.no_math_verify
     if with_mv:
         try:
-            import math_verify  # noqa: F401
+            import math_verify  # noqa: F401 - only to see that it is installed
         except ImportError:
             print("math-verify is not installed (pip install math-verify==0.9.0): megarl only")
             with_mv = False
