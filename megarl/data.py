@@ -93,12 +93,14 @@ def _parquet_rows(path: Path, flag: str) -> Iterator[tuple[str, Any]]:
     """Rows as plain Python values (a list<struct> column of messages becomes a list of dicts), in batches so a
     large file is never held as Python objects all at once."""
     try:
+        import pyarrow
         import pyarrow.parquet as pq
     except ImportError:
         raise ConfigError(f"{flag} {path}: reading parquet needs pyarrow (pip install pyarrow)") from None
     try:
         reader = pq.ParquetFile(path)
-    except Exception as e:  # pyarrow raises ArrowInvalid and friends for a file that is not parquet
+    except (pyarrow.ArrowException, OSError) as e:  # ArrowInvalid, OSError ("Couldn't deserialize thrift"),
+        # FileNotFoundError: a file that is not parquet, or not there
         raise ConfigError(f"{flag} {path}: not a readable parquet file ({e})") from None
     index = 0
     for batch in reader.iter_batches(batch_size=4096):

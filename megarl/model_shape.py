@@ -91,7 +91,8 @@ class ModelShape:
     def from_hf_config(cls, cfg: dict, source: str = "config.json") -> "ModelShape":
         family = cfg.get("model_type")
         if family not in SUPPORTED_FAMILIES:
-            raise ValueError(f"{source}: model_type {family!r} is not supported; supported: {', '.join(SUPPORTED_FAMILIES)}")
+            raise ValueError(f"{source}: model_type {family!r} is not supported; "
+                             f"supported: {', '.join(SUPPORTED_FAMILIES)}")
         if cfg.get("hidden_act", "silu") != "silu":
             raise ValueError(f"{source}: hidden_act {cfg['hidden_act']!r} is not supported; supported: silu (SwiGLU)")
         if cfg.get("mlp_bias", False):

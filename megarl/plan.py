@@ -144,7 +144,8 @@ def expert_params(s: ModelShape, layer: int) -> int:
 
 
 def reward_model_params(s: ModelShape) -> int:
-    """An `hf_rm` sequence classifier: the embedding and trunk, the final norm and a one-label head (no output layer)."""
+    """An `hf_rm` sequence classifier: the embedding and trunk, the final norm and a one-label head
+    (no output layer)."""
     return sum(layer_params(s, i) for i in range(s.num_layers)) + s.vocab_size * s.hidden_size + 2 * s.hidden_size
 
 
@@ -235,7 +236,8 @@ def _engine_tp(s: ModelShape, r: RunSettings, cluster: Cluster) -> int:
     if r.mode == "colocated":
         return r.tp
     tp = 1
-    while tp < cluster.gpus_per_node and weights_bytes(num_params(s)) / tp > DEDICATED_ENGINE_FRACTION * cluster.gpu.memory_bytes / 2:
+    while (tp < cluster.gpus_per_node
+           and weights_bytes(num_params(s)) / tp > DEDICATED_ENGINE_FRACTION * cluster.gpu.memory_bytes / 2):
         tp *= 2
     return tp
 
@@ -425,7 +427,8 @@ def fixes(s: ModelShape, r: RunSettings, cluster: Cluster) -> list[str]:
     tries += [("--use-distributed-optimizer", dict(distributed_optimizer=True)),
              ("--offload-optimizer", dict(offload_optimizer=True)),
              ("--offload-optimizer --offload-params", dict(offload_optimizer=True, offload_params=True)),
-             (f"--micro-batch-size {max(1, r.micro_batch_size // 2)}", dict(micro_batch_size=max(1, r.micro_batch_size // 2))),
+             (f"--micro-batch-size {max(1, r.micro_batch_size // 2)}",
+              dict(micro_batch_size=max(1, r.micro_batch_size // 2))),
              ("--micro-batch-size 1", dict(micro_batch_size=1))]
     if r.tp * 2 <= cluster.gpus_per_node and s.num_attention_heads % (r.tp * 2) == 0:
         tries.append((f"--tensor-model-parallel-size {r.tp * 2}", dict(tp=r.tp * 2)))
@@ -462,5 +465,6 @@ def recommend(s: ModelShape, r: RunSettings, cluster: Cluster) -> tuple[str, str
     fix = fixes(s, replace(r, mode="colocated", rollout_gpus=0), cluster)
     why = ("neither layout fits: " if dis is not None else "it does not fit (one GPU: colocated only): ")
     why += (colo.memory[0].problems or ["?"])[0]
-    why += f"; each of these makes colocated fit: {'; '.join(fix)}" if fix else "; it needs more GPUs or a smaller model"
+    why += (f"; each of these makes colocated fit: {'; '.join(fix)}" if fix
+            else "; it needs more GPUs or a smaller model")
     return "neither", why, colo, dis or colo

@@ -134,7 +134,7 @@ def load_plugins(spec: str | Sequence[str]) -> tuple[str, ...]:
             name = path.stem
         try:
             importlib.import_module(name)
-        except Exception as e:  # a plugin's own error, whatever it is, stops the run here with its name
+        except Exception as e:  # noqa: BLE001 - a plugin's own error, whatever it is, stops the run here with its name
             raise ValueError(f"--plugins {item}: importing {name!r} failed: {type(e).__name__}: {e}") from None
         names.append(name)
     return tuple(names)

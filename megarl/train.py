@@ -40,7 +40,8 @@ def main(argv: list[str]) -> int:
         print(f"megarl: error: {e}" if rank == "0" else f"megarl: rank {rank}: error: {e}", file=sys.stderr)
         return 2
     except BaseException as e:  # torchrun then stops the other ranks; say which one failed first
-        print(f"megarl: rank {os.environ.get('RANK', '0')} failed: {type(e).__name__}: {e}", file=sys.stderr, flush=True)
+        print(f"megarl: rank {os.environ.get('RANK', '0')} failed: {type(e).__name__}: {e}",
+              file=sys.stderr, flush=True)
         raise
 
 

@@ -57,12 +57,13 @@ def environment() -> dict:
            "gpu": torch.cuda.get_device_name(0) if torch.cuda.is_available() else None}
     for name, module in (("megatron_core", "megatron.core"), ("einops", "einops"),
                          ("transformer_engine", "transformer_engine.pytorch"), ("sglang", "sglang"),
-                         ("flash_attn", "flash_attn"), ("safetensors", "safetensors"), ("transformers", "transformers")):
+                         ("flash_attn", "flash_attn"), ("safetensors", "safetensors"),
+                         ("transformers", "transformers")):
         try:
             mod = __import__(module, fromlist=["_"])
             top = sys.modules[module.split(".")[0]]
             env[name] = getattr(mod, "__version__", None) or getattr(top, "__version__", "yes")
-        except Exception as e:  # a missing package or a CUDA kernel that fails to load
+        except Exception as e:  # noqa: BLE001 - a missing package or a CUDA kernel that fails to load in any way
             env[name] = f"unavailable ({type(e).__name__}: {str(e).splitlines()[0][:120] if str(e) else ''})"
     return env
 
@@ -205,7 +206,7 @@ def grpo_part(args, hf_config: dict, *, bf16: bool, offload: bool, use_te: bool 
 
 def summarize(rows: list[dict]) -> dict:
     last = rows[1:] or rows  # the first step pays for warm-up
-    mean = lambda k: sum(r[k] for r in last) / len(last)  # noqa: E731
+    mean = lambda k: sum(r[k] for r in last) / len(last)
     return {"rollout_tokens_per_s": mean("rollout_tokens_per_s"), "sync_seconds": mean("sync_seconds"),
             "sync_total_seconds": mean("sync_total_seconds"), "step_seconds": mean("step_seconds"),
             "train_seconds": mean("train_seconds")}
@@ -310,7 +311,7 @@ def run_part(name: str, title: str, fn, results: dict, budget: Budget, need_s: f
     t = time.perf_counter()
     try:
         out = fn()
-    except Exception as e:  # report and go on: one broken part must not hide the others' figures
+    except Exception as e:  # noqa: BLE001 - report and go on: one broken part must not hide the others' figures
         out = {"status": "failed", "error": f"{type(e).__name__}: {e}", "trace": traceback.format_exc()[-3000:]}
         log(out["trace"])
     out.pop("engine", None)

@@ -161,7 +161,8 @@ def noisy_answer(problem: Problem, rng: random.Random, noise_p: float = NOISE_P)
             return str(wrong)
 
 
-def make_batch(problems: list[Problem], tokenizer, rng: random.Random, noise_p: float = NOISE_P) -> dict[str, torch.Tensor]:
+def make_batch(problems: list[Problem], tokenizer, rng: random.Random,
+               noise_p: float = NOISE_P) -> dict[str, torch.Tensor]:
     """`prompt + answer + EOS`, right-padded, no BOS; labels mask the prompt and padding with -100."""
     eos, pad = tokenizer.eos_token_id, tokenizer.pad_token_id
     rows, label_rows = [], []

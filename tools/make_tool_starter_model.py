@@ -59,7 +59,7 @@ def build_model(tokenizer):
 
 def row(problem, tokenizer, use_tool: bool) -> tuple[list[int], list[int]]:
     """Token ids and labels (-100 where there is no loss: the prompt, the tool's output)."""
-    enc = lambda text: tokenizer(text, add_special_tokens=False)["input_ids"]  # noqa: E731
+    enc = lambda text: tokenizer(text, add_special_tokens=False)["input_ids"]
     prompt = enc(problem.prompt)
     if not use_tool:
         answer = enc(problem.answer) + [tokenizer.eos_token_id]

@@ -4,6 +4,7 @@ then runs that command with the same arguments."""
 import sys
 
 if __name__ == "__main__":
-    print("note: tools/prepare_data.py is now megarl-prepare-data (python -m megarl.cli.prepare_data); running it", file=sys.stderr)
+    print("note: tools/prepare_data.py is now megarl-prepare-data (python -m megarl.cli.prepare_data); running it",
+          file=sys.stderr)
     from megarl.cli.prepare_data import main
     sys.exit(main())

@@ -27,7 +27,8 @@ from megarl.plan import (GIB, GPUS, Cluster, Plan, RunSettings, active_params, e
                          kv_bytes_per_token, num_params, plan, recommend, reward_model_params)
 from megarl.preflight import model_problems, prompt_limit
 
-_SHAPE_DUMP = 'source "$1" >/dev/null; for k in "${!MODEL_SHAPE[@]}"; do printf "%s\\0%s\\0" "$k" "${MODEL_SHAPE[$k]}"; done'
+_SHAPE_DUMP = ('source "$1" >/dev/null; '
+               'for k in "${!MODEL_SHAPE[@]}"; do printf "%s\\0%s\\0" "$k" "${MODEL_SHAPE[$k]}"; done')
 
 
 def _value(text: str):
@@ -102,7 +103,8 @@ def format_plan(p: Plan, title: str, gpus_per_node: int = 8) -> str:
         nodes, rem = divmod(r.rollout_gpus, gpus_per_node)
         if not rem and p.memory[0].gpus:
             lines.append(f"  launch: ROLLOUT_NODES={nodes} SGLANG_TP={r.engine_tp} sbatch --nodes "
-                         f"{(r.rollout_gpus + p.memory[0].gpus) // gpus_per_node} launch/slurm/disaggregated.sbatch <recipe>")
+                         f"{(r.rollout_gpus + p.memory[0].gpus) // gpus_per_node} "
+                         "launch/slurm/disaggregated.sbatch <recipe>")
     return "\n".join(lines)
 
 

@@ -54,12 +54,14 @@ def read_rows(path: str | Path) -> Iterator[dict]:
     name = p.name.lower()
     if name.endswith(".parquet"):
         try:
+            import pyarrow
             import pyarrow.parquet as pq
         except ImportError:
             raise SystemExit("reading parquet needs pyarrow: pip install pyarrow") from None
         try:
             reader = pq.ParquetFile(p)
-        except Exception as e:  # pyarrow's ArrowInvalid and friends for a file that is not parquet
+        except (pyarrow.ArrowException, OSError) as e:  # ArrowInvalid, OSError ("Couldn't deserialize thrift"),
+            # FileNotFoundError: a file that is not parquet, or not there
             raise InputError(f"{p}: not a readable parquet file ({e})") from None
         for batch in reader.iter_batches(batch_size=1024):
             yield from batch.to_pylist()

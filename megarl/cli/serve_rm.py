@@ -105,10 +105,10 @@ def make_server(model, host: str, port: int) -> ThreadingHTTPServer:
             self.end_headers()
             self.wfile.write(data)
 
-        def do_GET(self):  # noqa: N802 - the http.server API
+        def do_GET(self):
             self._send(200, {"model": model.path})
 
-        def do_POST(self):  # noqa: N802
+        def do_POST(self):
             try:
                 body = json.loads(self.rfile.read(int(self.headers.get("Content-Length", 0))))
                 if isinstance(model, Judge):

@@ -13,9 +13,9 @@ each problem of DIR/train.jsonl, the answer the arithmetic verifier calls correc
 (off by 1-3, a digit too many, none at all) - the verifier's labels, so the reward model learns to stand in for
 it. `--policy-samples K` adds the mistakes the policy actually makes: K responses per problem sampled from
 `--policy` (the starter RL begins from; default `--init`), each one the verifier calls wrong paired against the
-right answer. `--far-negatives` adds wrong answers unlike the starter's (digits dropped, random numbers, stray characters), the
-drift a policy exploits otherwise; `--listwise K` trains each prompt's right answer against K of its wrong ones
-at once (softmax cross-entropy: the hard negatives weigh most) instead of pair by pair. Texts
+right answer. `--far-negatives` adds wrong answers unlike the starter's (digits dropped, random numbers, stray
+characters), the drift a policy exploits otherwise; `--listwise K` trains each prompt's right answer against K of
+its wrong ones at once (softmax cross-entropy: the hard negatives weigh most) instead of pair by pair. Texts
 are what `megarl.reward.hf_scorer.HFRewardModel` scores (prompt + response through the tokenizer's chat
 template when it has one), so training and scoring read the same tokens.
 
@@ -175,7 +175,7 @@ def read_rows(path: Path) -> list[dict]:
         try:
             row = json.loads(line)
         except json.JSONDecodeError as e:
-            raise SystemExit(f"{path}:{n}: not valid JSON ({e.msg})")
+            raise SystemExit(f"{path}:{n}: not valid JSON ({e.msg})") from None
         pair = isinstance(row, dict) and {"prompt", "chosen", "rejected"} <= set(row)
         labelled = isinstance(row, dict) and {"prompt", "response", "label"} <= set(row)
         if not pair and not labelled:

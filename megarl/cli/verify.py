@@ -105,7 +105,7 @@ def verifier_settings(args) -> dict[str, dict]:
     from megarl.reward import reward_options
 
     values = {}
-    for flag, spec in _verifier_flags().items():
+    for _flag, spec in _verifier_flags().items():
         raw = getattr(args, spec.name, None)
         if raw is not None:
             values[spec.name] = convert_value(spec, raw, "command line")
@@ -134,7 +134,7 @@ def check_usage(args) -> tuple[str, ...]:
         raise InputError(f"--verifier: {error}")
     if args.compare == "math-verify":
         try:
-            import math_verify  # noqa: F401
+            import math_verify  # noqa: F401 - only to see that it is installed
         except ImportError:
             raise InputError("--compare math-verify needs the math-verify package (pip install math-verify)") from None
     verifier_settings(args)  # a bad value stops here
@@ -264,7 +264,7 @@ def summarize(rows: list[dict], results: list, args, compare: list | None, out=N
     math verifier does not score)."""
     out = out or sys.stdout
     n = len(results)
-    say = lambda s="": print(s, file=out)  # noqa: E731
+    say = lambda s="": print(s, file=out)
     used = Counter(r["verifier"] for r in rows)
     say(f"megarl-verify: {n} rows scored with verifier {', '.join(f'{k!r} ({v})' for k, v in sorted(used.items()))}")
     flat = [(i, x) for i, res in enumerate(results) for x in (res if isinstance(res, tuple) else (res,))]
@@ -330,7 +330,7 @@ def _latency(say, rows, flat, args) -> None:
     secs = sorted(x.seconds for _, x in flat)
     if not secs:
         return
-    pick = lambda q: secs[min(len(secs) - 1, int(q * len(secs)))]  # noqa: E731
+    pick = lambda q: secs[min(len(secs) - 1, int(q * len(secs)))]
     say()
     say(f"latency: p50 {1000 * pick(0.5):.1f} ms, p90 {1000 * pick(0.9):.1f} ms, p99 {1000 * pick(0.99):.1f} ms, "
         f"max {1000 * secs[-1]:.1f} ms")

@@ -299,8 +299,6 @@ def _read_safetensors(path: Path, names: Iterable[str]) -> dict[str, torch.Tenso
 def load_hf_weights(model: torch.nn.Module, hf_dir: str | Path, shape: ModelShape, skip: tuple[str, ...] = ()) -> None:
     """Copy an HF checkpoint into this rank's shard of `model` (call before wrapping in DDP). Parameters whose
     canonical name starts with one of `skip` are left as they are (the critic's value head has no HF tensor)."""
-    from megatron.core import parallel_state as ps
-
     model = unwrap(model)
     rules = rules_for(shape)
     names = global_param_names(model)
@@ -347,7 +345,6 @@ def iter_hf_weights(model: torch.nn.Module, shape: ModelShape) -> Iterator[tuple
     from megatron.core import parallel_state as ps
 
     model = unwrap(model)
-    tp_group, tp_size = ps.get_tensor_model_parallel_group(), ps.get_tensor_model_parallel_world_size()
     pp_group, pp_size = ps.get_pipeline_model_parallel_group(), ps.get_pipeline_model_parallel_world_size()
     pp_rank, tp_rank = ps.get_pipeline_model_parallel_rank(), ps.get_tensor_model_parallel_rank()
     rules = rules_for(shape)

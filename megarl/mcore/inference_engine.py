@@ -47,8 +47,8 @@ def megatron_engine_available() -> tuple[bool, str]:
     if not torch.cuda.is_available():
         return False, "Megatron's dynamic inference engine runs on CUDA only and this machine has no GPU"
     try:
-        from megatron.core.inference.engines import DynamicInferenceEngine  # noqa: F401
-    except Exception as e:  # an old megatron-core, or one of its CUDA-only imports failing
+        from megatron.core.inference.engines import DynamicInferenceEngine  # noqa: F401 - only to see it imports
+    except Exception as e:  # noqa: BLE001 - an old megatron-core, or a CUDA-only import failing in any way
         return False, f"megatron.core.inference does not import ({type(e).__name__}: {e})"
     from megatron.core.transformer import attention
 

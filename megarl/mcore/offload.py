@@ -80,7 +80,7 @@ class Offloader:
             self._stored[key] = _Stored(storage, nbytes, device, kind, host)
         if torch.cuda.is_available():
             torch.cuda.synchronize()  # the copies must finish before the storages go
-        for key, stored in self._stored.items():
+        for _key, stored in self._stored.items():
             if stored.storage.nbytes():
                 freed += stored.nbytes
                 stored.storage.resize_(0)

@@ -96,7 +96,7 @@ def transformer_engine_available() -> bool:
     if not torch.cuda.is_available():
         return False
     try:
-        import transformer_engine  # noqa: F401
+        import transformer_engine  # noqa: F401 - only to see that it imports
     except ImportError:
         return False
     return True

@@ -73,7 +73,7 @@ def install_taps(model: torch.nn.Module, shape: ModelShape, pre_softmax: bool) -
     from megarl.mcore.convert import unwrap
 
     taps = []
-    for layer in getattr(unwrap(model), "decoder").layers:
+    for layer in unwrap(model).decoder.layers:
         router = getattr(layer.mlp, "router", None)
         if router is None:
             continue

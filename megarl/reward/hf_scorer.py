@@ -42,7 +42,8 @@ class HFRewardModel:
         config = json.loads((path / "config.json").read_text())
         arch = config.get("architectures") or []
         if not any(a.endswith("ForSequenceClassification") for a in arch):
-            raise ValueError(f"--reward-model {path}: config.json architectures {arch} has no *ForSequenceClassification "
+            raise ValueError(f"--reward-model {path}: config.json architectures {arch} has no "
+                             "*ForSequenceClassification "
                              "(a causal LM has no reward head; megarl-train-reward-model makes one)")
         if config.get("num_labels", len(config.get("id2label") or {0: 0})) != 1:
             raise ValueError(f"--reward-model {path}: a reward model has one label, this classifier has "

@@ -198,7 +198,8 @@ class BuiltinEngine:
         """HF parameter name -> the view of the engine's (fused) tensor that holds it."""
         s = self.shape
         q, kv, inter = s.num_attention_heads * s.head_dim, s.num_kv_heads * s.head_dim, s.ffn_hidden_size
-        views = {"model.embed_tokens.weight": self.embed, "model.norm.weight": self.norm, "lm_head.weight": self.lm_head}
+        views = {"model.embed_tokens.weight": self.embed, "model.norm.weight": self.norm,
+                 "lm_head.weight": self.lm_head}
         for i, layer in enumerate(self.layers):
             p = f"model.layers.{i}."
             views[p + "input_layernorm.weight"] = layer.ln1
@@ -328,7 +329,8 @@ class BuiltinEngine:
         out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=nkv != nq)
         return self._linear(out.transpose(1, 2).reshape(B, T, nq * hd), layer.wo)
 
-    def _decode_attention(self, q: torch.Tensor, k_t: torch.Tensor, v: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    def _decode_attention(self, q: torch.Tensor, k_t: torch.Tensor, v: torch.Tensor,
+                          mask: torch.Tensor) -> torch.Tensor:
         """Attention of one new token per row: q [B, heads, 1, hd], k_t [B, kv_heads, hd, L], v [B, kv_heads, L, hd],
         additive mask [B * kv_heads, 1, L] -> [B, 1, heads * hd].
 
@@ -438,7 +440,8 @@ class BuiltinEngine:
         logp = torch.log_softmax(logits[:, :-1], dim=-1).gather(2, ids[:, 1:, None]).squeeze(2).cpu()
         # Token at padded column c is predicted at column c - 1.
         return [
-            logp[row, width - len(seq) + plen - 1 :].tolist() for row, (seq, plen) in enumerate(zip(sequences, prompt_lens))
+            logp[row, width - len(seq) + plen - 1 :].tolist()
+            for row, (seq, plen) in enumerate(zip(sequences, prompt_lens))
         ]
 
     @torch.inference_mode()
@@ -589,7 +592,8 @@ def _onednn_bf16() -> bool:
         return False
 
 
-def _sample(logits: torch.Tensor, params: SamplingParams, generator: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
+def _sample(logits: torch.Tensor, params: SamplingParams,
+            generator: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
     """Next token [B] and its log-prob [B] from fp32 logits [B, vocab]; the log-prob ignores top-k/top-p."""
     if params.temperature == 0:
         logp = torch.log_softmax(logits, dim=-1)

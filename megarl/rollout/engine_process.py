@@ -111,7 +111,8 @@ class EngineProcess:
             try:
                 status, value, busy = self._replies.get(timeout=1.0)
                 break
-            except Exception:  # queue.Empty: check the child is alive, then wait on
+            except Exception:  # noqa: BLE001 - queue.Empty, or a half-written reply of a dying child (EOFError,
+                # an unpickling error): check the child is alive, then wait on
                 if not self._proc.is_alive():
                     raise EngineProcessError(f"the engine process (pid {self._proc.pid}) died during the {op!r} "
                                              f"request, exit code {self._proc.exitcode}") from None
@@ -169,7 +170,7 @@ def _serve(hf_config: dict, checkpoint: str | None, device: str, dtype: torch.dt
             else:
                 raise ValueError(f"unknown request {op!r}")
             replies.put(("ok", value, time.perf_counter() - start))
-        except Exception:
+        except Exception:  # noqa: BLE001 - the engine's error, whatever it is, goes to the parent; this loop serves on
             replies.put(("error", traceback.format_exc(), time.perf_counter() - start))
 
 

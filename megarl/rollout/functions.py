@@ -21,7 +21,7 @@ group, and dynamic sampling and overlong shaping (`megarl.stages.collect`) apply
 from __future__ import annotations
 
 from dataclasses import replace
-from typing import Callable, Protocol, Sequence
+from typing import Protocol, Sequence
 
 from megarl.data import PromptRecord
 from megarl.registry import Registry

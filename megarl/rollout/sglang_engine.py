@@ -43,8 +43,8 @@ KV_CACHE, WEIGHTS = "kv_cache", "weights"
 def sglang_available() -> tuple[bool, str]:
     """(importable, why not) without raising: `sglang` needs CUDA kernels to run a model, not to import."""
     try:
-        import sglang  # noqa: F401
-    except Exception as e:  # ImportError, or a kernel wheel that fails to load
+        import sglang  # noqa: F401 - only to see it imports
+    except Exception as e:  # noqa: BLE001 - ImportError, or a kernel wheel that fails to load in any way
         return False, f"sglang is not importable ({type(e).__name__}: {e})"
     return True, ""
 
@@ -387,7 +387,7 @@ class SGLangServers:
                            "dtypes": [str(s.dtype).removeprefix("torch.") for s in bucket.slots],
                            "shapes": [list(s.shape) for s in bucket.slots], "group_name": self.group_name,
                            "flush_cache": False, "load_format": "flattened_bucket"}
-                pending = _in_threads([lambda u=u: self._post(u, "/update_weights_from_distributed", request)
+                pending = _in_threads([lambda u=u, body=request: self._post(u, "/update_weights_from_distributed", body)
                                        for u in self.urls])
                 dist.broadcast(bucket.flat, src=0, group=self.group)
                 for result in _join(pending):

@@ -92,7 +92,8 @@ def docker_status(image: str = DEFAULT_IMAGE, docker: str = "docker") -> str | N
     except (OSError, subprocess.TimeoutExpired) as e:
         return f"no docker CLI ({e})"
     if r.returncode != 0:
-        return f"no Docker engine reachable ({r.stderr.strip().splitlines()[-1] if r.stderr.strip() else 'docker version failed'})"
+        why = r.stderr.strip().splitlines()[-1] if r.stderr.strip() else "docker version failed"
+        return f"no Docker engine reachable ({why})"
     r = subprocess.run([docker, "image", "inspect", image], capture_output=True, text=True, timeout=20)
     if r.returncode != 0:
         return f"image {image!r} not found: build it with `python tools/build_sandbox_image.py --tag {image}`"
@@ -368,7 +369,6 @@ class _Container:
         return wire
 
     def receive(self, timeout: float, wire: dict) -> RunResult:
-        start = time.monotonic()
         line = self._readline(timeout)
         if len(line) > 64 << 20:
             raise ValueError("oversized answer")

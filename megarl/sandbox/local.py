@@ -36,8 +36,8 @@ from megarl.sandbox.guest.spawner import forked_ok, unshare_fork_setns
 
 log = logging.getLogger(__name__)
 
-PREIMPORTS = ("abc ast array bisect cmath collections contextlib copy ctypes dataclasses datetime decimal enum fractions "
-              "functools hashlib heapq io itertools json math numbers operator pickle queue random re select "
+PREIMPORTS = ("abc ast array bisect cmath collections contextlib copy ctypes dataclasses datetime decimal enum "
+              "fractions functools hashlib heapq io itertools json math numbers operator pickle queue random re select "
               "signal statistics string struct textwrap time traceback typing unicodedata")
 # What the persistent code harness imports for the programs it runs: few, since a fork costs ~0.07 ms per MB the
 # forking process maps on the VMs measured (a bare interpreter forks in ~0.45 ms, the worker's PREIMPORTS in ~1.2).
@@ -214,7 +214,7 @@ class _Worker:
         try:
             self.proc.stdin.close()
             self.proc.wait(timeout=10)
-        except Exception:  # noqa: BLE001
+        except Exception:  # noqa: BLE001 - whatever stops a clean exit (a broken pipe, a timeout): kill it instead
             self.kill()
 
     def kill(self) -> None:

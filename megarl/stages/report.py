@@ -53,7 +53,8 @@ def step_metrics(step: int, rollout: RolloutBatch, batch: TrainBatch, update: di
             truncated=sum(s.status is SampleStatus.TRUNCATED for s in rollout.samples),
             groups=rewards.shape[0], uniform_groups=int((rewards.max(1).values == rewards.min(1).values).sum()),
             **{k: rollout.metrics.get(k, 0.0) for k in _DS_KEYS},
-            **{k: rollout.metrics.get(k.removesuffix("_max"), 0.0) for k in _REWARD_KEYS + _TOOL_LATENCY_KEYS + _RM_KEYS},
+            **{k: rollout.metrics.get(k.removesuffix("_max"), 0.0)
+               for k in _REWARD_KEYS + _TOOL_LATENCY_KEYS + _RM_KEYS},
             **{f"sample_{k}": sum(float(s.metadata.get(k, 0.0)) for s in rollout.samples) for k in meta},
         )
     if info.is_last_stage and info.tp_rank == 0 and info.cp_rank == 0:  # CP ranks hold the same whole-sequence sums
@@ -220,7 +221,8 @@ def _report(say, log, before: dict | None, after: dict, minutes: float, steps: i
         (log.dir / "eval.json").write_text(json.dumps(result, indent=2))
         say(f"training curves: {log.dir / 'training.png'}")
     if before:
-        say(f"held-out accuracy (sampled): before {100 * before['sampled']:.1f}% -> after {100 * after['sampled']:.1f}%")
+        say(f"held-out accuracy (sampled): before {100 * before['sampled']:.1f}% "
+            f"-> after {100 * after['sampled']:.1f}%")
         if "tool_call_rate" in before and "tool_call_rate" in after:
             say(f"tool-call rate: before {100 * before['tool_call_rate']:.1f}% -> "
                 f"after {100 * after['tool_call_rate']:.1f}%")

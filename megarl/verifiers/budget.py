@@ -84,7 +84,7 @@ class Guard:
     def __del__(self):
         try:
             self._kill()
-        except Exception:
+        except Exception:  # noqa: BLE001 - __del__ must not raise (at interpreter shutdown anything can fail)
             pass
 
     # -- helper process ------------------------------------------------------------------------------------------
@@ -183,6 +183,6 @@ def serve(preload: tuple[str, ...], memory_mib: int) -> None:
             reply = (False, e)
         try:
             payload = pickle.dumps(reply, protocol=pickle.HIGHEST_PROTOCOL)
-        except Exception as e:  # an unpicklable exception or value
+        except Exception as e:  # noqa: BLE001 - an unpicklable exception or value: its __reduce__ may raise anything
             payload = pickle.dumps((False, RuntimeError(f"{type(e).__name__}: {e}")))
         _write_frame(stdout, payload)

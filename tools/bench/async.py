@@ -186,7 +186,8 @@ def main(argv=None) -> int:
                   "max - min):")
             for k, r in result["demo"].items():
                 print(f"  {'sync' if k == 0 else f'K={k}':<8} sampled {statistics.mean(r['sampled']):6.1%} "
-                      f"(spread {max(r['sampled']) - min(r['sampled']):.1%})  greedy {statistics.mean(r['greedy']):6.1%} "
+                      f"(spread {max(r['sampled']) - min(r['sampled']):.1%})  "
+                      f"greedy {statistics.mean(r['greedy']):6.1%} "
                       f"(spread {max(r['greedy']) - min(r['greedy']):.1%})  {statistics.mean(r['minutes']):.1f} min")
     result["minutes"] = (time.time() - started) / 60
     if a.json:
@@ -196,7 +197,8 @@ def main(argv=None) -> int:
         sync = max(r["steps_per_min"] for r in result["30m"].values() if r["staleness"] == 0)
         speed = f"{result['30m']['K=1']['steps_per_min'] / sync:.2f}x steps/min"
     demo = result.get("demo")
-    acc = (f"sync {100 * statistics.mean(demo[0]['sampled']):.1f}% vs K=1 {100 * statistics.mean(demo[1]['sampled']):.1f}%"
+    acc = (f"sync {100 * statistics.mean(demo[0]['sampled']):.1f}% "
+           f"vs K=1 {100 * statistics.mean(demo[1]['sampled']):.1f}%"
            if demo and {0, 1} <= set(demo) else "not run")
     print(f"async K=1 vs sync, 30M: {speed}; demo held-out sampled at equal samples: {acc}")
     return 0

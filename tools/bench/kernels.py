@@ -6,8 +6,9 @@ side in one process: forward + backward milliseconds per call at one layer and m
     python tools/bench/kernels.py --dtype fp32 --seq 512
 
 Megatron's side: `DotProductAttention` (causal, fp32 softmax), `_apply_rotary_pos_emb_bshd` (its unfused RoPE),
-`WrappedTorchNorm` (torch.nn.RMSNorm), as megatron-core ships them and as its local spec runs them without Transformer Engine. The two sides alternate
-call by call; the median of `--repeats` timed calls after a warm-up is reported.
+`WrappedTorchNorm` (torch.nn.RMSNorm), as megatron-core ships them and as its local spec runs them without
+Transformer Engine. The two sides alternate call by call; the median of `--repeats` timed calls after a warm-up is
+reported.
 """
 
 from __future__ import annotations
@@ -56,7 +57,7 @@ def main() -> None:
     config = transformer_config(shape, tp=1, pp=1, params_dtype=dtype, bf16=dtype == torch.bfloat16)
     s, b, h, g, d = args.seq, args.batch, shape.num_attention_heads, shape.num_kv_heads, shape.head_dim
     torch.manual_seed(0)
-    randn = lambda *size: torch.randn(*size, dtype=dtype)  # noqa: E731
+    randn = lambda *size: torch.randn(*size, dtype=dtype)
 
     stock_attention = DotProductAttention(config, layer_number=1, attn_mask_type=AttnMaskType.causal,
                                           attention_type="self")

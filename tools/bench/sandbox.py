@@ -105,7 +105,7 @@ def bench_trivial(backends, workers, n) -> dict:
         figures["subprocess baseline"], _ = rate(n, lambda: list(pool.map(baseline_run, ["print(1)"] * n)))
     for name, sb in backends.items():
         sb.run(Job("print(1)"))  # warm
-        figures[name], results = rate(n, lambda: sb.run_many([Job("print(1)")] * n))
+        figures[name], results = rate(n, lambda sb=sb: sb.run_many([Job("print(1)")] * n))
         assert all(r.stdout == "1\n" for r in results), Counter(r.status for r in results)
     return figures
 
@@ -145,7 +145,8 @@ def bench_humaneval(backends, workers) -> dict:
         verifier_sandbox = verifier.sandbox
         verifier_sandbox.run(Job("print(1)"))
         verifier.verify_many(list(zip(programs, gold))[:2 * workers])  # starts the persistent harnesses
-        figures[name], good = rate(len(programs), lambda: verifier.verify_many(list(zip(programs, gold))),
+        figures[name], good = rate(len(programs),
+                                   lambda verifier=verifier: verifier.verify_many(list(zip(programs, gold))),
                                    None if backend == "docker" else cpu, name)  # (containers: not our cgroup)
         figures[f"{name} canonical passed"] = sum(r.outcome == "correct" for r in good)
         bad = verifier.verify_many([(p["prompt"] + "    return None\n", g) for p, g in zip(problems, gold)])

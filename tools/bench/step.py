@@ -380,7 +380,7 @@ def bench_size(size: Size, args, work: Path) -> dict:
     ours.close()
     params = sum(t.numel() for t in load_file(str(model_dir / "model.safetensors")).values())
     megarl_runs, trl_runs = megarl_runs[args.warmup :], trl_runs[args.warmup :]
-    as_dicts = lambda runs: [{p: c.__dict__ for p, c in r.items()} for r in runs]  # noqa: E731
+    as_dicts = lambda runs: [{p: c.__dict__ for p, c in r.items()} for r in runs]
     return {"size": size.__dict__, "parameters": params, "threads": args.threads, "precision": args.precision,
             "megarl_kernels": args.megarl_kernels,
             "megarl": median_phases(megarl_runs), "trl": median_phases(trl_runs),
@@ -389,7 +389,8 @@ def bench_size(size: Size, args, work: Path) -> dict:
 
 def print_table(result: dict) -> None:
     s = result["size"]
-    print(f"\n{s['name']}: {result['parameters'] / 1e6:.1f}M parameters, {s['prompts']} prompts x {s['group']} samples, "
+    print(f"\n{s['name']}: {result['parameters'] / 1e6:.1f}M parameters, "
+          f"{s['prompts']} prompts x {s['group']} samples, "
           f"{s['response_len']}-token responses, micro-batch {s['micro_batch']}, {result['precision']}, "
           f"megarl kernels {result['megarl_kernels']}, "
           f"{result['threads']} thread(s); "
@@ -418,7 +419,8 @@ def main() -> None:
                         help="fused: Megatron's local spec with megarl's kernels (megarl/mcore/local_kernels.py, the "
                              "default without TE); stock: Megatron's local spec as shipped")
     parser.add_argument("--lr", type=float, default=1e-5)
-    parser.add_argument("--kl-coef", type=float, default=0.001, help="KL coefficient (the demo's); > 0 runs a reference")
+    parser.add_argument("--kl-coef", type=float, default=0.001,
+                        help="KL coefficient (the demo's); > 0 runs a reference")
     parser.add_argument("--seed", type=int, default=1234)
     parser.add_argument("--tiny-model", help="a built starter model directory for the tiny size (default: random "
                                              "weights of the same architecture)")

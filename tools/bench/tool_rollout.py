@@ -111,8 +111,8 @@ def main() -> int:
     for w in (int(x) for x in args.workers.split(",")):
         box = build_tool("python", ToolSettings(workers=w))
         box.run_many(calls[:w])  # warm
-        wall, _, _ = median_time(lambda: box.run_many(calls), args.repeats)
-        one, _, _ = median_time(lambda: box.run_many(calls[:1]), args.repeats)
+        wall, _, _ = median_time(lambda box=box: box.run_many(calls), args.repeats)
+        one, _, _ = median_time(lambda box=box: box.run_many(calls[:1]), args.repeats)
         throughput.append({"workers": w, "calls": rows, "calls_per_s": round(rows / wall, 1),
                            "one_call_ms": round(1000 * one, 1)})
         box.close()

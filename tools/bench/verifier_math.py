@@ -103,7 +103,7 @@ def summarize(rows, verdicts, seconds) -> dict:
     neg = [v["ok"] for r, v in main if not r["label"]]
     pos = [v["ok"] for r, v in main if r["label"]]
     lat = sorted(v["seconds"] for v in verdicts)
-    q = lambda p: lat[min(len(lat) - 1, int(p * len(lat)))]  # noqa: E731
+    q = lambda p: lat[min(len(lat) - 1, int(p * len(lat)))]
     return {
         "cases": len(main), "accuracy": sum(v["ok"] == r["label"] for r, v in main) / len(main),
         "errors": sum(v["ok"] != r["label"] for r, v in main),
@@ -151,7 +151,7 @@ def main() -> int:
     with_mv = not args.no_math_verify
     if with_mv:
         try:
-            import math_verify  # noqa: F401
+            import math_verify  # noqa: F401 - only to see that it is installed
         except ImportError:
             print("math-verify is not installed (pip install math-verify==0.9.0): megarl only")
             with_mv = False

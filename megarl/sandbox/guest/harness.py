@@ -204,7 +204,7 @@ def _assert_style(spec, tree, prompt_code, program):
                 yield {"ok": True}
             else:
                 setup.append(code)
-        except BaseException as e:  # noqa: BLE001
+        except BaseException as e:  # noqa: BLE001 - whatever the test code raises (SystemExit too) fails its asserts
             failed = True
             if is_assert:
                 yield _fail(_failure_kind(e, "assert"), rpc.describe(e))
@@ -388,11 +388,11 @@ def stdio_program(code_r):
         exec(code, env)
     except SystemExit as e:
         status = 0 if e.code is None else e.code if isinstance(e.code, int) else 1
-    except BaseException:  # noqa: BLE001
+    except BaseException:  # noqa: BLE001 - any exception of the program is exit status 1, as in the interpreter
         status = 1
     try:
         sys.stdout.flush()
-    except BaseException:  # noqa: BLE001
+    except BaseException:  # noqa: BLE001 - a broken stdout at exit fails the program, as in the interpreter
         status = status or 1
     os._exit(status & 0xFF)
 
@@ -478,7 +478,7 @@ def _serve_case(case, spawner, answer_fd, vsize, nproc_extra):
         final["error"] = f"harness: {rpc.describe(e)}"
     try:
         final["oom_kills"] = spawner.end()
-    except BaseException as e:  # noqa: BLE001
+    except BaseException as e:  # noqa: BLE001 - however the spawner broke: say so; the harness is not reused
         final["error"], alive = f"spawner: {rpc.describe(e)}", False
     _write_line(answer_fd, final)
     return alive
@@ -533,7 +533,7 @@ def main():
             _print(part_line(secret, json.dumps(result)))
     except CompileError as e:
         payload["compile_error"] = str(e)
-    except BaseException as e:  # noqa: BLE001
+    except BaseException as e:  # noqa: BLE001 - the harness answers whatever happened
         payload["error"] = f"harness: {rpc.describe(e)}"
     finally:
         spawner.end()

@@ -318,7 +318,7 @@ class _Bpf:
     def assemble(self) -> bytes:
         out = []
         for i, (code, jt, jf, k) in enumerate(self.code):
-            rel = (lambda name: 0 if name is None else self.labels[name] - i - 1)
+            rel = (lambda name, i=i: 0 if name is None else self.labels[name] - i - 1)
             out.append(struct.pack("HBBI", code, rel(jt), rel(jf), k))
         return b"".join(out)
 

@@ -99,13 +99,13 @@ def _child(source, lim, workdir, stdin_fd, out_w, err_w, vsize, confine):
     except BaseException as e:  # noqa: BLE001 - report like the interpreter would, without this frame
         try:
             traceback.print_exception(type(e), e, e.__traceback__.tb_next)
-        except BaseException:  # noqa: BLE001
+        except BaseException:  # noqa: BLE001 - the traceback cannot be printed (a broken stderr, a str() that raises)
             pass
         status = 1
     for stream in (sys.stdout, sys.stderr):
         try:
             stream.flush()
-        except BaseException:  # noqa: BLE001
+        except BaseException:  # noqa: BLE001 - a stream the program broke or closed: the job's status stands
             pass
     os._exit(status)
 
@@ -154,7 +154,7 @@ def _exit_status(code) -> int:
         return code & 0xFF
     try:
         print(code, file=sys.stderr)
-    except BaseException:  # noqa: BLE001
+    except BaseException:  # noqa: BLE001 - a code whose str() raises, or a broken stderr: status 1 all the same
         pass
     return 1
 

@@ -501,7 +501,7 @@ def _trusted_module(name):
         raise KeyError(name)
     try:
         return importlib.import_module(name)
-    except Exception:  # noqa: BLE001
+    except Exception:  # noqa: BLE001 - however a module fails to import, the program cannot have it
         raise KeyError(name) from None
 
 

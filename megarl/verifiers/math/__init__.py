@@ -100,14 +100,14 @@ def judge(response: str, ground_truth: Any, strategy: str = "lenient") -> tuple:
     # (PolynomialError, NotImplementedError, ...), RecursionError on deep nesting. None of them may escape.
     try:
         gold_tree = parse_answer(gold)
-    except Exception:  # noqa: BLE001
+    except Exception:  # noqa: BLE001 - see above: an unparsable gold answer, however it fails
         gold_tree = None
     try:
         pred_tree = parse_answer(pred, list_hint=isinstance(gold_tree, Seq) and gold_tree.kind == "list")
-    except Exception:  # noqa: BLE001
+    except Exception:  # noqa: BLE001 - see above: an unparsable answer is a parse_error
         return 0.0, "parse_error", extracted, pred
     try:
         same = gold_tree is not None and equivalent(gold_tree, pred_tree)
-    except Exception:  # noqa: BLE001
+    except Exception:  # noqa: BLE001 - see above: a comparison that fails is a parse_error
         return 0.0, "parse_error", extracted, pred
     return (1.0, "correct", extracted, pred) if same else (0.0, "incorrect", extracted, pred)

@@ -13,6 +13,7 @@ something follows it.
 from __future__ import annotations
 
 import re
+from collections import deque
 
 _STOP = re.compile(r"<\|im_start\|>|<\|im_end\|>|<\|endoftext\|>|<\|eot_id\|>|</s>")
 _BOX = re.compile(r"\\(?:boxed|fbox)\b")
@@ -46,9 +47,7 @@ def _find(response: str, strategy: str) -> str | None:
     boxed = _boxed(text)
     if strategy == "strict":
         return boxed[-1][2].strip() if boxed else None
-    m = None
-    for m in _MARKER.finditer(text):
-        pass
+    m = _last(_MARKER.finditer(text))
     if m is not None and (not boxed or m.start() > boxed[-1][1]):
         found = _after_marker(text[m.end():])
         if found:
@@ -138,18 +137,20 @@ def _after_marker(tail: str) -> str | None:
 
 def _last_math_or_number(text: str) -> str | None:
     text = text[-_SPAN_WINDOW:]  # an unclosed `\[` makes the span search quadratic: keep it short
-    span = None
-    for span in _MATH.finditer(text):
-        pass
+    span = _last(_MATH.finditer(text))
     tail_start = span.end() if span else 0
-    number = None
-    for number in _NUMBER.finditer(text, tail_start):
-        pass
+    number = _last(_NUMBER.finditer(text, tail_start))
     if number is not None:
         return number.group().strip()
     if span is not None:
         return next(g for g in span.groups() if g is not None).strip()
     return None
+
+
+def _last(matches):
+    """The last of `matches` (an iterator, read through one at a time), or None when there is none."""
+    last = deque(matches, maxlen=1)
+    return last[0] if last else None
 
 
 def _strip_math(s: str) -> str:
