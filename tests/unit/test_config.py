@@ -497,6 +497,25 @@ def test_a_saved_config_reads_back_as_the_same_config(recipe, tmp_path):
     assert "--no-shuffle" in cfg.non_default_flags()["data"] and "--bf16" in cfg.non_default_flags()["model"]
 
 
+def test_a_config_saved_before_the_verifiers_declared_their_options_reads_back(tmp_path):
+    """The code, math and reward-model settings were once fields of the `reward` section: a config.json written
+    then gives the same settings now (read by name; the flags did not change)."""
+    import json
+
+    path = tmp_path / "config.json"
+    path.write_text(json.dumps({"megarl_version": "0.1.0", "config": {
+        "reward": {"reward_workers": 2, "code_reward": "fraction", "math_strategy": "strict",
+                   "reward_model_batch_size": 4, "judge_scale": 5.0},
+        "sandbox": {"sandbox": "docker"}}}))
+    cfg = parse_args([str(path)])
+    assert cfg.reward.reward_workers == 2 and cfg.sandbox.sandbox == "docker"
+    assert cfg.components["verifier.code"].code_reward == "fraction"
+    assert cfg.components["verifier.math"].math_strategy == "strict"
+    assert cfg.components["reward_model.hf_rm"].reward_model_batch_size == 4
+    assert cfg.components["reward_model.llm_judge"].judge_scale == 5.0
+    assert json.loads(json.dumps(cfg.to_dict()))["verifier.code"]["code_reward"] == "fraction"  # saved anew
+
+
 @pytest.mark.parametrize("text, message", [
     ("{not json", "not a readable JSON file"),
     ('{"megarl_version": "0.1.0"}', 'no "config" object'),
