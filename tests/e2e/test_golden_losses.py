@@ -19,14 +19,15 @@ commit before the reward-package refactor (both from the code as it then stood).
 from __future__ import annotations
 
 import json
+import os
+import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # helpers, when run as a script
-from helpers import REPO, build_test_starter, torchrun
-
+REPO = Path(__file__).resolve().parents[2]
+RECORD = "MEGARL_RECORD_GOLDEN"  # set by `--record` below: the test writes this CPU's curves instead of comparing
 pytestmark = [pytest.mark.distributed, pytest.mark.slow]
 LOSSES = REPO / "tests" / "assets" / "losses"
 
@@ -44,6 +45,8 @@ RUNS = {"tiny_cpu": [], "tiny_cpu_kl_clip": ["--kl-coef", "0.001", "--updates-pe
 
 
 def run(starter: Path, out: Path, extra: list[str]) -> list[dict]:
+    from helpers import torchrun  # tests/ is on sys.path under pytest (tests/conftest.py)
+
     torchrun(2, "megarl/train.py", "recipes/tiny_cpu.sh", "--hf-checkpoint", starter, "--prompt-data",
              starter / "train.jsonl", "--eval-data", "", "--max-train-minutes", "0", "--num-steps", STEPS,
              "--output-dir", out, "--log-interval", STEPS, "--log-samples-interval", 0, *extra, timeout=400)
@@ -54,6 +57,11 @@ def run(starter: Path, out: Path, extra: list[str]) -> list[dict]:
 @pytest.mark.parametrize("name", sorted(RUNS))
 def test_first_steps_equal_the_recorded_ones(starter, tmp_path, name):
     recorded = assets() / f"{name}.jsonl"
+    if os.environ.get(RECORD) == "1":
+        recorded.parent.mkdir(parents=True, exist_ok=True)
+        recorded.write_text("".join(json.dumps(r) + "\n" for r in run(starter, tmp_path, RUNS[name])))
+        print(f"recorded {recorded}")
+        return
     if not recorded.is_file():
         pytest.skip(f"no golden curves recorded on this CPU ({recorded.parent.name}): record them with "
                     "`python tests/e2e/test_golden_losses.py --record` at a commit whose numbers are trusted")
@@ -71,11 +79,5 @@ def test_first_steps_equal_the_recorded_ones(starter, tmp_path, name):
 if __name__ == "__main__":
     if sys.argv[1:] != ["--record"]:
         sys.exit("usage: python tests/e2e/test_golden_losses.py --record")
-    import tempfile
-
-    assets().mkdir(parents=True, exist_ok=True)
-    for name, extra in RUNS.items():
-        with tempfile.TemporaryDirectory() as tmp:
-            rows = run(build_test_starter(), Path(tmp), extra)
-        (assets() / f"{name}.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
-        print(f"recorded {assets() / name}.jsonl")
+    sys.exit(subprocess.call([sys.executable, "-m", "pytest", "-p", "no:xdist", "-q", "-s", __file__],
+                             cwd=REPO, env={**os.environ, RECORD: "1"}))
