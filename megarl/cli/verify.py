@@ -28,8 +28,9 @@ correct; with false-positive and false-negative rates), a per-category breakdown
 latency percentiles and the slowest cases. `--compare math-verify` also runs HF math-verify on the rows scored
 by the `math` verifier. `--output` writes one JSON object per input line, in input order (bad lines too, with
 their `error`). A bad line (not JSON, not an object, a missing key, an unknown verifier) is reported with its line
-number and skipped; `--strict` stops at the first one instead. Exit status: 0 all lines scored, 1 some lines were
-bad, 2 usage error or `--strict` failure.
+number and skipped; `--strict` stops at the first one instead. An option given in both its spellings with two
+values (`--gold-key` and `--label-key`, ...) is a usage error naming both. Exit status: 0 all lines scored, 1 some
+lines were bad, 2 usage error or `--strict` failure.
 """
 
 from __future__ import annotations
@@ -408,8 +409,34 @@ def _import_plugins(argv: list[str] | None) -> None:
         raise InputError(str(e)) from None
 
 
+# The older spelling of an option -> today's (both are accepted, for scripts written against either).
+_SPELLINGS = {"--default-verifier": "--verifier", "--gold-key": "--label-key", "--reward-workers": "--workers",
+              "--reward-timeout": "--timeout"}
+
+
+def check_spellings(argv: list[str]) -> None:
+    """Two spellings of one option with different values (`--gold-key gold --label-key label`) is an error naming
+    both: argparse would keep the last one in silence, and the rows would be scored against another field."""
+    given: dict[str, dict[str, str]] = {}
+    for i, tok in enumerate(argv):
+        flag, eq, value = tok.partition("=")
+        if flag in _SPELLINGS or flag in _SPELLINGS.values():
+            if not eq:
+                if i + 1 >= len(argv):
+                    continue
+                value = argv[i + 1]
+            given.setdefault(_SPELLINGS.get(flag, flag), {}).setdefault(flag, value)
+            if len(set(given[_SPELLINGS.get(flag, flag)].values())) > 1:
+                both = " and ".join(f"{f} {v}" for f, v in given[_SPELLINGS.get(flag, flag)].items())
+                older = next(f for f in given[_SPELLINGS.get(flag, flag)] if f in _SPELLINGS)
+                raise InputError(f"{both} set one option to two values ({older} is the older spelling of "
+                                 f"{_SPELLINGS[older]}); give it once")
+
+
 def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
     try:
+        check_spellings(argv)
         _import_plugins(argv)
     except InputError as e:
         print(f"megarl-verify: error: {e}", file=sys.stderr)

@@ -89,6 +89,20 @@ def test_custom_keys(tmp_path, capsys):
     assert code == 0 and "accuracy 100.0% on 1 labelled rows" in out
 
 
+def test_two_spellings_of_one_option_with_different_values_are_refused_naming_both(tmp_path, capsys):
+    """A user of the previous version wrote `--gold-key gold` and a newer habit added `--label-key label`: scoring
+    against either field in silence would be wrong for one of them."""
+    data = write(tmp_path, [{"response": "$\\boxed{4}$", "gold": "4", "label": "5", "verifier": "math"}])
+    code, out, err = run([data, "--gold-key", "gold", "--label-key", "label"], capsys)
+    assert code == 2 and out == ""
+    assert "--gold-key gold and --label-key label set one option to two values" in err
+    assert "--gold-key is the older spelling of --label-key" in err
+    code, _, err = run([data, "--reward-timeout=5", "--timeout", "7"], capsys)
+    assert code == 2 and "--reward-timeout 5 and --timeout 7" in err
+    code, out, _ = run([data, "--gold-key", "gold", "--label-key=gold"], capsys)  # one value, two spellings: fine
+    assert code == 0 and "1 rows scored" in out
+
+
 def test_rows_follow_their_own_verifier_and_workers_0_is_in_process(tmp_path, capsys):
     lines = [{"response": "12", "answer": "12", "verifier": "arithmetic"},
              {"response": "The answer is 12.", "answer": "12", "verifier": "arithmetic"},  # not a bare number there
