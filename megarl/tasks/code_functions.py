@@ -180,7 +180,7 @@ def _readable(value: Any) -> bool:
     return len(value) <= MAX_LEN and all(abs(v) <= MAX_INT for v in value if isinstance(v, int))
 
 
-def _behaviour(chain: list[Primitive]) -> tuple | None:
+def behaviour(chain: list[Primitive]) -> tuple | None:
     """The outputs on the probes, or None when the chain fails on one, is unreadable, constant or the identity."""
     probes = PROBES[chain[0].takes]
     try:
@@ -257,7 +257,7 @@ def all_problems(max_steps: int = MAX_STEPS) -> list[Problem]:
     """Every distinct problem, in a fixed order: the first chain of each behaviour on the probes is kept."""
     seen, problems = set(), []
     for chain in _chains(max_steps):
-        key = _behaviour(chain)
+        key = behaviour(chain)
         if key is None or (chain[0].takes, key) in seen:
             continue
         problem = _problem("-".join(["fn", chain[0].takes] + [p.name for p in chain]), chain)
