@@ -7,7 +7,10 @@ verdict payload line out, every program forked from a zygote made before any cas
 
 The pool talks to each container over `docker run -i`'s stdin/stdout, one JSON line per job each way (never
 pickle: a container is untrusted). A container is replaced after a job that timed out, ran out of memory, was
-killed or broke the runner, and after `jobs_per_container` jobs. Containers carry the label `megarl.sandbox` and
+killed or broke the runner, and after `jobs_per_container` jobs. A container that dies under a job (its memory
+cgroup's OOM killer took the harness, its spawner or the runner; its pipe broke; `docker update` failed) is replaced
+too: the jobs queued behind that job go to the fresh one, the job itself is rerun once, and a job that kills a
+second container gets a `memory_limit` verdict (see `_drive_all`). Containers carry the label `megarl.sandbox` and
 are started with `--rm`; `close()` (also run at exit) removes every container the pool started.
 Build the default image with `tools/build_sandbox_image.py`, or pass `image=` (any image with `python3`).
 """
@@ -39,6 +42,8 @@ LABEL = "megarl.sandbox"
 _RUNNER_FILES = {"jobexec.py": (Path(__file__).parent / "guest" / "jobexec.py").read_text(),
                  **{name: HARNESS_FILES[name] for name in ("isolation.py", "spawner.py", "cgroups.py")}}
 _RECYCLE_AFTER = {"timeout", "memory_limit", "killed", "sandbox_error"}
+# A job whose container dies under it is rerun once on a fresh container; dying the second time is its verdict.
+_KILLS_BEFORE_VERDICT = 2
 # A container's memory beyond its job's (case's): the runner (~15 MB measured) or the harness and its spawner
 # (~26 MB), and room for page cache. The container's cgroup is what counts the job's memory as a whole.
 RUNNER_OVERHEAD_MB, HARNESS_OVERHEAD_MB = 64, 96
@@ -218,16 +223,7 @@ class DockerSandbox:
     def run(self, job: Job) -> RunResult:
         self.start()
         wire = job.to_wire(self.limits)
-        idle = self._pool_for(wire)
-        container = idle.get()
-        try:
-            result = container.run(wire, timeout=wire["limits"]["wall_s"] + container.grace_s)
-        except Exception as e:  # noqa: BLE001 - the container died or hung
-            result = container.failure(wire, e)
-        if result.status in _RECYCLE_AFTER or container.jobs >= self.jobs_per_container:
-            container = self._recycle(container)
-        idle.put(container)
-        return result
+        return self._drive_all([wire], self._pool_for(wire), drivers=1, depth=1)[0]
 
     def _recycle(self, old: "_Container") -> "_Container":
         with self._live_lock:
@@ -252,47 +248,88 @@ class DockerSandbox:
             with ThreadPoolExecutor(self.workers) as pool:  # mixed kinds: one at a time, each to its own pool
                 return list(pool.map(self.run, jobs))
         idle = self._pool_for(wires[0]) if wires else self._idle
-        results: list[RunResult | None] = [None] * len(jobs)
-        todo = deque(range(len(jobs)))
+        return self._drive_all(wires, idle, drivers=self.workers, depth=depth)
+
+    def _drive_all(self, wires: list[dict], idle: "queue.Queue[_Container]", drivers: int,
+                   depth: int) -> list[RunResult]:
+        """Run `wires` on `drivers` containers taken from `idle`, up to `depth` queued in each.
+
+        A container that dies (its `docker run` exits, its pipe breaks, `docker update` fails, the harness loses its
+        spawner) is replaced by a fresh one. The jobs queued behind the one it was running had not started: they go
+        back to the queue, whatever happened. The job it was running is rerun once on a fresh container; a job
+        that kills a second container gets `died` (out of memory: the container's memory cgroup is the only limit
+        that kills a container's harness or runner). So every job gets its own verdict, in a bounded number of
+        containers (at most two per job)."""
+        results: list[RunResult | None] = [None] * len(wires)
+        todo = deque(range(len(wires)))
+        killed = [0] * len(wires)  # containers that died while the job ran (or could not be given it)
         lock = threading.Lock()
 
         def take():
             with lock:
                 return todo.popleft() if todo else None
 
+        def requeue(indices):
+            with lock:
+                todo.extendleft(reversed(list(indices)))
+
+        def fault(i: int, container: _Container, error: _Died) -> None:
+            with lock:
+                killed[i] += 1
+                if killed[i] < _KILLS_BEFORE_VERDICT:
+                    todo.appendleft(i)  # once more, on a fresh container
+                    return
+            results[i] = container.died(wires[i], error, killed[i])
+
         def drive():
             container = idle.get()
             inflight: deque[int] = deque()
-            draining = False
+            draining = False  # no more jobs for this container: it is replaced once what it holds is answered
             try:
                 while True:
                     while not draining and len(inflight) < depth and (i := take()) is not None:
                         if inflight and wires[i]["limits"]["memory_mb"] != wires[inflight[-1]]["limits"]["memory_mb"]:
-                            with lock:
-                                todo.appendleft(i)  # another memory limit: after what is queued has run
+                            requeue([i])  # another memory limit: after what is queued has run
                             break
-                        container.send(wires[i])
+                        try:
+                            container.send(wires[i])
+                        except _Died as e:
+                            draining = True
+                            if inflight:  # it died under a job sent before: that job's answer says so
+                                requeue([i])
+                            else:
+                                fault(i, container, e)
+                            break
                         inflight.append(i)
-                    if not inflight:
+                    if inflight:
+                        i = inflight.popleft()
+                        try:
+                            results[i] = container.receive(wires[i]["limits"]["wall_s"] + container.grace_s, wires[i])
+                        except _Died as e:  # it died running job i: the jobs queued behind it had not started
+                            fault(i, container, e)
+                            requeue(inflight)
+                            inflight.clear()
+                            draining = True
+                        except Exception as e:  # noqa: BLE001 - the container broke: its queued jobs go back
+                            results[i] = container.failure(wires[i], e)
+                            requeue(inflight)
+                            inflight.clear()
+                            draining = True
+                        else:
+                            if container.stuck:  # still running job i: the jobs behind it never will
+                                requeue(inflight)
+                                inflight.clear()
+                            if results[i].status in _RECYCLE_AFTER or container.jobs >= self.jobs_per_container:
+                                draining = True
+                    elif not draining:
                         return
-                    i = inflight.popleft()
-                    try:
-                        results[i] = container.receive(wires[i]["limits"]["wall_s"] + container.grace_s, wires[i])
-                    except Exception as e:  # noqa: BLE001 - the container broke: its queued jobs go back
-                        results[i] = container.failure(wires[i], e)
-                        with lock:
-                            todo.extendleft(reversed(inflight))
-                        inflight.clear()
-                        draining = True
-                    if results[i].status in _RECYCLE_AFTER or container.jobs >= self.jobs_per_container:
-                        draining = True
                     if draining and not inflight:
                         container, draining = self._recycle(container), False
             finally:
                 idle.put(container)
 
-        with ThreadPoolExecutor(self.workers) as pool:
-            for future in [pool.submit(drive) for _ in range(self.workers)]:
+        with ThreadPoolExecutor(drivers) as pool:
+            for future in [pool.submit(drive) for _ in range(drivers)]:
                 future.result()
         return results
 
@@ -333,8 +370,19 @@ class DockerSandbox:
             time.sleep(0.5)
 
 
+class _Died(Exception):
+    """The container cannot run another job: its `docker run` exited, its pipe broke, `docker update` failed, or
+    its harness lost its spawner (and exits). `running`: it died while running the job (not while being given it);
+    `results`: the results of the tests that job finished (harness containers)."""
+
+    def __init__(self, message: str, running: bool = True, results: list | None = None):
+        super().__init__(message)
+        self.running, self.results = running, results or []
+
+
 class _Container:
     grace_s = 30.0  # past the job's wall-clock limit, which the runner enforces itself
+    stuck = False  # still running a job the pool gave up on: the jobs queued behind it will never run
 
     def __init__(self, name: str, argv: list[str], docker: str, code: bytes, memory_mb: int):
         self.name, self.docker, self.jobs, self.memory_mb = name, docker, 0, memory_mb
@@ -349,33 +397,56 @@ class _Container:
             self.remove()
             raise
 
-    def run(self, wire: dict, timeout: float) -> RunResult:
-        self.send(wire)
-        return self.receive(timeout, wire)
-
     def send(self, wire: dict) -> None:
         """Queue a job; first, where its memory differs from the last job's, the container's memory follows
         (`docker update`): the container's cgroup is what counts a job's memory as a whole."""
+        if self.proc.poll() is not None:
+            raise _Died(f"container {self.name}: its `docker run` exited (status {self.proc.returncode})", False)
         wanted = DockerSandbox._memory_mb(wire["limits"]["memory_mb"], isinstance(self, _HarnessContainer))
         if wanted != self.memory_mb:
-            subprocess.run([self.docker, "update", "--memory", f"{wanted}m", "--memory-swap", f"{wanted}m",
-                            self.name], capture_output=True, timeout=60, check=True)
+            try:
+                subprocess.run([self.docker, "update", "--memory", f"{wanted}m", "--memory-swap", f"{wanted}m",
+                                self.name], capture_output=True, text=True, timeout=60, check=True)
+            except subprocess.CalledProcessError as e:
+                why = e.stderr.strip().splitlines()[-1] if e.stderr.strip() else f"exit status {e.returncode}"
+                raise _Died(f"container {self.name}: `docker update --memory {wanted}m` failed: {why}", False) from e
+            except subprocess.TimeoutExpired as e:
+                raise _Died(f"container {self.name}: `docker update` did not answer in 60 s", False) from e
             self.memory_mb = wanted
         self.jobs += 1
-        self.proc.stdin.write(json.dumps(self._message(wire)).encode() + b"\n")
-        self.proc.stdin.flush()
+        try:
+            self.proc.stdin.write(json.dumps(self._message(wire)).encode() + b"\n")
+            self.proc.stdin.flush()
+        except OSError as e:
+            raise _Died(f"container {self.name}: its stdin: {e}", False) from e
 
     def _message(self, wire: dict) -> dict:
         return wire
 
     def receive(self, timeout: float, wire: dict) -> RunResult:
-        line = self._readline(timeout)
+        try:
+            line = self._readline(timeout)
+        except (EOFError, OSError) as e:
+            raise _Died(f"container {self.name}: {e}") from e
         if len(line) > 64 << 20:
             raise ValueError("oversized answer")
         return RunResult.from_wire(json.loads(line))
 
     def failure(self, wire: dict, error: Exception) -> RunResult:
         return RunResult.error(f"container {self.name}: {error}")
+
+    def died(self, wire: dict, error: _Died, kills: int) -> RunResult:
+        """The verdict of a job whose container died under it `kills` times (each time a fresh container but the
+        first): out of memory, since the container's memory cgroup is the only limit that kills it; or, for a job
+        no container could be given, the error."""
+        if not error.running:
+            return RunResult.error(f"no container could be given the job ({kills} tried): {error}")
+        return RunResult(status="memory_limit", detail=self._died_detail(wire, error, kills))
+
+    @staticmethod
+    def _died_detail(wire: dict, error: _Died, kills: int) -> str:
+        return (f"out of memory: the job killed its container {kills} times (rerun on a fresh one), which only its "
+                f"memory limit of {wire['limits']['memory_mb']} MB does; last: {error}")
 
     def _readline(self, timeout: float) -> bytes:
         return self._lines.readline(timeout, lambda: "the container's runner exited")
@@ -419,13 +490,31 @@ class _HarnessContainer(_Container):
         except TimeoutError:  # the caller recycles the container: its pid 1 dies and all with it
             final, status = {"incomplete": "timeout"}, "timeout"
             detail = f"wall-clock limit of {wire['limits']['wall_s']} s"
+            self.stuck = True
         except (EOFError, OSError, ValueError) as e:
-            final, status, detail = {"incomplete": "sandbox_error"}, "sandbox_error", f"container {self.name}: {e}"
+            raise _Died(f"container {self.name}: {e}", results=results) from e
+        if str(final.get("error", "")).startswith("spawner:"):  # the harness exits after this answer
+            raise _Died(f"container {self.name}: {final['error']}", results=results)
+        return self._result(wire, final, results, status, detail, start)
+
+    @staticmethod
+    def _result(wire: dict, final: dict, results: list, status: str, detail: str, start: float) -> RunResult:
         payload = {k: v for k, v in final.items() if k not in ("done", "oom_kills")}
         payload["results"] = results
         return RunResult(status=status, exit_code=0 if status == "ok" else None, detail=detail,
                          wall_s=round(time.monotonic() - start, 4),
                          stdout=verdict_line(wire["stdin"].strip(), json.dumps(payload)))
+
+    def died(self, wire: dict, error: _Died, kills: int) -> RunResult:
+        """The case's verdict: the tests that passed before the container died, then a `memory_limit` failure (see
+        `_Container.died`); a failure the harness reported in the same case may be the death seen from the harness
+        (a program whose pipe broke), so the memory failure stands for it."""
+        if not error.running:
+            return super().died(wire, error, kills)
+        detail = self._died_detail(wire, error, kills)
+        passed = [r for r in error.results if isinstance(r, dict) and r.get("ok")]
+        return self._result(wire, {"incomplete": "memory_limit", "error": detail}, passed, "memory_limit", detail,
+                            time.monotonic())
 
 
 def _unlink_quietly(path: str) -> None:
