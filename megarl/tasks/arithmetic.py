@@ -62,7 +62,8 @@ def split_problems(
 
 
 def write_jsonl(path: str | Path, problems: Iterable[Problem]) -> int:
-    """Write one `{"id", "prompt", "answer", "verifier"}` row per problem; return the row count."""
+    """Write one `{"id", "prompt", "answer", "verifier"}` row per problem (every field of any task's row
+    dataclass); return the row count."""
     n = 0
     with open(path, "w", encoding="utf-8") as f:
         for p in problems:
@@ -71,9 +72,10 @@ def write_jsonl(path: str | Path, problems: Iterable[Problem]) -> int:
     return n
 
 
-def read_jsonl(path: str | Path) -> list[Problem]:
+def read_jsonl(path: str | Path, row_type: type = Problem) -> list:
+    """The rows of a task's jsonl file as `row_type` (this task's `Problem`, or another task's row dataclass)."""
     with open(path, encoding="utf-8") as f:
-        return [Problem(**json.loads(line)) for line in f if line.strip()]
+        return [row_type(**json.loads(line)) for line in f if line.strip()]
 
 
 def build_tokenizer(out_dir: str | Path | None = None, chars: str = TOKENIZER_CHARS):

@@ -24,12 +24,12 @@ Pure Python, like `megarl.tasks.arithmetic`, whose tokenizer characters it exten
 
 from __future__ import annotations
 
-import json
 import random
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, Iterable
 
+from megarl.tasks import arithmetic
 from megarl.tasks.arithmetic import TOKENIZER_CHARS
 
 NUM_HELDOUT = 200
@@ -270,15 +270,9 @@ def all_problems(max_steps: int = MAX_STEPS) -> list[Problem]:
 def split_problems(
     problems: list[Problem] | None = None, num_heldout: int = NUM_HELDOUT, seed: int = 0
 ) -> tuple[list[Problem], list[Problem]]:
-    """Return (train, heldout): a seeded, order-independent choice of `num_heldout` problems set aside."""
-    problems = all_problems() if problems is None else problems
-    ids = sorted(p.id for p in problems)
-    if num_heldout > len(ids):
-        raise ValueError(f"num_heldout={num_heldout} exceeds the {len(ids)} problems available")
-    heldout_ids = set(random.Random(seed).sample(ids, num_heldout))
-    train = [p for p in problems if p.id not in heldout_ids]
-    heldout = [p for p in problems if p.id in heldout_ids]
-    return train, heldout
+    """Return (train, heldout): a seeded, order-independent choice of `num_heldout` problems set aside (the same
+    rule as the arithmetic task's: it depends only on the seed and the set of ids)."""
+    return arithmetic.split_problems(all_problems() if problems is None else problems, num_heldout, seed)
 
 
 def _family(p: Primitive) -> str | None:
@@ -316,16 +310,8 @@ def wrong_solution(problem: Problem, rng: random.Random) -> str:
     return source(rng.choice(pool))
 
 
-def write_jsonl(path: str | Path, problems: Iterable[Problem]) -> int:
-    """Write one `{"id", "prompt", "answer", "solution", "verifier"}` row per problem; return the row count."""
-    n = 0
-    with open(path, "w", encoding="utf-8") as f:
-        for p in problems:
-            f.write(json.dumps(asdict(p)) + "\n")
-            n += 1
-    return n
+write_jsonl = arithmetic.write_jsonl  # one row per problem, every field (solution included)
 
 
 def read_jsonl(path: str | Path) -> list[Problem]:
-    with open(path, encoding="utf-8") as f:
-        return [Problem(**json.loads(line)) for line in f if line.strip()]
+    return arithmetic.read_jsonl(path, Problem)
