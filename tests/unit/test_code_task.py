@@ -117,3 +117,11 @@ def test_the_task_does_not_import_torch():
     code = "import sys, megarl.tasks.code_functions; print('torch' in sys.modules)"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
     assert out.strip() == "False"
+
+
+def test_rows_round_trip_through_jsonl(tmp_path):
+    from megarl.tasks.code_functions import read_jsonl, write_jsonl
+
+    rows = all_problems()[:50]
+    assert write_jsonl(tmp_path / "rows.jsonl", rows) == 50
+    assert read_jsonl(tmp_path / "rows.jsonl") == rows
