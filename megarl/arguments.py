@@ -34,15 +34,16 @@ def component_registries() -> tuple[Registry, ...]:
     return VERIFIERS, REWARD_MODELS, TOOLS
 
 
-def components() -> dict[str, type]:
-    """Every registered component's options dataclass, by section (import `--plugins` first for theirs)."""
-    return {r.section(name): cls for r in component_registries() for name, cls in r.options().items()}
+def components(registries: tuple[Registry, ...] | None = None) -> dict[str, type]:
+    """Every registered component's options dataclass, by section (import `--plugins` first for theirs); of
+    `registries` only, when given."""
+    return {r.section(name): cls for r in registries or component_registries() for name, cls in r.options().items()}
 
 
-def _plugins_named(argv: list[str]) -> str:
-    """The value `--plugins` ends up with in `argv` (a saved config's, then the recipe's, then the command
-    line's), read before the other flags, whose meaning may depend on it."""
-    pieces, saved, _ = config.recipe_flags(argv)
+def _plugins_named(sources: config.Sources) -> str:
+    """The value `--plugins` ends up with (a saved config's, then the recipe's, then the command line's), read
+    before the other flags, whose meaning may depend on it."""
+    pieces, saved, _ = sources
     value = ""
     if saved is not None:
         value = str((saved["config"].get("plugins") or {}).get("plugins", ""))
@@ -68,9 +69,10 @@ def parse_args(argv: list[str], check_registries: bool = True) -> Config:
     """`[recipe.sh | config.json] [--flag value ...]` -> Config (see the module docstring). Without
     `check_registries` (the launch scripts' pre-flight check on a batch host) `--plugins` are not imported and
     names are not checked: nothing that imports torch is loaded."""
+    sources = config.recipe_flags(argv)
     if check_registries:
-        import_plugins(_plugins_named(argv))
-    cfg = config.parse_config(argv, components())
+        import_plugins(_plugins_named(sources))
+    cfg = config.parse_config(sources, components())
     if check_registries:
         check_names(cfg, cfg.origins)
     return cfg
@@ -92,8 +94,9 @@ def check_names(cfg: Config, origins: dict[str, str] | None = None) -> None:
     from megarl.tool_calls import TOOLS
 
     origins = origins or {}
+    sections = cfg.sections()
     for spec in config.flag_specs(components()).values():
-        value = getattr(cfg.sections()[spec.section], spec.name)
+        value = getattr(sections[spec.section], spec.name)
         if not spec.names or value == "":
             continue
         names = [value]
@@ -118,5 +121,5 @@ def check_names(cfg: Config, origins: dict[str, str] | None = None) -> None:
 
 def help_text(argv: list[str] = ()) -> str:
     """`--help`: every flag, the components' included (those of `--plugins` named in `argv` too)."""
-    import_plugins(_plugins_named([a for a in argv if a not in ("-h", "--help")]))
+    import_plugins(_plugins_named(config.recipe_flags([a for a in argv if a not in ("-h", "--help")])))
     return config.help_text(components(), valid_names)

@@ -652,9 +652,13 @@ def read_recipe(path: str | os.PathLike) -> list[str]:
     return [t for t in proc.stdout.split("\0") if t != ""]
 
 
-def recipe_flags(argv: list[str]) -> tuple[list[tuple[list[str], str]], dict[str, Any] | None, str]:
+Sources = tuple[list[tuple[list[str], str]], "dict[str, Any] | None", str]
+
+
+def recipe_flags(argv: list[str]) -> Sources:
     """The flag tokens of `[recipe.sh | config.json] [--flag value ...]`, as (tokens, where) in the order they
-    apply, and a saved config's sections when the first argument is one (with its path)."""
+    apply, and a saved config's sections when the first argument is one (with its path): the recipe is read (by
+    bash) once, here."""
     rest = list(argv)
     if rest and not rest[0].startswith("--"):
         source = rest.pop(0)
@@ -664,16 +668,17 @@ def recipe_flags(argv: list[str]) -> tuple[list[tuple[list[str], str]], dict[str
     return [(rest, "command line")], None, ""
 
 
-def parse_config(argv: list[str], components: dict[str, type] | None = None) -> Config:
+def parse_config(argv: list[str] | Sources, components: dict[str, type] | None = None) -> Config:
     """`[recipe.sh | config.json] [--flag value ...]` -> Config, with the flags of megarl's sections and of
     `components` (section -> options dataclass). The first argument may be a recipe or a run's saved
     `config.json` (`saved_config`), which gives back that run's settings. Raises ConfigError naming the problem.
     Registry names are not checked here: the trainer's command line is `megarl.arguments.parse_args`, which
-    imports `--plugins`, adds every component's options and checks the names."""
+    imports `--plugins`, adds every component's options and checks the names. `argv` may be `recipe_flags(argv)`
+    already read."""
     specs = flag_specs(components)
     values: dict[str, Any] = {}
     origins: dict[str, str] = {}
-    pieces, saved, saved_path = recipe_flags(argv)
+    pieces, saved, saved_path = argv if isinstance(argv, tuple) else recipe_flags(argv)
     if saved is not None:
         values = saved_values(saved, saved_path, specs, origins)
     for tokens, where in pieces:

@@ -47,10 +47,11 @@ from megarl.verifiers.base import OUTCOMES
 
 def _components() -> dict[str, type]:
     """The options sections of the verifiers and reward models registered so far (`--plugins` imported)."""
+    from megarl.arguments import components
     from megarl.reward.models import REWARD_MODELS
     from megarl.verifiers.base import VERIFIERS
 
-    return {r.section(name): cls for r in (VERIFIERS, REWARD_MODELS) for name, cls in r.options().items()}
+    return components((VERIFIERS, REWARD_MODELS))
 
 
 def _verifier_flags() -> dict[str, FlagSpec]:
