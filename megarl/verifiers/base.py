@@ -25,6 +25,10 @@ class VerifyResult:
     seconds: float = 0.0
     model_score: float | None = None  # a reward model's raw score, when one scored this row (`compose`)
     agrees: bool | None = None  # that model's verdict matches the row's rule verifier's (when both scored it)
+    # What a sandboxed check cost (the `code` verifier): test cases run and the sandbox's CPU seconds for this
+    # program; None where nothing ran in a sandbox. The reward stage adds them up into tests/s and CPU per program.
+    tests_run: int | None = None
+    sandbox_cpu_seconds: float | None = None
 
 
 @runtime_checkable
