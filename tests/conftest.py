@@ -36,6 +36,17 @@ def starter():
 _HOST_STATE = re.compile(r"sandbox|harness|docker|pgrep|/proc/")
 
 
+HOST_GROUP = "host-sandboxes"
+
+
+def group_of(path: Path) -> str:
+    """The xdist group of a test file: "host-sandboxes" or the file's name."""
+    host = path.parent.name in ("sandbox", "docker") or _HOST_STATE.search(path.read_text())
+    return HOST_GROUP if host else path.name
+
+
+# tryfirst: the markers must be there before pytest-xdist's own hook reads them into the node ids.
+@pytest.hookimpl(tryfirst=True)
 def pytest_collection_modifyitems(config, items):
     if not config.pluginmanager.hasplugin("xdist"):
         return
@@ -43,6 +54,5 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         path = Path(str(item.fspath))
         if path not in groups:
-            host = path.parent.name in ("sandbox", "docker") or _HOST_STATE.search(path.read_text())
-            groups[path] = "host-sandboxes" if host else path.name
+            groups[path] = group_of(path)
         item.add_marker(pytest.mark.xdist_group(groups[path]))
