@@ -156,15 +156,28 @@ class CodeVerifier:
         return job, secret, code, n_tests
 
     def _judge(self, prepared, run) -> VerifyResult:
-        _, secret, code, n_tests = prepared
+        """The verdict, with what the check cost: `tests_run` (the tests the harness ran or started: every
+        result but those skipped by early stop) and `sandbox_cpu_seconds` (the harness's count, see
+        `guest/harness.py`; else the sandbox's CPU time for the run; None where neither was measured, e.g. a
+        persistent harness killed at its wall-clock limit)."""
+        secret = prepared[1]
         verdict = parse_verdict(run.stdout, secret)
+        result = self._score(prepared, run, verdict)
+        results = [] if verdict is None else verdict.get("results", [])  # (with the test that stopped a run)
+        result.tests_run = sum(r.get("why") != "skipped" for r in results if isinstance(r, dict))
+        cpu = verdict.get("cpu_s") if verdict is not None else None
+        result.sandbox_cpu_seconds = float(cpu) if isinstance(cpu, (int, float)) else (run.cpu_s or None)
+        return result
+
+    def _score(self, prepared, run, verdict: dict | None) -> VerifyResult:
+        _, _, code, n_tests = prepared
         if verdict is None:
             outcome = "timeout" if run.status == "timeout" else "incorrect"
             return VerifyResult(0.0, outcome, extracted=code,
                                 normalized=f"no completion proof (sandbox: {run.status} {run.detail})".strip())
         if "compile_error" in verdict:
             return VerifyResult(0.0, "parse_error", extracted=code, normalized=verdict["compile_error"])
-        results = list(verdict["results"])
+        results = verdict["results"] = list(verdict["results"])
         if "incomplete" in verdict or "error" in verdict:  # the run ended early: the next test is what stopped it
             why = verdict.get("incomplete") or ("timeout" if run.status == "timeout" else "sandbox_error")
             results.append({"ok": False, "why": why, "detail": verdict.get("error", run.detail)})
