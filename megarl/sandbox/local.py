@@ -339,7 +339,7 @@ class _WorkerSide:
             self.drop_harness()
             final, status = {"incomplete": "sandbox_error", "error": f"code harness: {type(e).__name__}: {e}"}, \
                 "sandbox_error"
-        payload = {k: v for k, v in final.items() if k not in ("done", "oom_kills")}
+        payload = {k: v for k, v in final.items() if k not in ("done", "oom_kills", "cpu_s")}  # (cpu_s: RunResult)
         payload["results"] = results
         detail = f"wall-clock limit of {lim['wall_s']} s" if status == "timeout" else final.get("error", "")
         return {"status": status, "exit_code": 0 if status == "ok" else None, "detail": detail,

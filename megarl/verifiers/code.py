@@ -36,6 +36,7 @@ once per process and configuration, so the verifier pickles into reward-pool wor
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import re
@@ -218,16 +219,16 @@ def parse_gold(gold: Any, time_s: float, early_stop: bool) -> tuple[dict, int]:
     if "memory_mb" in gold:
         spec["memory_mb"] = int(gold["memory_mb"])
     if "test" in gold:
-        import ast
-
-        tree = ast.parse(gold["test"])
-        is_check = any(isinstance(n, ast.FunctionDef) and n.name == "check" for n in tree.body)
+        prompt = gold.get("prompt") or None
+        if prompt is not None and not isinstance(prompt, str):
+            runnable_prompt(prompt)  # raises, naming the field
+        is_check, n_asserts, prompt = _function_tests(gold["test"], prompt)
         if is_check and not gold.get("entry_point"):
             raise ValueError("code verifier: a `check(candidate)` test needs `entry_point`")
         spec.update(mode="function", test=gold["test"], entry_point=gold.get("entry_point", ""))
-        if gold.get("prompt"):
-            spec["prompt"] = runnable_prompt(gold["prompt"])
-        return spec, 1 if is_check else sum(isinstance(n, ast.Assert) for n in tree.body)
+        if prompt is not None:
+            spec["prompt"] = prompt
+        return spec, 1 if is_check else n_asserts
     if "inputs" in gold and "outputs" in gold:
         inputs, outputs = list(gold["inputs"]), list(gold["outputs"])
         if len(inputs) != len(outputs) or not inputs:
@@ -239,6 +240,18 @@ def parse_gold(gold: Any, time_s: float, early_stop: bool) -> tuple[dict, int]:
         return spec, len(inputs)
     raise ValueError("code verifier: ground truth needs {'test', 'entry_point'} or {'inputs', 'outputs'}, got keys "
                      + ", ".join(sorted(gold)))
+
+
+@functools.lru_cache(maxsize=1024)
+def _function_tests(test: str, prompt: str | None) -> tuple[bool, int, str | None]:
+    """(whether `test` defines `check`, its top-level asserts, the runnable prompt) of a function-style row, kept
+    per process: a GRPO group checks the same row once per sample, and parsing it is ~0.3 ms."""
+    import ast
+
+    tree = ast.parse(test)
+    is_check = any(isinstance(n, ast.FunctionDef) and n.name == "check" for n in tree.body)
+    return is_check, sum(isinstance(n, ast.Assert) for n in tree.body), None if prompt is None else \
+        runnable_prompt(prompt)
 
 
 def runnable_prompt(prompt: Any) -> str:
