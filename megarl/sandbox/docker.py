@@ -499,10 +499,10 @@ class _HarnessContainer(_Container):
 
     @staticmethod
     def _result(wire: dict, final: dict, results: list, status: str, detail: str, start: float) -> RunResult:
-        payload = {k: v for k, v in final.items() if k not in ("done", "oom_kills")}
+        payload = {k: v for k, v in final.items() if k not in ("done", "oom_kills", "cpu_s")}  # (cpu_s: RunResult)
         payload["results"] = results
         return RunResult(status=status, exit_code=0 if status == "ok" else None, detail=detail,
-                         wall_s=round(time.monotonic() - start, 4),
+                         wall_s=round(time.monotonic() - start, 4), cpu_s=final.get("cpu_s", 0.0),
                          stdout=verdict_line(wire["stdin"].strip(), json.dumps(payload)))
 
     def died(self, wire: dict, error: _Died, kills: int) -> RunResult:

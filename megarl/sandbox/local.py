@@ -339,11 +339,11 @@ class _WorkerSide:
             self.drop_harness()
             final, status = {"incomplete": "sandbox_error", "error": f"code harness: {type(e).__name__}: {e}"}, \
                 "sandbox_error"
-        payload = {k: v for k, v in final.items() if k not in ("done", "oom_kills")}
+        payload = {k: v for k, v in final.items() if k not in ("done", "oom_kills", "cpu_s")}  # (cpu_s: RunResult)
         payload["results"] = results
         detail = f"wall-clock limit of {lim['wall_s']} s" if status == "timeout" else final.get("error", "")
         return {"status": status, "exit_code": 0 if status == "ok" else None, "detail": detail,
-                "wall_s": round(time.monotonic() - start, 4),
+                "wall_s": round(time.monotonic() - start, 4), "cpu_s": final.get("cpu_s", 0.0),
                 "stdout": verdict_line(job["stdin"].strip(), json.dumps(payload))}
 
     def drop_harness(self) -> None:
@@ -415,8 +415,7 @@ class _WorkerSide:
         """In P, after fork: the job's cgroup, a high OOM score, then drop privileges, Landlock, close every fd
         above 2, seccomp."""
         if "job" in self.cgroups:
-            with open(os.path.join(self.cgroups["job"].path, "cgroup.procs"), "w") as f:
-                f.write("0")
+            self.cgroups["job"].enter()
         try:
             with open("/proc/self/oom_score_adj", "w") as f:
                 f.write("1000")

@@ -36,6 +36,7 @@ once per process and configuration, so the verifier pickles into reward-pool wor
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import re
@@ -156,15 +157,28 @@ class CodeVerifier:
         return job, secret, code, n_tests
 
     def _judge(self, prepared, run) -> VerifyResult:
-        _, secret, code, n_tests = prepared
+        """The verdict, with what the check cost: `tests_run` (the tests the harness ran or started: every
+        result but those skipped by early stop) and `sandbox_cpu_seconds` (the harness's count, see
+        `guest/harness.py`; else the sandbox's CPU time for the run; None where neither was measured, e.g. a
+        persistent harness killed at its wall-clock limit)."""
+        secret = prepared[1]
         verdict = parse_verdict(run.stdout, secret)
+        result = self._score(prepared, run, verdict)
+        results = [] if verdict is None else verdict.get("results", [])  # (with the test that stopped a run)
+        result.tests_run = sum(r.get("why") != "skipped" for r in results if isinstance(r, dict))
+        cpu = verdict.get("cpu_s") if verdict is not None else None
+        result.sandbox_cpu_seconds = float(cpu) if isinstance(cpu, (int, float)) else (run.cpu_s or None)
+        return result
+
+    def _score(self, prepared, run, verdict: dict | None) -> VerifyResult:
+        _, _, code, n_tests = prepared
         if verdict is None:
             outcome = "timeout" if run.status == "timeout" else "incorrect"
             return VerifyResult(0.0, outcome, extracted=code,
                                 normalized=f"no completion proof (sandbox: {run.status} {run.detail})".strip())
         if "compile_error" in verdict:
             return VerifyResult(0.0, "parse_error", extracted=code, normalized=verdict["compile_error"])
-        results = list(verdict["results"])
+        results = verdict["results"] = list(verdict["results"])
         if "incomplete" in verdict or "error" in verdict:  # the run ended early: the next test is what stopped it
             why = verdict.get("incomplete") or ("timeout" if run.status == "timeout" else "sandbox_error")
             results.append({"ok": False, "why": why, "detail": verdict.get("error", run.detail)})
@@ -205,16 +219,16 @@ def parse_gold(gold: Any, time_s: float, early_stop: bool) -> tuple[dict, int]:
     if "memory_mb" in gold:
         spec["memory_mb"] = int(gold["memory_mb"])
     if "test" in gold:
-        import ast
-
-        tree = ast.parse(gold["test"])
-        is_check = any(isinstance(n, ast.FunctionDef) and n.name == "check" for n in tree.body)
+        prompt = gold.get("prompt") or None
+        if prompt is not None and not isinstance(prompt, str):
+            runnable_prompt(prompt)  # raises, naming the field
+        is_check, n_asserts, prompt = _function_tests(gold["test"], prompt)
         if is_check and not gold.get("entry_point"):
             raise ValueError("code verifier: a `check(candidate)` test needs `entry_point`")
         spec.update(mode="function", test=gold["test"], entry_point=gold.get("entry_point", ""))
-        if gold.get("prompt"):
-            spec["prompt"] = runnable_prompt(gold["prompt"])
-        return spec, 1 if is_check else sum(isinstance(n, ast.Assert) for n in tree.body)
+        if prompt is not None:
+            spec["prompt"] = prompt
+        return spec, 1 if is_check else n_asserts
     if "inputs" in gold and "outputs" in gold:
         inputs, outputs = list(gold["inputs"]), list(gold["outputs"])
         if len(inputs) != len(outputs) or not inputs:
@@ -226,6 +240,18 @@ def parse_gold(gold: Any, time_s: float, early_stop: bool) -> tuple[dict, int]:
         return spec, len(inputs)
     raise ValueError("code verifier: ground truth needs {'test', 'entry_point'} or {'inputs', 'outputs'}, got keys "
                      + ", ".join(sorted(gold)))
+
+
+@functools.lru_cache(maxsize=1024)
+def _function_tests(test: str, prompt: str | None) -> tuple[bool, int, str | None]:
+    """(whether `test` defines `check`, its top-level asserts, the runnable prompt) of a function-style row, kept
+    per process: a GRPO group checks the same row once per sample, and parsing it is ~0.3 ms."""
+    import ast
+
+    tree = ast.parse(test)
+    is_check = any(isinstance(n, ast.FunctionDef) and n.name == "check" for n in tree.body)
+    return is_check, sum(isinstance(n, ast.Assert) for n in tree.body), None if prompt is None else \
+        runnable_prompt(prompt)
 
 
 def runnable_prompt(prompt: Any) -> str:

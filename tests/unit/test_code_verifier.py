@@ -1,6 +1,7 @@
 """The code verifier: extraction, both gold layouts, reward modes, reward hacks, HumanEval (local backend)."""
 
 import json
+import time
 
 import pytest
 
@@ -78,6 +79,35 @@ def test_asserts_style_and_reward_modes():
     assert CodeVerifier(workers=1).verify(program, gold).score == 0.0
     r = CodeVerifier(workers=1, reward="fraction").verify(program, gold)
     assert r.score == pytest.approx(2 / 3) and r.outcome == "incorrect"
+
+
+def _burn(n):
+    total = 0
+    for i in range(n):
+        total += i
+    return total
+
+
+def test_cost_fields_count_tests_and_sandbox_cpu(verifier):
+    """`tests_run` is the number of tests the harness ran (asserts, `check`s, stdin/stdout cases; not the ones
+    early stop skipped); `sandbox_cpu_seconds` covers the program's own work: a program that burns a known
+    amount of CPU per call (measured here, in this process, as the reference) is charged at least half of it."""
+    n = 500_000
+    start = time.process_time()
+    _burn(n)
+    per_call = time.process_time() - start
+    gold = {"test": "assert add(1, 2) == 3\nassert add(2, 2) == 4\nassert add(0, 0) == 1\n"}
+    burner = f"def add(a, b):\n    total = 0\n    for i in range({n}):\n        total += i\n    return a + b\n"
+    r = verifier.verify(burner, gold)
+    assert r.normalized.startswith("2/3") and r.tests_run == 3
+    assert 0.5 * 3 * per_call < r.sandbox_cpu_seconds < 3 * per_call + 5.0, (r.sandbox_cpu_seconds, per_call)
+    r = verifier.verify("def add(a, b):\n    return a + b\n", ADD)
+    assert r.tests_run == 1 and 0 < r.sandbox_cpu_seconds < 2.0
+    io = {"inputs": ["1\n", "2\n", "3\n"], "outputs": ["1\n", "2\n", "3\n"]}
+    r = CodeVerifier(workers=1, early_stop=True).verify("print(7)", io)
+    assert r.tests_run == 1 and r.sandbox_cpu_seconds > 0  # the two after the first failure are skipped
+    r = verifier.verify("   ", ADD)
+    assert r.tests_run is None and r.sandbox_cpu_seconds is None  # nothing ran
 
 
 def test_stdin_stdout_style(verifier):

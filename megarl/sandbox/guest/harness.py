@@ -9,6 +9,8 @@ ways to run it:
   `solution.py` (the untrusted program), `spec.json` (the tests) and the sibling modules as job files and the
   secret on stdin; it prints a signed line per test result and a signed verdict line at the end.
 Either way a case that ends early (its wall-clock limit, a crash) keeps the results of the tests already run.
+The final line (the verdict, as a job) also gives `cpu_s`: the CPU seconds (user + system) the case's program
+processes used, as the kernel counted each one the spawner reaped, plus this process's while it ran the tests.
 
 Why it cannot be fooled by the program:
 - The program never runs in this process. Every program process is forked by the spawner (`spawner.py`), which
@@ -465,7 +467,7 @@ def serve(cfg):
 
 def _serve_case(case, spawner, answer_fd, vsize, nproc_extra):
     """Run one case, answering a line per result and a final line; False if this harness cannot go on."""
-    lim = case["limits"]
+    lim, start_cpu = case["limits"], time.process_time()
     final, n, alive = {"done": True}, 0, True
     try:
         ctx = Context(spawner, _case_rlimits(lim, vsize, nproc_extra), lim["memory_mb"])
@@ -477,7 +479,8 @@ def _serve_case(case, spawner, answer_fd, vsize, nproc_extra):
     except BaseException as e:  # noqa: BLE001 - the harness answers whatever happened
         final["error"] = f"harness: {rpc.describe(e)}"
     try:
-        final["oom_kills"] = spawner.end()
+        final["oom_kills"], programs_cpu = spawner.end()
+        final["cpu_s"] = round(programs_cpu + time.process_time() - start_cpu, 6)
     except BaseException as e:  # noqa: BLE001 - however the spawner broke: say so; the harness is not reused
         final["error"], alive = f"spawner: {rpc.describe(e)}", False
     _write_line(answer_fd, final)
@@ -526,7 +529,7 @@ def main():
             os.unlink(name)
         except FileNotFoundError:
             pass
-    payload = {"results": []}
+    payload, start_cpu = {"results": []}, time.process_time()
     try:
         for result in run_case(source, spec, Context(spawner, [], 0)):
             payload["results"].append(result)
@@ -536,7 +539,8 @@ def main():
     except BaseException as e:  # noqa: BLE001 - the harness answers whatever happened
         payload["error"] = f"harness: {rpc.describe(e)}"
     finally:
-        spawner.end()
+        programs_cpu = spawner.end()[1]
+    payload["cpu_s"] = round(programs_cpu + time.process_time() - start_cpu, 6)
     _print(verdict_line(secret, json.dumps(payload)))
 
 

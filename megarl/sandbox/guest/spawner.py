@@ -11,10 +11,10 @@ own), runs no untrusted code and never sees a test. H asks Z, over a socket pair
   is one, and the size of its tmpfs mounts);
 - `status` of P once it has exited (its wait status, which the kernel sets: the program cannot forge it);
 - `kill` P (its whole pid namespace), or `reap` it: kill it and give its status;
-- `end` the case: kill and reap every P of the case (before answering), then replace /tmp and /dev/shm (the
-  work directory is /tmp/w) with fresh, empty tmpfs mounts (right after answering, before reading the next
-  request: an unmount waits on the kernel, and the harness need not), so that nothing a case wrote reaches the
-  next case or stays in memory after it.
+- `end` the case: kill and reap every P of the case (before answering, with the CPU time they used, as the
+  kernel counted it), then replace /tmp and /dev/shm (the work directory is /tmp/w) with fresh, empty tmpfs
+  mounts (right after answering, before reading the next request: an unmount waits on the kernel, and the
+  harness need not), so that nothing a case wrote reaches the next case or stays in memory after it.
 
 What a program process gets (`FreshSetup`, where the host allows; `describe()` says what is in force):
 - a fresh pid namespace of its own, where it is pid 1: everything it starts dies with it, and it sees the same
@@ -115,9 +115,11 @@ class Spawner:
         status, oom = self._ask(b"reap %d" % pid).split()
         return int(status), int(oom)
 
-    def end(self) -> int:
-        """Kill and reap every program process of the case, fresh mounts; the case's OOM kills."""
-        return int(self._ask(b"end"))
+    def end(self) -> tuple[int, float]:
+        """Kill and reap every program process of the case, fresh mounts; the case's OOM kills and the CPU
+        seconds (user + system) its program processes used, from the kernel's accounting of each reaped one."""
+        oom, cpu = self._ask(b"end").split()
+        return int(oom), float(cpu)
 
     def _ask(self, msg: bytes) -> bytes:
         self.sock.send(msg)
@@ -134,6 +136,7 @@ def _spawner_main(sock, cfg: dict, modes: dict, iso_mod) -> None:
     setup = FreshSetup(cfg, iso_mod) if cfg.get("fresh") else PlainSetup(cfg, iso_mod)
     setup.enter()
     children: dict[int, int | None] = {}  # pid -> wait status once reaped
+    cpu = [0.0]  # CPU seconds of the case's reaped program processes
     while True:
         try:
             msg, fds, _, _ = socket.recv_fds(sock, 1 << 16, 8)
@@ -144,7 +147,7 @@ def _spawner_main(sock, cfg: dict, modes: dict, iso_mod) -> None:
         verb, _, arg = msg.partition(b" ")
         after = None
         try:
-            reply, reply_fds, after = _handle(verb, arg, fds, setup, modes, children)
+            reply, reply_fds, after = _handle(verb, arg, fds, setup, modes, children, cpu)
         except Exception as e:  # noqa: BLE001 - a failed request must not end the spawner
             reply, reply_fds = b"-1 " + repr(e).encode()[:200], []
         finally:
@@ -157,7 +160,7 @@ def _spawner_main(sock, cfg: dict, modes: dict, iso_mod) -> None:
             after()
 
 
-def _handle(verb: bytes, arg: bytes, fds: list[int], setup, modes: dict, children: dict):
+def _handle(verb: bytes, arg: bytes, fds: list[int], setup, modes: dict, children: dict, cpu: list):
     if verb == b"spawn":
         params = json.loads(arg)
         setup.begin(params["memory_mb"])
@@ -167,14 +170,14 @@ def _handle(verb: bytes, arg: bytes, fds: list[int], setup, modes: dict, childre
         children[pid] = None
         return b"%d" % pid, [os.pidfd_open(pid)], None
     if verb == b"status":
-        status = _wait(children, int(arg))
+        status = _wait(children, int(arg), cpu)
         return b"%d %d" % (status, setup.oom_kills()), [], None
     if verb == b"kill":
         _kill(int(arg))
         return b"ok", [], None
     if verb == b"reap":
         _kill(int(arg))
-        status = _wait(children, int(arg))
+        status = _wait(children, int(arg), cpu)
         return b"%d %d" % (status, setup.oom_kills()), [], None
     if verb == b"end":
         # Every process of the case is killed and reaped before the reply; replacing the tmpfs mounts (which
@@ -183,19 +186,21 @@ def _handle(verb: bytes, arg: bytes, fds: list[int], setup, modes: dict, childre
             _kill(pid)
         setup.kill_rest()
         for pid in list(children):
-            _wait(children, pid)
-        setup.reap_rest()
+            _wait(children, pid, cpu)
+        cpu[0] += setup.reap_rest()
         children.clear()
-        return b"%d" % setup.oom_kills(), [], lambda: (setup.fresh_state(), setup.next_case())
+        reply, cpu[0] = b"%d %.6f" % (setup.oom_kills(), cpu[0]), 0.0
+        return reply, [], lambda: (setup.fresh_state(), setup.next_case())
     if verb == b"hello":
         return json.dumps(setup.describe()).encode(), [], None
     raise ValueError(f"unknown request {verb!r}")
 
 
-def _wait(children: dict, pid: int) -> int:
+def _wait(children: dict, pid: int, cpu: list) -> int:
     if children.get(pid) is None:
         try:
-            children[pid] = os.waitpid(pid, 0)[1]
+            _, children[pid], usage = os.wait4(pid, 0)
+            cpu[0] += usage.ru_utime + usage.ru_stime
         except ChildProcessError:
             children[pid] = 0
     return children[pid]
@@ -278,8 +283,8 @@ class PlainSetup:
     def kill_rest(self) -> None:
         pass
 
-    def reap_rest(self) -> None:
-        pass
+    def reap_rest(self) -> float:
+        return 0.0
 
     def oom_kills(self) -> int:
         return 0
@@ -419,13 +424,16 @@ class FreshSetup(PlainSetup):
             except ProcessLookupError:
                 pass
 
-    def reap_rest(self) -> None:
-        if self.pid_ns_fd is None:  # what kill_rest killed came to us (the subreaper)
+    def reap_rest(self) -> float:
+        """Reap what `kill_rest` killed (orphans come to us, the subreaper); their CPU seconds."""
+        cpu = 0.0
+        if self.pid_ns_fd is None:
             while True:
                 try:
-                    os.waitpid(-1, 0)
+                    cpu += sum(os.wait4(-1, 0)[2][:2])
                 except ChildProcessError:
-                    return
+                    break
+        return cpu
 
     def oom_kills(self) -> int:
         return self.cgroup.oom_kills() - self.oom_base if self.cgroup is not None else 0
