@@ -308,3 +308,32 @@ def test_flush_gives_up_with_a_message(stubs):
     with pytest.raises(WeightSyncError, match=r"flush_cache.*3 times.*running or waiting requests"):
         client.update_weights_from_disk("/shared/ckpt", version=2)
     assert always_busy.calls.count("/flush_cache") == 3 and client.weight_version == 0
+
+
+# -- finding 2: Transformer Engine's grouped experts mark fc2 partition_dim=0 -------------------------------------
+
+
+def test_expert_fc2_splits_on_columns_whatever_partition_dim_says(monkeypatch):
+    """TE 2.20's `GroupedLinear` (megatron-core's TEGroupedLinear with expert-TP or EP > 1) sets `partition_dim=0`
+    on every expert weight, fc2 included; megatron splits fc2 (row-parallel) on dim 1. Loading (`shard_for_tp`)
+    and exporting (`gather_tp`) follow the layer's role, not the attribute."""
+    from megarl.mcore import convert
+    from megarl.model_shape import ModelShape
+
+    moe = ModelShape(family="qwen3_moe", num_layers=2, hidden_size=4, num_attention_heads=2, num_kv_heads=2,
+                     head_dim=2, ffn_hidden_size=8, vocab_size=16, max_position_embeddings=32, rope_theta=1e4,
+                     norm_eps=1e-6, tie_word_embeddings=False, qkv_bias=False, qk_norm=True, num_experts=4,
+                     moe_top_k=2, moe_ffn_hidden_size=6, moe_layers=(0, 1))
+    rules = convert.rules_for(moe)
+    fc2, _, _ = convert._match_expert("decoder.layers.1.mlp.experts.local_experts.3.linear_fc2.weight", rules)
+    fc1, _, _ = convert._match_expert("decoder.layers.1.mlp.experts.local_experts.3.linear_fc1.weight", rules)
+    te_marked = types.SimpleNamespace(tensor_model_parallel=True, partition_dim=0)  # what TE leaves on both
+    down = torch.arange(24.0).view(4, 6)  # HF down_proj: [hidden, moe_ffn]
+    shards = [convert.shard_for_tp(fc2, down, te_marked, r, 2) for r in range(2)]
+    assert [tuple(t.shape) for t in shards] == [(4, 3), (4, 3)] and torch.equal(shards[1], down[:, 3:])
+
+    monkeypatch.setattr(convert.dist, "all_gather", lambda parts, local, group=None: [
+        p.copy_(s) for p, s in zip(parts, shards)])
+    assert torch.equal(convert.gather_tp(fc2, shards[0], te_marked, None, 2), down)
+    gate_up = torch.arange(48.0).view(12, 4)  # fc1 stays on rows: [gate shard ; up shard] per rank
+    assert convert.shard_for_tp(fc1, gate_up, te_marked, 1, 2).shape == (6, 4)
