@@ -253,10 +253,27 @@ def _is_tp_sharded(param: torch.Tensor) -> bool:
     return bool(getattr(param, "tensor_model_parallel", False))
 
 
+_ROW_PARALLEL = ("self_attention.linear_proj.weight", "linear_fc2.weight")
+
+
+def split_dim(rule: Rule, param: torch.Tensor) -> int:
+    """The dimension tensor parallelism splits a parameter along, from its layer's role: column-parallel layers
+    (the fused qkv, fc1, the vocabulary) split their output rows (0), row-parallel ones (the attention's output
+    projection, fc2, dense or expert) their input columns (1). Not `param.partition_dim`: Transformer Engine's
+    grouped experts (megatron-core's `TEGroupedLinear` with expert-TP or EP > 1) are built with
+    `parallel_mode=None`, and TE's `GroupedLinear.reset_parameters` then marks every expert weight
+    `partition_dim=0`, fc2 included, though megatron splits fc2 on dim 1."""
+    if rule.mcore.endswith(_ROW_PARALLEL):
+        return 1
+    if rule.kind in ("qkv", "gate_up", "vocab"):
+        return 0
+    return param.partition_dim
+
+
 def shard_for_tp(rule: Rule, full: torch.Tensor, param: torch.Tensor, tp_rank: int, tp_size: int) -> torch.Tensor:
     if tp_size == 1 or not _is_tp_sharded(param):
         return full
-    dim = param.partition_dim
+    dim = split_dim(rule, param)
     if rule.kind == "gate_up":
         gate, up = torch.chunk(full, 2, dim=0)
         return torch.cat([torch.chunk(gate, tp_size, dim)[tp_rank], torch.chunk(up, tp_size, dim)[tp_rank]], dim=0)
@@ -268,7 +285,7 @@ def gather_tp(rule: Rule, local: torch.Tensor, param: torch.Tensor, tp_group, tp
         return local
     parts = [torch.empty_like(local) for _ in range(tp_size)]
     dist.all_gather(parts, local.contiguous(), group=tp_group)
-    dim = param.partition_dim
+    dim = split_dim(rule, param)
     if rule.kind == "gate_up":
         halves = [torch.chunk(p, 2, dim=0) for p in parts]
         return torch.cat([torch.cat([h[0] for h in halves], dim), torch.cat([h[1] for h in halves], dim)], dim=0)
@@ -315,7 +332,7 @@ def load_hf_weights(model: torch.nn.Module, hf_dir: str | Path, shape: ModelShap
     for local_name, (rule, layer, expert) in plan.items():
         param = params[local_name]
         tp_rank, tp_size, _ = _tp_of(names[local_name])
-        rows = param.shape[0] * (tp_size if _is_tp_sharded(param) and param.partition_dim == 0 else 1)
+        rows = param.shape[0] * (tp_size if _is_tp_sharded(param) and split_dim(rule, param) == 0 else 1)
         full = hf_to_mcore_tensor(rule, [hf[n] for n in hf_names(rule, layer, expert)], shape, padded_vocab=rows)
         shard = shard_for_tp(rule, full, param, tp_rank, tp_size)
         if shard.shape != param.shape:

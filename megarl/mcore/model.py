@@ -61,9 +61,25 @@ def moe_config(shape: ModelShape, tp: int, moe: MoEOptions) -> dict:
     )
 
 
+def fused_softmax_available() -> bool:
+    """Whether Megatron's fused masked-softmax kernels import. They are built from megatron's or apex's sources
+    and megatron-core's wheels do not ship them; with `masked_softmax_fusion` on and the kernels absent,
+    `FusedScaleMaskSoftmax.is_kernel_available` dies importing `scaled_masked_softmax_cuda` on the local
+    (non-Transformer Engine) attention path."""
+    import importlib
+
+    for kernel in ("scaled_masked_softmax_cuda", "scaled_upper_triang_masked_softmax_cuda", "scaled_softmax_cuda"):
+        try:
+            importlib.import_module(kernel)
+        except Exception:  # noqa: BLE001 - ImportError, or an extension built for another torch or CUDA
+            return False
+    return True
+
+
 def transformer_config(shape: ModelShape, *, tp: int, pp: int, params_dtype=torch.float32, bf16=False,
                        local_kernels: bool = False, moe: MoEOptions | None = None, **overrides):
-    """The Megatron `TransformerConfig` for `shape`; fusions that need CUDA are off on a CPU machine. With
+    """The Megatron `TransformerConfig` for `shape`; fusions that need CUDA are off on a CPU machine, the masked
+    softmax fusion also where its kernels are not installed (`fused_softmax_available`). With
     `local_kernels` (the local spec with megarl's kernels, `parallel.layer_spec`) the config routes RoPE to
     megarl's fused RoPE. `moe`: how a mixture-of-experts model is split and routed (`moe_config`)."""
     from megatron.core.transformer import TransformerConfig
@@ -101,7 +117,7 @@ def transformer_config(shape: ModelShape, *, tp: int, pp: int, params_dtype=torc
         apply_rope_fusion=False,
         persist_layer_norm=False,
         bias_activation_fusion=on_gpu,
-        masked_softmax_fusion=on_gpu,
+        masked_softmax_fusion=on_gpu and fused_softmax_available(),
         bias_dropout_fusion=on_gpu,
         attention_softmax_in_fp32=True,
         qk_layernorm=shape.qk_norm,

@@ -119,7 +119,8 @@ def build_sglang(cfg: Config, actor: MegatronPolicy | None = None) -> RolloutEng
     if not r.rollout_servers:
         tp = r.sglang_tp_size or cfg.model.tensor_model_parallel_size
         # Multi-turn rollout functions may end turns at stop strings, which SGLang matches on text: it then needs
-        # its tokenizer (single_turn stops at token ids only, and skips loading it).
+        # its tokenizer (single_turn stops at token ids only, and skips loading it). Seeded, the engine runs with
+        # deterministic inference, without which SGLang ignores the requests' sampling_seed (`launch`).
         return SGLangEngine.launch(cfg.model.hf_checkpoint, tp_size=tp, base_gpu_id=torch.cuda.current_device(),
                                    mem_fraction=r.sglang_mem_fraction, dtype="bfloat16" if cfg.model.bf16 else "auto",
                                    seed=cfg.training.seed, tokenizer=r.rollout_function != "single_turn")

@@ -3,8 +3,8 @@
 Colocated (`SGLangEngine`): each model-parallel leader of the trainer owns an in-process `sglang.Engine` on its
 own GPUs (SGLang's TP x this rank's GPU onward). Actor and engine take turns with the memory; one step is
 
-    generate -> release_memory (kv cache, weights) -> train -> load_weight_buckets: resume weights,
-    push the buckets -> resume_memory: resume kv cache, flush the prefix cache -> generate ...
+    generate -> release_memory (kv cache, weights, cuda graphs) -> train -> load_weight_buckets: resume
+    weights, push the buckets -> resume_memory: resume cuda graphs and kv cache, flush the prefix cache -> generate
 
 SGLang needs `enable_memory_saver` (torch_memory_saver) for the release, and an idle scheduler, which it is
 between steps. In SGLang >= 0.5.23 weight updates run inside `begin_weight_update` / `end_weight_update`;
@@ -17,7 +17,10 @@ Disaggregated (`SGLangServers`): SGLang servers launched elsewhere (`--rollout-s
 over HTTP. Prompts are split over the servers in contiguous blocks. Weights go either over NCCL (the trainer's
 leader joins a process group with every server's TP ranks: `init_weights_update_group`, then per bucket
 `update_weights_from_distributed` while the leader broadcasts the flat bucket) or from a checkpoint directory
-on a shared file system (`update_weights_from_disk`).
+on a shared file system (`update_weights_from_disk`). A server that refuses a control call answers 400 with
+`{"success": false, "message": ...}`: the message is raised, and the trainer never waits in a collective for a
+server that refused to join it. The pusher flushes the servers' prefix caches once after its push; SGLang
+refuses `/flush_cache` (400) while any request runs or waits, so the flush is retried for a bounded time.
 
 Log-probs: SGLang reports log softmax(logits / temperature) of the sampled token, before top-k / top-p, which is
 `Completion.logprobs`' definition (leave SGLANG_RETURN_ORIGINAL_LOGPROB unset). The engine knows nothing of
@@ -28,7 +31,9 @@ from __future__ import annotations
 
 import json
 import threading
+import time
 import urllib.error
+import warnings
 import urllib.request
 from typing import Callable, Iterable, Sequence
 
@@ -37,7 +42,9 @@ import torch
 from megarl.rollout.base import Completion, SamplingParams
 from megarl.rollout.weight_sync import DEFAULT_BUCKET_BYTES, WeightBucket, WeightSyncError, pack_buckets
 
-KV_CACHE, WEIGHTS = "kv_cache", "weights"
+KV_CACHE, WEIGHTS, CUDA_GRAPH = "kv_cache", "weights", "cuda_graph"
+# Every region torch_memory_saver manages in SGLang 0.5.23; the captured CUDA graphs' memory is one of them.
+MEMORY_TAGS = (KV_CACHE, WEIGHTS, CUDA_GRAPH)
 
 
 def sglang_available() -> tuple[bool, str]:
@@ -90,15 +97,45 @@ def expand_requests(prompts: Sequence[Sequence[int]], params: SamplingParams) ->
 
 
 def to_completion(output: dict, version: int) -> Completion:
+    """One SGLang output as a `Completion`. A request SGLang aborted (`finish_reason` `{"type": "abort",
+    "message": ...}`: aborted from outside, or refused, with whatever it had generated) did not finish: it becomes
+    finish reason "length", which every rollout function turns into `SampleStatus.TRUNCATED` (counted in
+    `truncated_frac`, left out of the loss with --mask-truncated), never a finished answer."""
     meta = output["meta_info"]
     token_ids = list(output["output_ids"])
-    logprobs = [float(lp) for lp, _tok, *_ in meta["output_token_logprobs"]]
-    reason = meta.get("finish_reason") or {}
-    kind = reason.get("type") if isinstance(reason, dict) else str(reason)
+    logprobs = [float(lp) for lp, _tok, *_ in meta.get("output_token_logprobs") or []]
     if len(logprobs) != len(token_ids):
         raise RuntimeError(f"SGLang returned {len(token_ids)} tokens but {len(logprobs)} log-probs")
-    return Completion(token_ids=token_ids, logprobs=logprobs, finish_reason="length" if kind == "length" else "stop",
-                      weight_version=version)
+    return Completion(token_ids=token_ids, logprobs=logprobs,
+                      finish_reason="stop" if _finish_kind(output) == "stop" else "length", weight_version=version)
+
+
+def _finish_kind(output: dict) -> str:
+    reason = output["meta_info"].get("finish_reason") or {}
+    return str(reason.get("type") if isinstance(reason, dict) else reason)
+
+
+def count_aborted(outputs: Sequence[dict]) -> int:
+    """How many of `outputs` SGLang aborted; warns with the first one's message, since the run goes on with them
+    as truncated samples (`to_completion`)."""
+    aborted = [o for o in outputs if _finish_kind(o) == "abort"]
+    if aborted:
+        reason = aborted[0]["meta_info"].get("finish_reason")
+        message = reason.get("message", "") if isinstance(reason, dict) else ""
+        warnings.warn(f"SGLang aborted {len(aborted)} of {len(outputs)} requests ({message or 'no message'}): they "
+                      "enter the batch as truncated samples (out of the loss with --mask-truncated)",
+                      RuntimeWarning, stacklevel=3)
+    return len(aborted)
+
+
+def check_score_temperature(temperature: float) -> None:
+    """SGLang's input log-probs (`input_token_logprobs`, what `score` reads) are a plain log_softmax of the logits:
+    it scales prompt logits by no temperature (`Req.temp_scaled_logprobs` is never set for them), whatever the
+    request's temperature. Scoring at any other temperature would return the T = 1 values under another name."""
+    if temperature != 1.0:
+        raise ValueError(f"SGLang score(): temperature {temperature:g} is not supported: SGLang scores input tokens "
+                         "with a plain log_softmax (temperature 1) whatever the request says; call score with "
+                         "temperature=1.0")
 
 
 def group(completions: list[Completion], n: int) -> list[list[Completion]]:
@@ -139,21 +176,29 @@ class SGLangEngine:
         self.colocated = colocated
         self.serialize = serialize
         self.weight_version = 0
+        self.aborted = 0  # requests SGLang aborted so far (`count_aborted`)
         self._released: set[str] = set()
 
     @classmethod
     def launch(cls, hf_dir: str, *, tp_size: int = 1, base_gpu_id: int = 0, mem_fraction: float = 0.5,
-               dtype: str = "bfloat16", seed: int = 0, colocated: bool = True, tokenizer: bool = False,
+               dtype: str = "bfloat16", seed: int | None = 0, colocated: bool = True, tokenizer: bool = False,
                **server_args) -> SGLangEngine:
-        """`tokenizer`: load SGLang's tokenizer and detokenizer, which matching `SamplingParams.stop` needs."""
+        """`tokenizer`: load SGLang's tokenizer and detokenizer, which matching `SamplingParams.stop` needs.
+
+        `seed`: SGLang's `random_seed`; a seeded engine is also launched with `enable_deterministic_inference`,
+        without which SGLang 0.5.23 ignores the per-request `sampling_seed` megarl sends (same seed, different
+        samples). Deterministic inference uses batch-invariant kernels (slower; SGLang picks an attention backend
+        that supports it); pass `enable_deterministic_inference=False` to trade the reproducibility for speed."""
         ok, why = sglang_available()
         if not ok:
             raise RuntimeError(f"--rollout-backend sglang: {why}; install SGLang on the GPU machine "
                                "(pip install 'megarl[sglang]') or use --rollout-backend builtin")
         import sglang
 
+        server_args.setdefault("enable_deterministic_inference", seed is not None)
         engine = sglang.Engine(model_path=str(hf_dir), tp_size=tp_size, base_gpu_id=base_gpu_id,
-                               mem_fraction_static=mem_fraction, dtype=dtype, random_seed=seed,
+                               mem_fraction_static=mem_fraction, dtype=dtype,
+                               random_seed=0 if seed is None else seed,
                                enable_memory_saver=colocated, skip_tokenizer_init=not tokenizer, log_level="error",
                                **server_args)
         return cls(engine, tp_size=tp_size, colocated=colocated, tokenizer=tokenizer,
@@ -169,10 +214,13 @@ class SGLangEngine:
                              "(skip_tokenizer_init), so it cannot match stop strings; launch it with tokenizer=True")
         ids, sampling = expand_requests(prompts, params)
         outputs = self.engine.generate(input_ids=ids, sampling_params=sampling, return_logprob=True)
+        self.aborted += count_aborted(outputs)
         return group([to_completion(o, self.weight_version) for o in outputs], params.n)
 
     def score(self, sequences: list[list[int]], prompt_lens: list[int], temperature: float = 1.0) -> list[list[float]]:
-        """Log-probs of each sequence's tokens after its prompt (one prefill, one throwaway new token)."""
+        """Log-probs of each sequence's tokens after its prompt (one prefill, one throwaway new token); at
+        temperature 1 only (`check_score_temperature`)."""
+        check_score_temperature(temperature)
         outputs = self.engine.generate(input_ids=[list(s) for s in sequences],
                                        sampling_params={"max_new_tokens": 1, "temperature": temperature},
                                        return_logprob=True, logprob_start_len=0)
@@ -181,10 +229,11 @@ class SGLangEngine:
     # -- the colocation cycle --------------------------------------------------------------------------------
 
     def release_memory(self) -> None:
-        """Free the KV cache and the weights for training (colocated mode only)."""
+        """Free everything the memory saver holds for training (colocated mode only): the KV cache, the weights
+        and the captured CUDA graphs' memory, which would otherwise stay reserved while the actor trains."""
         if self.colocated:
-            _check(self.engine.release_memory_occupation(tags=[KV_CACHE, WEIGHTS]), "release_memory_occupation")
-            self._released = {KV_CACHE, WEIGHTS}
+            _check(self.engine.release_memory_occupation(tags=list(MEMORY_TAGS)), "release_memory_occupation")
+            self._released = set(MEMORY_TAGS)
 
     def load_weight_buckets(self, buckets: Iterable[WeightBucket], version: int) -> None:
         """Resume the weights' memory if released, then push every bucket without flushing the cache per bucket."""
@@ -206,9 +255,9 @@ class SGLangEngine:
         self.weight_version = version
 
     def resume_memory(self) -> None:
-        """Re-acquire what is still released (the KV cache after a push), then flush the prefix cache: cached
-        prefixes were computed with the old weights."""
-        tags = [t for t in (WEIGHTS, KV_CACHE) if t in self._released]
+        """Re-acquire what is still released (the CUDA graphs and the KV cache after a push), then flush the prefix
+        cache: cached prefixes were computed with the old weights."""
+        tags = [t for t in (WEIGHTS, CUDA_GRAPH, KV_CACHE) if t in self._released]
         if tags:
             _check(self.engine.resume_memory_occupation(tags=tags), f"resume_memory_occupation({','.join(tags)})")
             self._released.clear()
@@ -226,12 +275,44 @@ class SGLangEngine:
 # Disaggregated: SGLang servers on other nodes.
 
 
+class ServerRefused(RuntimeError):
+    """An SGLang server answered an HTTP error status; `message` is what it said."""
+
+    def __init__(self, where: str, status: int, message: str):
+        super().__init__(f"SGLang at {where} answered HTTP {status}: {message}")
+        self.where, self.status, self.message = where, status, message
+
+
+def _error_message(e: urllib.error.HTTPError) -> str:
+    """SGLang's own words from an error answer: `{"message": ...}` (control endpoints), `{"error": {"message":
+    ...}}` (generation), or the plain text some endpoints send (`/flush_cache`)."""
+    text = e.read().decode(errors="replace").strip()
+    try:
+        data = json.loads(text)
+    except ValueError:
+        return text or str(e.reason)
+    if isinstance(data, dict):
+        error = data.get("error")
+        message = data.get("message") or (error.get("message") if isinstance(error, dict) else error)
+        return str(message) if message else text
+    return text
+
+
 def _post(url: str, path: str, payload: dict | None = None, timeout: float = 3600.0):
-    req = urllib.request.Request(url.rstrip("/") + path, data=json.dumps(payload or {}).encode(),
+    """POST `payload` as JSON; the answer's JSON (a plain-text answer as `{"message": text}`). An error status
+    raises `ServerRefused` with SGLang's message (urllib's HTTPError alone says only "Bad Request")."""
+    where = url.rstrip("/") + path
+    req = urllib.request.Request(where, data=json.dumps(payload or {}).encode(),
                                  headers={"Content-Type": "application/json"}, method="POST")
-    with urllib.request.urlopen(req, timeout=timeout) as resp:
-        body = resp.read()
-    return json.loads(body) if body.strip() else {}
+    try:
+        with urllib.request.urlopen(req, timeout=timeout) as resp:
+            body = resp.read()
+    except urllib.error.HTTPError as e:
+        raise ServerRefused(where, e.code, _error_message(e)) from None
+    try:
+        return json.loads(body) if body.strip() else {}
+    except ValueError:  # some endpoints answer plain text (`/flush_cache`: "Cache flushed. ...")
+        return {"message": body.decode(errors="replace").strip()}
 
 
 def _get(url: str, path: str, timeout: float = 60.0) -> dict:
@@ -276,19 +357,35 @@ def _join(pending) -> list:
     return results
 
 
+def _until(done: Callable[[], bool], pending, poll_s: float = 0.02) -> None:
+    """Wait for `done()` while watching the server calls in `pending`: the first of them to fail is raised at
+    once. A server that refuses to join a collective answers within milliseconds; the collective itself would
+    wait for it until its timeout (600 s under NCCL)."""
+    errors = pending[2]
+    while not done():
+        if errors:
+            raise errors[0]
+        time.sleep(poll_s)
+
+
 def init_weights_update_group(backend: str, master_address: str, master_port: int, rank: int, world_size: int,
                               group_name: str, timeout_s: float = 600.0):
     """The trainer's side of SGLang's weight-update group: a process group of its own, outside the default one,
-    rendezvoused the way SGLang's servers join it (a TCP store under a `group_name` prefix). Uses torch's
-    private `_new_process_group_helper`, as SGLang does."""
+    rendezvoused the way SGLang's servers join it (`init_custom_process_group`: a TCP store at
+    master_address:master_port, under a `group_name` prefix). Uses torch's private `_new_process_group_helper`,
+    as SGLang does.
+
+    The trainer (rank 0) hosts the store itself. `c10d.rendezvous("tcp://...")` would not do: under torchrun
+    (TORCHELASTIC_USE_AGENT_STORE=True) torch <= 2.13 makes every rank a client of the agent's store, whatever the
+    port, so trainer and servers would all wait for a store nobody hosts."""
     import datetime
 
+    import torch.distributed as dist
     from torch.distributed import distributed_c10d as c10d
 
     timeout = datetime.timedelta(seconds=timeout_s)
-    store, rank, world_size = next(c10d.rendezvous(f"tcp://{master_address}:{master_port}", rank, world_size,
-                                                   timeout=timeout))
-    store.set_timeout(timeout)
+    store = dist.TCPStore(master_address, master_port, world_size, is_master=rank == 0, timeout=timeout,
+                          multi_tenant=True)
     store = c10d.PrefixStore(group_name, store)
     pg, _ = c10d._new_process_group_helper(world_size, rank, [], c10d.Backend(backend), store,
                                            group_name=group_name, timeout=timeout)
@@ -296,14 +393,29 @@ def init_weights_update_group(backend: str, master_address: str, master_port: in
     return pg
 
 
+def _abandon(group) -> None:
+    """Abort a weight-update group left mid-collective by a refusing server, so no watchdog waits on it."""
+    from torch.distributed import distributed_c10d as c10d
+
+    abort = getattr(c10d, "_abort_process_group", None)
+    if abort is not None and isinstance(group, c10d.ProcessGroup):
+        try:
+            abort(group)
+        except Exception:  # noqa: BLE001 - best effort: the sync has already failed with the server's message
+            pass
+
+
 class SGLangServers:
     """A `RolloutEngine` over SGLang HTTP servers (disaggregated mode; see the module docstring).
 
     `tp_sizes[i]` is server i's tensor-parallel size (asked from the server when not given): its TP ranks join
-    the weight-update group after the trainer's leader (rank 0)."""
+    the weight-update group after the trainer's leader (rank 0). With several data-parallel leaders, one pushes
+    (`push=True`) and flushes the prefix caches after its push; the others only generate."""
 
     shares_actor_weights = False
     dtype = None  # weights travel as the actor holds them; each server casts to its own dtype
+    flush_retries = 60  # SGLang refuses /flush_cache while requests run or wait; slime retries as long
+    flush_interval_s = 1.0
 
     def __init__(self, urls: Sequence[str], *, tp_sizes: Sequence[int] | None = None, push: bool = True,
                  timeout_s: float = 3600.0):
@@ -312,21 +424,36 @@ class SGLangServers:
         self.urls = [u if u.startswith("http") else f"http://{u}" for u in urls]
         self.tp_sizes = list(tp_sizes) if tp_sizes else None
         self.timeout_s = timeout_s
-        self.push = push  # with several data-parallel leaders, one pushes the weights and the others only generate
+        self.push = push
         self.weight_version = 0
+        self.aborted = 0  # requests the servers aborted so far (`count_aborted`)
         self.group = None
         self.group_name = "megarl_weights"
+        self._seed_checked = False
 
-    def _post(self, url: str, path: str, payload: dict | None = None):
-        return _post(url, path, payload, timeout=self.timeout_s)
+    def _post(self, url: str, path: str, payload: dict | None = None, timeout: float | None = None):
+        return _post(url, path, payload, timeout=self.timeout_s if timeout is None else timeout)
 
-    def _all(self, path: str, payload: dict | None = None, what: str = "") -> None:
-        for result in _join(_in_threads([lambda u=u: self._post(u, path, payload) for u in self.urls])):
-            _check(result, what or path)
+    def _control(self, url: str, path: str, payload: dict | None = None, what: str = "",
+                 timeout: float | None = None):
+        """A control call whose refusal (HTTP 400 `{"success": false, "message"}`, or success false) raises
+        `WeightSyncError` with SGLang's message."""
+        what = what or path.lstrip("/")
+        try:
+            result = self._post(url, path, payload, timeout)
+        except ServerRefused as e:
+            raise WeightSyncError(f"SGLang {what} refused by {url}: {e.message}") from e
+        _check(result, f"{what} at {url}")
+        return result
+
+    def _all(self, path: str, payload: dict | None = None, what: str = "", timeout: float | None = None) -> None:
+        _join(_in_threads([lambda u=u: self._control(u, path, payload, what, timeout) for u in self.urls]))
 
     def generate(self, prompts: Sequence[Sequence[int]], params: SamplingParams) -> list[list[Completion]]:
         if not prompts:
             return []
+        if params.seed is not None:
+            self._check_seed_honoured()
         ids, sampling = expand_requests(prompts, params)
         # Contiguous blocks of whole groups per server, so concatenating the answers keeps the order.
         per = -(-len(prompts) // len(self.urls)) * params.n
@@ -336,9 +463,30 @@ class SGLangServers:
                                                               "return_logprob": True})
             for u, x, s in blocks]))
         outputs = [o for answer in answers for o in (answer if isinstance(answer, list) else [answer])]
+        self.aborted += count_aborted(outputs)
         return group([to_completion(o, self.weight_version) for o in outputs], params.n)
 
+    def _check_seed_honoured(self) -> None:
+        """Warn once when a server was launched without --enable-deterministic-inference: SGLang then ignores the
+        `sampling_seed` of every request (`/server_info` carries the server's arguments)."""
+        if self._seed_checked:
+            return
+        self._seed_checked = True
+        off = []
+        for url in self.urls:
+            try:
+                info = _get(url, "/server_info")
+            except (OSError, ValueError):  # an older server, or no answer: generation will say more
+                continue
+            if not info.get("enable_deterministic_inference", False):
+                off.append(url)
+        if off:
+            warnings.warn(f"SGLang servers {', '.join(off)} run without --enable-deterministic-inference: they ignore "
+                          "the requests' sampling_seed, so a seeded run does not sample reproducibly there; launch "
+                          "them with it (launch/slurm/disaggregated.sbatch: SGLANG_ARGS)", RuntimeWarning, stacklevel=3)
+
     def score(self, sequences: list[list[int]], prompt_lens: list[int], temperature: float = 1.0) -> list[list[float]]:
+        check_score_temperature(temperature)
         answer = self._post(self.urls[0], "/generate", {
             "input_ids": [list(s) for s in sequences], "return_logprob": True, "logprob_start_len": 0,
             "sampling_params": {"max_new_tokens": 1, "temperature": temperature}})
@@ -349,27 +497,34 @@ class SGLangServers:
         """Nothing to release: the servers have GPUs of their own."""
 
     def resume_memory(self) -> None:
-        self._all("/flush_cache", what="flush_cache")
+        """Nothing to re-acquire; the prefix caches were flushed by the pusher right after its push
+        (`load_weight_buckets`), not here, where other leaders may already be generating."""
 
     # -- weights ---------------------------------------------------------------------------------------------
 
     def connect(self, master_address: str, master_port: int, backend: str = "nccl") -> None:
-        """Form the weight-update group: the trainer's leader is rank 0, server i's TP ranks follow."""
+        """Form the weight-update group: the trainer's leader is rank 0, server i's TP ranks follow. A server
+        that refuses to join stops this at once with its message (the rendezvous would wait for it)."""
         if self.tp_sizes is None:
             self.tp_sizes = [server_tp_size(u) for u in self.urls]
         world_size = 1 + sum(self.tp_sizes)
         offsets = [1 + sum(self.tp_sizes[:i]) for i in range(len(self.urls))]
         pending = _in_threads([
-            lambda u=u, o=o: self._post(u, "/init_weights_update_group", {
+            lambda u=u, o=o: self._control(u, "/init_weights_update_group", {
                 "master_address": master_address, "master_port": master_port, "rank_offset": o,
                 "world_size": world_size, "group_name": self.group_name, "backend": backend})
             for u, o in zip(self.urls, offsets)])
-        self.group = init_weights_update_group(backend, master_address, master_port, 0, world_size, self.group_name)
-        for result in _join(pending):
-            _check(result, "init_weights_update_group")
+        joining = _in_threads([lambda: init_weights_update_group(backend, master_address, master_port, 0,
+                                                                 world_size, self.group_name)])
+        _until(lambda: not joining[0][0].is_alive(), pending)
+        group = _join(joining)[0]
+        _join(pending)
+        self.group = group
 
     def load_weight_buckets(self, buckets: Iterable[WeightBucket], version: int) -> None:
-        """Broadcast each flat bucket over the weight-update group while every server receives it."""
+        """Broadcast each flat bucket over the weight-update group while every server receives it, then flush the
+        servers' prefix caches (the pusher only). A server that refuses a bucket raises at once with SGLang's
+        message; the group is then aborted (connect again to push once more)."""
         if not self.push:
             for _ in buckets:  # the pushing rank sends them; keep the bucket iterator's accounting honest
                 pass
@@ -380,28 +535,65 @@ class SGLangServers:
                                   "(or use update_weights_from_disk)")
         import torch.distributed as dist
 
-        self._all("/begin_weight_update", {"selector": "all"}, "begin_weight_update")
+        self._all("/begin_weight_update", {"selector": "all"}, "begin_weight_update")  # refused: no broadcast
         try:
             for bucket in buckets:
                 request = {"names": [s.name for s in bucket.slots],
                            "dtypes": [str(s.dtype).removeprefix("torch.") for s in bucket.slots],
                            "shapes": [list(s.shape) for s in bucket.slots], "group_name": self.group_name,
                            "flush_cache": False, "load_format": "flattened_bucket"}
-                pending = _in_threads([lambda u=u, body=request: self._post(u, "/update_weights_from_distributed", body)
-                                       for u in self.urls])
-                dist.broadcast(bucket.flat, src=0, group=self.group)
-                for result in _join(pending):
-                    _check(result, "update_weights_from_distributed")
-        finally:
-            self._all("/end_weight_update", what="end_weight_update")
+                pending = _in_threads([lambda u=u, body=request: self._control(
+                    u, "/update_weights_from_distributed", body, "update_weights_from_distributed")
+                    for u in self.urls])
+                work = dist.broadcast(bucket.flat, src=0, group=self.group, async_op=True)
+                try:
+                    _until(work.is_completed, pending)
+                except WeightSyncError:
+                    group, self.group = self.group, None
+                    _abandon(group)
+                    raise
+                work.wait()
+                _join(pending)
+        except BaseException as e:
+            try:  # close the session on the servers still answering, briefly: the first error is the one to see
+                self._all("/end_weight_update", what="end_weight_update", timeout=10.0)
+            except Exception as closing:  # noqa: BLE001 - reported on the error being raised
+                e.add_note(f"closing the weight-update session failed too: {closing}")
+            raise
+        self._all("/end_weight_update", what="end_weight_update")
+        self._flush()
         self.weight_version = version
+
+    def _flush(self) -> None:
+        """Flush every server's prefix cache (prefixes computed under the old weights), retrying while a server
+        refuses because requests run or wait (SGLang's /flush_cache answers 400 then, without waiting)."""
+
+        def flush(url: str) -> None:
+            last = ""
+            for attempt in range(self.flush_retries):
+                try:
+                    self._post(url, "/flush_cache")
+                    return
+                except ServerRefused as e:
+                    if e.status != 400:
+                        raise WeightSyncError(f"SGLang flush_cache at {url}: {e.message}") from e
+                    last = e.message
+                if attempt + 1 < self.flush_retries:
+                    time.sleep(self.flush_interval_s)
+            raise WeightSyncError(
+                f"SGLang flush_cache refused by {url} {self.flush_retries} times over "
+                f"{self.flush_retries * self.flush_interval_s:g} s ({last}): prefixes cached under the old weights "
+                "would be reused; something keeps sending it requests during the weight sync")
+
+        _join(_in_threads([lambda u=u: flush(u) for u in self.urls]))
 
     def shutdown(self) -> None:
         """The servers were launched elsewhere and outlive the trainer: nothing to stop here."""
 
     def update_weights_from_disk(self, hf_dir: str, version: int) -> None:
-        """Load an HF checkpoint directory every server can read (a shared file system)."""
+        """Load an HF checkpoint directory every server can read (a shared file system), then flush."""
         self._all("/update_weights_from_disk", {"model_path": str(hf_dir)}, "update_weights_from_disk")
+        self._flush()
         self.weight_version = version
 
     def update_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]], version: int | None = None) -> None:

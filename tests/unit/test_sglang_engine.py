@@ -1,9 +1,9 @@
 """The SGLang adapters against recording fakes of SGLang's API (no GPU, no sglang needed), and SGLang's own
 serializer / bucket classes on CPU tensors when `sglang` is importable.
 
-The colocation cycle's order is the point: release (kv cache, weights) -> train -> resume weights -> push buckets
--> resume kv cache -> flush cache -> generate. Pushing into released weights, or generating with a released or
-stale KV cache, fails on a GPU only, and only sometimes; here it fails every time.
+The colocation cycle's order is the point: release (kv cache, weights, cuda graphs) -> train -> resume weights ->
+push buckets -> resume cuda graphs and kv cache -> flush cache -> generate. Pushing into released weights, or
+generating with a released or stale KV cache, fails on a GPU only, and only sometimes; here it fails every time.
 """
 
 from __future__ import annotations
@@ -109,12 +109,12 @@ def test_colocation_cycle_order():
         metrics = sync(version=step + 1)
         assert metrics["weight_version"] == step + 1 and metrics["sync_bytes"] == 3 * 8 * 8 * 4
     enter_rollout(actor, engine, cfg.training)
-    one_step = [("offload", True, True), ("resume", ("kv_cache",)), "flush_cache", "generate",
-                ("release", ("kv_cache", "weights")), "onload", "train", "export",
+    one_step = [("offload", True, True), ("resume", ("cuda_graph", "kv_cache")), "flush_cache", "generate",
+                ("release", ("kv_cache", "weights", "cuda_graph")), "onload", "train", "export",
                 ("resume", ("weights",)), "begin_weight_update", ("update", "flattened_bucket", False, 2),
                 "end_weight_update"]
     first = [("offload", True, True), "flush_cache"] + one_step[3:]  # nothing released before the first rollout
-    assert log == first + one_step + [("offload", True, True), ("resume", ("kv_cache",)), "flush_cache"]
+    assert log == first + one_step + [("offload", True, True), ("resume", ("cuda_graph", "kv_cache")), "flush_cache"]
     assert engine.weight_version == 2
     assert engine.generate([[4, 5]], params)[0][0].weight_version == 2
 
