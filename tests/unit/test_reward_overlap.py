@@ -214,3 +214,13 @@ def test_sandbox_throughput_by_hand():
     line = format_step({"step": 3, "step_seconds": 2.0, "t_generate": 1.5, "t_reward": 1.2, "t_reward_exposed": 0.05},
                        10)
     assert "(rollout 1.50 reward 1.20 (0.05 exposed))" in line
+
+
+def test_sandbox_costs_cross_the_reward_workers_boundary():
+    from megarl.reward.pool import RewardPool
+
+    with RewardPool(workers=1, timeout_s=30, preload=("pool_sandboxed_verifier",)) as pool:
+        results, health = pool.score([("fake_sandboxed", "4 0.25", None), ("fake_sandboxed", "none", None),
+                                      ("fake_sandboxed", "2 0.5", None)])
+    assert [(r.tests_run, r.sandbox_cpu_seconds) for r in results] == [(4, 0.25), (None, None), (2, 0.5)]
+    assert (health["reward_programs"], health["reward_tests"], health["reward_sandbox_cpu_seconds"]) == (2, 6, 0.75)

@@ -45,7 +45,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--max-response-len", type=int, default=96)
     p.add_argument("--reward-workers", type=int, default=2, help="reward worker processes (each with its sandbox)")
     p.add_argument("--threads", type=int, default=1, help="the trainer's threads (--threads-per-rank)")
-    p.add_argument("--pretrain-steps", type=int, default=300, help="pre-training steps of the model made here")
+    p.add_argument("--pretrain-steps", type=int, default=150, help="pre-training steps of the model made here")
     p.add_argument("--model", type=Path, default=None, help="an HF checkpoint to use instead of making one")
     p.add_argument("--rounds", type=int, default=1, help="runs per mode, alternating modes")
     p.add_argument("--seed", type=int, default=1234)
@@ -76,7 +76,7 @@ def make_model(out: Path, steps: int) -> Path:
     model.train()
     for step in range(steps):
         rows, labels = [], []
-        for p in rng.sample(train, 32):
+        for p in rng.sample(train, 16):
             prompt = tokenizer(p.prompt, add_special_tokens=False)["input_ids"]
             answer = tokenizer(p.solution, add_special_tokens=False)["input_ids"] + [eos]
             rows.append(prompt + answer)
