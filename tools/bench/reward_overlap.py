@@ -139,7 +139,6 @@ def main(argv=None) -> int:
     a = parse_args(argv)
     work = a.work or Path(tempfile.mkdtemp(prefix="megarl-reward-overlap-"))
     work.mkdir(parents=True, exist_ok=True)
-    sys.path.insert(0, str(REPO))
     start = time.perf_counter()
     model = a.model or make_model(work / "model", a.pretrain_steps)
     data = make_data(work / "train.jsonl")
