@@ -293,9 +293,12 @@ def _duration(seconds: float) -> str:
 
 
 def _phase(row: dict, key: str, label: str) -> str:
+    """One phase of the console line; "" when the row lacks it. The reward gives both its times ("reward 1.20
+    (0.05 exposed)"), or `t_reward` alone in a row without the exposed part."""
     if key == "t_reward_exposed" and "t_reward" in row:
-        return f"{label} {row['t_reward']:.2f} ({row[key]:.2f} exposed)"
-    return f"{label} {row[key]:.2f}"
+        exposed = f" ({row[key]:.2f} exposed)" if key in row else ""
+        return f"{label} {row['t_reward']:.2f}{exposed}"
+    return f"{label} {row[key]:.2f}" if key in row else ""
 
 
 def reward_throughput(programs: float, tests: float, cpu_seconds: float, seconds: float) -> dict[str, float]:
@@ -320,7 +323,7 @@ def format_step(row: dict, num_steps: int, eta: float | None = None) -> str:
               ("tool_call_rate", "tool", "{:.1%}"))  # tool_use
     parts += [f"{label} {fmt.format(row[k])}" for k, label, fmt in fields if k in row]
     if "step_seconds" in row:
-        phases = " ".join(_phase(row, k, label) for k, label in PHASES if k in row)
+        phases = " ".join(p for k, label in PHASES if (p := _phase(row, k, label)))
         parts.append(f"{row['step_seconds']:.2f} s ({phases})" if phases else f"{row['step_seconds']:.2f} s")
     if "tokens_per_second" in row:
         parts.append(f"{row['tokens_per_second']:.0f} tok/s")
