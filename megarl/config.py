@@ -184,6 +184,9 @@ class RewardConfig:
     reward_timeout: float = _f(10.0, "seconds one sample may take in a reward worker before it scores 0 as a timeout")
     reward_model_threshold: float = _f(0.0, "reward models: a score above this is the outcome 'correct' (for accuracy "
                                        "and the agreement with a rule), else 'incorrect'; the reward is the score")
+    reward_overlap: bool = _f(True, "score rule-verified rows as they finish, while the rest decode and the actor "
+                              "computes log-probs, waiting only before the advantages (t_reward_exposed); off: score "
+                              "the whole batch after generation (the serial pipeline). The same rewards either way")
     def __post_init__(self):
         if self.reward_workers < -1:
             raise ConfigError(f"--reward-workers must be -1 (one per CPU), 0 (in process) or more, got "

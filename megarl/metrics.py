@@ -22,9 +22,13 @@ import torch.distributed as dist
 
 from megarl.samples import TrainBatch
 
-# Per-phase seconds that train.py records in each row, in loop order, with the names the console line uses.
-PHASES: tuple[tuple[str, str], ...] = (("t_generate", "rollout"), ("t_reward", "reward"), ("t_logprobs", "logp"),
-                                       ("t_critic", "critic"), ("t_update", "update"), ("t_sync", "sync"),
+# Per-phase seconds that train.py records in each row, in loop order, with the names the console line uses: what
+# the step's time is made of. The reward's share is what the step waited on, `t_reward_exposed`; the scoring's own
+# time, `t_reward`, is more where rows are scored while others decode (`--reward-overlap`), and the console line
+# gives both ("reward 1.20 (0.05 exposed)").
+PHASES: tuple[tuple[str, str], ...] = (("t_generate", "rollout"), ("t_reward_exposed", "reward"),
+                                       ("t_logprobs", "logp"), ("t_critic", "critic"), ("t_update", "update"),
+                                       ("t_sync", "sync"),
                                        ("t_wait_rollout", "wait"))  # asynchronous: the trainer's wait for a batch
 
 
@@ -288,6 +292,26 @@ def _duration(seconds: float) -> str:
     return f"{h}h{m:02d}m" if h else f"{m}m{s % 60:02d}s"
 
 
+def _phase(row: dict, key: str, label: str) -> str:
+    """One phase of the console line; "" when the row lacks it. The reward gives both its times ("reward 1.20
+    (0.05 exposed)"), or `t_reward` alone in a row without the exposed part."""
+    if key == "t_reward_exposed" and "t_reward" in row:
+        exposed = f" ({row[key]:.2f} exposed)" if key in row else ""
+        return f"{label} {row['t_reward']:.2f}{exposed}"
+    return f"{label} {row[key]:.2f}" if key in row else ""
+
+
+def reward_throughput(programs: float, tests: float, cpu_seconds: float, seconds: float) -> dict[str, float]:
+    """The step's sandbox throughput: `programs` scored in a sandbox, the `tests` they ran and the sandbox's
+    `cpu_seconds` for them (summed over ranks), over `seconds`, the scoring's wall time (the slowest rank's: ranks
+    score at the same time, each with its own workers). Empty when no program ran in a sandbox."""
+    if programs <= 0:
+        return {}
+    seconds = max(seconds, 1e-9)
+    return {"reward_programs_per_s": programs / seconds, "reward_tests_per_s": tests / seconds,
+            "sandbox_cpu_ms_per_program": 1000 * cpu_seconds / programs}
+
+
 def format_step(row: dict, num_steps: int, eta: float | None = None) -> str:
     """One progress line; any metric the row lacks (entropy when it is not computed, ...) is left out."""
     parts = [f"step {row['step']:>{len(str(num_steps))}}/{num_steps}"]
@@ -299,7 +323,7 @@ def format_step(row: dict, num_steps: int, eta: float | None = None) -> str:
               ("tool_call_rate", "tool", "{:.1%}"))  # tool_use
     parts += [f"{label} {fmt.format(row[k])}" for k, label, fmt in fields if k in row]
     if "step_seconds" in row:
-        phases = " ".join(f"{label} {row[k]:.2f}" for k, label in PHASES if k in row)
+        phases = " ".join(p for k, label in PHASES if (p := _phase(row, k, label)))
         parts.append(f"{row['step_seconds']:.2f} s ({phases})" if phases else f"{row['step_seconds']:.2f} s")
     if "tokens_per_second" in row:
         parts.append(f"{row['tokens_per_second']:.0f} tok/s")
@@ -352,6 +376,7 @@ def plot_run(rows: list[dict], path: Path, held_out: list[tuple] | None = None, 
     ax = axes.flat[4]
     ax.set_title("seconds per step, by phase")
     ax.set_xlabel("step")
+    rows = [{"t_reward_exposed": r["t_reward"], **r} if "t_reward" in r else r for r in rows]  # older rows: serial
     present = [(k, label) for k, label in PHASES if rows and all(k in r for r in rows)]
     if present:
         ax.stackplot(steps, *[_smooth([r[k] for r in rows], window) for k, _ in present],

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from enum import Enum
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Callable
 
 if TYPE_CHECKING:
     from torch import Tensor
@@ -64,8 +64,12 @@ class RolloutBatch:
     samples: list[Sample]
     group_size: int
     generate_seconds: float = 0.0
-    reward_seconds: float = 0.0
+    reward_seconds: float = 0.0  # the scoring's own wall time, whether or not the step waited on it
     metrics: dict[str, float] = field(default_factory=dict)  # reward health (`batch_health`), dynamic sampling
+    reward_exposed_seconds: float = 0.0  # the part of the scoring the step waited on (all of it when serial)
+    # Rewards still being scored (`--reward-overlap`): the samples' `reward` and `outcome` are unset until this
+    # returns the scored batch (`megarl.stages.collect.wait_for_rewards`); None once scored.
+    pending: Callable[[], RolloutBatch] | None = None
 
 
 @dataclass(frozen=True)

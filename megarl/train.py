@@ -3,12 +3,13 @@
     torchrun --nproc-per-node N megarl/train.py recipes/<recipe>.sh [--flag value ...]
 
 Each step: generate and score (the registered rollout function, inside dynamic sampling and overlong shaping when
-asked) -> log-probs (the actor's before the update, the frozen reference's, as the loss needs them) -> final
-rewards and advantages (the registered estimator, with whatever models it declares it needs) -> update -> sync
-weights -> log -> checkpoint. Data parallelism splits the prompts (a prompt's group stays on one rank); within a
-model replica (TP x CP x PP) the first rank runs the rollout engine and shares the samples with the others. The
-stages live in `megarl/stages/`; this file names no algorithm and no backend. With --async-staleness K the
-batch of step s was generated with the weights of step s - K while the actor trained (`stages/asynchronous.py`).
+asked; rows are scored as they finish, `--reward-overlap`) -> log-probs (the actor's before the update, the frozen
+reference's, as the loss needs them; the last rewards come in meanwhile) -> final rewards and advantages (the
+registered estimator, with whatever models it declares it needs) -> update -> sync weights -> log -> checkpoint.
+Data parallelism splits the prompts (a prompt's group stays on one rank); within a model replica (TP x CP x PP)
+the first rank runs the rollout engine and shares the samples with the others. The stages live in
+`megarl/stages/`; this file names no algorithm and no backend. With --async-staleness K the batch of step s was
+generated with the weights of step s - K while the actor trained (`stages/asynchronous.py`).
 """
 
 from __future__ import annotations
@@ -50,6 +51,7 @@ def run(cfg: Config, checked) -> int:
     from megarl.stages import report, setup
     from megarl.stages.algorithm import pack
     from megarl.stages.asynchronous import check_staleness, overlap_metrics
+    from megarl.stages.collect import wait_for_rewards
     from megarl.stages.colocation import enter_rollout, enter_training
     from megarl.stages.update import update
 
@@ -68,7 +70,7 @@ def run(cfg: Config, checked) -> int:
         t0, timer = time.perf_counter(), PhaseTimer()
         enter_rollout(actor, engine, t)  # colocated: the actor offloads, the engine resumes its KV cache
         rollout = run.collect(step)  # generate and score (asynchronous: take the batch made K steps ago)
-        timer.add(t_generate=rollout.generate_seconds, t_reward=rollout.reward_seconds)
+        timer.add(t_generate=rollout.generate_seconds)
         if run.pending is not None:
             timer.add(**run.pending.take_metrics())
             async_metrics = check_staleness(rollout.samples, step, t.async_staleness)
@@ -76,6 +78,8 @@ def run(cfg: Config, checked) -> int:
         with timer("t_logprobs"):
             packed = pack(rollout.samples, run.pad_id, mask_truncated=cfg.algorithm.mask_truncated)
             logp = run.algorithm.logprobs(actor, packed)
+        rollout = wait_for_rewards(rollout)  # --reward-overlap: the last rows were scored during the log-probs
+        timer.add(t_reward=rollout.reward_seconds, t_reward_exposed=rollout.reward_exposed_seconds)
         batch, algorithm_metrics = run.algorithm.train_batch(rollout, packed, logp)  # rewards, advantages
         with timer("t_update"):
             update_metrics = update(actor, batch, cfg.algorithm, t, cfg.rollout)

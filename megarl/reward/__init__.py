@@ -13,8 +13,8 @@ The per-sample rules are `megarl.verifiers`. Nothing here imports torch but `hf_
 server and the reward-model tool load.
 """
 
-from megarl.reward.stage import (InProcessReward, PoolReward, RewardFn, RewardMeter, RoutedReward, build_reward,
-                                 reward_options)
+from megarl.reward.stage import (InProcessReward, PoolReward, RewardFn, RewardMeter, RoutedReward, Scores,
+                                 build_reward, reward_options)
 
-__all__ = ["InProcessReward", "PoolReward", "RewardFn", "RewardMeter", "RoutedReward", "build_reward",
+__all__ = ["InProcessReward", "PoolReward", "RewardFn", "RewardMeter", "RoutedReward", "Scores", "build_reward",
            "reward_options"]

@@ -17,7 +17,8 @@
 
 `batch_health` turns a batch of results into the per-step metrics train.py logs: outcome counts, timeout rate,
 extraction-failure (no answer) rate, share of groups whose rewards are all equal, p50/p99 latency; when a reward
-model scored rows, the sums its score mean/std and its agreement with the rule verifier come from.
+model scored rows, the sums its score mean/std and its agreement with the rule verifier come from; when rows ran
+in a sandbox, the programs, tests and sandbox CPU seconds the step's throughput comes from.
 """
 
 from __future__ import annotations
@@ -111,7 +112,10 @@ class RewardPool:
         try:
             name = request[0]
             call = (*request, self.options.get(name, {}))
-            result = VerifyResult(*guard.call("megarl.reward.pool:_verify_here", call, self._limit(name)))
+            score, outcome, extracted, normalized, seconds, tests_run, cpu = guard.call(
+                "megarl.reward.pool:_verify_here", call, self._limit(name))
+            result = VerifyResult(score, outcome, extracted, normalized, seconds, tests_run=tests_run,
+                                  sandbox_cpu_seconds=cpu)
         except BudgetExceeded:
             self._count_restart()
             result = VerifyResult(0.0, "timeout")
@@ -157,7 +161,7 @@ def _verify_here(name: str, response: str, ground_truth: Any, options: dict | No
     if verifier is None:
         verifier = _INSTANCES[key] = VERIFIERS.build(name, **(options or {}))
     r = getattr(verifier, "verify_unguarded", verifier.verify)(response, ground_truth)
-    return float(r.score), r.outcome, r.extracted, r.normalized, r.seconds
+    return float(r.score), r.outcome, r.extracted, r.normalized, r.seconds, r.tests_run, r.sandbox_cpu_seconds
 
 
 def batch_health(results: Sequence[VerifyResult], group_size: int | None = None) -> dict:
@@ -177,10 +181,25 @@ def batch_health(results: Sequence[VerifyResult], group_size: int | None = None)
         out.update(rm_n=len(scores), rm_score_sum=sum(scores), rm_score_sqsum=sum(x * x for x in scores))
         agrees = [r.agrees for r in results if r.agrees is not None]
         out.update(rm_agree_n=len(agrees), rm_agree_sum=sum(agrees))
+    out.update(sandbox_throughput(results))
     if group_size and n and n % group_size == 0:
         groups = [results[i : i + group_size] for i in range(0, n, group_size)]
         out["reward_uniform_group_frac"] = sum(len({r.score for r in g}) == 1 for g in groups) / len(groups)
     return out
+
+
+SANDBOX_KEYS = ("reward_programs", "reward_tests", "reward_sandbox_cpu_seconds")
+
+
+def sandbox_throughput(results: Sequence[VerifyResult]) -> dict:
+    """What the sandboxed rows cost (`VerifyResult.tests_run`, `.sandbox_cpu_seconds`; None: no program ran in a
+    sandbox): `reward_programs`, `reward_tests` and `reward_sandbox_cpu_seconds`, sums that add up over ranks
+    into the step's tests/s and CPU per program (`megarl.stages.report`). Empty when no row ran in a sandbox."""
+    ran = [r for r in results if r.tests_run is not None or r.sandbox_cpu_seconds is not None]
+    if not ran:
+        return {}
+    totals = (len(ran), sum(r.tests_run or 0 for r in ran), sum(r.sandbox_cpu_seconds or 0.0 for r in ran))
+    return dict(zip(SANDBOX_KEYS, totals))
 
 
 def _quantile(sorted_values: Sequence[float], q: float) -> float:

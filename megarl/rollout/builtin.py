@@ -29,7 +29,7 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Iterable, Iterator, Sequence
+from typing import Callable, Iterable, Iterator, Sequence
 
 import torch
 import torch.nn.functional as F
@@ -444,14 +444,20 @@ class BuiltinEngine:
             for row, (seq, plen) in enumerate(zip(sequences, prompt_lens))
         ]
 
+    reports_finished_rows = True  # `generate(..., on_finish=)`: a rollout function may score rows as they stop
+
     @torch.inference_mode()
-    def generate(self, prompts: Sequence[Sequence[int]], params: SamplingParams) -> list[list[Completion]]:
-        """Sample `params.n` completions per prompt, all in one batch; result[i] is prompt i's group."""
+    def generate(self, prompts: Sequence[Sequence[int]], params: SamplingParams,
+                 on_finish: Callable[[int, Completion], None] | None = None) -> list[list[Completion]]:
+        """Sample `params.n` completions per prompt, all in one batch; result[i] is prompt i's group.
+        `on_finish(row, completion)` is called as each row stops, while the others decode (row = prompt * n +
+        sample; the completion as `generate` will return it, without `routed_experts`); rows cut at the length
+        limit are not reported (they all end with the batch)."""
         if not prompts:
             return []
         batch, logits, width = self._prefill(prompts, params)
         prompt_routing, self._prompt_routing = self._prompt_routing, None
-        tokens, logprobs, ends = self._decode(batch, logits, width, params)
+        tokens, logprobs, ends = self._decode(batch, logits, width, params, on_finish)
         response_routing, self._response_routing = self._response_routing, None
         groups = self._completions(tokens, logprobs, ends, len(prompts), params)
         if prompt_routing is not None:
@@ -501,7 +507,8 @@ class BuiltinEngine:
         return batch.repeat_rows(n), logits.repeat_interleave(n, dim=0), width
 
     def _decode(
-        self, batch: _Batch, logits: torch.Tensor, width: int, params: SamplingParams
+        self, batch: _Batch, logits: torch.Tensor, width: int, params: SamplingParams,
+        on_finish: Callable[[int, Completion], None] | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """Step-by-step decoding. Returns tokens and log-probs [rows, max_new_tokens] and, per row, the step at
         which it emitted a stop token (-1: none)."""
@@ -527,6 +534,10 @@ class BuiltinEngine:
                 if bool(hit.any()):  # the only host sync per step, and only when stops are asked for
                     ends[batch.rows[hit]] = step
                     batch.alive &= ~hit
+                    if on_finish is not None:
+                        for row in batch.rows[hit].tolist():
+                            on_finish(row, Completion(tokens[row, : step + 1].tolist(),
+                                                      logprobs[row, : step + 1].tolist(), "stop", self.weight_version))
                     live = int(batch.alive.sum())
                     if live == 0:
                         break

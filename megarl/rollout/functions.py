@@ -25,9 +25,10 @@ from typing import Protocol, Sequence
 
 from megarl.data import PromptRecord
 from megarl.registry import Registry
-from megarl.reward import RewardFn
+from megarl.reward import RewardFn, RewardMeter, Scores
 from megarl.rollout.base import Completion, RolloutEngine, SamplingParams
 from megarl.samples import Sample, SampleStatus
+from megarl.verifiers import VerifyResult
 
 
 class RolloutFn(Protocol):
@@ -62,9 +63,36 @@ def policy_sample(group: int, record: PromptRecord, completion: Completion, toke
 @register_rollout("single_turn")
 def single_turn(engine: RolloutEngine, prompts: Sequence[PromptRecord], params: SamplingParams, reward: RewardFn,
                 tokenizer) -> list[Sample]:
-    """One completion per trajectory: the engine samples `params.n` per prompt, the reward function scores them."""
-    groups = engine.generate([p.prompt_ids for p in prompts], params)
+    """One completion per trajectory: the engine samples `params.n` per prompt, the reward function scores them.
+    Given the trainer's reward with --reward-overlap (`RewardMeter.overlaps`), each row is handed to it as it
+    stops while the others decode (engines that report rows finishing: `reports_finished_rows`), the rest once the
+    batch ends, and `RewardMeter.finish` says whether to wait for the scores here or let the trainer."""
+    records = [p for p in prompts for _ in range(params.n)]
+    if not (isinstance(reward, RewardMeter) and reward.overlaps(records)):
+        groups = engine.generate([p.prompt_ids for p in prompts], params)
+        samples = [policy_sample(g, record, c, tokenizer)
+                   for g, (record, completions) in enumerate(zip(prompts, groups)) for c in completions]
+        return [_scored(s, r) for s, r in zip(samples, reward(samples, records))]
+    early: dict[int, Scores] = {}
+
+    def finished(row: int, completion: Completion) -> None:
+        early[row] = reward.submit([policy_sample(row // params.n, records[row], completion, tokenizer)],
+                                   [records[row]])
+
+    streams = getattr(engine, "reports_finished_rows", False)
+    groups = engine.generate([p.prompt_ids for p in prompts], params, **({"on_finish": finished} if streams else {}))
     samples = [policy_sample(g, record, c, tokenizer)
                for g, (record, completions) in enumerate(zip(prompts, groups)) for c in completions]
-    results = reward(samples, [prompts[s.group] for s in samples])
-    return [replace(s, reward=float(r.score), outcome=r.outcome) for s, r in zip(samples, results)]
+    rest = [i for i in range(len(samples)) if i not in early]
+    late = reward.submit([samples[i] for i in rest], [records[i] for i in rest])
+
+    def scored() -> list[Sample]:
+        results = dict(zip(rest, late.result()))
+        results.update((i, scores.result()[0]) for i, scores in early.items())
+        return [_scored(s, results[i]) for i, s in enumerate(samples)]
+
+    return reward.finish(samples, scored)
+
+
+def _scored(sample: Sample, result: VerifyResult) -> Sample:
+    return replace(sample, reward=float(result.score), outcome=result.outcome)

@@ -19,7 +19,8 @@ A trajectory, all of a batch's at once:
 - A call that cannot be read, names an unknown tool, times out, crashes or floods is an error observation the model
   sees; nothing a call does stops the rollout or loses a trajectory.
 - Reward: the row's verifier judges the final turn's text (after the last tool output); `--tool-call-cost` and
-  `--tool-format-bonus` shape it, both off by default.
+  `--tool-format-bonus` shape it, both off by default. With --reward-overlap a trajectory is scored as soon as it
+  finishes, while the others take more turns; the function waits for the last scores before it returns.
 - Per-sample metadata (reported as `sample_<key>` means): `turns`, `tool_calls`, `tool_used`, `tool_errors`,
   `tool_timeouts`, `tool_tokens`; `step_metrics()` gives the latest call's tool latency p50 / p99.
 
@@ -35,11 +36,12 @@ from typing import Sequence
 
 from megarl.config import SandboxConfig, ToolConfig
 from megarl.data import PromptRecord
-from megarl.reward import RewardFn
+from megarl.reward import RewardFn, RewardMeter, Scores
 from megarl.rollout.base import Completion, RolloutEngine, SamplingParams
 from megarl.rollout.functions import register_rollout
 from megarl.tool_calls import TOOL_PARSERS, TOOLS, Observation, ParseError, ToolCall, build_tool, tool_settings
 from megarl.samples import Sample, SampleStatus
+from megarl.verifiers import VerifyResult
 
 UNAVAILABLE = "error: the tool is unavailable"  # what --tool-calls-fail answers every call
 
@@ -100,6 +102,8 @@ class ToolUse:
         trajs = [_Trajectory(g, record, params.max_new_tokens) for g, record in enumerate(prompts)
                  for _ in range(params.n)]
         completions = [c for group in engine.generate([p.prompt_ids for p in prompts], turn) for c in group]
+        # --reward-overlap: trajectories are scored as they finish, while the others take more turns
+        scoring = _Scoring(reward, trajs) if isinstance(reward, RewardMeter) and reward.overlaps(prompts) else None
         live, rounds = trajs, 0
         while live:
             calls = {id(t): self._take_turn(t, c, tokenizer) for t, c in zip(live, completions)}
@@ -108,6 +112,8 @@ class ToolUse:
                 if t.status is None:
                     self._append_output(t, observations[id(t)], tokenizer, chat)
             live = [t for t in live if t.status is None]
+            if scoring is not None:
+                scoring.submit_finished()
             if not live:
                 break
             rounds += 1
@@ -115,7 +121,7 @@ class ToolUse:
                            seed=None if params.seed is None else params.seed + 1_000_003 * rounds)
             completions = [g[0] for g in engine.generate([list(t.record.prompt_ids) + t.ids for t in live], more)]
         samples = [t.sample() for t in trajs]
-        results = reward(samples, [prompts[s.group] for s in samples])
+        results = scoring.results() if scoring is not None else reward(samples, [prompts[s.group] for s in samples])
         return [replace(s, reward=self._shaped(float(r.score), t), outcome=r.outcome)
                 for s, t, r in zip(samples, trajs, results)]
 
@@ -199,6 +205,24 @@ class ToolUse:
     def close(self) -> None:
         for tool in self.tools.values():
             tool.close()
+
+
+class _Scoring:
+    """A batch's trajectories handed to the reward as they finish (`RewardMeter.submit`), and their results."""
+
+    def __init__(self, reward: RewardMeter, trajs: list[_Trajectory]):
+        self.reward, self.trajs = reward, trajs
+        self.submitted: dict[int, tuple[Scores, int]] = {}  # trajectory -> (its submission, its place in it)
+
+    def submit_finished(self) -> None:
+        done = [i for i, t in enumerate(self.trajs) if t.status is not None and i not in self.submitted]
+        if done:
+            scores = self.reward.submit([self.trajs[i].sample() for i in done], [self.trajs[i].record for i in done])
+            self.submitted.update((i, (scores, k)) for k, i in enumerate(done))
+
+    def results(self) -> list[VerifyResult]:
+        """Every trajectory's result, in order (waits for those still being scored)."""
+        return [scores.result()[k] for scores, k in (self.submitted[i] for i in range(len(self.trajs)))]
 
 
 def chat_tool_turn(tokenizer, contents: Sequence[str]) -> str:

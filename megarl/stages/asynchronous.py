@@ -199,7 +199,7 @@ class AsyncCollect:
         rollout = self._result(item)
         self.wait_seconds += time.perf_counter() - start
         rollout = self.collector.share_batch(rollout)
-        self.generate_seconds += rollout.generate_seconds + rollout.reward_seconds
+        self.generate_seconds += rollout.generate_seconds + rollout.reward_exposed_seconds  # the worker's time
         return rollout
 
     def _result(self, item: _Queued) -> RolloutBatch | None:

@@ -6,6 +6,14 @@
 keeps this data-parallel rank's share; the first rank of each model replica runs the registered rollout function
 (`--rollout-function`) with the engine and the reward function, and the replica's other ranks receive its samples.
 Dynamic sampling and overlong shaping wrap a collector, whichever rollout function it runs.
+
+Rewards off the critical path (`--reward-overlap`, on by default): the rollout function hands rows to the reward
+function as they finish (`RewardMeter.submit`), scored in a thread while the rest decode. With the default rollout
+function and nothing around the collector that reads rewards, the batch even comes back before its last scores are
+in (`RolloutBatch.pending`): the step computes log-probs meanwhile and waits (`wait_for_rewards`) only before the
+advantages. Dynamic sampling (outcomes decide what is kept), overlong shaping (it changes rewards), asynchronous
+training (the worker finishes its batch) and model-parallel replicas (the batch is broadcast) wait inside.
+Verdicts are the same either way; only the order of the work changes.
 """
 
 from __future__ import annotations
@@ -18,12 +26,13 @@ from megarl.config import RolloutConfig
 from megarl.data import PromptRecord, PromptSampler
 from megarl.mcore.parallel import ParallelInfo, agree_any, broadcast_in_mp_group
 from megarl.reward import RewardFn, RewardMeter
-from megarl.rollout import RolloutEngine, RolloutFn, SamplingParams
+from megarl.reward.pool import SANDBOX_KEYS
+from megarl.rollout import RolloutEngine, RolloutFn, SamplingParams, single_turn
 from megarl.samples import RolloutBatch, Sample
 
 
 class Collect(Protocol):
-    def __call__(self, step: int) -> RolloutBatch: ...
+    def __call__(self, step: int) -> RolloutBatch: ...  # its rewards may be pending: `wait_for_rewards`
 
     def rank_state(self) -> dict: ...  # this rank's state to checkpoint
 
@@ -65,12 +74,17 @@ class Collector:
 
     def __init__(self, engine: RolloutEngine | None, rollout_fn: RolloutFn, reward: RewardFn, tokenizer,
                  prompts: list[PromptRecord], sampler: PromptSampler, rollout: RolloutConfig, global_batch: int,
-                 seed: int, info: ParallelInfo, context: int = 0):
-        """`context`: the model's positions; a trajectory longer than that stops the run (0 = unchecked)."""
+                 seed: int, info: ParallelInfo, context: int = 0, reward_overlap: bool = False):
+        """`context`: the model's positions; a trajectory longer than that stops the run (0 = unchecked).
+        `reward_overlap`: score rows as they finish (see the module docstring)."""
         self.engine, self.rollout_fn, self.reward, self.tokenizer = engine, rollout_fn, reward, tokenizer
         self.prompts, self.sampler, self.rollout, self.seed, self.info = prompts, sampler, rollout, seed, info
-        self.global_batch, self.context = global_batch, context
+        self.global_batch, self.context, self.reward_overlap = global_batch, context, reward_overlap
         self.share = global_batch // info.dp_size  # prompts per data-parallel rank
+        # The batch may come back with rewards pending only from the default rollout function, whose samples are
+        # the ones it submitted, in order (a function of one's own may change them), and only where it is not
+        # broadcast.
+        self.defer = reward_overlap and rollout_fn is single_turn and info.replica_size == 1
 
     def draw(self) -> list[PromptRecord]:
         """Every rank draws the same global batch (keeping the sampler in step); each DP rank takes its slice."""
@@ -78,25 +92,29 @@ class Collector:
         mine = indices[self.info.dp_rank * self.share : (self.info.dp_rank + 1) * self.share]
         return [self.prompts[i] for i in mine]
 
-    def run(self, prompts: list[PromptRecord], step: int) -> RolloutBatch:
-        """The model replica's leader runs the rollout function; the replica's other ranks receive the result."""
-        return self.share_batch(self.produce(prompts, step) if self.info.is_mp_leader else None)
+    def run(self, prompts: list[PromptRecord], step: int, defer: bool = False) -> RolloutBatch:
+        """The model replica's leader runs the rollout function; the replica's other ranks receive the result.
+        `defer`: the rewards may still be pending (only where `self.defer` allows)."""
+        return self.share_batch(self.produce(prompts, step, defer) if self.info.is_mp_leader else None)
 
-    def produce(self, prompts: list[PromptRecord], step: int) -> RolloutBatch:
+    def produce(self, prompts: list[PromptRecord], step: int, defer: bool = False) -> RolloutBatch:
         """The leader's part of `run`, with no collective: the rollout function on `prompts`, seeded by `step`
-        (asynchronous training runs it in a worker thread)."""
+        (asynchronous training runs it in a worker thread). `defer`: see `run`."""
         seed = (self.seed * 1_000_003 + step * 1_009 + self.info.dp_rank) % (2**31)
         params = sampling_params(self.rollout, self.tokenizer, seed=seed)
-        meter = RewardMeter(self.reward)
+        meter = RewardMeter(self.reward, overlap=self.reward_overlap)
+        meter.defer = defer and self.defer
         start = time.perf_counter()
         samples = self.rollout_fn(self.engine, prompts, params, meter, self.tokenizer)
         seconds = time.perf_counter() - start
         check_groups(samples, len(prompts), params.n, self.rollout.rollout_function)
         check_lengths(samples, self.context, self.rollout.rollout_function)
-        metrics = meter.health(params.n)
-        metrics.update(getattr(self.rollout_fn, "step_metrics", dict)())  # a configured function's own
-        return RolloutBatch(samples, params.n, generate_seconds=seconds - meter.seconds,
-                            reward_seconds=meter.seconds, metrics=metrics)
+        own = getattr(self.rollout_fn, "step_metrics", dict)()  # a configured function's own metrics
+        rollout = RolloutBatch(samples, params.n, generate_seconds=seconds - meter.exposed)
+        if meter.deferred is None:
+            return _scored(rollout, meter, own)
+        scored = meter.deferred
+        return replace(rollout, pending=lambda: _scored(replace(rollout, samples=scored()), meter, own))
 
     def share_batch(self, rollout: RolloutBatch | None) -> RolloutBatch:
         """The leader's batch to the model replica's other ranks (collective within the replica)."""
@@ -105,7 +123,7 @@ class Collector:
         return rollout
 
     def __call__(self, step: int) -> RolloutBatch:
-        return self.run(self.draw(), step)
+        return self.run(self.draw(), step, defer=True)
 
     def round(self, step: int, index: int, need: bool) -> RolloutBatch | None:
         """Dynamic sampling's round `index` (0-based) of `step`: every rank draws; only a rank that `need`s more
@@ -118,6 +136,19 @@ class Collector:
 
     def load_rank_state(self, state: dict) -> None:
         pass
+
+
+def _scored(rollout: RolloutBatch, meter: RewardMeter, own: dict[str, float]) -> RolloutBatch:
+    """`rollout` with its samples scored: the reward's seconds and health, then the rollout function's `own`
+    metrics."""
+    metrics = {**meter.health(rollout.group_size), **own}
+    return replace(rollout, reward_seconds=meter.seconds, reward_exposed_seconds=meter.exposed, metrics=metrics,
+                   pending=None)
+
+
+def wait_for_rewards(rollout: RolloutBatch) -> RolloutBatch:
+    """`rollout` with every reward in: waits for those still being scored (`RolloutBatch.pending`)."""
+    return rollout.pending() if rollout.pending is not None else rollout
 
 
 def _groups(rollout: RolloutBatch) -> list[list[Sample]]:
@@ -149,7 +180,8 @@ class DynamicSampling:
         kept = [self.buffer.pop(0) for _ in range(min(share, len(self.buffer)))]
         dropped: list[list[Sample]] = []
         first: RolloutBatch | None = None
-        gen_s = reward_s = 0.0
+        throughput: dict[str, float] = {}
+        gen_s = reward_s = exposed_s = 0.0
         drawn = rounds = 0
         while rounds < self.max_rounds and agree_any(len(kept) < share):
             need = len(kept) < share  # a full rank still takes part, keeping the sampler in step with the others
@@ -160,6 +192,10 @@ class DynamicSampling:
             drawn += share
             first = first or rb
             gen_s, reward_s = gen_s + rb.generate_seconds, reward_s + rb.reward_seconds
+            exposed_s += rb.reward_exposed_seconds
+            for k in SANDBOX_KEYS:
+                if k in rb.metrics:
+                    throughput[k] = throughput.get(k, 0.0) + rb.metrics[k]
             for group in _groups(rb):
                 (dropped if len({smp.outcome for smp in group}) == 1 else kept).append(group)
         filled = max(0, share - len(kept))
@@ -167,11 +203,11 @@ class DynamicSampling:
         self.buffer.extend(kept[share:])
         del self.buffer[: max(0, len(self.buffer) - share)]  # keep the freshest groups, at most one step's worth
         samples = [replace(smp, group=g) for g, group in enumerate(kept[:share]) for smp in group]
-        metrics = dict(first.metrics) if first is not None else {}
+        metrics = {**(first.metrics if first is not None else {}), **throughput}  # every round's sandbox work
         metrics.update(ds_prompts_drawn=float(drawn), ds_groups_dropped=float(len(dropped)), ds_rounds=float(rounds),
                        ds_groups_filled=float(filled))
         return RolloutBatch(samples, c.rollout.n_samples_per_prompt, generate_seconds=gen_s, reward_seconds=reward_s,
-                            metrics=metrics)
+                            metrics=metrics, reward_exposed_seconds=exposed_s)
 
     def rank_state(self) -> dict:
         return {"ds_buffer": self.buffer, **self.collector.rank_state()}
@@ -197,7 +233,7 @@ class OverlongShaping:
         return replace(smp, reward=smp.reward - self.penalty * min(over, self.buffer_len) / self.buffer_len)
 
     def __call__(self, step: int) -> RolloutBatch:
-        rollout = self.inner(step)
+        rollout = wait_for_rewards(self.inner(step))
         return replace(rollout, samples=[self.shaped(s) for s in rollout.samples])
 
     def rank_state(self) -> dict:

@@ -14,7 +14,8 @@ from megarl.config import Config
 from megarl.mcore import parallel
 from megarl.mcore.actor import MegatronPolicy
 from megarl.mcore.parallel import ParallelInfo
-from megarl.metrics import MetricsLog, held_out_curve, plot_run, reduce_over_ranks
+from megarl.reward.pool import SANDBOX_KEYS
+from megarl.metrics import MetricsLog, held_out_curve, plot_run, reduce_over_ranks, reward_throughput
 from megarl.stages.algorithm import Algorithm
 from megarl.stages.collect import sampling_params
 from megarl.stages.colocation import enter_rollout, enter_training
@@ -36,6 +37,8 @@ _REWARD_KEYS = ["reward_n_timeout", "reward_n_no_answer", "reward_n_parse_error"
 _TOOL_LATENCY_KEYS = ["tool_latency_p50_max", "tool_latency_p99_max"]  # `tool_use`'s, the worst rank's
 # reward models (when rows name one): score sums, agreement with the rule, the seconds of the slowest rank
 _RM_KEYS = ["rm_n", "rm_score_sum", "rm_score_sqsum", "rm_agree_n", "rm_agree_sum", "rm_seconds_max"]
+# sandboxed rows (`megarl.reward.pool.sandbox_throughput`): sums over ranks, over the slowest rank's scoring time
+_SANDBOX_KEYS = [*SANDBOX_KEYS, "reward_seconds_max"]
 
 
 def step_metrics(step: int, rollout: RolloutBatch, batch: TrainBatch, update: dict, timings: dict, seconds: float,
@@ -55,11 +58,12 @@ def step_metrics(step: int, rollout: RolloutBatch, batch: TrainBatch, update: di
             **{k: rollout.metrics.get(k, 0.0) for k in _DS_KEYS},
             **{k: rollout.metrics.get(k.removesuffix("_max"), 0.0)
                for k in _REWARD_KEYS + _TOOL_LATENCY_KEYS + _RM_KEYS},
+            **{k: rollout.metrics.get(k, 0.0) for k in SANDBOX_KEYS}, reward_seconds_max=rollout.reward_seconds,
             **{f"sample_{k}": sum(float(s.metadata.get(k, 0.0)) for s in rollout.samples) for k in meta},
         )
     if info.is_last_stage and info.tp_rank == 0 and info.cp_rank == 0:  # CP ranks hold the same whole-sequence sums
         local.update({k: update.get(k, 0.0) for k in _SUM_KEYS if k in update})
-    g = reduce_over_ranks(local, _SUM_KEYS + _DS_KEYS + _REWARD_KEYS + _TOOL_LATENCY_KEYS + _RM_KEYS +
+    g = reduce_over_ranks(local, _SUM_KEYS + _DS_KEYS + _REWARD_KEYS + _TOOL_LATENCY_KEYS + _RM_KEYS + _SANDBOX_KEYS +
                           [f"sample_{k}" for k in meta])
     n, tok = max(g["n_samples"], 1), max(g["tokens"], 1)
     return {
@@ -86,6 +90,7 @@ def step_metrics(step: int, rollout: RolloutBatch, batch: TrainBatch, update: di
             "routing_replayed_frac": g["routing_replayed_sum"] / g["router_tokens"]}
            if g["router_tokens"] > 0 else {}),
         **_rm_metrics(g),
+        **reward_throughput(*(g[k] for k in _SANDBOX_KEYS)),
         **({"ds_prompts_drawn": g["ds_prompts_drawn"], "ds_groups_dropped": g["ds_groups_dropped"],
             "ds_rounds": g["ds_rounds"] / info.dp_size,
             "ds_groups_filled": g["ds_groups_filled"]} if g["ds_rounds"] > 0 else {}),

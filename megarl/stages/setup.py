@@ -146,7 +146,8 @@ def start(cfg: Config, checked: Checked) -> TrainingRun:
     reward = build_reward(cfg.reward, reward_options(cfg), import_plugins(cfg.plugins.plugins))
     rollout_fn = build_rollout(cfg)
     collector = Collector(rollout_engine, rollout_fn, reward, tokenizer, prompts, sampler, cfg.rollout,
-                          d.rollout_batch_size, t.seed, info, context=shape.max_position_embeddings)
+                          d.rollout_batch_size, t.seed, info, context=shape.max_position_embeddings,
+                          reward_overlap=cfg.reward.reward_overlap)
     pending = AsyncCollect(collector, pipeline, engine, t.async_staleness) if pipeline is not None else None
     collect = _collect(cfg, pending or collector)
     collect.load_rank_state(rank_state)

@@ -342,3 +342,25 @@ def test_the_rollout_stage_reports_the_tool_metrics(tok):
          "tool_latency_p50_max": 0.5, "tool_latency_p99_max": 2.0}
     assert _tool_metrics(g) == {"tool_call_rate": 0.6, "tool_error_rate": 0.25, "tool_timeout_rate": 0.125,
                                 "tool_output_frac": 0.25, "tool_latency_p50": 0.5, "tool_latency_p99": 2.0}
+
+
+def test_with_reward_overlap_trajectories_are_scored_as_they_finish_into_the_same_samples(tok):
+    from megarl.reward import RewardMeter
+
+    def mixed(prompt, k, j):  # the first sample answers at once; the second calls the tool first
+        return f"{eval(prompt[:-1])}$" if j == 0 else call_then_answer(prompt, k, j)
+
+    prompts = _prompts(tok, "12*34=", "7*8=")
+    params = SamplingParams(n=2, max_new_tokens=60, stop_token_ids=(EOS,), seed=5)
+    serial = _rollout()(ScriptedEngine(tok, mixed), prompts, params, InProcessReward(), tok)
+    scored_turns = []
+
+    class Spy(InProcessReward):
+        def __call__(self, samples, records):
+            scored_turns.extend(s.metadata["turns"] for s in samples)
+            return super().__call__(samples, records)
+
+    meter = RewardMeter(Spy(), overlap=True)
+    assert _rollout()(ScriptedEngine(tok, mixed), prompts, params, meter, tok) == serial
+    assert [s.reward for s in serial] == [1.0] * 4
+    assert scored_turns == [1.0, 1.0, 2.0, 2.0], "the direct answers go to the reward before the second turn"
