@@ -40,7 +40,7 @@ ALGORITHM_ARGS=(
 
 # Bound by the step count only, so every machine trains the same model (docs/results.md, "The math demo").
 TRAINING_ARGS=(
-  --num-steps 150
+  --num-steps 500
   --lr 1e-4
   --min-lr 1e-5
   --lr-decay-style linear
