@@ -2,7 +2,8 @@
 
 Correct (score 1) only when the text of the response's last `\\boxed{...}` (balanced braces; outer whitespace
 stripped) is the ground truth character for character: `\\boxed{7/12}` for "7/12", but neither `\\boxed{14/24}`
-nor `\\boxed{\\frac{7}{12}}`. No box, or one never closed -> `no_answer`; anything else -> `incorrect`.
+nor `\\boxed{\\frac{7}{12}}`. No box, or one never closed -> `no_answer`; a label object without an answer (or a
+None label) -> `parse_error`; anything else -> `incorrect`.
 
 The ground truth is the answer string, or a `math` label `{"answer", "not_answers"}` (`megarl.verifiers.math`),
 whose answer is taken: the same data rows serve both verifiers, and a not-answer can never equal the answer
@@ -39,9 +40,11 @@ class ExactStringVerifier:
 
     def verify(self, response: str, ground_truth: Any) -> VerifyResult:
         start = time.perf_counter()
-        answer = ground_truth["answer"] if isinstance(ground_truth, dict) else ground_truth
+        answer = ground_truth.get("answer") if isinstance(ground_truth, dict) else ground_truth
         boxed = last_boxed(str(response))
-        if boxed is None:
+        if answer is None:  # a label object without its answer: the row cannot be judged
+            result = VerifyResult(0.0, "parse_error", normalized="the label has no 'answer'")
+        elif boxed is None:
             result = VerifyResult(0.0, "no_answer")
         else:
             same = boxed.strip() == str(answer)

@@ -247,3 +247,4 @@ def test_exact_string_verifier_is_the_control_reward():
             r = v.verify(response, truth)
             assert (r.outcome, r.score) == (outcome, float(outcome == "correct")), (response, truth)
             assert r.score == exact_string_reward(response, "7/12")
+    assert v.verify("\\boxed{7/12}", {"not_answers": []}).outcome == "parse_error"  # a label with no answer
