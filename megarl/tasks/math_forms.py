@@ -27,8 +27,9 @@ decimal a `dec` question starts from); `label` puts them in the data row (`{"ans
 `math` verifier then scores a response written with the same numbers and letters as one of them incorrect
 (`megarl.verifiers.math`). No right spelling in `forms` shares its numbers and letters with a not-answer (tested).
 
-Pure Python (standard library only), like `megarl.tasks.arithmetic`, whose `Problem` rows and jsonl helpers this
-module reuses; `CHARS` extends that task's tokenizer by the characters of LaTeX answers.
+Pure Python (no torch, no sympy), like `megarl.tasks.arithmetic`, whose `Problem` rows and jsonl helpers this
+module reuses (and the `exact_string` verifier's box reader); `CHARS` extends that task's tokenizer by the
+characters of LaTeX answers.
 """
 
 from __future__ import annotations

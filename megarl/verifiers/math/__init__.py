@@ -11,10 +11,10 @@ count:
 expression ("Compute: 1/2+2/3" is not answered by `\\boxed{1/2+2/3}`), the working's unfinished steps, the decimal
 a "write as a fraction" question starts from. Equivalence judges values, so without them a policy is rewarded for
 copying the question. A response whose answer uses the same numbers and letters as a not-answer, in any order
-and arrangement (`2/3+1/2`, `\\frac{1}{2}+\\frac{2}{3}`), is `incorrect`: the multiset of its numeric literals (by
-value: `.5` and `0.50` are one number) and of its variable letters, signs and operators aside, is compared with
-each not-answer's. So a not-answer also rules out every right answer with exactly its numbers and letters (for
-"Simplify: 3+x", `x+3`): list only spellings no right answer shares them with.
+and arrangement (`2/3+1/2`, `\\frac{1}{2}+\\frac{2}{3}`), is `incorrect`: its numeric literals (by value: `.5` and
+`0.50` are one number) and variable letters, as a multiset with signs and operators left out, are compared with
+each not-answer's (`normalize.literals`). So a not-answer also rules out every right answer with exactly its
+numbers and letters (for "Simplify: 3+x", `x+3`): list only spellings no right answer shares them with.
 
 Outcomes: `correct` (score 1), `incorrect`, `no_answer` (nothing extractable), `parse_error` (an answer was found
 but neither it nor a plain string comparison could be judged), `timeout` (the check ran out of its wall-clock
