@@ -18,26 +18,32 @@ A response is one line of working, then the answer boxed on its own line (`solut
 The `math` verifier scores every spelling in `forms` correct and every one in `wrong_forms` (an off-by-one
 numerator, the sum of numerators over the sum of denominators, sqrt(a)+sqrt(b) = sqrt(a+b), a sign error)
 incorrect; `exact_string_reward`, the control, scores 1 only for the canonical string, so it rewards none of the
-forms. Neither list contains a copy of the question: the verifier judges values, so `\\boxed{x^2+x-6}` or
-`\\boxed{1/3+1/4}` is "correct" to it, and the demo's curves should watch for a policy that learns that.
-Plain-text `sqrt(8)` is not offered as a spelling either: the verifier does not read it as a root.
+forms. Plain-text `sqrt(8)` is not offered as a spelling: the verifier does not read it as a root.
 
-Pure Python (standard library only), like `megarl.tasks.arithmetic`, whose `Problem` rows and jsonl helpers this
-module reuses; `CHARS` extends that task's tokenizer by the characters of LaTeX answers.
+A copy of the question is no answer, though equal in value: the verifier judges values, so to it `\\boxed{1/3+1/4}`
+equals 7/12 and `\\boxed{x^2+x-6}` equals (x-2)(x+3), and RL would learn to copy. `not_answers` lists, per
+problem, the question's expression and the working's unfinished steps (`4/12+3/12`, `2\\sqrt{2}+\\sqrt{2}`, the
+decimal a `dec` question starts from); `label` puts them in the data row (`{"answer", "not_answers"}`), and the
+`math` verifier then scores a response written with the same numbers and letters as one of them incorrect
+(`megarl.verifiers.math`). No right spelling in `forms` shares its numbers and letters with a not-answer (tested).
+
+Pure Python (no torch, no sympy), like `megarl.tasks.arithmetic`, whose `Problem` rows and jsonl helpers this
+module reuses (and the `exact_string` verifier's box reader); `CHARS` extends that task's tokenizer by the
+characters of LaTeX answers.
 """
 
 from __future__ import annotations
 
 import math
-import re
 from fractions import Fraction
 from typing import NamedTuple
 
 from megarl.tasks import arithmetic
 from megarl.tasks.arithmetic import TOKENIZER_CHARS, Problem, read_jsonl, write_jsonl
+from megarl.verifiers.exact_string import last_boxed
 
-__all__ = ["CHARS", "NUM_HELDOUT", "VERIFIER", "Problem", "all_problems", "exact_string_reward", "forms",
-           "read_jsonl", "solution", "split_problems", "wrong_forms", "write_jsonl"]
+__all__ = ["CHARS", "NUM_HELDOUT", "VERIFIER", "Problem", "all_problems", "exact_string_reward", "forms", "label",
+           "not_answers", "read_jsonl", "rows", "solution", "split_problems", "wrong_forms", "write_jsonl"]
 
 NUM_HELDOUT = 200
 VERIFIER = "math"
@@ -55,6 +61,7 @@ class _Case(NamedTuple):
     answer: str  # canonical
     right: list[str]  # other correct spellings of the answer
     wrong: list[str]  # plausible mistakes
+    copies: list[str]  # equal in value but no answer: the question's expression, unfinished steps of the working
 
 
 # -- spelling helpers -----------------------------------------------------------------------------------------------
@@ -139,7 +146,8 @@ def _add(a: int, b: int, c: int, d: int) -> _Case:
     working = f"{a}/{b}+{c}/{d} = {na}/{lcd}+{nc}/{lcd} = {na + nc}/{lcd}"
     right = _fraction_forms(value, [(na + nc, lcd), (a * d + c * b, b * d)])
     wrong = _wrong_numbers(value, [f"{na + nc + 1}/{lcd}", f"{a + c}/{b + d}", str(-value)])
-    return _Case(f"Compute: {a}/{b}+{c}/{d}", working, str(value), right, wrong)
+    copies = [f"{a}/{b}+{c}/{d}", f"{na}/{lcd}+{nc}/{lcd}"]
+    return _Case(f"Compute: {a}/{b}+{c}/{d}", working, str(value), right, wrong, copies)
 
 
 def _mul(a: int, b: int, c: int, d: int) -> _Case:
@@ -147,14 +155,16 @@ def _mul(a: int, b: int, c: int, d: int) -> _Case:
     working = f"{a}/{b}*{c}/{d} = {a}*{c}/({b}*{d}) = {a * c}/{b * d}"
     right = _fraction_forms(value, [(a * c, b * d)])
     wrong = _wrong_numbers(value, [f"{a * c + 1}/{b * d}", str(Fraction(a * d, b * c)), str(-value)])
-    return _Case(f"Compute: {a}/{b}*{c}/{d}", working, str(value), right, wrong)
+    copies = [f"{a}/{b}*{c}/{d}", f"{a}*{c}/({b}*{d})"]
+    return _Case(f"Compute: {a}/{b}*{c}/{d}", working, str(value), right, wrong, copies)
 
 
 def _pct(p: int) -> _Case:
     value = Fraction(p, 100)
     right = _fraction_forms(value, [(p, 100)])
     wrong = _wrong_numbers(value, [f"{p + 1}/100", f"{p}/10", str(p)])
-    return _Case(f"Write {p} percent as a fraction", f"{p} percent = {p}/100", str(value), right, wrong)
+    # `35\\%` is 35 to the verifier, not 0.35: no copy of this question is equal to its answer
+    return _Case(f"Write {p} percent as a fraction", f"{p} percent = {p}/100", str(value), right, wrong, [])
 
 
 def _dec(n: int, d: int) -> _Case:
@@ -165,7 +175,7 @@ def _dec(n: int, d: int) -> _Case:
     # the decimal itself is a right value but not what the question asks for, so it is no form
     right = [f for f in _fraction_forms(value, [(scaled, 10**places)]) if f != text]
     wrong = _wrong_numbers(value, [f"{n + 1}/{d}", f"{scaled}/{10 ** (places + 1)}", f"{d}/{n}"])
-    return _Case(f"Write {text} as a fraction", f"{text} = {scaled}/{10**places}", str(value), right, wrong)
+    return _Case(f"Write {text} as a fraction", f"{text} = {scaled}/{10**places}", str(value), right, wrong, [text])
 
 
 def _root(a: int, c: int, r: int) -> _Case:
@@ -179,8 +189,12 @@ def _root(a: int, c: int, r: int) -> _Case:
     # sqrt(x)+sqrt(y) = sqrt(x+y), an off-by-one coefficient, a wrong radicand; compared by their squares
     wrong = [(1, (a * a + c * c) * r), (k + 1, r), (k, r + 1)]
     wrong_spelled = [_radical(m, s) for m, s in wrong if m * m * s != k * k * r]
-    prompt = f"Compute: \\sqrt{{{a * a * r}}}+\\sqrt{{{c * c * r}}}"
-    return _Case(prompt, working, _radical(k, r), _unique(right, _radical(k, r)), wrong_spelled)
+    expression = f"\\sqrt{{{a * a * r}}}+\\sqrt{{{c * c * r}}}"
+    copies = _unique([expression, f"{_radical(a, r)}+{_radical(c, r)}"], exclude="")
+    if a == c == 1 and r == 2:
+        copies = []  # \sqrt{2}+\sqrt{2} has the numbers of 2\sqrt{2}: the verifier could not tell them apart
+    return _Case(f"Compute: {expression}", working, _radical(k, r), _unique(right, _radical(k, r)), wrong_spelled,
+                 copies)
 
 
 def _fac(v: str, p: int, q: int) -> _Case:
@@ -195,13 +209,13 @@ def _fac(v: str, p: int, q: int) -> _Case:
         right.append(f"({p}+{v})^2")
     mistakes = [(-p, -q), (p + 1, q), (p, -q)]
     wrong = [_factored(v, *m) for m in mistakes if sorted(m) != [p, q]]
-    return _Case(f"Factor: {poly}", working, answer, _unique(right, answer), _unique(wrong, answer))
+    return _Case(f"Factor: {poly}", working, answer, _unique(right, answer), _unique(wrong, answer), [poly])
 
 
 def _lin(v: str, a: int, b: int, c: int) -> _Case:
     """a v + b + c v = (a+c) v + b."""
     k = a + c
-    prompt = f"Simplify: {_term(a, v, True)}{b:+d}{_term(c, v, False)}"
+    expression = f"{_term(a, v, True)}{b:+d}{_term(c, v, False)}"
     working = f"{_term(a, v, True)}{_term(c, v, False)} = {_term(k, v, True)}"
     answer = _linear(k, b, v)
     right = [f"{b}{_term(k, v, False)}", f"({a}{c:+d}){v}{b:+d}"]
@@ -212,7 +226,8 @@ def _lin(v: str, a: int, b: int, c: int) -> _Case:
         right.append(f"{g}({_linear(k // g, b // g, v)})")
     mistakes = [(k + 1, b), (k, -b), (a * c, b)]
     wrong = [_linear(m, n, v) for m, n in mistakes if (m, n) != (k, b)]
-    return _Case(prompt, working, answer, _unique(right, answer), _unique(wrong, answer))
+    return _Case(f"Simplify: {expression}", working, answer, _unique(right, answer), _unique(wrong, answer),
+                 [expression])
 
 
 def _proper(max_den: int = 9):
@@ -283,22 +298,23 @@ def wrong_forms(problem: Problem) -> list[str]:
     return [_respond(case.working, s) for s in case.wrong]
 
 
-_BOXED = re.compile(r"\\boxed\{")
+def not_answers(problem: Problem) -> list[str]:
+    """Spellings equal to the answer in value that do not answer the question (see the module docstring)."""
+    return _case(problem).copies
 
 
-def _last_boxed(response: str) -> str | None:
-    starts = [m.end() for m in _BOXED.finditer(response)]
-    if not starts:
-        return None
-    depth, start = 1, starts[-1]
-    for i in range(start, len(response)):
-        depth += {"{": 1, "}": -1}.get(response[i], 0)
-        if depth == 0:
-            return response[start:i]
-    return None  # unclosed
+def label(problem: Problem) -> dict:
+    """The data row's ground truth for the `math` verifier: the canonical answer and the not-answers."""
+    return {"answer": problem.answer, "not_answers": not_answers(problem)}
+
+
+def rows(problems: list[Problem], verifier: str = VERIFIER) -> list[dict]:
+    """Training rows `{"id", "prompt", "answer", "verifier"}` whose answer is `label`, for `verifier`."""
+    return [{"id": p.id, "prompt": p.prompt, "answer": label(p), "verifier": verifier} for p in problems]
 
 
 def exact_string_reward(response: str, answer: str) -> float:
-    """The control's reward: 1.0 when the text in the last `\\boxed{}` (outer whitespace stripped) is `answer`."""
-    boxed = _last_boxed(response)
+    """The control's reward: 1.0 when the text in the last `\\boxed{}` (outer whitespace stripped) is `answer`
+    (the `exact_string` verifier's rule)."""
+    boxed = last_boxed(response)
     return 1.0 if boxed is not None and boxed.strip() == answer else 0.0

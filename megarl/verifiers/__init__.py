@@ -1,6 +1,7 @@
 """Rule verifiers: a response and its ground truth in, a `VerifyResult` out, one sample at a time, in reward worker
 processes (`megarl.reward.pool`) or the trainer. Built in: `arithmetic`, `code` (programs run in the sandbox),
-`math` (sympy, in `math/`). Import neither torch nor megatron here: reward workers and `megarl-verify` stay light.
+`math` (sympy, in `math/`), `exact_string` (the last `\\boxed{}` character for character: the math demo's
+control). Import neither torch nor megatron here: reward workers and `megarl-verify` stay light.
 """
 
 from megarl.verifiers.base import OUTCOMES, VERIFIERS, VerifyResult, Verifier, register_verifier

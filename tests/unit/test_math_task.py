@@ -17,7 +17,10 @@ from megarl.tasks.math_forms import (
     all_problems,
     exact_string_reward,
     forms,
+    label,
+    not_answers,
     read_jsonl,
+    rows,
     solution,
     split_problems,
     write_jsonl,
@@ -170,13 +173,24 @@ def _sample(problems, per_family: int, seed: int = 0):
     return [p for family in sorted(by_family) for p in rng.sample(by_family[family], per_family)]
 
 
+def _copies(problem) -> list[str]:
+    """Responses that box a not-answer, as written and with the operands of a sum or product swapped."""
+    out = []
+    for text in not_answers(problem):
+        out.append(text)
+        if m := re.fullmatch(r"([^+*]+)([+*])([^+*]+)", text):
+            out.append(m[3] + m[2] + m[1])
+    return [f"working\n\\boxed{{{c}}}" for c in out]
+
+
 def _judge(verifier, sample):
-    """(disagreements with the task's labels, responses judged, share of right forms the control scores 0)."""
+    """(disagreements with the task's labels, responses judged, share of right forms the control scores 0).
+    The label is the row's: the answer and the not-answers, which the verifier must score incorrect."""
     disagreements, judged, control_zero, n_forms = [], 0, 0, 0
     for p in sample:
         for response, right in [(solution(p), True)] + [(r, True) for r in forms(p)] + [
-                (r, False) for r in wrong_forms(p)]:
-            outcome = verifier.verify(response, p.answer).outcome
+                (r, False) for r in wrong_forms(p) + _copies(p)]:
+            outcome = verifier.verify(response, label(p)).outcome
             judged += 1
             if (outcome == "correct") != right:
                 disagreements.append((p.id, _boxed(response), p.answer, outcome))
@@ -201,3 +215,36 @@ def test_verifier_agrees_on_every_problem(problems, math_verifier):
     disagreements, judged, control_zero_share = _judge(math_verifier, problems)
     assert not disagreements, f"{len(disagreements)}/{judged} responses judged otherwise: {disagreements[:10]}"
     assert control_zero_share >= 0.5
+
+
+def test_copies_of_the_question_are_equal_in_value_and_listed_as_not_answers(problems, math_verifier):
+    """The hole the labels close: a boxed copy of the question scores with a plain answer label."""
+    sample = [p for p in _sample(problems, 3) if not_answers(p)]
+    assert {_family(p) for p in sample} == {"add", "mul", "dec", "root", "fac", "lin"}  # pct: `35\\%` is 35
+    for p in sample:
+        question = p.prompt.split(": ", 1)[1].strip() if ": " in p.prompt else p.prompt.split()[1]
+        assert question in not_answers(p)
+        copy = f"working\n\\boxed{{{question}}}"
+        assert math_verifier.verify(copy, p.answer).outcome == "correct", p.id
+        assert math_verifier.verify(copy, label(p)).outcome == "incorrect", p.id
+
+
+def test_rows_carry_the_label_for_either_verifier(problems, tmp_path):
+    (row,) = rows([problems[0]], verifier="exact_string")
+    assert row == {"id": problems[0].id, "prompt": problems[0].prompt, "verifier": "exact_string",
+                   "answer": {"answer": problems[0].answer, "not_answers": not_answers(problems[0])}}
+    assert json.loads(json.dumps(row)) == row
+
+
+def test_exact_string_verifier_is_the_control_reward():
+    v = VERIFIERS.build("exact_string")
+    gold = {"answer": "7/12", "not_answers": ["1/3+1/4"]}
+    cases = [("4/12+3/12 = 7/12\n\\boxed{7/12}", "correct"), ("\\boxed{ 7/12 }", "correct"),
+             ("\\boxed{14/24}", "incorrect"), ("\\boxed{\\frac{7}{12}}", "incorrect"),
+             ("\\boxed{7/12} then \\boxed{1/3+1/4}", "incorrect"), ("7/12", "no_answer"), ("\\boxed{7/12", "no_answer")]
+    for response, outcome in cases:
+        for truth in (gold, "7/12"):
+            r = v.verify(response, truth)
+            assert (r.outcome, r.score) == (outcome, float(outcome == "correct")), (response, truth)
+            assert r.score == exact_string_reward(response, "7/12")
+    assert v.verify("\\boxed{7/12}", {"not_answers": []}).outcome == "parse_error"  # a label with no answer

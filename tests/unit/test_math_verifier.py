@@ -164,6 +164,32 @@ def test_digits_inside_words_are_not_answers():
     assert not verdict("AZYUK2A", "2")
 
 
+# -- labels with not-answers: equal in value, but no answer (a copy of the question) ------------------------------
+
+
+def test_not_answers_are_incorrect_in_any_arrangement_and_right_answers_still_count():
+    label = {"answer": "7/6", "not_answers": ["1/2+2/3"]}
+    for copy in ("1/2+2/3", "2/3+1/2", "\\frac{1}{2}+\\frac{2}{3}", "\\dfrac12 + \\dfrac23"):
+        assert judge(boxed(copy), "7/6")[1] == "correct"  # equal in value: without the label's list it scores
+        assert judge(boxed(copy), label)[:2] == (0.0, "incorrect"), copy
+    for right in ("7/6", "14/12", "\\frac{7}{6}", "1+1/6"):
+        assert judge(boxed(right), label)[:2] == (1.0, "correct"), right
+    assert judge(boxed("5/6"), label)[1] == "incorrect"  # still wrong for being wrong
+    # decimals are compared by value (0.375 = .3750); letters count (x^2+x-6 is not (x-2)(x+3))
+    assert judge(boxed(".3750"), {"answer": "3/8", "not_answers": ["0.375"]})[1] == "incorrect"
+    fac = {"answer": "(x-2)(x+3)", "not_answers": ["x^2+x-6"]}
+    assert judge(boxed("-6+x+x^2"), fac)[1] == "incorrect"
+    assert judge(boxed("(x+3)(x-2)"), fac)[1] == "correct"
+    assert judge(boxed("(x+3)(x-2)"), {"answer": "(x-2)(x+3)"})[1] == "correct"  # not_answers is optional
+
+
+def test_a_label_object_needs_an_answer_and_a_list():
+    with pytest.raises(ValueError, match="'answer'"):
+        judge(boxed("1"), {"value": "1"})
+    with pytest.raises(ValueError, match="list"):
+        judge(boxed("1"), {"answer": "1", "not_answers": "1+0"})
+
+
 # -- the verifier object: registry, budget, threads and processes -------------------------------------------------
 
 

@@ -2,6 +2,20 @@
 
     MathVerifier().verify(r"... so the area is $\\boxed{\\frac{9}{4}\\pi}$.", r"\\frac94\\pi")  # correct
 
+The ground truth is the answer (a string; a list or tuple is a list answer), or a dict that adds what does not
+count:
+
+    {"answer": "7/6", "not_answers": ["1/2+2/3"]}
+
+`not_answers` are spellings equal to the answer in value that do not answer the question: the question's own
+expression ("Compute: 1/2+2/3" is not answered by `\\boxed{1/2+2/3}`), the working's unfinished steps, the decimal
+a "write as a fraction" question starts from. Equivalence judges values, so without them a policy is rewarded for
+copying the question. A response whose answer uses the same numbers and letters as a not-answer, in any order
+and arrangement (`2/3+1/2`, `\\frac{1}{2}+\\frac{2}{3}`), is `incorrect`: its numeric literals (by value: `.5` and
+`0.50` are one number) and variable letters, as a multiset with signs and operators left out, are compared with
+each not-answer's (`normalize.literals`). So a not-answer also rules out every right answer with exactly its
+numbers and letters (for "Simplify: 3+x", `x+3`): list only spellings no right answer shares them with.
+
 Outcomes: `correct` (score 1), `incorrect`, `no_answer` (nothing extractable), `parse_error` (an answer was found
 but neither it nor a plain string comparison could be judged), `timeout` (the check ran out of its wall-clock
 budget: huge exponent towers, deep nesting, giant sums...). Only `correct` scores.
@@ -82,15 +96,18 @@ def judge(response: str, ground_truth: Any, strategy: str = "lenient") -> tuple:
     """(score, outcome, extracted, normalized) for one response; runs wherever it is called (no budget here)."""
     from megarl.verifiers.math.equiv import equivalent
     from megarl.verifiers.math.extract import final_answer
-    from megarl.verifiers.math.normalize import normalize
+    from megarl.verifiers.math.normalize import literals, normalize
     from megarl.verifiers.math.parse import Seq, parse_answer
 
+    ground_truth, not_answers = _split_label(ground_truth)
     extracted = final_answer(str(response), strategy)
     if extracted is None:
         return 0.0, "no_answer", None, None
     pred = normalize(extracted)
     if not pred:
         return 0.0, "no_answer", extracted, pred
+    if not_answers and literals(pred) in {literals(normalize(str(n))) for n in not_answers}:
+        return 0.0, "incorrect", extracted, pred  # a copy of the question, or an unfinished step (see the docstring)
     if isinstance(ground_truth, (list, tuple)):  # several accepted answers in the data row: a list answer
         ground_truth = ", ".join(map(str, ground_truth))
     gold = normalize(str(ground_truth))
@@ -111,3 +128,17 @@ def judge(response: str, ground_truth: Any, strategy: str = "lenient") -> tuple:
     except Exception:  # noqa: BLE001 - see above: a comparison that fails is a parse_error
         return 0.0, "parse_error", extracted, pred
     return (1.0, "correct", extracted, pred) if same else (0.0, "incorrect", extracted, pred)
+
+
+def _split_label(ground_truth: Any) -> tuple[Any, list]:
+    """(the answer, its not-answers) of a label: a dict `{"answer", "not_answers"}`, or a plain answer."""
+    if not isinstance(ground_truth, dict):
+        return ground_truth, []
+    unknown = set(ground_truth) - {"answer", "not_answers"}
+    if "answer" not in ground_truth or unknown:
+        raise ValueError(f"a math label given as an object needs the key 'answer' and may have 'not_answers'; got "
+                         f"the keys {sorted(ground_truth)}")
+    not_answers = ground_truth.get("not_answers") or []
+    if not isinstance(not_answers, (list, tuple)):
+        raise ValueError(f"a math label's 'not_answers' must be a list of spellings, got {type(not_answers).__name__}")
+    return ground_truth["answer"], list(not_answers)

@@ -10,6 +10,8 @@ and words, dollar signs, thousands separators (`{,}`, `,\\!`), trailing units in
 from __future__ import annotations
 
 import re
+from collections import Counter
+from fractions import Fraction
 
 _TEXT_CMD = re.compile(r"\\(?:text|textbf|textit|textrm|textnormal|mbox|mathrm|mathbf|mathit|mathsf|operatorname|"
                        r"mathbb|boldsymbol|hbox)\s*\{([^{}]*)\}")
@@ -102,3 +104,16 @@ def _matching(s: str, i: int) -> int:
             if depth == 0:
                 return j
     return -1
+
+
+_COMMAND = re.compile(r"\\[a-zA-Z]+")
+_LITERAL = re.compile(r"\d+(?:\.\d*)?|\.\d+")
+
+
+def literals(s: str) -> tuple:
+    """What an answer is written with, order aside: its numeric literals by value (`0.50` is `1/2`) and its
+    variable letters (outside `\\commands`), as a sorted tuple. The math verifier's test for a copied not-answer."""
+    s = _COMMAND.sub(" ", s)
+    numbers = Counter(Fraction(m) for m in _LITERAL.findall(s))
+    letters = Counter(re.findall(r"[a-zA-Z]", _LITERAL.sub(" ", s)))
+    return tuple(sorted((str(k), n) for k, n in (numbers + letters).items()))
