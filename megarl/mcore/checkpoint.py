@@ -49,9 +49,12 @@ def _sharded_state_dict(policy, is_loading: bool) -> dict:
     model_sd = unwrap(policy.model).sharded_state_dict()
     # A mixture-of-experts model has two optimizers (experts and the rest) when experts are split over EP ranks,
     # one otherwise: keys without the chained optimizer's `chained_<i>.` prefix let a checkpoint saved at one EP
-    # size resume at another.
-    optimizer_sd = policy.optimizer.sharded_state_dict(model_sd, is_loading=is_loading,
-                                                       metadata={"chained_optim_avoid_prefix": True})
+    # size resume at another. The distributed optimizer's states are saved in Megatron-LM's default format
+    # ("dp_reshardable"): megatron-core 0.16's own default ("fully_sharded_model_space") refuses to save at all
+    # ("ShardedTensor.flattened_range is not supported"); the plain optimizer ignores the key.
+    optimizer_sd = policy.optimizer.sharded_state_dict(
+        model_sd, is_loading=is_loading,
+        metadata={"chained_optim_avoid_prefix": True, "distrib_optim_sharding_type": "dp_reshardable"})
     return {"model": model_sd, "optimizer": optimizer_sd}
 
 
