@@ -41,7 +41,6 @@ import traceback
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
-TESTS = Path(__file__).resolve().parent
 
 # Every shipped recipe, and every GPU model file through the math recipe (r1_code runs with its default model). The
 # demos' model files, tiny_qwen2.sh and tiny_qwen3_moe.sh, run in the demos that source them (tiny_cpu.sh,
@@ -231,8 +230,7 @@ def _made(key: tuple, shared: Path, make) -> Path:
 def make_reward_model(out: Path) -> Path:
     """The demo's reward model (a Qwen2 sequence classifier on the task's tokenizer), random, with the score
     statistics megarl-train-reward-model stores for --reward-model-normalize (mean 0, std 1: no change)."""
-    sys.path.insert(0, str(TESTS))
-    from helpers import make_tiny_reward_model
+    from helpers import make_tiny_reward_model  # tests/, this script's directory, is first on sys.path
 
     make_tiny_reward_model(out, seed=0)
     config = json.loads((out / "config.json").read_text())

@@ -74,6 +74,5 @@ def main(hf: str, ckpt: str, out: str) -> None:
 
 
 if __name__ == "__main__":  # dist_checkpointing's save spawns helpers: keep the guard
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     main(*sys.argv[1:])
