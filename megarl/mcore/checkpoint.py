@@ -46,12 +46,20 @@ def _set_rng_state(state: dict) -> None:
 
 
 def _sharded_state_dict(policy, is_loading: bool) -> dict:
+    from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
+
     model_sd = unwrap(policy.model).sharded_state_dict()
     # A mixture-of-experts model has two optimizers (experts and the rest) when experts are split over EP ranks,
     # one otherwise: keys without the chained optimizer's `chained_<i>.` prefix let a checkpoint saved at one EP
     # size resume at another.
-    optimizer_sd = policy.optimizer.sharded_state_dict(model_sd, is_loading=is_loading,
-                                                       metadata={"chained_optim_avoid_prefix": True})
+    metadata = {"chained_optim_avoid_prefix": True}
+    optimizers = getattr(policy.optimizer, "chained_optimizers", [policy.optimizer])
+    if any(isinstance(o, DistributedOptimizer) for o in optimizers):
+        # Megatron-LM's format for the distributed optimizer's states: megatron-core 0.16's default
+        # ("fully_sharded_model_space") refuses to save at all ("ShardedTensor.flattened_range is not supported").
+        # Set for the distributed optimizer only: the key also makes a chained optimizer prefix its keys.
+        metadata["distrib_optim_sharding_type"] = "dp_reshardable"
+    optimizer_sd = policy.optimizer.sharded_state_dict(model_sd, is_loading=is_loading, metadata=metadata)
     return {"model": model_sd, "optimizer": optimizer_sd}
 
 
@@ -110,20 +118,49 @@ def _prune(root: Path, keep_last: int, keep: str) -> None:
             shutil.rmtree(old, ignore_errors=True)
 
 
+def _give_states_to_distributed_optimizer(optimizer) -> None:
+    """A distributed optimizer that has not stepped yet has no Adam states, and megatron-core cannot describe the
+    states it is to load ("assert len(steps) == 1"): Megatron's own dummy step gives it states (zero gradients;
+    the loaded checkpoint then replaces the states and the weights in place)."""
+    from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
+
+    for opt in getattr(optimizer, "chained_optimizers", [optimizer]):
+        if isinstance(opt, DistributedOptimizer) and not opt.optimizer.state:
+            opt._init_optimizer_states_with_dummy_values()
+
+
+def _restore_steps(optimizer) -> None:
+    """torch's Adam counts steps per parameter (its bias correction); megatron-core saves the count once, in the
+    param groups, and its distributed optimizer loads it there only: each parameter's count goes back here."""
+    from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
+
+    for opt in getattr(optimizer, "chained_optimizers", [optimizer]):
+        if isinstance(opt, DistributedOptimizer):
+            for group in opt.optimizer.param_groups:
+                for p in group["params"]:
+                    state = opt.optimizer.state.get(p, {})
+                    if "step" in group and "step" in state:
+                        state["step"] = torch.tensor(float(group["step"]), dtype=state["step"].dtype)
+
+
 @cpu_compat.in_megatron_scope
 def load(path: str | os.PathLike, policy, *, load_optimizer: bool = True, load_rng: bool = True) -> dict:
-    """Load a checkpoint saved at any TP/PP layout into `policy`; returns the trainer state, with this rank's own
-    saved state under "rank_state" ({} when the checkpoint has none for this rank)."""
+    """Load a checkpoint saved at any TP/PP layout (the distributed optimizer's: at the same TP and PP) into `policy`;
+    returns the trainer state, with this rank's own saved state under "rank_state" ({} when it has none)."""
     from megatron.core import dist_checkpointing
 
     path = Path(path)
+    if load_optimizer:
+        _give_states_to_distributed_optimizer(policy.optimizer)
     sd = _sharded_state_dict(policy, is_loading=True)
     if not load_optimizer:
         sd.pop("optimizer")
     loaded = dist_checkpointing.load(sd, str(path))
     unwrap(policy.model).load_state_dict(loaded["model"])
     if load_optimizer:
-        policy.optimizer.load_state_dict(loaded["optimizer"])
+        with torch.no_grad():  # the distributed optimizer copies into its fp32 main params, views of the weights
+            policy.optimizer.load_state_dict(loaded["optimizer"])
+        _restore_steps(policy.optimizer)
     with open(path / "trainer_state.pkl", "rb") as fh:
         state = pickle.load(fh)
     policy.scheduler.load_state_dict(state.pop("scheduler"))
