@@ -46,6 +46,7 @@ REPO = Path(__file__).resolve().parents[1]
 # demos' model files, tiny_qwen2.sh and tiny_qwen3_moe.sh, run in the demos that source them (tiny_cpu.sh,
 # tiny_cpu_moe.sh): the starters' 64 positions cannot hold r1_math's prompts.
 RUNS = ("r1_math", "r1_code", "tiny_cpu", "tiny_cpu_moe", "tiny_cpu_ppo", "tiny_cpu_ppo_rm", "tiny_cpu_tool",
+        "tiny_cpu_math",
         *(f"r1_math:{m}" for m in ("qwen2.5-7b", "qwen2.5-math-7b", "llama-3.1-8b", "llama-3.1-70b", "qwen3-8b",
                                    "qwen3-30b-a3b")))
 DEFAULT_MODEL = {"r1_math": "qwen2.5-math-1.5b", "r1_code": "qwen2.5-7b"}  # the recipes' `RECIPE_MODEL` defaults
@@ -169,6 +170,25 @@ def make_starter(out: Path, family: str = "qwen2", tool: bool = False) -> Path:
     return out
 
 
+def make_math_starter(out: Path) -> Path:
+    """The math demo's starter as `tools/make_math_starter_model.py` builds it, randomly initialised, with a few
+    rows of each of its three files."""
+    import torch
+
+    from megarl.tasks.arithmetic import build_tokenizer
+    from megarl.tasks.math_forms import CHARS, split_problems
+
+    torch.manual_seed(0)
+    tool = _tool("make_math_starter_model")
+    tokenizer = build_tokenizer(None, chars=CHARS)
+    _save(tool.build_model(tokenizer), tokenizer, out)
+    train, held = split_problems()
+    tool.write_rows(out / "train.jsonl", train[:4], "math")
+    tool.write_rows(out / "train_exact.jsonl", train[:4], "exact_string")
+    tool.write_rows(out / "heldout.jsonl", held[:2], "math")
+    return out
+
+
 # ------------------------------------------------------------------------------------------------ data
 
 def _convert(layout: str, rows: list[dict], dst: Path) -> None:
@@ -252,6 +272,8 @@ def prepare(run: str, shared: Path) -> tuple[Path, dict[str, str]]:
         env.update(RECIPE_MODEL=model, MODEL_DIR=str(hf), DATA_DIR=str(data))
     elif name == "tiny_cpu_tool":
         env["TOOL_STARTER_DIR"] = str(_made(("starter", "tool"), shared, lambda out: make_starter(out, tool=True)))
+    elif name == "tiny_cpu_math":
+        env["MATH_STARTER_DIR"] = str(_made(("starter", "math"), shared, make_math_starter))
     elif name == "tiny_cpu_moe":
         moe = _made(("starter", "qwen3_moe"), shared, lambda out: make_starter(out, "qwen3_moe"))
         env["MOE_STARTER_DIR"] = str(moe)
