@@ -16,7 +16,8 @@ often writes a plausible program that fails the tests, which leaves headroom for
 like the other starters, so every machine builds the same model.
 
 The build ends with the starter's held-out pass@1, greedy and sampled (temperature 1, 4 per problem), judged by
-the `code` verifier in the local sandbox, as the trainer's evaluation is.
+the `code` verifier in the local sandbox, as the trainer's evaluation is. Measured (docs/results.md, "The code
+demo"): 600 steps give greedy 37 %, sampled ~10 %, in ~0.5 s of CPU a step (21 min on 2 heavily loaded cores).
 """
 
 from __future__ import annotations
