@@ -74,3 +74,22 @@ def test_plain_python_recheck(program, outcome, agrees):
 
     [(_, said, passed)] = check([_row(program, outcome)], timeout=10)
     assert (said == passed) is agrees
+
+
+@pytest.mark.parametrize("metric", ["accuracy", "pass@1"])
+def test_the_held_out_report_names_its_metric(metric):
+    """`--eval-metric-name` only renames the report's lines; with the default they are the arithmetic demo's."""
+    from types import SimpleNamespace
+
+    from megarl.stages.report import _report
+
+    lines: list[str] = []
+    cfg = SimpleNamespace(rollout=SimpleNamespace(rollout_temperature=1.0),
+                          logging=SimpleNamespace(eval_samples_per_prompt=4, eval_metric_name=metric))
+    _report(lines.append, SimpleNamespace(enabled=False), {"sampled": 0.112, "greedy": 0.37},
+            {"sampled": 0.356, "greedy": 0.5}, 19.0, 300, 200, cfg)
+    assert lines == ["", f"held-out {metric} on 200 prompts never trained on (300 steps, 19.0 min of training):",
+                     f"  {'':<30}  before   after",
+                     "  sampled (temp 1, 4/prompt)       11.2%   35.6%",
+                     "  greedy                           37.0%   50.0%",
+                     f"held-out {metric} (sampled): before 11.2% -> after 35.6%"]
