@@ -1,5 +1,5 @@
 # megarl developer entry points: `make venv`, `make demo`, `make demo-moe`, `make demo-tool`, `make demo-rm`,
-# `make demo-math`, `make lint`, `make test`, `make test-fast`, `make clean`.
+# `make demo-math`, `make demo-code`, `make lint`, `make test`, `make test-fast`, `make clean`.
 #
 # torch is installed before megarl, and only ever at a pinned version, because an unpinned `pip install torch`
 # on a machine without a GPU drags in gigabytes of CUDA wheels:
@@ -31,12 +31,14 @@ TOOL_STARTER := .cache/tool-starter/config.json
 TOOL_STARTER_STEPS ?= 1200
 MATH_STARTER := .cache/math-starter/config.json
 MATH_STARTER_STEPS ?= 600
+CODE_STARTER := .cache/code-starter/config.json
+CODE_STARTER_STEPS ?= 600
 
 # "1" when $(PYTHON) already imports a torch built with CUDA.
 # Deferred (=), so torch is imported only when the venv is being (re)built.
 HOST_HAS_CUDA_TORCH = $(shell $(PYTHON) -c 'import torch; print(int(torch.version.cuda is not None))' 2>/dev/null || echo 0)
 
-.PHONY: venv demo demo-moe demo-tool demo-math demo-rm lint test test-fast sandbox-image clean distclean
+.PHONY: venv demo demo-moe demo-tool demo-math demo-code demo-rm lint test test-fast sandbox-image clean distclean
 
 venv: $(STAMP)
 
@@ -97,6 +99,15 @@ demo-math: venv $(MATH_STARTER)
 	  --prompt-data $(dir $(MATH_STARTER))train_exact.jsonl --output-dir runs/tiny_cpu_math_control
 	$(VENV)/bin/torchrun --nproc-per-node $(NPROC) megarl/train.py recipes/tiny_cpu_math.sh
 	$(VPY) tools/math_demo_summary.py runs/tiny_cpu_math runs/tiny_cpu_math_control
+
+# The code demo: GRPO on one-line Python functions, rewarded by the `code` verifier in the local sandbox. The
+# starter is built with one thread, by step count, like the others. `tools/check_code_verdicts.py
+# runs/tiny_cpu_code/samples.jsonl` afterwards re-checks the logged programs' verdicts with plain Python.
+$(CODE_STARTER): | $(STAMP)
+	OMP_NUM_THREADS=1 $(VPY) tools/make_code_starter_model.py --out $(dir $@) --steps $(CODE_STARTER_STEPS)
+
+demo-code: venv $(CODE_STARTER)
+	$(VENV)/bin/torchrun --nproc-per-node $(NPROC) megarl/train.py recipes/tiny_cpu_code.sh
 
 # The four-model PPO: a reward model trained from the arithmetic verifier's labels, then recipes/tiny_cpu_ppo_rm.sh.
 # Its trunk is a language model of the task pre-trained like the starter but on clean answers (a reward model

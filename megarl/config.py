@@ -419,6 +419,9 @@ class LoggingConfig:
     eval_max_prompts: int = _f(0, "evaluate on at most this many held-out prompts (0 = all)")
     eval_interval: int = _f(0, "also evaluate on --eval-data every this many steps (held-out accuracy curves in "
                             "metrics.jsonl and the plot); 0 = only before and after training")
+    eval_metric_name: Literal["accuracy", "pass@1"] = _f(
+        "accuracy", "what the held-out report calls the share of samples judged correct (the same number either "
+        "way): accuracy, or pass@1 where a sample is a program and correct means it passed its tests")
 
     def __post_init__(self):
         _positive(self, "log_interval", "eval_samples_per_prompt", "log_samples_count")

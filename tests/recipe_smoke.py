@@ -46,7 +46,7 @@ REPO = Path(__file__).resolve().parents[1]
 # demos' model files, tiny_qwen2.sh and tiny_qwen3_moe.sh, run in the demos that source them (tiny_cpu.sh,
 # tiny_cpu_moe.sh): the starters' 64 positions cannot hold r1_math's prompts.
 RUNS = ("r1_math", "r1_code", "tiny_cpu", "tiny_cpu_moe", "tiny_cpu_ppo", "tiny_cpu_ppo_rm", "tiny_cpu_tool",
-        "tiny_cpu_math",
+        "tiny_cpu_math", "tiny_cpu_code",
         *(f"r1_math:{m}" for m in ("qwen2.5-7b", "qwen2.5-math-7b", "llama-3.1-8b", "llama-3.1-70b", "qwen3-8b",
                                    "qwen3-30b-a3b")))
 DEFAULT_MODEL = {"r1_math": "qwen2.5-math-1.5b", "r1_code": "qwen2.5-7b"}  # the recipes' `RECIPE_MODEL` defaults
@@ -189,6 +189,26 @@ def make_math_starter(out: Path) -> Path:
     return out
 
 
+def make_code_starter(out: Path) -> Path:
+    """The code demo's starter as `tools/make_code_starter_model.py` builds it, randomly initialised, with a few
+    of its task's rows."""
+    import torch
+
+    from megarl.tasks import code_functions
+    from megarl.tasks.arithmetic import build_tokenizer
+
+    torch.manual_seed(0)
+    tool = _tool("make_code_starter_model")
+    tokenizer = build_tokenizer(None, chars=code_functions.CHARS)
+    model = _tool("make_starter_model").build_model(tokenizer, mlp_width=tool.MLP_WIDTH, positions=tool.POSITIONS,
+                                                    hidden=tool.HIDDEN)
+    _save(model, tokenizer, out)
+    train, held = code_functions.split_problems()
+    code_functions.write_jsonl(out / "train.jsonl", train[:4])
+    code_functions.write_jsonl(out / "heldout.jsonl", held[:2])
+    return out
+
+
 # ------------------------------------------------------------------------------------------------ data
 
 def _convert(layout: str, rows: list[dict], dst: Path) -> None:
@@ -272,6 +292,8 @@ def prepare(run: str, shared: Path) -> tuple[Path, dict[str, str]]:
         env.update(RECIPE_MODEL=model, MODEL_DIR=str(hf), DATA_DIR=str(data))
     elif name == "tiny_cpu_tool":
         env["TOOL_STARTER_DIR"] = str(_made(("starter", "tool"), shared, lambda out: make_starter(out, tool=True)))
+    elif name == "tiny_cpu_code":
+        env["CODE_STARTER_DIR"] = str(_made(("starter", "code"), shared, make_code_starter))
     elif name == "tiny_cpu_math":
         env["MATH_STARTER_DIR"] = str(_made(("starter", "math"), shared, make_math_starter))
     elif name == "tiny_cpu_moe":

@@ -87,9 +87,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return p.parse_args(argv)
 
 
-def build_model(tokenizer, family: str = "qwen2", mlp_width: int = MLP_WIDTH):
+def build_model(tokenizer, family: str = "qwen2", mlp_width: int = MLP_WIDTH, positions: int = 64, hidden: int = 256):
     """A 2-layer Qwen2 (~2M parameters): on 2 cores a smaller model trains into a useful start fastest. Qwen3 and
-    Qwen3-MoE keep its width, depth and heads (see the module docstring); `mlp_width` is the dense MLP's width."""
+    Qwen3-MoE keep its width, depth and heads (see the module docstring); `mlp_width` is the dense MLP's width,
+    `positions` the longest prompt + response (64 covers arithmetic) and `hidden` the width: the code starter's
+    sequences are ten times as long, so it is narrower to stay as cheap a step."""
     from transformers import AutoModelForCausalLM, Qwen2Config, Qwen3Config, Qwen3MoeConfig
 
     vocab = len(tokenizer)
@@ -104,12 +106,12 @@ def build_model(tokenizer, family: str = "qwen2", mlp_width: int = MLP_WIDTH):
     config = cls(
         vocab_size=padded,
         tokenizer_vocab_size=vocab,  # ids >= this are padding rows of the embedding, never produced by the tokenizer
-        hidden_size=256,
+        hidden_size=hidden,
         num_hidden_layers=2,
         num_attention_heads=4,
         num_key_value_heads=2,
         intermediate_size=mlp_width,
-        max_position_embeddings=64,
+        max_position_embeddings=positions,
         tie_word_embeddings=False,
         bos_token_id=None,
         eos_token_id=tokenizer.eos_token_id,

@@ -216,7 +216,8 @@ def _report(say, log, before: dict | None, after: dict, minutes: float, steps: i
             cfg: Config) -> None:
     result = {"after": after, "before": before, "train_minutes": minutes, "steps": steps, "eval_prompts": n_prompts}
     say("")
-    say(f"held-out accuracy on {n_prompts} prompts never trained on ({steps} steps, {minutes:.1f} min of training):")
+    metric = cfg.logging.eval_metric_name
+    say(f"held-out {metric} on {n_prompts} prompts never trained on ({steps} steps, {minutes:.1f} min of training):")
     say(f"  {'':<30}{'before':>8}{'after':>8}")
     sampled = f"sampled (temp {cfg.rollout.rollout_temperature:g}, {cfg.logging.eval_samples_per_prompt}/prompt)"
     for key, label in (("sampled", sampled), ("greedy", "greedy")):
@@ -226,7 +227,7 @@ def _report(say, log, before: dict | None, after: dict, minutes: float, steps: i
         (log.dir / "eval.json").write_text(json.dumps(result, indent=2))
         say(f"training curves: {log.dir / 'training.png'}")
     if before:
-        say(f"held-out accuracy (sampled): before {100 * before['sampled']:.1f}% "
+        say(f"held-out {metric} (sampled): before {100 * before['sampled']:.1f}% "
             f"-> after {100 * after['sampled']:.1f}%")
         if "tool_call_rate" in before and "tool_call_rate" in after:
             say(f"tool-call rate: before {100 * before['tool_call_rate']:.1f}% -> "
