@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import fcntl
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -143,3 +144,18 @@ def make_tiny_reward_model(out, seed: int):
     Qwen2ForSequenceClassification(cfg).float().eval().save_pretrained(out)
     build_tokenizer(out)
     return out
+
+
+# `make test` runs the suite on two xdist workers (`-n 2 --dist loadgroup`): a 2-core machine is half idle while a
+# test waits on its subprocesses' start-up. Each test file stays on one worker (its module fixtures are built once),
+# and every file that runs sandboxes, code harnesses or Docker containers (all of tests/sandbox and tests/docker, and
+# any other file naming them) goes to one worker in turn: those tests count host-wide processes, uids and
+# containers, which another file's sandbox running beside them would change.
+_HOST_STATE = re.compile(r"sandbox|harness|docker|pgrep|/proc/")
+HOST_GROUP = "host-sandboxes"
+
+
+def group_of(path: Path) -> str:
+    """The xdist group of a test file: "host-sandboxes" or the file's name."""
+    host = path.parent.name in ("sandbox", "docker") or _HOST_STATE.search(path.read_text())
+    return HOST_GROUP if host else path.name

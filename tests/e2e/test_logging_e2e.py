@@ -35,7 +35,8 @@ def test_train_writes_every_log_output(starter, tmp_path, monkeypatch):
     assert [line.split(" | ")[0] for line in lines] == ["step 2/4", "step 4/4"]  # once per interval, rank 0 only
     for line in lines:
         assert re.search(r"\| eta \d+m\d\ds \| reward [\d.]+ \| acc [\d.]+% \| kl [\d.]+ \| clip [\d.]+ \|", line), line
-        assert re.search(r"s \(rollout [\d.]+ reward [\d.]+ logp [\d.]+ update [\d.]+ sync [\d.]+\)", line), line
+        assert re.search(r"s \(rollout [\d.]+ reward [\d.]+ \([\d.]+ exposed\) logp [\d.]+ update [\d.]+ "
+                         r"sync [\d.]+\)", line), line
 
     metrics = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
     assert [m["step"] for m in metrics] == [1, 2, 3, 4]

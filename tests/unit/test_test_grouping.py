@@ -1,14 +1,14 @@
 """`make test`'s scheduling: under `--dist loadgroup` every test carries its file's xdist group in its node id
-(tests/conftest.py), so that a file's module fixtures are built on one worker only, and the files that run
-isolated programs share one group and run one at a time. pytest 9 with pytest-xdist 3.8 drops the groups in
-silence (setup.py pins pytest < 9 for that). This file's text avoids the words that put a file in the shared
-group, so it keeps its own."""
+(`helpers.group_of`, applied in tests/conftest.py), so that a file's module fixtures are built on one worker only,
+and the files that run isolated programs share one group and run one at a time. pytest 9 with pytest-xdist 3.8
+drops the groups in silence (setup.py pins pytest < 9 for that). This file's text avoids the words that put a file
+in the shared group, so it keeps its own."""
 
 import os
 from pathlib import Path
 
 import pytest
-from conftest import HOST_GROUP, group_of
+from helpers import HOST_GROUP, group_of
 
 
 def test_this_file_runs_in_its_own_group_under_loadgroup(request):
