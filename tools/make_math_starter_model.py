@@ -34,12 +34,11 @@ import torch
 from megarl.tasks.arithmetic import build_tokenizer
 from megarl.tasks.math_forms import CHARS, forms, label, rows, solution, split_problems, wrong_forms
 
-# The arithmetic starter's schedule and atomic write, from its script by path (tools/ is a folder of scripts).
+# The arithmetic starter's pre-training loop and atomic write, from its script by path (tools/ is a folder of scripts).
 _spec = importlib.util.spec_from_file_location("make_starter_model", Path(__file__).with_name("make_starter_model.py"))
 _starter = importlib.util.module_from_spec(_spec)
 _spec.loader.exec_module(_starter)
-ADAM_BETAS, OutOfTime, learning_rate, write_atomically = (_starter.ADAM_BETAS, _starter.OutOfTime,
-                                                          _starter.learning_rate, _starter.write_atomically)
+write_atomically = _starter.write_atomically
 
 STEPS = 600
 BATCH = 32
@@ -94,25 +93,9 @@ def longest_row(problems, tokenizer) -> int:
 
 
 def pretrain(model, tokenizer, train, steps: int, seed: int, noise_p: float, minutes: float = 0.0) -> None:
-    rng = random.Random(seed)
-    optim = torch.optim.AdamW(model.parameters(), lr=learning_rate(0, 0), betas=ADAM_BETAS, weight_decay=0.0)
-    start = last_said = time.perf_counter()
-    model.train()
-    for step in range(steps):
-        if minutes and time.perf_counter() - start > 60 * minutes:
-            raise OutOfTime(f"pre-training passed --minutes {minutes:g} at step {step} of {steps}; nothing was "
-                            "written (the build is bound by its step count)")
-        for group in optim.param_groups:
-            group["lr"] = learning_rate(step, step / steps)
-        loss = model(**make_batch(rng.sample(train, BATCH), tokenizer, rng, noise_p), use_cache=False).loss
-        optim.zero_grad(set_to_none=True)
-        loss.backward()
-        optim.step()
-        now = time.perf_counter()
-        if step == 0 or (step + 1) % 100 == 0 or step + 1 == steps or now - last_said > 30:
-            last_said, pace = now, (now - start) / (step + 1)
-            print(f"step {step + 1:5d}/{steps}  loss {loss.item():.4f}  ({pace:.2f} s a step, "
-                  f"~{pace * (steps - step - 1) / 60:.1f} min left)", flush=True)
+    """Causal-LM pre-training for exactly `steps` steps (`make_starter_model.pretrain_steps`)."""
+    _starter.pretrain_steps(model, lambda rng: make_batch(rng.sample(train, BATCH), tokenizer, rng, noise_p), steps,
+                            seed, minutes)
 
 
 @torch.no_grad()

@@ -259,6 +259,31 @@ def evaluate(model, tokenizer, problems: list[Problem], samples: int, temperatur
     return correct / total, clean / total
 
 
+def pretrain_steps(model, next_batch, steps: int, seed: int, minutes: float = 0.0) -> None:
+    """The task starters' pre-training (code, math): AdamW on `next_batch(rng)` (a batch of the model's keyword
+    arguments with labels, `rng` seeded by `seed`) for exactly `steps` steps of this module's schedule; with
+    `minutes` > 0, OutOfTime once that much wall time has passed (the schedule is never shortened)."""
+    rng = random.Random(seed)
+    optim = torch.optim.AdamW(model.parameters(), lr=learning_rate(0, 0), betas=ADAM_BETAS, weight_decay=0.0)
+    start = last_said = time.perf_counter()
+    model.train()
+    for step in range(steps):
+        if minutes and time.perf_counter() - start > 60 * minutes:
+            raise OutOfTime(f"pre-training passed --minutes {minutes:g} at step {step} of {steps}; nothing was "
+                            "written (the build is bound by its step count)")
+        for group in optim.param_groups:
+            group["lr"] = learning_rate(step, step / steps)
+        loss = model(**next_batch(rng), use_cache=False).loss
+        optim.zero_grad(set_to_none=True)
+        loss.backward()
+        optim.step()
+        now = time.perf_counter()
+        if step == 0 or (step + 1) % 100 == 0 or step + 1 == steps or now - last_said > 30:
+            last_said, pace = now, (now - start) / (step + 1)
+            print(f"step {step + 1:5d}/{steps}  loss {loss.item():.4f}  ({pace:.2f} s a step, "
+                  f"~{pace * (steps - step - 1) / 60:.1f} min left)", flush=True)
+
+
 def count_parameters(model) -> int:
     return sum(p.numel() for p in model.parameters())
 
