@@ -75,8 +75,10 @@ def make_batch(problems, tokenizer, rng: random.Random, wrong_p: float) -> dict[
 
 def pretrain(model, tokenizer, train, steps: int, seed: int, wrong_p: float, minutes: float = 0.0) -> None:
     """Causal-LM pre-training for exactly `steps` steps (`make_starter_model.pretrain_steps`)."""
-    _starter.pretrain_steps(model, lambda rng: make_batch(rng.sample(train, BATCH), tokenizer, rng, wrong_p), steps,
-                            seed, minutes)
+    def next_loss(rng: random.Random) -> torch.Tensor:
+        return model(**make_batch(rng.sample(train, BATCH), tokenizer, rng, wrong_p), use_cache=False).loss
+
+    _starter.pretrain_steps(model, next_loss, steps, seed, minutes)
 
 
 def evaluate(model_dir: Path, problems, samples: int, temperature: float, seed: int = 0,

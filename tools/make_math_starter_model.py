@@ -94,8 +94,10 @@ def longest_row(problems, tokenizer) -> int:
 
 def pretrain(model, tokenizer, train, steps: int, seed: int, noise_p: float, minutes: float = 0.0) -> None:
     """Causal-LM pre-training for exactly `steps` steps (`make_starter_model.pretrain_steps`)."""
-    _starter.pretrain_steps(model, lambda rng: make_batch(rng.sample(train, BATCH), tokenizer, rng, noise_p), steps,
-                            seed, minutes)
+    def next_loss(rng: random.Random) -> torch.Tensor:
+        return model(**make_batch(rng.sample(train, BATCH), tokenizer, rng, noise_p), use_cache=False).loss
+
+    _starter.pretrain_steps(model, next_loss, steps, seed, minutes)
 
 
 @torch.no_grad()

@@ -259,10 +259,10 @@ def evaluate(model, tokenizer, problems: list[Problem], samples: int, temperatur
     return correct / total, clean / total
 
 
-def pretrain_steps(model, next_batch, steps: int, seed: int, minutes: float = 0.0) -> None:
-    """The task starters' pre-training (code, math): AdamW on `next_batch(rng)` (a batch of the model's keyword
-    arguments with labels, `rng` seeded by `seed`) for exactly `steps` steps of this module's schedule; with
-    `minutes` > 0, OutOfTime once that much wall time has passed (the schedule is never shortened)."""
+def pretrain_steps(model, next_loss, steps: int, seed: int, minutes: float = 0.0) -> None:
+    """The task starters' pre-training (tool, code, math): AdamW on the loss `next_loss(rng)` returns for a fresh
+    batch (`rng` seeded by `seed`) for exactly `steps` steps of this module's schedule; with `minutes` > 0,
+    OutOfTime once that much wall time has passed (the schedule is never shortened)."""
     rng = random.Random(seed)
     optim = torch.optim.AdamW(model.parameters(), lr=learning_rate(0, 0), betas=ADAM_BETAS, weight_decay=0.0)
     start = last_said = time.perf_counter()
@@ -273,7 +273,7 @@ def pretrain_steps(model, next_batch, steps: int, seed: int, minutes: float = 0.
                             "written (the build is bound by its step count)")
         for group in optim.param_groups:
             group["lr"] = learning_rate(step, step / steps)
-        loss = model(**next_batch(rng), use_cache=False).loss
+        loss = next_loss(rng)
         optim.zero_grad(set_to_none=True)
         loss.backward()
         optim.step()

@@ -35,8 +35,7 @@ from megarl.tasks.multiplication import CHARS, split_problems, tool_call, tool_o
 _spec = importlib.util.spec_from_file_location("make_starter_model", Path(__file__).with_name("make_starter_model.py"))
 _starter = importlib.util.module_from_spec(_spec)
 _spec.loader.exec_module(_starter)
-ADAM_BETAS, OutOfTime, learning_rate, write_atomically = (_starter.ADAM_BETAS, _starter.OutOfTime,
-                                                          _starter.learning_rate, _starter.write_atomically)
+write_atomically = _starter.write_atomically
 
 STEPS = 1500
 BATCH = 64
@@ -98,25 +97,11 @@ def batch_loss(model, batches: list[dict[str, torch.Tensor]]) -> torch.Tensor:
 
 
 def pretrain(model, tokenizer, train, steps: int, seed: int, tool_share: float, minutes: float = 0.0) -> None:
-    rng = random.Random(seed)
-    optim = torch.optim.AdamW(model.parameters(), lr=learning_rate(0, 0), betas=ADAM_BETAS, weight_decay=0.0)
-    start = last_said = time.perf_counter()
-    model.train()
-    for step in range(steps):
-        if minutes and time.perf_counter() - start > 60 * minutes:
-            raise OutOfTime(f"pre-training passed --minutes {minutes:g} at step {step} of {steps}; nothing was "
-                            "written (the build is bound by its step count)")
-        for group in optim.param_groups:
-            group["lr"] = learning_rate(step, step / steps)
-        loss = batch_loss(model, make_batches(rng.sample(train, BATCH), tokenizer, rng, tool_share))
-        optim.zero_grad(set_to_none=True)
-        loss.backward()
-        optim.step()
-        now = time.perf_counter()
-        if step == 0 or (step + 1) % 100 == 0 or step + 1 == steps or now - last_said > 30:
-            last_said, pace = now, (now - start) / (step + 1)
-            print(f"step {step + 1:5d}/{steps}  loss {loss.item():.4f}  ({pace:.2f} s a step, "
-                  f"~{pace * (steps - step - 1) / 60:.1f} min left)", flush=True)
+    """Pre-training for exactly `steps` steps (`make_starter_model.pretrain_steps`) on the batch loss above."""
+    def next_loss(rng: random.Random) -> torch.Tensor:
+        return batch_loss(model, make_batches(rng.sample(train, BATCH), tokenizer, rng, tool_share))
+
+    _starter.pretrain_steps(model, next_loss, steps, seed, minutes)
 
 
 def main(argv: list[str] | None = None) -> None:
