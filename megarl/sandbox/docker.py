@@ -42,6 +42,9 @@ LABEL = "megarl.sandbox"
 _RUNNER_FILES = {"jobexec.py": (Path(__file__).parent / "guest" / "jobexec.py").read_text(),
                  **{name: HARNESS_FILES[name] for name in ("isolation.py", "spawner.py", "cgroups.py")}}
 _RECYCLE_AFTER = {"timeout", "memory_limit", "killed", "sandbox_error"}
+# A dead container's replacement is retried once a second this many times (an engine hiccup), then the run fails
+# with a message: an engine that is gone must not hold the reward worker forever.
+RECYCLE_TRIES = 30
 # A job whose container dies under it is rerun once on a fresh container; dying the second time is its verdict.
 _KILLS_BEFORE_VERDICT = 2
 # A container's memory beyond its job's (case's): the runner (~15 MB measured) or the harness and its spawner
@@ -233,11 +236,15 @@ class DockerSandbox:
         remover.start()
         with self._live_lock:
             self._removing = [t for t in self._removing if t.is_alive()] + [remover]
-        while True:
+        for _ in range(RECYCLE_TRIES):
             try:
                 return self._new_container(harness=isinstance(old, _HarnessContainer))
-            except Exception:  # noqa: BLE001 - engine hiccup: retry rather than shrink the pool
+            except Exception as e:  # noqa: BLE001 - engine hiccup: retry rather than shrink the pool
+                error = e
                 time.sleep(1)
+        raise RuntimeError(f"docker sandbox: no fresh container after {RECYCLE_TRIES} tries over ~{RECYCLE_TRIES} s "
+                           f"(is the Docker engine at DOCKER_HOST={os.environ.get('DOCKER_HOST', '(default)')} still "
+                           f"running?); the last error: {error}")
 
     def run_many(self, jobs: Sequence[Job], depth: int = 4) -> list[RunResult]:
         """Like `run` for each job, with up to `depth` jobs queued in each container: the next job is already in
