@@ -31,14 +31,7 @@ def make_tiny_hf_model(out: Path, family: str = "qwen2", tie: bool = False, seed
     cfg = cls(vocab_size=vocab, num_hidden_layers=layers, tie_word_embeddings=tie, **{**shape, **config})
     model = AutoModelForCausalLM.from_config(cfg).float().eval()
     if family in ("qwen3", "qwen3_moe"):
-        # transformers initialises the q/k norms to ones (and Qwen3-MoE's router to zeros): random values make a
-        # weight-table or routing mistake show in the logits.
-        with torch.no_grad():
-            for name, p in model.named_parameters():
-                if name.endswith(("q_norm.weight", "k_norm.weight")):
-                    p.uniform_(0.5, 1.5)
-                elif name.endswith("mlp.gate.weight"):
-                    p.normal_(0.0, 0.5)
+        randomize_qwen3_norms_and_router(model)
     model.save_pretrained(out)
     if with_tokenizer:
         from megarl.tasks.arithmetic import build_tokenizer
@@ -159,3 +152,16 @@ def group_of(path: Path) -> str:
     """The xdist group of a test file: "host-sandboxes" or the file's name."""
     host = path.parent.name in ("sandbox", "docker") or _HOST_STATE.search(path.read_text())
     return HOST_GROUP if host else path.name
+
+
+def randomize_qwen3_norms_and_router(model) -> None:
+    """transformers initialises Qwen3's q/k norms to ones (and Qwen3-MoE's router to zeros): random values make a
+    weight-table or routing mistake show in the logits."""
+    import torch
+
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith(("q_norm.weight", "k_norm.weight")):
+                p.uniform_(0.5, 1.5)
+            elif name.endswith("mlp.gate.weight"):
+                p.normal_(0.0, 0.5)

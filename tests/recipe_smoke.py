@@ -40,6 +40,8 @@ import time
 import traceback
 from pathlib import Path
 
+from helpers import randomize_qwen3_norms_and_router  # tests/ (this script's folder, or conftest's path)
+
 REPO = Path(__file__).resolve().parents[1]
 
 # Every shipped recipe, and every GPU model file through the math recipe (r1_code runs with its default model). The
@@ -132,13 +134,8 @@ def make_gpu_model(model_file: str, out: Path) -> Path:
         config.rope_parameters = {**rope, "rope_theta": fields["rope_theta"]}
     torch.manual_seed(0)
     model = AutoModelForCausalLM.from_config(config)
-    if family in ("qwen3", "qwen3_moe"):  # transformers starts q/k norms at ones and routers at zeros
-        with torch.no_grad():
-            for name, p in model.named_parameters():
-                if name.endswith(("q_norm.weight", "k_norm.weight")):
-                    p.uniform_(0.5, 1.5)
-                elif name.endswith("mlp.gate.weight"):
-                    p.normal_(0.0, 0.5)
+    if family in ("qwen3", "qwen3_moe"):
+        randomize_qwen3_norms_and_router(model)
     return _save(model, tokenizer, out)
 
 
