@@ -39,8 +39,8 @@ def check_parallel(cfg: Config, world_size: int) -> Layout:
 
 
 def check_main(world_size: int, recipe_argv: list[str]) -> int:
-    """Print shell assignments for the sbatch scripts (HF_CHECKPOINT, TP, PP, DP, SAVE_DIR, ASYNC_STALENESS), or
-    the error. The
+    """Print shell assignments for the sbatch scripts (HF_CHECKPOINT, TP, PP, DP, SAVE_DIR, ASYNC_STALENESS, SEED),
+    or the error. The
     recipe is checked as train.py's preflight checks it (`megarl.preflight`): the layout, the checkpoint's
     config.json when this host can read it, --load."""
     try:
@@ -53,7 +53,8 @@ def check_main(world_size: int, recipe_argv: list[str]) -> int:
         print(f"megarl: note: {cfg.model.hf_checkpoint}/config.json is not readable on this host; the model is "
               "checked when the job starts", file=sys.stderr)
     values = {"HF_CHECKPOINT": cfg.model.hf_checkpoint, "TP": layout.tp, "PP": layout.pp, "CP": layout.cp,
-              "DP": layout.dp, "SAVE_DIR": cfg.checkpoint.save, "ASYNC_STALENESS": cfg.training.async_staleness}
+              "DP": layout.dp, "SAVE_DIR": cfg.checkpoint.save, "ASYNC_STALENESS": cfg.training.async_staleness,
+              "SEED": cfg.training.seed}
     for k, v in values.items():
         print(f"{k}={shlex.quote(str(v))}")
     return 0

@@ -107,6 +107,32 @@ def test_disaggregated_splits_training_and_server_nodes(tmp_path):
     assert render.check_parallel(cfg, 16).dp == 8
 
 
+@pytest.mark.parametrize("flags,env,seed,deterministic", [
+    ([], {}, "42", True),  # the recipe's --seed 42
+    (["--seed", "7"], {"SGLANG_DETERMINISTIC": "0"}, "7", False),
+])
+def test_disaggregated_servers_run_deterministic_inference_with_the_recipe_seed(flags, env, seed, deterministic):
+    """SGLang ignores a request's sampling_seed unless the server runs with --enable-deterministic-inference, which
+    megarl's in-process engine turns on whenever it is seeded (SGLangEngine.launch; every run is, --seed defaults to
+    1234): the servers the script starts must do the same, with the trainer's seed as their --random-seed."""
+    script = render.render("disaggregated", render.sbatch_header(nodes=2))
+    proc = render.dry_run(script, [RECIPE, *flags], nodes=2, env={"ROLLOUT_NODES": "1", **env})
+    assert proc.returncode == 0, proc.stderr
+    server, train = commands(proc.stdout)
+    launched = server[server.index("sglang.launch_server"):]
+    assert str(parse_args(recipe_argv_of(train[train.index("torchrun"):])).training.seed) == seed
+    if deterministic:
+        assert "--enable-deterministic-inference" in launched and option(launched, "--random-seed") == seed
+    else:
+        assert "--enable-deterministic-inference" not in launched and "--random-seed" not in launched
+
+
+def test_disaggregated_refuses_an_unknown_sglang_deterministic_value():
+    script = render.render("disaggregated", render.sbatch_header(nodes=2))
+    proc = render.dry_run(script, [RECIPE], nodes=2, env={"ROLLOUT_NODES": "1", "SGLANG_DETERMINISTIC": "yes"})
+    assert proc.returncode == 2 and "SGLANG_DETERMINISTIC=yes; allowed: 1 (default) or 0" in proc.stderr
+
+
 @pytest.mark.parametrize("staleness", [0, 1])
 def test_disaggregated_dry_run_shows_the_synchronous_or_asynchronous_layout(staleness):
     script = render.render("disaggregated", render.sbatch_header(nodes=3))
