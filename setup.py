@@ -22,7 +22,9 @@ setup(
     python_requires=">=3.11",
     install_requires=[
         "torch>=2.4",
-        "megatron-core>=0.16.1,<0.20",  # 0.16.1 is the newest release for Python 3.11
+        # Exactly the release the code is written and tested against (mcore/cpu_compat.py's patch points, the
+        # inference engine, the TE names): 0.17-0.19 need Python >= 3.12, where a range would pick 0.19.2.
+        "megatron-core==0.16.1",
         "transformers>=4.51",
         "safetensors",
         "tokenizers",
@@ -35,6 +37,14 @@ setup(
         "matplotlib",
     ],
     extras_require={
+        # The one GPU set tested together (docs/gpu-stack.md has the table, the driver floor and the Python;
+        # tests/unit/test_gpu_stack.py keeps the two equal): sglang 0.5.23 pins torch 2.14.1 (CUDA 13 on PyPI) and
+        # transformers 5.19.0; megatron-core 0.16.1 tests Transformer Engine >= 2.9, < 2.12 with its CUDA 13 core.
+        # transformer_engine_torch is a source distribution, compiled on the GPU node against the installed torch.
+        "gpu": ["torch==2.14.1", "megatron-core==0.16.1", "transformer-engine[pytorch,core_cu13]==2.11.0",
+                "sglang==0.5.23", "transformers==5.19.0"],
+        # Unpinned, as before: the newest Transformer Engine, outside megatron-core 0.16.1's tested range; `gpu` is
+        # the tested set.
         "transformer-engine": ["transformer-engine[pytorch]"],
         # The version megarl's adapter is written against; it pins torch 2.14.1 (docs/gpu-stack.md).
         "sglang": ["sglang==0.5.23"],
