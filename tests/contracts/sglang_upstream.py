@@ -95,27 +95,37 @@ def _module(name: str, code: str, filename: str, namespace: dict | None = None) 
 
 
 @functools.lru_cache(maxsize=None)
-def _parsed(path: str) -> tuple[str, dict[str, ast.AST]]:
-    text = source(path)
-    return text, {n.name: n for n in ast.parse(text).body if isinstance(n, (ast.ClassDef, ast.FunctionDef))}
+def _parsed(path: str) -> dict[str, ast.AST]:
+    return {n.name: n for n in ast.parse(source(path)).body if isinstance(n, (ast.ClassDef, ast.FunctionDef))}
 
 
-def _defs(path: str, names: set[str]) -> tuple[str, dict[str, ast.AST]]:
-    """The text of `sglang/<path>` and its top-level classes / functions by name, checking `names` are there."""
-    text, nodes = _parsed(path)
+@functools.lru_cache(maxsize=None)
+def _lines(path: str) -> list[str]:
+    return source(path).splitlines(keepends=True)
+
+
+def _segment(path: str, node: ast.AST) -> str:
+    """The source lines of `node` (whole lines: a method keeps its indentation, for `textwrap.dedent`);
+    `ast.get_source_segment` would split the whole file again on every call."""
+    return "".join(_lines(path)[node.lineno - 1 : node.end_lineno])
+
+
+def _defs(path: str, names: set[str]) -> dict[str, ast.AST]:
+    """The top-level classes / functions of `sglang/<path>` by name, checking `names` are there."""
+    nodes = _parsed(path)
     missing = names - nodes.keys()
     if missing:
         raise LookupError(f"sglang {SGLANG_VERSION} sglang/{path} defines no {sorted(missing)}")
-    return text, nodes
+    return nodes
 
 
 def _methods(path: str, cls: str, names: set[str]) -> str:
     """The source of methods `names` of class `cls` in `sglang/<path>`, dedented to top-level functions."""
-    text, nodes = _defs(path, {cls})
+    nodes = _defs(path, {cls})
     found = {n.name: n for n in nodes[cls].body if isinstance(n, ast.FunctionDef) and n.name in names}
     if found.keys() != names:
         raise LookupError(f"sglang {SGLANG_VERSION} {cls} in sglang/{path} has no {sorted(names - found.keys())}")
-    return "\n\n".join(textwrap.dedent(ast.get_source_segment(text, n, padded=True)) for n in found.values())
+    return "\n\n".join(textwrap.dedent(_segment(path, n)) for n in found.values())
 
 
 # -- /generate: the generated schema -----------------------------------------------------------------------------
@@ -171,7 +181,7 @@ def body_type(name: str) -> type:
     """io_struct's class `name` (a msgspec Struct on `BaseReq`), executed alone with SGLang's msgspec_utils."""
     path = "srt/utils/msgspec_utils.py"
     utils = _module(f"{_PRIVATE}.msgspec_utils", source(path), f"sglang/{path}")
-    text, nodes = _defs("srt/managers/io_struct.py", {name, "BaseReq"})
+    nodes = _defs("srt/managers/io_struct.py", {name, "BaseReq"})
     chain, cls = [], nodes[name]
     while cls is not None:  # the class and its bases defined in io_struct, base first
         chain.insert(0, cls)
@@ -180,7 +190,7 @@ def body_type(name: str) -> type:
     prelude = ("from __future__ import annotations\n"
                "from typing import Annotated, Any, Dict, List, Literal, Optional, Tuple, Union\n"
                "import msgspec\n")
-    code = prelude + "\n\n".join(ast.get_source_segment(text, n) for n in chain)
+    code = prelude + "\n\n".join(_segment("srt/managers/io_struct.py", n) for n in chain)
     module = _module(f"{_PRIVATE}.io_struct_{name}", code, "sglang/srt/managers/io_struct.py",
                      {"Base64Bytes": utils.Base64Bytes,
                       "msgspec_struct_pydantic_core_schema": utils.msgspec_struct_pydantic_core_schema})
@@ -201,7 +211,7 @@ def engine_signatures() -> dict[str, inspect.Signature]:
     for path, cls in [("srt/entrypoints/EngineBase.py", "EngineBase"),
                       ("srt/entrypoints/engine_score_mixin.py", "EngineScoreMixin"),
                       ("srt/entrypoints/engine.py", "Engine")]:
-        _text, nodes = _defs(path, {cls})
+        nodes = _defs(path, {cls})
         for fn in nodes[cls].body:
             if isinstance(fn, (ast.FunctionDef, ast.AsyncFunctionDef)):
                 out[fn.name] = _signature(fn.args)
@@ -247,7 +257,7 @@ def server_args_fields() -> dict[str, str]:
         raise LookupError(f"sglang {SGLANG_VERSION} server_args.py has no _INPUT_NAMESPACES list")
     for name in listed:
         module = where[name].removeprefix("sglang.")
-        _t, nodes = _defs(module.replace(".", "/") + ".py", {name})
+        nodes = _defs(module.replace(".", "/") + ".py", {name})
         fields.update(_annotated(nodes[name]))
     return fields
 
@@ -288,12 +298,12 @@ def weight_sync(monkeypatch) -> types.SimpleNamespace:
     bucket = _module(TENSOR_BUCKET, source(path), f"sglang/{path}")
     names = {"MultiprocessingSerializer", "SafeUnpickler", "_safe_load_torch_storage", "_looks_like_pickle_payload",
              "normalize_serialized_named_tensor_payload", "normalize_serialized_named_tensor_payloads"}
-    text, nodes = _defs("srt/utils/common.py", names)
+    nodes = _defs("srt/utils/common.py", names)
     prelude = ("from __future__ import annotations\nimport binascii, io, pickle\n"
                "from multiprocessing.reduction import ForkingPickler\nfrom typing import List, Union\nimport torch\n"
                "SerializedTensorPayload = Union[str, bytes, bytearray, memoryview]\n")
     in_order = sorted(names, key=lambda n: nodes[n].lineno)
-    code = prelude + "\n\n".join(ast.get_source_segment(text, nodes[n]) for n in in_order)
+    code = prelude + "\n\n".join(_segment("srt/utils/common.py", nodes[n]) for n in in_order)
     monkeypatch.setitem(sys.modules, "sglang.srt.utils", None)
     utils = _module("sglang.srt.utils", code, "sglang/srt/utils/common.py", {"pybase64": pybase64})
 
