@@ -104,10 +104,18 @@ def _lines(path: str) -> list[str]:
     return source(path).splitlines(keepends=True)
 
 
-def _segment(path: str, node: ast.AST) -> str:
-    """The source lines of `node` (whole lines: a method keeps its indentation, for `textwrap.dedent`);
-    `ast.get_source_segment` would split the whole file again on every call."""
-    return "".join(_lines(path)[node.lineno - 1 : node.end_lineno])
+def _pieces(path: str, nodes: list[ast.AST], prelude: str = "") -> str:
+    """The source of `nodes` of `sglang/<path>` (methods dedented to functions), each on its own line numbers,
+    after `prelude` (imports, in the lines above the first): a traceback then points at the wheel's real lines.
+    `ast.get_source_segment` is not used: it splits the whole file again on every call."""
+    lines = _lines(path)
+    code = prelude
+    for node in sorted(nodes, key=lambda n: n.lineno):
+        pad = node.lineno - 1 - code.count("\n")
+        if pad < 0:
+            raise ValueError(f"sglang/{path}: {getattr(node, 'name', node)} overlaps the prelude or another piece")
+        code += "\n" * pad + textwrap.dedent("".join(lines[node.lineno - 1 : node.end_lineno]))
+    return code
 
 
 def _defs(path: str, names: set[str]) -> dict[str, ast.AST]:
@@ -125,7 +133,7 @@ def _methods(path: str, cls: str, names: set[str]) -> str:
     found = {n.name: n for n in nodes[cls].body if isinstance(n, ast.FunctionDef) and n.name in names}
     if found.keys() != names:
         raise LookupError(f"sglang {SGLANG_VERSION} {cls} in sglang/{path} has no {sorted(names - found.keys())}")
-    return "\n\n".join(textwrap.dedent(_segment(path, n)) for n in found.values())
+    return _pieces(path, list(found.values()))
 
 
 # -- /generate: the generated schema -----------------------------------------------------------------------------
@@ -190,7 +198,7 @@ def body_type(name: str) -> type:
     prelude = ("from __future__ import annotations\n"
                "from typing import Annotated, Any, Dict, List, Literal, Optional, Tuple, Union\n"
                "import msgspec\n")
-    code = prelude + "\n\n".join(_segment("srt/managers/io_struct.py", n) for n in chain)
+    code = _pieces("srt/managers/io_struct.py", chain, prelude)
     module = _module(f"{_PRIVATE}.io_struct_{name}", code, "sglang/srt/managers/io_struct.py",
                      {"Base64Bytes": utils.Base64Bytes,
                       "msgspec_struct_pydantic_core_schema": utils.msgspec_struct_pydantic_core_schema})
@@ -302,8 +310,7 @@ def weight_sync(monkeypatch) -> types.SimpleNamespace:
     prelude = ("from __future__ import annotations\nimport binascii, io, pickle\n"
                "from multiprocessing.reduction import ForkingPickler\nfrom typing import List, Union\nimport torch\n"
                "SerializedTensorPayload = Union[str, bytes, bytearray, memoryview]\n")
-    in_order = sorted(names, key=lambda n: nodes[n].lineno)
-    code = prelude + "\n\n".join(_segment("srt/utils/common.py", nodes[n]) for n in in_order)
+    code = _pieces("srt/utils/common.py", [nodes[n] for n in names], prelude)
     monkeypatch.setitem(sys.modules, "sglang.srt.utils", None)
     utils = _module("sglang.srt.utils", code, "sglang/srt/utils/common.py", {"pybase64": pybase64})
 

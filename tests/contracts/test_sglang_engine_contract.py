@@ -6,7 +6,8 @@ What is checked, each against the 0.5.23 wheel's own text or code (`sglang_upstr
 - every Engine method the adapter calls in a colocation cycle exists, and its arguments bind to that method's
   signature as 0.5.23 declares it (names and kinds, read with `ast`): a renamed keyword fails;
 - the sampling dicts given to `Engine.generate` are valid SGLang sampling params (the generated `SamplingParams`,
-  which refuses unknown keys, as `SamplingParams(**d)` in the tokenizer manager would);
+  which refuses unknown keys, as `SamplingParams(**d)` in the tokenizer manager would, and which the recorder's
+  `generate` applies before answering);
 - the bucket the adapter pushes with `load_format="flattened_bucket"` goes through what SGLang does with it, as
   SGLang's code run here: the payload normaliser, `deserialize_own_rank` (its `SafeUnpickler` allows only listed
   globals), `_update_weights_from_flattened_bucket` and `FlattenedTensorBucket.reconstruct_tensors`, and comes out
@@ -68,7 +69,8 @@ class Engine:
         params = sampling_params if isinstance(sampling_params, list) else [sampling_params] * len(input_ids)
         out = []
         for ids, sp in zip(input_ids, params):
-            new = list(range(7, 7 + sp["max_new_tokens"]))
+            # As SGLang's tokenizer manager refuses a sampling key it does not know (JsonContractError here).
+            new = list(range(7, 7 + upstream.api_types().SamplingParams.from_json_value(sp).max_new_tokens))
             meta = {"finish_reason": {"type": "stop", "matched": 2},
                     "output_token_logprobs": [(-0.5, t, None) for t in new]}
             if logprob_start_len == 0:
@@ -144,13 +146,7 @@ def test_a_colocation_cycle_calls_engine_methods_as_declared(launched):
     for name in ("generate", "release_memory_occupation", "resume_memory_occupation", "begin_weight_update",
                  "update_weights_from_tensor", "end_weight_update", "flush_cache", "shutdown"):
         assert name in called, f"the cycle no longer calls Engine.{name} (called: {called})"
-    assert [len(g) for g in groups] == [2, 2] and scores == [[-0.25, -0.25]]
-    api = upstream.api_types()
-    for name, args in engine.engine.calls:
-        if name == "generate":
-            sampling = args["sampling_params"]
-            for sp in sampling if isinstance(sampling, list) else [sampling]:
-                api.SamplingParams.from_json_value(sp)  # JsonContractError on a key SGLang does not know
+    assert [len(g) for g in groups] == [2, 2] and scores == [[-0.25, -0.25]]  # sampling params checked in generate
     tags = [t for name, args in engine.engine.calls if name.endswith("_memory_occupation") for t in args["tags"]]
     assert set(tags) <= {"kv_cache", "weights", "cuda_graph"}, tags  # torch_memory_saver's tags in 0.5.23
 
