@@ -52,16 +52,23 @@ TENSOR_BUCKET = "sglang.srt.weight_sync.tensor_bucket"
 _PRIVATE = "_megarl_contract_sglang"  # prefix of the other modules built here, out of `sglang`'s namespace
 
 
+_UNAVAILABLE: dict[str, str] = {}  # requirement -> why it could not be fetched: tried once per process
+
+
 def fetch_wheel(requirement: str, pattern: str) -> Path:
     """`pip download --no-deps requirement` into .cache/contract/ once; the wheel matching `pattern` there.
 
-    Skips the calling test, naming the command, when the wheel is absent and cannot be fetched (offline)."""
+    Skips the calling test, naming the command, when the wheel is absent and cannot be fetched (offline); the
+    download is tried once per process, with pip's retries and socket timeout kept short."""
+    if requirement in _UNAVAILABLE:
+        pytest.skip(_UNAVAILABLE[requirement])
     CACHE.mkdir(parents=True, exist_ok=True)
     with open(CACHE / ".lock", "w") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)  # another xdist worker may be fetching it right now
         found = sorted(CACHE.glob(pattern))
         if not found:
-            cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--quiet", requirement, "-d", str(CACHE)]
+            cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--quiet", "--retries", "1", "--timeout",
+                   "20", requirement, "-d", str(CACHE)]
             try:
                 done = subprocess.run(cmd, capture_output=True, text=True, timeout=DOWNLOAD_TIMEOUT_S)
                 why = (done.stderr or done.stdout).strip().splitlines()[-1:] if done.returncode else []
@@ -69,8 +76,11 @@ def fetch_wheel(requirement: str, pattern: str) -> Path:
                 why = [f"no answer in {DOWNLOAD_TIMEOUT_S} s"]
             found = sorted(CACHE.glob(pattern))
             if not found:
-                pytest.skip(f"{requirement} is not in {CACHE} and could not be downloaded (offline?): "
-                            f"{' '.join(why) or 'no wheel'}; fill the cache with `{' '.join(cmd[2:])}`")
+                _UNAVAILABLE[requirement] = (
+                    f"{requirement} is not in {CACHE} and could not be downloaded (offline?): "
+                    f"{' '.join(why) or 'no wheel'}; fill the cache with `pip download --no-deps {requirement} "
+                    f"-d {CACHE}`")
+                pytest.skip(_UNAVAILABLE[requirement])
     return found[-1]
 
 
