@@ -117,7 +117,7 @@ def test_launch_arguments_are_server_args_fields_of_the_declared_types(launched)
     fields = upstream.server_args_fields()
     assert {"model_path", "tp_size", "mem_fraction_static"} <= fields.keys(), "ServerArgs fields were not found"
     for kw in [dict(tp_size=1, mem_fraction=0.45, dtype="bfloat16", seed=3, tokenizer=True),
-               dict(tp_size=2, base_gpu_id=4, dtype="auto", seed=None, colocated=False)]:
+               dict(tp_size=1, base_gpu_id=4, dtype="auto", seed=None, colocated=False)]:
         server_args = launched(**kw).engine.server_args
         unknown = sorted(server_args.keys() - fields.keys())
         assert not unknown, f"megarl passes sglang.Engine keywords that are no ServerArgs field: {unknown}"
