@@ -34,28 +34,19 @@ from megarl.rollout.base import SamplingParams
 from megarl.rollout.sglang_engine import SGLangEngine
 from megarl.rollout.weight_sync import push
 
-_sigs = None
-
-
-def _signatures():
-    global _sigs
-    _sigs = _sigs or upstream.engine_signatures()
-    return _sigs
-
-
 class Engine:
     """`sglang.Engine` with 0.5.23's method signatures and nothing else: a call binds its arguments to the declared
     signature first (TypeError on an unknown keyword or a missing argument), then is recorded and answered as
     SGLang answers it."""
 
     def __init__(self, **kwargs):
-        _signatures()["__init__"].bind(self, **kwargs)
+        upstream.engine_signatures()["__init__"].bind(self, **kwargs)
         self.server_args, self.calls, self.loaded = kwargs, [], {}
 
     def __getattr__(self, name):
-        if name.startswith("_") or name not in _signatures():
+        if name.startswith("_") or name not in upstream.engine_signatures():
             raise AttributeError(f"sglang {upstream.SGLANG_VERSION} Engine has no method {name!r}")
-        signature = _signatures()[name]
+        signature = upstream.engine_signatures()[name]
 
         def call(*args, **kwargs):
             bound = signature.bind(self, *args, **kwargs)

@@ -18,6 +18,7 @@ the server's behaviour beyond parsing (tests/unit/test_sglang_contract_fixes.py'
 
 from __future__ import annotations
 
+import inspect
 import json
 import threading
 import types
@@ -172,7 +173,7 @@ def driven(stub):
         sent.append(tensor.clone())
         return _Done() if async_op else None
 
-    joined = []
+    joined = []  # the trainer's own join: (args, kwargs) of init_weights_update_group
     weights = _weights()
     buckets = list(pack_buckets(weights, bucket_bytes=200, dtype=torch.bfloat16))
     with pytest.MonkeyPatch.context() as patch:
@@ -212,9 +213,14 @@ def test_stub_answers_are_sglang_shaped(driven):
 
 
 def test_weight_update_group_body_offsets_the_server_ranks_after_the_trainer(driven):
-    """SGLang computes each rank as rank_offset + tp_rank in a group of world_size: the trainer is rank 0."""
+    """SGLang computes each rank as rank_offset + tp_rank in a group of world_size, and the trainer is rank 0."""
     body = next(b for p, b in driven.posts if p == "/init_weights_update_group")
     assert (body["rank_offset"], body["world_size"]) == (1, 1 + TP)
+    # and the trainer's own side joins the same group: rank 0 of world_size, under the same group name
+    (args, kwargs), = driven.joined
+    trainer = inspect.signature(sglang_engine.init_weights_update_group).bind(*args, **kwargs).arguments
+    assert (trainer["rank"], trainer["world_size"], trainer["group_name"]) == (0, 1 + TP, body["group_name"])
+    assert (trainer["master_address"], trainer["master_port"]) == (body["master_address"], body["master_port"])
 
 
 def test_the_broadcast_bucket_is_what_sglang_receives(driven, monkeypatch):
