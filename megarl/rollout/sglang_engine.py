@@ -10,8 +10,10 @@ SGLang needs `enable_memory_saver` (torch_memory_saver) for the release, and an 
 between steps. In SGLang >= 0.5.23 weight updates run inside `begin_weight_update` / `end_weight_update`;
 older versions have neither, and the adapter then calls the update alone. Buckets go over as
 `load_format="flattened_bucket"`: one serialized `{flattened_tensor, metadata}` per SGLang TP rank, which for a
-CUDA tensor is an IPC handle, not the data (`serialize_bucket`). Every SGLang TP rank opens the same handle of the
-leader's GPU buffer and narrows its own shard from it.
+CUDA tensor is an IPC handle, not the data (`serialize_bucket`). SGLang's TP rank r opens only entry r, and that
+payload must be made on rank r's own GPU: at TP > 1 the trainer ranks on the engine's GPUs each serialise their
+copy of the bucket and the leader gathers them (`megarl.rollout.sglang_ipc.IpcGather`). After each bucket the
+IPC memory the engine let go of is collected (`torch.cuda.ipc_collect`).
 
 Disaggregated (`SGLangServers`): SGLang servers launched elsewhere (`--rollout-servers host:port,...`), reached
 over HTTP. Prompts are split over the servers in contiguous blocks. Weights go either over NCCL (the trainer's
@@ -40,6 +42,7 @@ from typing import Callable, Iterable, Sequence
 import torch
 
 from megarl.rollout.base import Completion, SamplingParams
+from megarl.rollout.sglang_ipc import IpcGather, release_ipc, serialize_bucket
 from megarl.rollout.weight_sync import DEFAULT_BUCKET_BYTES, WeightBucket, WeightSyncError, pack_buckets
 
 KV_CACHE, WEIGHTS, CUDA_GRAPH = "kv_cache", "weights", "cuda_graph"
@@ -54,24 +57,6 @@ def sglang_available() -> tuple[bool, str]:
     except Exception as e:  # noqa: BLE001 - ImportError, or a kernel wheel that fails to load in any way
         return False, f"sglang is not importable ({type(e).__name__}: {e})"
     return True, ""
-
-
-def serialize_bucket(bucket: WeightBucket, tp_size: int) -> list[str]:
-    """One `MultiprocessingSerializer` payload per SGLang TP rank in the form `load_format="flattened_bucket"`
-    expects. For a CUDA bucket the payload holds an IPC handle: the bucket must stay alive until the engine has
-    loaded it (`update_weights_from_tensor` returns after loading)."""
-    from sglang.srt.utils import MultiprocessingSerializer
-    from sglang.srt.weight_sync.tensor_bucket import FlattenedTensorMetadata
-
-    if bucket.flat.is_cuda:  # SGLang's fix for CUDA IPC between processes that number the GPUs differently
-        from sglang.srt.utils.patch_torch import monkey_patch_torch_reductions
-
-        monkey_patch_torch_reductions()
-    metadata = [FlattenedTensorMetadata(name=s.name, shape=torch.Size(s.shape), dtype=s.dtype, start_idx=s.start,
-                                        end_idx=s.end, numel=s.end - s.start) for s in bucket.slots]
-    payload = MultiprocessingSerializer.serialize({"flattened_tensor": bucket.flat, "metadata": metadata},
-                                                  output_str=True)
-    return [payload] * tp_size
 
 
 def sampling_dict(params: SamplingParams, seed: int | None = None) -> dict:
@@ -167,14 +152,25 @@ class SGLangEngine:
     shares_actor_weights = False
 
     def __init__(self, engine, *, tp_size: int = 1, colocated: bool = True, dtype: torch.dtype | None = None,
-                 serialize: Callable[[WeightBucket, int], list] = serialize_bucket, tokenizer: bool = True):
-        """`tokenizer`: whether the engine was launched with its tokenizer, which stop strings need."""
+                 serialize: Callable[[WeightBucket], list] | None = None, ipc: IpcGather | None = None,
+                 tokenizer: bool = True):
+        """`tokenizer`: whether the engine was launched with its tokenizer, which stop strings need.
+        `ipc`: the trainer ranks on the engine's GPUs, which make one payload each (needed at `tp_size` > 1);
+        `serialize`: the per-TP-rank payloads of a bucket, instead of `ipc` (tests)."""
+        if serialize is None and ipc is None and tp_size > 1:
+            raise ValueError(f"a colocated SGLang engine at TP {tp_size} needs one IPC payload per TP rank, each made "
+                             "on that rank's GPU (SGLang's deserialize_own_rank): pass ipc=build_ipc_gather(...) "
+                             "over the trainer ranks on the engine's GPUs (megarl.rollout.sglang_ipc)")
+        if ipc is not None and ipc.tp_size != tp_size:
+            raise ValueError(f"the IpcGather spans {ipc.tp_size} ranks ({ipc.ranks}) but the engine runs at TP "
+                             f"{tp_size}: one trainer rank per SGLang TP rank")
         self.engine = engine
+        self.ipc = ipc
         self.tokenizer = tokenizer
         self.dtype = dtype  # weights are sent in this dtype (None: as the actor holds them)
         self.tp_size = tp_size
         self.colocated = colocated
-        self.serialize = serialize
+        self.serialize = serialize or (ipc.payloads if ipc is not None else lambda bucket: [serialize_bucket(bucket)])
         self.weight_version = 0
         self.aborted = 0  # requests SGLang aborted so far (`count_aborted`)
         self._released: set[str] = set()
@@ -182,7 +178,7 @@ class SGLangEngine:
     @classmethod
     def launch(cls, hf_dir: str, *, tp_size: int = 1, base_gpu_id: int = 0, mem_fraction: float = 0.5,
                dtype: str = "bfloat16", seed: int | None = 0, colocated: bool = True, tokenizer: bool = False,
-               **server_args) -> SGLangEngine:
+               ipc: IpcGather | None = None, **server_args) -> SGLangEngine:
         """`tokenizer`: load SGLang's tokenizer and detokenizer, which matching `SamplingParams.stop` needs.
 
         `seed`: SGLang's `random_seed`; a seeded engine is also launched with `enable_deterministic_inference`,
@@ -201,7 +197,7 @@ class SGLangEngine:
                                random_seed=0 if seed is None else seed,
                                enable_memory_saver=colocated, skip_tokenizer_init=not tokenizer, log_level="error",
                                **server_args)
-        return cls(engine, tp_size=tp_size, colocated=colocated, tokenizer=tokenizer,
+        return cls(engine, tp_size=tp_size, colocated=colocated, tokenizer=tokenizer, ipc=ipc,
                    dtype=getattr(torch, dtype) if dtype in ("bfloat16", "float16", "float32") else None)
 
     # -- rollout ---------------------------------------------------------------------------------------------
@@ -241,16 +237,28 @@ class SGLangEngine:
             _check(self.engine.resume_memory_occupation(tags=[WEIGHTS]), "resume_memory_occupation(weights)")
             self._released.discard(WEIGHTS)
         session = hasattr(self.engine, "begin_weight_update")
-        if session:
-            _check(self.engine.begin_weight_update(), "begin_weight_update")
+        failed, opened = None, False
         try:
-            for bucket in buckets:
-                result = self.engine.update_weights_from_tensor(
-                    named_tensors=self.serialize(bucket, self.tp_size), load_format="flattened_bucket",
-                    flush_cache=False)
-                _check(result, "update_weights_from_tensor")
-        finally:
             if session:
+                _check(self.engine.begin_weight_update(), "begin_weight_update")
+                opened = True
+            for bucket in buckets:
+                payloads = self.serialize(bucket)
+                if len(payloads) != self.tp_size:
+                    raise WeightSyncError(f"{len(payloads)} IPC payloads for an engine at TP {self.tp_size}: SGLang "
+                                          "needs one per TP rank")
+                result = self.engine.update_weights_from_tensor(named_tensors=payloads,
+                                                                load_format="flattened_bucket", flush_cache=False)
+                _check(result, "update_weights_from_tensor")
+                del payloads
+                release_ipc()  # the engine has loaded this bucket and closed its handles (slime does this per chunk)
+        except BaseException as e:
+            failed = f"{type(e).__name__}: {e}"
+            raise
+        finally:
+            if self.ipc is not None:  # the other ranks on the engine's GPUs leave `follow`
+                self.ipc.close(failed)
+            if opened:
                 _check(self.engine.end_weight_update(), "end_weight_update")
         self.weight_version = version
 

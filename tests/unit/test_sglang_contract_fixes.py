@@ -123,7 +123,7 @@ def test_seeded_launch_turns_on_deterministic_inference(fake_sglang):
 
 def test_release_and_resume_cover_every_memory_tag():
     fake = _Recorder()
-    engine = SGLangEngine(fake, serialize=lambda bucket, tp: [bucket])
+    engine = SGLangEngine(fake, serialize=lambda bucket: [bucket])
     engine.release_memory()
     engine.load_weight_buckets(pack_buckets([("w", torch.ones(2))]), version=1)
     engine.resume_memory()
@@ -132,6 +132,31 @@ def test_release_and_resume_cover_every_memory_tag():
     assert set(released) == {"kv_cache", "weights", "cuda_graph"}
     assert sorted(resumed) == sorted(released), "each released tag is resumed once"
     assert fake.log[1] == ("resume", ("weights",)) and fake.log[-1] == "flush_cache"
+
+
+# -- finding 9: one IPC payload per TP rank, and IPC memory collected per bucket -----------------------------------
+
+
+def test_colocated_engine_at_tp_2_needs_a_payload_per_rank(fake_sglang):
+    """SGLang's TP rank r opens only payload r, made on its own GPU: the leader alone cannot make them, so an
+    engine at TP 2 without the ranks on its GPUs (`IpcGather`) is refused instead of sending one payload twice.
+    The gathering itself runs under torchrun in tests/distributed/test_ipc_gather.py."""
+    with pytest.raises(ValueError, match=r"TP 2 needs one IPC payload per TP rank.*build_ipc_gather"):
+        SGLangEngine.launch("/ckpt", tp_size=2)
+    engine = SGLangEngine(_Recorder(), tp_size=2, serialize=lambda bucket: [bucket])
+    with pytest.raises(WeightSyncError, match="1 IPC payloads for an engine at TP 2"):
+        engine.load_weight_buckets(pack_buckets([("w", torch.ones(2))]), version=1)
+
+
+def test_ipc_memory_is_collected_after_each_bucket(monkeypatch):
+    """CUDA-IPC memory an engine has loaded from is given back per bucket (`torch.cuda.ipc_collect`, as slime
+    does per chunk), not once the whole sync is over."""
+    collected, fake = [], _Recorder()
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "ipc_collect", lambda: collected.append(len(fake.log)))
+    engine = SGLangEngine(fake, serialize=lambda bucket: [bucket])
+    engine.load_weight_buckets(pack_buckets([(f"w{i}", torch.ones(4)) for i in range(3)], 16), version=1)
+    assert fake.log == ["update"] * 3 and collected == [1, 2, 3], "one collect right after each bucket's update"
 
 
 # -- finding 13: Megatron's fused softmax only where its kernel imports --------------------------------------------
