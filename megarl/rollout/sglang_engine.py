@@ -83,16 +83,21 @@ def expand_requests(prompts: Sequence[Sequence[int]], params: SamplingParams) ->
 
 def to_completion(output: dict, version: int) -> Completion:
     """One SGLang output as a `Completion`. A request SGLang aborted (`finish_reason` `{"type": "abort",
-    "message": ...}`: aborted from outside, or refused, with whatever it had generated) did not finish: it becomes
-    finish reason "length", which every rollout function turns into `SampleStatus.TRUNCATED` (counted in
-    `truncated_frac`, left out of the loss with --mask-truncated), never a finished answer."""
+    "message": ...}`: aborted from outside, or refused, with whatever it had generated) did not finish: it keeps
+    finish reason "abort", which the rollout functions turn into `SampleStatus.ABORTED` (counted in `aborted_frac`,
+    always out of the loss), never a finished or a length-truncated answer."""
     meta = output["meta_info"]
     token_ids = list(output["output_ids"])
     logprobs = [float(lp) for lp, _tok, *_ in meta.get("output_token_logprobs") or []]
     if len(logprobs) != len(token_ids):
         raise RuntimeError(f"SGLang returned {len(token_ids)} tokens but {len(logprobs)} log-probs")
     return Completion(token_ids=token_ids, logprobs=logprobs,
-                      finish_reason="stop" if _finish_kind(output) == "stop" else "length", weight_version=version)
+                      finish_reason=_FINISH.get(_finish_kind(output), "length"), weight_version=version)
+
+
+# SGLang's finish kinds: "stop" (a stop token or string), "length" (max_new_tokens), "abort"; anything else (no
+# reason at all) did not finish by the policy's choice and is treated as cut at the length limit.
+_FINISH = {"stop": "stop", "length": "length", "abort": "abort"}
 
 
 def _finish_kind(output: dict) -> str:
@@ -102,13 +107,13 @@ def _finish_kind(output: dict) -> str:
 
 def count_aborted(outputs: Sequence[dict]) -> int:
     """How many of `outputs` SGLang aborted; warns with the first one's message, since the run goes on with them
-    as truncated samples (`to_completion`)."""
+    as aborted samples, out of the loss (`to_completion`)."""
     aborted = [o for o in outputs if _finish_kind(o) == "abort"]
     if aborted:
         reason = aborted[0]["meta_info"].get("finish_reason")
         message = reason.get("message", "") if isinstance(reason, dict) else ""
         warnings.warn(f"SGLang aborted {len(aborted)} of {len(outputs)} requests ({message or 'no message'}): they "
-                      "enter the batch as truncated samples (out of the loss with --mask-truncated)",
+                      "enter the batch as aborted samples, out of the loss (aborted_frac)",
                       RuntimeWarning, stacklevel=3)
     return len(aborted)
 
