@@ -22,7 +22,9 @@ leader joins a process group with every server's TP ranks: `init_weights_update_
 on a shared file system (`update_weights_from_disk`). A server that refuses a control call answers 400 with
 `{"success": false, "message": ...}`: the message is raised, and the trainer never waits in a collective for a
 server that refused to join it. The pusher flushes the servers' prefix caches once after its push; SGLang
-refuses `/flush_cache` (400) while any request runs or waits, so the flush is retried for a bounded time.
+refuses `/flush_cache` (400) while any request runs or waits, so the flush is retried for a bounded time. Only one
+data-parallel leader pushes; all of them then meet at a barrier (`LeaderBarrier`), so no leader generates before
+every server holds the new weights.
 
 Log-probs: SGLang reports log softmax(logits / temperature) of the sampled token, before top-k / top-p, which is
 `Completion.logprobs`' definition (leave SGLANG_RETURN_ORIGINAL_LOGPROB unset). The engine knows nothing of
@@ -418,12 +420,62 @@ def _abandon(group) -> None:
             pass
 
 
+class LeaderBarrier:
+    """Where the data-parallel leaders of a disaggregated run meet after each weight sync, so that none of them
+    generates before every server holds the new weights. Only one leader pushes (`SGLangServers(push=True)`);
+    without this the others would stamp the new version on completions sampled, by the servers, from the old
+    weights, for as long as the push takes. A barrier on keys of a `torch.distributed` store (the default
+    group's, prefixed), not a collective: it needs no process group of its own (the engines exist on the leaders
+    only), it can name the leaders that did not arrive, and a pusher that failed posts its error, so the others
+    raise with it at once instead of at the timeout."""
+
+    def __init__(self, store, dp_rank: int, dp_size: int, timeout_s: float = 600.0, poll_s: float = 0.05):
+        self.store, self.dp_rank, self.dp_size = store, dp_rank, dp_size
+        self.timeout_s, self.poll_s = timeout_s, poll_s
+
+    @classmethod
+    def over_default_store(cls, dp_rank: int, dp_size: int, timeout_s: float = 600.0) -> LeaderBarrier:
+        from torch.distributed import distributed_c10d as c10d
+
+        return cls(c10d.PrefixStore("megarl_weight_sync", c10d._get_default_store()), dp_rank, dp_size, timeout_s)
+
+    def _key(self, version: int, who) -> str:
+        return f"{version}/{who}"
+
+    def fail(self, version: int, message: str) -> None:
+        """This leader's sync of `version` failed: the others raise with `message`."""
+        self.store.set(self._key(version, "failed"), message)
+
+    def arrive(self, version: int) -> None:
+        """This leader holds `version`; returns once every leader does. Raises `WeightSyncError` naming the
+        data-parallel ranks still missing after `timeout_s` (--distributed-timeout-seconds), or with the message
+        of a leader whose sync failed."""
+        self.store.set(self._key(version, self.dp_rank), "1")
+        keys = [self._key(version, r) for r in range(self.dp_size)]
+        failed = self._key(version, "failed")
+        deadline = time.monotonic() + self.timeout_s
+        while True:
+            if self.store.check([failed]):
+                raise WeightSyncError(f"weight sync {version} failed on another data-parallel leader: "
+                                      f"{self.store.get(failed).decode(errors='replace')}")
+            if self.store.check(keys):
+                return
+            if time.monotonic() > deadline:
+                missing = [r for r, k in enumerate(keys) if not self.store.check([k])]
+                raise WeightSyncError(
+                    f"weight sync {version}: the data-parallel leader(s) of DP rank {missing} did not finish it "
+                    f"within {self.timeout_s:g} s (--distributed-timeout-seconds), so rank {self.dp_rank} cannot "
+                    "know the servers hold the new weights; DP rank 0 pushes them (is its push stuck or dead?)")
+            time.sleep(self.poll_s)
+
+
 class SGLangServers:
     """A `RolloutEngine` over SGLang HTTP servers (disaggregated mode; see the module docstring).
 
     `tp_sizes[i]` is server i's tensor-parallel size (asked from the server when not given): its TP ranks join
     the weight-update group after the trainer's leader (rank 0). With several data-parallel leaders, one pushes
-    (`push=True`) and flushes the prefix caches after its push; the others only generate."""
+    (`push=True`) and flushes the prefix caches after its push; the others only generate, and `barrier` keeps
+    every leader from generating before the push is over."""
 
     shares_actor_weights = False
     dtype = None  # weights travel as the actor holds them; each server casts to its own dtype
@@ -431,13 +483,14 @@ class SGLangServers:
     flush_interval_s = 1.0
 
     def __init__(self, urls: Sequence[str], *, tp_sizes: Sequence[int] | None = None, push: bool = True,
-                 timeout_s: float = 3600.0):
+                 timeout_s: float = 3600.0, barrier: LeaderBarrier | None = None):
         if not urls:
             raise ValueError("SGLangServers needs at least one server URL")
         self.urls = [u if u.startswith("http") else f"http://{u}" for u in urls]
         self.tp_sizes = list(tp_sizes) if tp_sizes else None
         self.timeout_s = timeout_s
         self.push = push
+        self.barrier = barrier  # None: this is the only data-parallel leader
         self.weight_version = 0
         self.aborted = 0  # requests the servers aborted so far (`count_aborted`)
         self.group = None
@@ -537,12 +590,23 @@ class SGLangServers:
     def load_weight_buckets(self, buckets: Iterable[WeightBucket], version: int) -> None:
         """Broadcast each flat bucket over the weight-update group while every server receives it, then flush the
         servers' prefix caches (the pusher only). A server that refuses a bucket raises at once with SGLang's
-        message; the group is then aborted (connect again to push once more)."""
+        message; the group is then aborted (connect again to push once more). Every data-parallel leader then
+        waits at `barrier` until the push is over, the pusher included."""
         if not self.push:
             for _ in buckets:  # the pushing rank sends them; keep the bucket iterator's accounting honest
                 pass
-            self.weight_version = version
-            return
+        else:
+            try:
+                self._push(buckets)
+            except BaseException as e:
+                if self.barrier is not None:
+                    self.barrier.fail(version, f"{type(e).__name__}: {e}")
+                raise
+        if self.barrier is not None:
+            self.barrier.arrive(version)
+        self.weight_version = version
+
+    def _push(self, buckets: Iterable[WeightBucket]) -> None:
         if self.group is None:
             raise WeightSyncError("SGLangServers: call connect() before pushing weights over NCCL "
                                   "(or use update_weights_from_disk)")
@@ -575,7 +639,6 @@ class SGLangServers:
             raise
         self._all("/end_weight_update", what="end_weight_update")
         self._flush()
-        self.weight_version = version
 
     def _flush(self) -> None:
         """Flush every server's prefix cache (prefixes computed under the old weights), retrying while a server
