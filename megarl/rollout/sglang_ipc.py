@@ -17,6 +17,12 @@ rank order, which is the engine's TP order. Each rank keeps its copy alive until
 What it costs: one bucket of memory on each of the engine's GPUs (`--sync-bucket-mb`) and one bucket broadcast
 within a node. The leader runs `payloads` per bucket and `close` at the end of the sync (also when it failed: the
 others then raise with its message); every other rank of the group runs `follow` for the same sync.
+
+What it needs of the export: the other ranks sit in `follow` while the leader pushes, so the leader's buckets must
+not be filled by an export that runs collectives with them (the streamed `iter_hf`, whose TP gathers every rank
+joins): the export is finished before the push (`export_hf`). For a streamed export the bytes should come from the
+export itself instead, as in slime: after `gather_tp`'s all-gather every TP rank of stage 0 holds each full tensor,
+so each rank can pack the same buckets from its own stream and only the payloads need gathering.
 """
 
 from __future__ import annotations
