@@ -10,10 +10,12 @@ SGLang needs `enable_memory_saver` (torch_memory_saver) for the release, and an 
 between steps. In SGLang >= 0.5.23 weight updates run inside `begin_weight_update` / `end_weight_update`;
 older versions have neither, and the adapter then calls the update alone. Buckets go over as
 `load_format="flattened_bucket"`: one serialized `{flattened_tensor, metadata}` per SGLang TP rank, which for a
-CUDA tensor is an IPC handle, not the data (`serialize_bucket`). SGLang's TP rank r opens only entry r, and that
-payload must be made on rank r's own GPU: at TP > 1 the trainer ranks on the engine's GPUs each serialise their
-copy of the bucket and the leader gathers them (`megarl.rollout.sglang_ipc.IpcGather`). After each bucket the
-IPC memory the engine let go of is collected (`torch.cuda.ipc_collect`).
+CUDA tensor is an IPC handle, not the data (`serialize_bucket`). SGLang's TP rank r opens only entry r, a payload
+of its own (CUDA-IPC refcounting is per payload), best made on rank r's own GPU: with `ipc` the trainer ranks on
+the engine's GPUs each serialise their copy of the bucket and the leader gathers them
+(`megarl.rollout.sglang_ipc.IpcGather`); without it the leader serialises once per TP rank and every TP rank opens
+a CUDA context on the leader's GPU. After each bucket the IPC memory the engine let go of is collected
+(`torch.cuda.ipc_collect`).
 
 Disaggregated (`SGLangServers`): SGLang servers launched elsewhere (`--rollout-servers host:port,...`), reached
 over HTTP. Prompts are split over the servers in contiguous blocks. Weights go either over NCCL (the trainer's
@@ -59,6 +61,13 @@ def sglang_available() -> tuple[bool, str]:
     except Exception as e:  # noqa: BLE001 - ImportError, or a kernel wheel that fails to load in any way
         return False, f"sglang is not importable ({type(e).__name__}: {e})"
     return True, ""
+
+
+def _own_payload(bucket: WeightBucket, tp_size: int) -> list[str]:
+    """`tp_size` payloads serialised by this process, one per TP rank: each TP rank opens a handle of its own, as
+    SGLang's CUDA-IPC refcounting needs (its own `Engine._serialize_tensors_per_rank` serialises plain tensors so),
+    but all of them point to this rank's GPU. `IpcGather.payloads` makes each on the TP rank's own GPU."""
+    return [serialize_bucket(bucket) for _ in range(tp_size)]
 
 
 def sampling_dict(params: SamplingParams, seed: int | None = None) -> dict:
@@ -159,15 +168,16 @@ class SGLangEngine:
     shares_actor_weights = False
 
     def __init__(self, engine, *, tp_size: int = 1, colocated: bool = True, dtype: torch.dtype | None = None,
-                 serialize: Callable[[WeightBucket], list] | None = None, ipc: IpcGather | None = None,
+                 serialize: Callable[[WeightBucket, int], list] | None = None, ipc: IpcGather | None = None,
                  tokenizer: bool = True):
         """`tokenizer`: whether the engine was launched with its tokenizer, which stop strings need.
         `ipc`: the trainer ranks on the engine's GPUs, which make one payload each (needed at `tp_size` > 1);
-        `serialize`: the per-TP-rank payloads of a bucket, instead of `ipc` (tests)."""
+        `serialize(bucket, tp_size)`: the per-TP-rank payloads of a bucket, instead of `ipc` (tests)."""
         if serialize is None and ipc is None and tp_size > 1:
-            raise ValueError(f"a colocated SGLang engine at TP {tp_size} needs one IPC payload per TP rank, each made "
-                             "on that rank's GPU (SGLang's deserialize_own_rank): pass ipc=build_ipc_gather(...) "
-                             "over the trainer ranks on the engine's GPUs (megarl.rollout.sglang_ipc)")
+            warnings.warn(f"SGLang engine at TP {tp_size} without the trainer ranks on its GPUs (ipc=None): each TP "
+                          "rank gets a payload of its own, all serialised on this rank's GPU, so each opens a CUDA "
+                          "context there; pass ipc=build_ipc_gather(...) (megarl.rollout.sglang_ipc) to have each "
+                          "made on the TP rank's own GPU", RuntimeWarning, stacklevel=2)
         if ipc is not None and ipc.tp_size != tp_size:
             raise ValueError(f"the IpcGather spans {ipc.tp_size} ranks ({ipc.ranks}) but the engine runs at TP "
                              f"{tp_size}: one trainer rank per SGLang TP rank")
@@ -177,7 +187,7 @@ class SGLangEngine:
         self.dtype = dtype  # weights are sent in this dtype (None: as the actor holds them)
         self.tp_size = tp_size
         self.colocated = colocated
-        self.serialize = serialize or (ipc.payloads if ipc is not None else lambda bucket: [serialize_bucket(bucket)])
+        self.serialize = serialize or (ipc.payloads if ipc is not None else _own_payload)
         self.weight_version = 0
         self.aborted = 0  # requests SGLang aborted so far (`count_aborted`)
         self._released: set[str] = set()
@@ -250,7 +260,7 @@ class SGLangEngine:
                 _check(self.engine.begin_weight_update(), "begin_weight_update")
                 opened = True
             for bucket in buckets:
-                payloads = self.serialize(bucket)
+                payloads = self.serialize(bucket, self.tp_size)
                 if len(payloads) != self.tp_size:
                     raise WeightSyncError(f"{len(payloads)} IPC payloads for an engine at TP {self.tp_size}: SGLang "
                                           "needs one per TP rank")

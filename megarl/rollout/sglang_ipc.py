@@ -103,10 +103,13 @@ class IpcGather:
         dist.gather_object(mine, out, dst=self.src, group=self.group)
         return out
 
-    def payloads(self, bucket: WeightBucket) -> list[str]:
-        """Leader: one payload per engine TP rank, in TP order, each serialised by the rank on that GPU. The
+    def payloads(self, bucket: WeightBucket, tp_size: int | None = None) -> list[str]:
+        """Leader: one payload per engine TP rank (`tp_size` of them), in TP order, each serialised by the rank on
+        that GPU. The
         leader's own copy is the caller's bucket, and the caller collects its IPC memory once the engine has
         loaded it (`SGLangEngine.load_weight_buckets`)."""
+        if tp_size not in (None, self.tp_size):
+            raise WeightSyncError(f"an engine at TP {tp_size} served by {self.tp_size} ranks ({self.ranks})")
         self._announce(("bucket", bucket.flat.numel(), bucket.flat.device.type,
                         [(s.name, s.shape, s.dtype, s.start, s.end) for s in bucket.slots]))
         dist.broadcast(bucket.flat, src=self.src, group=self.tensor_group)

@@ -167,7 +167,7 @@ def test_seeded_launch_turns_on_deterministic_inference(fake_sglang):
 
 def test_release_and_resume_cover_every_memory_tag():
     fake = _Recorder()
-    engine = SGLangEngine(fake, serialize=lambda bucket: [bucket])
+    engine = SGLangEngine(fake, serialize=lambda bucket, tp: [bucket])
     engine.release_memory()
     engine.load_weight_buckets(pack_buckets([("w", torch.ones(2))]), version=1)
     engine.resume_memory()
@@ -181,13 +181,31 @@ def test_release_and_resume_cover_every_memory_tag():
 # -- finding 9: one IPC payload per TP rank, and IPC memory collected per bucket -----------------------------------
 
 
-def test_colocated_engine_at_tp_2_needs_a_payload_per_rank(fake_sglang):
-    """SGLang's TP rank r opens only payload r, made on its own GPU: the leader alone cannot make them, so an
-    engine at TP 2 without the ranks on its GPUs (`IpcGather`) is refused instead of sending one payload twice.
-    The gathering itself runs under torchrun in tests/distributed/test_ipc_gather.py."""
-    with pytest.raises(ValueError, match=r"TP 2 needs one IPC payload per TP rank.*build_ipc_gather"):
-        SGLangEngine.launch("/ckpt", tp_size=2)
-    engine = SGLangEngine(_Recorder(), tp_size=2, serialize=lambda bucket: [bucket])
+def test_each_tp_rank_gets_a_payload_of_its_own(monkeypatch):
+    """SGLang's TP rank r opens only payload r (`deserialize_own_rank`): CUDA-IPC refcounting is per payload, so
+    one payload opened by every TP rank is released early or never. Without the trainer ranks on the engine's GPUs
+    (`IpcGather`, tests/distributed/test_ipc_gather.py) the leader serialises the bucket once per TP rank, as
+    SGLang's own `_serialize_tensors_per_rank` does, and warns that all of them live on its GPU."""
+    serialized = []
+
+    def serialize(obj, output_str=False):
+        serialized.append(obj["flattened_tensor"])
+        return f"payload {len(serialized)}"
+
+    names = ("sglang", "sglang.srt", "sglang.srt.utils", "sglang.srt.weight_sync",
+             "sglang.srt.weight_sync.tensor_bucket")
+    modules = {name: types.ModuleType(name) for name in names}
+    modules["sglang.srt.utils"].MultiprocessingSerializer = types.SimpleNamespace(serialize=serialize)
+    modules["sglang.srt.weight_sync.tensor_bucket"].FlattenedTensorMetadata = lambda **kw: kw
+    for name, module in modules.items():
+        monkeypatch.setitem(sys.modules, name, module)
+    fake = _Recorder()
+    fake.update_weights_from_tensor = lambda named_tensors, **kw: fake.log.append(list(named_tensors)) or (True, "")
+    with pytest.warns(RuntimeWarning, match=r"TP 2 without the trainer ranks on its GPUs.*build_ipc_gather"):
+        engine = SGLangEngine(fake, tp_size=2)
+    engine.load_weight_buckets(pack_buckets([(f"w{i}", torch.ones(4)) for i in range(3)], 32), version=1)
+    assert fake.log == [["payload 1", "payload 2"], ["payload 3", "payload 4"]], "one serialisation per TP rank"
+    engine = SGLangEngine(_Recorder(), tp_size=2, serialize=lambda bucket, tp: [bucket])
     with pytest.raises(WeightSyncError, match="1 IPC payloads for an engine at TP 2"):
         engine.load_weight_buckets(pack_buckets([("w", torch.ones(2))]), version=1)
 
@@ -198,7 +216,7 @@ def test_ipc_memory_is_collected_after_each_bucket(monkeypatch):
     collected, fake = [], _Recorder()
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "ipc_collect", lambda: collected.append(len(fake.log)))
-    engine = SGLangEngine(fake, serialize=lambda bucket: [bucket])
+    engine = SGLangEngine(fake, serialize=lambda bucket, tp: [bucket])
     engine.load_weight_buckets(pack_buckets([(f"w{i}", torch.ones(4)) for i in range(3)], 16), version=1)
     assert fake.log == ["update"] * 3 and collected == [1, 2, 3], "one collect right after each bucket's update"
 

@@ -88,7 +88,7 @@ class FakeActor:
 
 def _engine(log, sessions=True, **kw):
     fake = (RecordingSessionEngine if sessions else RecordingEngine)(log, **kw)
-    return SGLangEngine(fake, tp_size=2, serialize=lambda bucket: [bucket] * 2)
+    return SGLangEngine(fake, tp_size=2, serialize=lambda bucket, tp: [bucket] * tp)
 
 
 def test_colocation_cycle_order():
@@ -146,7 +146,7 @@ def test_older_sglang_without_sessions():
 
 def test_not_colocated_releases_nothing():
     log = []
-    engine = SGLangEngine(RecordingEngine(log), colocated=False, serialize=lambda b: [b])
+    engine = SGLangEngine(RecordingEngine(log), colocated=False, serialize=lambda b, tp: [b])
     engine.release_memory()
     engine.resume_memory()
     assert log == ["flush_cache"]
