@@ -113,7 +113,7 @@ def build_sglang(cfg: Config, actor: MegatronPolicy | None = None) -> RolloutEng
     """An in-process SGLang engine on this rank's GPUs, or a client of `--rollout-servers`."""
     import torch.distributed as dist
 
-    from megarl.rollout.sglang_engine import SGLangEngine, SGLangServers
+    from megarl.rollout.sglang_engine import LeaderBarrier, SGLangEngine, SGLangServers
 
     r = cfg.rollout
     if not r.rollout_servers:
@@ -124,10 +124,17 @@ def build_sglang(cfg: Config, actor: MegatronPolicy | None = None) -> RolloutEng
         return SGLangEngine.launch(cfg.model.hf_checkpoint, tp_size=tp, base_gpu_id=torch.cuda.current_device(),
                                    mem_fraction=r.sglang_mem_fraction, dtype="bfloat16" if cfg.model.bf16 else "auto",
                                    seed=cfg.training.seed, tokenizer=r.rollout_function != "single_turn")
+    from megarl.mcore.parallel import parallel_info
+
     pusher = dist.get_rank() == 0  # every DP leader generates; one rank pushes weights for all
     urls = r.rollout_servers.split(",")
+    # After each sync the DP leaders wait for each other: none generates before the push is over.
+    info = parallel_info()
+    barrier = (LeaderBarrier.over_default_store(info.dp_rank, info.dp_size, cfg.training.distributed_timeout_seconds)
+               if info.dp_size > 1 else None)
     # The servers' TP size sizes the weight-update group: one trainer rank plus every server's TP ranks.
-    servers = SGLangServers(urls, tp_sizes=[r.sglang_tp_size] * len(urls) if r.sglang_tp_size else None, push=pusher)
+    servers = SGLangServers(urls, tp_sizes=[r.sglang_tp_size] * len(urls) if r.sglang_tp_size else None, push=pusher,
+                            barrier=barrier)
     if pusher:
         from megarl.mcore.parallel import default_backend
 

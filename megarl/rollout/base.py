@@ -19,7 +19,9 @@ import torch
 if TYPE_CHECKING:
     from megarl.rollout.weight_sync import WeightBucket
 
-FinishReason = Literal["stop", "length"]
+# "abort": the engine stopped the request from outside before it finished (SGLang's `{"type": "abort"}`); the
+# sample becomes `SampleStatus.ABORTED`, which never counts in the loss (`megarl.stages.algorithm.pack`).
+FinishReason = Literal["stop", "length", "abort"]
 
 
 @dataclass(frozen=True)

@@ -50,13 +50,17 @@ def build_rollout(cfg) -> RolloutFn:
     return configure(cfg) if callable(configure) else fn
 
 
+# How an engine's finish reason ends a trajectory: an aborted request is neither finished nor cut at the limit.
+FINISH_STATUS = {"stop": SampleStatus.COMPLETED, "length": SampleStatus.TRUNCATED, "abort": SampleStatus.ABORTED}
+
+
 def policy_sample(group: int, record: PromptRecord, completion: Completion, tokenizer) -> Sample:
     """A sample whose every response token is the policy's (loss mask 1), unscored."""
     ids = list(completion.token_ids)
     return Sample(group=group, prompt_index=record.index, prompt_ids=list(record.prompt_ids), response_ids=ids,
                   loss_mask=[1] * len(ids), rollout_logprobs=list(completion.logprobs),
                   weight_version=completion.weight_version, routed_experts=completion.routed_experts,
-                  status=SampleStatus.COMPLETED if completion.finish_reason == "stop" else SampleStatus.TRUNCATED,
+                  status=FINISH_STATUS[completion.finish_reason],
                   response_text=tokenizer.decode(ids, skip_special_tokens=True))
 
 

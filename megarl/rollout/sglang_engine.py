@@ -10,8 +10,12 @@ SGLang needs `enable_memory_saver` (torch_memory_saver) for the release, and an 
 between steps. In SGLang >= 0.5.23 weight updates run inside `begin_weight_update` / `end_weight_update`;
 older versions have neither, and the adapter then calls the update alone. Buckets go over as
 `load_format="flattened_bucket"`: one serialized `{flattened_tensor, metadata}` per SGLang TP rank, which for a
-CUDA tensor is an IPC handle, not the data (`serialize_bucket`). Every SGLang TP rank opens the same handle of the
-leader's GPU buffer and narrows its own shard from it.
+CUDA tensor is an IPC handle, not the data (`serialize_bucket`). SGLang's TP rank r opens only entry r, a payload
+of its own (CUDA-IPC refcounting is per payload), best made on rank r's own GPU: with `ipc` the trainer ranks on
+the engine's GPUs each serialise their copy of the bucket and the leader gathers them
+(`megarl.rollout.sglang_ipc.IpcGather`); without it the leader serialises once per TP rank and every TP rank opens
+a CUDA context on the leader's GPU. After each bucket the IPC memory the engine let go of is collected
+(`torch.cuda.ipc_collect`).
 
 Disaggregated (`SGLangServers`): SGLang servers launched elsewhere (`--rollout-servers host:port,...`), reached
 over HTTP. Prompts are split over the servers in contiguous blocks. Weights go either over NCCL (the trainer's
@@ -20,7 +24,9 @@ leader joins a process group with every server's TP ranks: `init_weights_update_
 on a shared file system (`update_weights_from_disk`). A server that refuses a control call answers 400 with
 `{"success": false, "message": ...}`: the message is raised, and the trainer never waits in a collective for a
 server that refused to join it. The pusher flushes the servers' prefix caches once after its push; SGLang
-refuses `/flush_cache` (400) while any request runs or waits, so the flush is retried for a bounded time.
+refuses `/flush_cache` (400) while any request runs or waits, so the flush is retried for a bounded time. Only one
+data-parallel leader pushes; all of them then meet at a barrier (`LeaderBarrier`), so no leader generates before
+every server holds the new weights.
 
 Log-probs: SGLang reports log softmax(logits / temperature) of the sampled token, before top-k / top-p, which is
 `Completion.logprobs`' definition (leave SGLANG_RETURN_ORIGINAL_LOGPROB unset). The engine knows nothing of
@@ -40,6 +46,7 @@ from typing import Callable, Iterable, Sequence
 import torch
 
 from megarl.rollout.base import Completion, SamplingParams
+from megarl.rollout.sglang_ipc import IpcGather, release_ipc, serialize_bucket
 from megarl.rollout.weight_sync import DEFAULT_BUCKET_BYTES, WeightBucket, WeightSyncError, pack_buckets
 
 KV_CACHE, WEIGHTS, CUDA_GRAPH = "kv_cache", "weights", "cuda_graph"
@@ -56,22 +63,11 @@ def sglang_available() -> tuple[bool, str]:
     return True, ""
 
 
-def serialize_bucket(bucket: WeightBucket, tp_size: int) -> list[str]:
-    """One `MultiprocessingSerializer` payload per SGLang TP rank in the form `load_format="flattened_bucket"`
-    expects. For a CUDA bucket the payload holds an IPC handle: the bucket must stay alive until the engine has
-    loaded it (`update_weights_from_tensor` returns after loading)."""
-    from sglang.srt.utils import MultiprocessingSerializer
-    from sglang.srt.weight_sync.tensor_bucket import FlattenedTensorMetadata
-
-    if bucket.flat.is_cuda:  # SGLang's fix for CUDA IPC between processes that number the GPUs differently
-        from sglang.srt.utils.patch_torch import monkey_patch_torch_reductions
-
-        monkey_patch_torch_reductions()
-    metadata = [FlattenedTensorMetadata(name=s.name, shape=torch.Size(s.shape), dtype=s.dtype, start_idx=s.start,
-                                        end_idx=s.end, numel=s.end - s.start) for s in bucket.slots]
-    payload = MultiprocessingSerializer.serialize({"flattened_tensor": bucket.flat, "metadata": metadata},
-                                                  output_str=True)
-    return [payload] * tp_size
+def _own_payload(bucket: WeightBucket, tp_size: int) -> list[str]:
+    """`tp_size` payloads serialised by this process, one per TP rank: each TP rank opens a handle of its own, as
+    SGLang's CUDA-IPC refcounting needs (its own `Engine._serialize_tensors_per_rank` serialises plain tensors so),
+    but all of them point to this rank's GPU. `IpcGather.payloads` makes each on the TP rank's own GPU."""
+    return [serialize_bucket(bucket) for _ in range(tp_size)]
 
 
 def sampling_dict(params: SamplingParams, seed: int | None = None) -> dict:
@@ -98,16 +94,21 @@ def expand_requests(prompts: Sequence[Sequence[int]], params: SamplingParams) ->
 
 def to_completion(output: dict, version: int) -> Completion:
     """One SGLang output as a `Completion`. A request SGLang aborted (`finish_reason` `{"type": "abort",
-    "message": ...}`: aborted from outside, or refused, with whatever it had generated) did not finish: it becomes
-    finish reason "length", which every rollout function turns into `SampleStatus.TRUNCATED` (counted in
-    `truncated_frac`, left out of the loss with --mask-truncated), never a finished answer."""
+    "message": ...}`: aborted from outside, or refused, with whatever it had generated) did not finish: it keeps
+    finish reason "abort", which the rollout functions turn into `SampleStatus.ABORTED` (counted in `aborted_frac`,
+    always out of the loss), never a finished or a length-truncated answer."""
     meta = output["meta_info"]
     token_ids = list(output["output_ids"])
     logprobs = [float(lp) for lp, _tok, *_ in meta.get("output_token_logprobs") or []]
     if len(logprobs) != len(token_ids):
         raise RuntimeError(f"SGLang returned {len(token_ids)} tokens but {len(logprobs)} log-probs")
     return Completion(token_ids=token_ids, logprobs=logprobs,
-                      finish_reason="stop" if _finish_kind(output) == "stop" else "length", weight_version=version)
+                      finish_reason=_FINISH.get(_finish_kind(output), "length"), weight_version=version)
+
+
+# SGLang's finish kinds: "stop" (a stop token or string), "length" (max_new_tokens), "abort"; anything else (no
+# reason at all) did not finish by the policy's choice and is treated as cut at the length limit.
+_FINISH = {"stop": "stop", "length": "length", "abort": "abort"}
 
 
 def _finish_kind(output: dict) -> str:
@@ -117,13 +118,13 @@ def _finish_kind(output: dict) -> str:
 
 def count_aborted(outputs: Sequence[dict]) -> int:
     """How many of `outputs` SGLang aborted; warns with the first one's message, since the run goes on with them
-    as truncated samples (`to_completion`)."""
+    as aborted samples, out of the loss (`to_completion`)."""
     aborted = [o for o in outputs if _finish_kind(o) == "abort"]
     if aborted:
         reason = aborted[0]["meta_info"].get("finish_reason")
         message = reason.get("message", "") if isinstance(reason, dict) else ""
         warnings.warn(f"SGLang aborted {len(aborted)} of {len(outputs)} requests ({message or 'no message'}): they "
-                      "enter the batch as truncated samples (out of the loss with --mask-truncated)",
+                      "enter the batch as aborted samples, out of the loss (aborted_frac)",
                       RuntimeWarning, stacklevel=3)
     return len(aborted)
 
@@ -167,14 +168,26 @@ class SGLangEngine:
     shares_actor_weights = False
 
     def __init__(self, engine, *, tp_size: int = 1, colocated: bool = True, dtype: torch.dtype | None = None,
-                 serialize: Callable[[WeightBucket, int], list] = serialize_bucket, tokenizer: bool = True):
-        """`tokenizer`: whether the engine was launched with its tokenizer, which stop strings need."""
+                 serialize: Callable[[WeightBucket, int], list] | None = None, ipc: IpcGather | None = None,
+                 tokenizer: bool = True):
+        """`tokenizer`: whether the engine was launched with its tokenizer, which stop strings need.
+        `ipc`: the trainer ranks on the engine's GPUs, which make one payload each (needed at `tp_size` > 1);
+        `serialize(bucket, tp_size)`: the per-TP-rank payloads of a bucket, instead of `ipc` (tests)."""
+        if serialize is None and ipc is None and tp_size > 1:
+            warnings.warn(f"SGLang engine at TP {tp_size} without the trainer ranks on its GPUs (ipc=None): each TP "
+                          "rank gets a payload of its own, all serialised on this rank's GPU, so each opens a CUDA "
+                          "context there; pass ipc=build_ipc_gather(...) (megarl.rollout.sglang_ipc) to have each "
+                          "made on the TP rank's own GPU", RuntimeWarning, stacklevel=2)
+        if ipc is not None and ipc.tp_size != tp_size:
+            raise ValueError(f"the IpcGather spans {ipc.tp_size} ranks ({ipc.ranks}) but the engine runs at TP "
+                             f"{tp_size}: one trainer rank per SGLang TP rank")
         self.engine = engine
+        self.ipc = ipc
         self.tokenizer = tokenizer
         self.dtype = dtype  # weights are sent in this dtype (None: as the actor holds them)
         self.tp_size = tp_size
         self.colocated = colocated
-        self.serialize = serialize
+        self.serialize = serialize or (ipc.payloads if ipc is not None else _own_payload)
         self.weight_version = 0
         self.aborted = 0  # requests SGLang aborted so far (`count_aborted`)
         self._released: set[str] = set()
@@ -182,7 +195,7 @@ class SGLangEngine:
     @classmethod
     def launch(cls, hf_dir: str, *, tp_size: int = 1, base_gpu_id: int = 0, mem_fraction: float = 0.5,
                dtype: str = "bfloat16", seed: int | None = 0, colocated: bool = True, tokenizer: bool = False,
-               **server_args) -> SGLangEngine:
+               ipc: IpcGather | None = None, **server_args) -> SGLangEngine:
         """`tokenizer`: load SGLang's tokenizer and detokenizer, which matching `SamplingParams.stop` needs.
 
         `seed`: SGLang's `random_seed`; a seeded engine is also launched with `enable_deterministic_inference`,
@@ -201,7 +214,7 @@ class SGLangEngine:
                                random_seed=0 if seed is None else seed,
                                enable_memory_saver=colocated, skip_tokenizer_init=not tokenizer, log_level="error",
                                **server_args)
-        return cls(engine, tp_size=tp_size, colocated=colocated, tokenizer=tokenizer,
+        return cls(engine, tp_size=tp_size, colocated=colocated, tokenizer=tokenizer, ipc=ipc,
                    dtype=getattr(torch, dtype) if dtype in ("bfloat16", "float16", "float32") else None)
 
     # -- rollout ---------------------------------------------------------------------------------------------
@@ -241,16 +254,28 @@ class SGLangEngine:
             _check(self.engine.resume_memory_occupation(tags=[WEIGHTS]), "resume_memory_occupation(weights)")
             self._released.discard(WEIGHTS)
         session = hasattr(self.engine, "begin_weight_update")
-        if session:
-            _check(self.engine.begin_weight_update(), "begin_weight_update")
+        failed, opened = None, False
         try:
-            for bucket in buckets:
-                result = self.engine.update_weights_from_tensor(
-                    named_tensors=self.serialize(bucket, self.tp_size), load_format="flattened_bucket",
-                    flush_cache=False)
-                _check(result, "update_weights_from_tensor")
-        finally:
             if session:
+                _check(self.engine.begin_weight_update(), "begin_weight_update")
+                opened = True
+            for bucket in buckets:
+                payloads = self.serialize(bucket, self.tp_size)
+                if len(payloads) != self.tp_size:
+                    raise WeightSyncError(f"{len(payloads)} IPC payloads for an engine at TP {self.tp_size}: SGLang "
+                                          "needs one per TP rank")
+                result = self.engine.update_weights_from_tensor(named_tensors=payloads,
+                                                                load_format="flattened_bucket", flush_cache=False)
+                _check(result, "update_weights_from_tensor")
+                del payloads
+                release_ipc()  # the engine has loaded this bucket and closed its handles (slime does this per chunk)
+        except BaseException as e:
+            failed = f"{type(e).__name__}: {e}"
+            raise
+        finally:
+            if self.ipc is not None:  # the other ranks on the engine's GPUs leave `follow`
+                self.ipc.close(failed)
+            if opened:
                 _check(self.engine.end_weight_update(), "end_weight_update")
         self.weight_version = version
 
@@ -405,12 +430,62 @@ def _abandon(group) -> None:
             pass
 
 
+class LeaderBarrier:
+    """Where the data-parallel leaders of a disaggregated run meet after each weight sync, so that none of them
+    generates before every server holds the new weights. Only one leader pushes (`SGLangServers(push=True)`);
+    without this the others would stamp the new version on completions sampled, by the servers, from the old
+    weights, for as long as the push takes. A barrier on keys of a `torch.distributed` store (the default
+    group's, prefixed), not a collective: it needs no process group of its own (the engines exist on the leaders
+    only), it can name the leaders that did not arrive, and a pusher that failed posts its error, so the others
+    raise with it at once instead of at the timeout."""
+
+    def __init__(self, store, dp_rank: int, dp_size: int, timeout_s: float = 600.0, poll_s: float = 0.05):
+        self.store, self.dp_rank, self.dp_size = store, dp_rank, dp_size
+        self.timeout_s, self.poll_s = timeout_s, poll_s
+
+    @classmethod
+    def over_default_store(cls, dp_rank: int, dp_size: int, timeout_s: float = 600.0) -> LeaderBarrier:
+        from torch.distributed import distributed_c10d as c10d
+
+        return cls(c10d.PrefixStore("megarl_weight_sync", c10d._get_default_store()), dp_rank, dp_size, timeout_s)
+
+    def _key(self, version: int, who) -> str:
+        return f"{version}/{who}"
+
+    def fail(self, version: int, message: str) -> None:
+        """This leader's sync of `version` failed: the others raise with `message`."""
+        self.store.set(self._key(version, "failed"), message)
+
+    def arrive(self, version: int) -> None:
+        """This leader holds `version`; returns once every leader does. Raises `WeightSyncError` naming the
+        data-parallel ranks still missing after `timeout_s` (--distributed-timeout-seconds), or with the message
+        of a leader whose sync failed."""
+        self.store.set(self._key(version, self.dp_rank), "1")
+        keys = [self._key(version, r) for r in range(self.dp_size)]
+        failed = self._key(version, "failed")
+        deadline = time.monotonic() + self.timeout_s
+        while True:
+            if self.store.check([failed]):
+                raise WeightSyncError(f"weight sync {version} failed on another data-parallel leader: "
+                                      f"{self.store.get(failed).decode(errors='replace')}")
+            if self.store.check(keys):
+                return
+            if time.monotonic() > deadline:
+                missing = [r for r, k in enumerate(keys) if not self.store.check([k])]
+                raise WeightSyncError(
+                    f"weight sync {version}: the data-parallel leader(s) of DP rank {missing} did not finish it "
+                    f"within {self.timeout_s:g} s (--distributed-timeout-seconds), so rank {self.dp_rank} cannot "
+                    "know the servers hold the new weights; DP rank 0 pushes them (is its push stuck or dead?)")
+            time.sleep(self.poll_s)
+
+
 class SGLangServers:
     """A `RolloutEngine` over SGLang HTTP servers (disaggregated mode; see the module docstring).
 
     `tp_sizes[i]` is server i's tensor-parallel size (asked from the server when not given): its TP ranks join
     the weight-update group after the trainer's leader (rank 0). With several data-parallel leaders, one pushes
-    (`push=True`) and flushes the prefix caches after its push; the others only generate."""
+    (`push=True`) and flushes the prefix caches after its push; the others only generate, and `barrier` keeps
+    every leader from generating before the push is over."""
 
     shares_actor_weights = False
     dtype = None  # weights travel as the actor holds them; each server casts to its own dtype
@@ -418,13 +493,14 @@ class SGLangServers:
     flush_interval_s = 1.0
 
     def __init__(self, urls: Sequence[str], *, tp_sizes: Sequence[int] | None = None, push: bool = True,
-                 timeout_s: float = 3600.0):
+                 timeout_s: float = 3600.0, barrier: LeaderBarrier | None = None):
         if not urls:
             raise ValueError("SGLangServers needs at least one server URL")
         self.urls = [u if u.startswith("http") else f"http://{u}" for u in urls]
         self.tp_sizes = list(tp_sizes) if tp_sizes else None
         self.timeout_s = timeout_s
         self.push = push
+        self.barrier = barrier  # None: this is the only data-parallel leader
         self.weight_version = 0
         self.aborted = 0  # requests the servers aborted so far (`count_aborted`)
         self.group = None
@@ -524,12 +600,23 @@ class SGLangServers:
     def load_weight_buckets(self, buckets: Iterable[WeightBucket], version: int) -> None:
         """Broadcast each flat bucket over the weight-update group while every server receives it, then flush the
         servers' prefix caches (the pusher only). A server that refuses a bucket raises at once with SGLang's
-        message; the group is then aborted (connect again to push once more)."""
+        message; the group is then aborted (connect again to push once more). Every data-parallel leader then
+        waits at `barrier` until the push is over, the pusher included."""
         if not self.push:
             for _ in buckets:  # the pushing rank sends them; keep the bucket iterator's accounting honest
                 pass
-            self.weight_version = version
-            return
+        else:
+            try:
+                self._push(buckets)
+            except BaseException as e:
+                if self.barrier is not None:
+                    self.barrier.fail(version, f"{type(e).__name__}: {e}")
+                raise
+        if self.barrier is not None:
+            self.barrier.arrive(version)
+        self.weight_version = version
+
+    def _push(self, buckets: Iterable[WeightBucket]) -> None:
         if self.group is None:
             raise WeightSyncError("SGLangServers: call connect() before pushing weights over NCCL "
                                   "(or use update_weights_from_disk)")
@@ -562,7 +649,6 @@ class SGLangServers:
             raise
         self._all("/end_weight_update", what="end_weight_update")
         self._flush()
-        self.weight_version = version
 
     def _flush(self) -> None:
         """Flush every server's prefix cache (prefixes computed under the old weights), retrying while a server

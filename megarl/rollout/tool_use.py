@@ -137,6 +137,9 @@ class ToolUse:
         t.append(ids, logp)
         t.version, t.turns = c.weight_version, t.turns + 1
         t.final_text = tokenizer.decode(ids, skip_special_tokens=True)
+        if reason == "abort":  # the engine stopped this turn from outside: the trajectory ends unfinished
+            t.status = SampleStatus.ABORTED
+            return []
         if reason == "length" or t.budget <= 0:
             t.status = SampleStatus.TRUNCATED
             return []

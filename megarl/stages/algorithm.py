@@ -28,7 +28,10 @@ from megarl.samples import PackedSamples, RolloutBatch, Sample, SampleStatus, Tr
 
 def pack(samples: Sequence[Sample], pad_id: int, mask_truncated: bool = False) -> PackedSamples:
     """Right-padded rows of `prompt + response`; the loss mask is each sample's own (1 = the policy's token), and
-    with `mask_truncated` (DAPO) responses cut at the length limit are left out of the loss."""
+    with `mask_truncated` (DAPO) responses cut at the length limit are left out of the loss. Aborted samples (the
+    engine stopped them from outside) are always left out: their partial response is nothing the policy chose to
+    end. Like DAPO's masked overlong samples, they keep their reward in their group's baseline (a mask of zeros
+    adds nothing to the loss's numerator and still counts in per-sequence denominators, as in TRL)."""
     seqs = [s.prompt_ids + s.response_ids for s in samples]
     width = max(len(x) for x in seqs)
     tokens = torch.full((len(seqs), width), pad_id, dtype=torch.long)
@@ -37,7 +40,7 @@ def pack(samples: Sequence[Sample], pad_id: int, mask_truncated: bool = False) -
     for b, (s, seq) in enumerate(zip(samples, seqs)):
         tokens[b, : len(seq)] = torch.tensor(seq)
         lo, hi = len(s.prompt_ids) - 1, len(seq) - 1  # column t predicts token t + 1
-        if not (mask_truncated and s.status is SampleStatus.TRUNCATED):
+        if s.status is not SampleStatus.ABORTED and not (mask_truncated and s.status is SampleStatus.TRUNCATED):
             loss_mask[b, lo:hi] = torch.tensor(s.loss_mask, dtype=torch.float32)
         rollout_logp[b, lo:hi] = torch.tensor(s.rollout_logprobs, dtype=torch.float32)
     lengths = torch.tensor([len(x) for x in seqs])

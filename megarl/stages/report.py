@@ -22,7 +22,8 @@ from megarl.stages.colocation import enter_rollout, enter_training
 from megarl.stages.setup import TrainingRun
 from megarl.samples import RolloutBatch, SampleStatus, TrainBatch
 
-_SUM_KEYS = ["n_samples", "reward_sum", "correct", "response_tokens", "truncated", "groups", "uniform_groups",
+_SUM_KEYS = ["n_samples", "reward_sum", "correct", "response_tokens", "truncated", "aborted", "groups",
+             "uniform_groups",
              "loss_num", "loss_den", "tokens", "clip_frac_sum", "kl_sum", "entropy_sum", "mismatch_abs_sum",
              "mismatch_abs_max", "mismatch_kl_sum", "is_weight_sum", "is_weight_max", "is_weight_negmin_max",
              # off-policy correction (`--off-policy-correction`): its importance weights
@@ -54,6 +55,7 @@ def step_metrics(step: int, rollout: RolloutBatch, batch: TrainBatch, update: di
             correct=sum(s.outcome == "correct" for s in rollout.samples),
             response_tokens=sum(len(s.response_ids) for s in rollout.samples),
             truncated=sum(s.status is SampleStatus.TRUNCATED for s in rollout.samples),
+            aborted=sum(s.status is SampleStatus.ABORTED for s in rollout.samples),
             groups=rewards.shape[0], uniform_groups=int((rewards.max(1).values == rewards.min(1).values).sum()),
             **{k: rollout.metrics.get(k, 0.0) for k in _DS_KEYS},
             **{k: rollout.metrics.get(k.removesuffix("_max"), 0.0)
@@ -70,6 +72,7 @@ def step_metrics(step: int, rollout: RolloutBatch, batch: TrainBatch, update: di
         "step": step,
         "reward_mean": g["reward_sum"] / n, "accuracy": g["correct"] / n,
         "response_len": g["response_tokens"] / n, "truncated_frac": g["truncated"] / n,
+        "aborted_frac": g["aborted"] / n,
         "uniform_group_frac": g["uniform_groups"] / max(g["groups"], 1),
         "reward_timeout_rate": g["reward_n_timeout"] / n, "reward_no_answer_rate": g["reward_n_no_answer"] / n,
         "reward_parse_error_rate": g["reward_n_parse_error"] / n, "reward_worker_restarts": g["reward_worker_restarts"],

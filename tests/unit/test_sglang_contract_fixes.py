@@ -57,29 +57,73 @@ class _Recorder:
 # -- finding 8: an aborted request is not a finished sample ------------------------------------------------------
 
 
-def test_aborted_request_is_truncated_not_completed():
+@pytest.fixture()
+def one_rank_group():
+    """A one-process gloo group: the step's metrics reduce over ranks."""
+    import socket
+
+    import torch.distributed as dist
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=1)
+    yield
+    dist.destroy_process_group()
+
+
+def test_aborted_request_is_its_own_status_and_stays_out_of_the_loss(one_rank_group):
     """SGLang ends a request it aborts with finish_reason {"type": "abort", "message": ...}: the partial response
-    must not reach GRPO as a finished answer. It becomes finish reason "length", which every rollout function
-    turns into `SampleStatus.TRUNCATED` (counted in truncated_frac, out of the loss with --mask-truncated)."""
+    must reach GRPO neither as a finished answer nor as one cut at the length limit. It becomes
+    `SampleStatus.ABORTED`, its tokens are out of the loss whatever --mask-truncated says, and the step counts it
+    in `aborted_frac`. Followed through the real to_completion, rollout sample, packing, GRPO advantages, the
+    token loss and the step's metrics."""
+    from megarl.algorithms.advantages import compute_grpo_advantages
+    from megarl.algorithms.losses import aggregate, grpo_token_loss
     from megarl.data import PromptRecord
+    from megarl.mcore.parallel import ParallelInfo
     from megarl.rollout.functions import policy_sample
+    from megarl.samples import RolloutBatch, TrainBatch
+    from megarl.stages import report
     from megarl.stages.algorithm import pack
 
     aborted = _output(2, {"type": "abort", "message": "Abort in waiting queue"})
-    assert to_completion(aborted, 0).finish_reason == "length"
+    assert to_completion(aborted, 0).finish_reason == "abort"
     assert to_completion(_output(2, {"type": "stop", "matched": 7}), 0).finish_reason == "stop"
     assert to_completion(_output(2, {"type": "length", "length": 2}), 0).finish_reason == "length"
 
-    engine = SGLangEngine(_Recorder([_output(3, {"type": "stop", "matched": 7}), aborted]))
-    with pytest.warns(RuntimeWarning, match=r"aborted 1 of 2 requests.*Abort in waiting queue"):
-        group = engine.generate([[1, 2]], SamplingParams(n=2, max_new_tokens=3))[0]
+    engine = SGLangEngine(_Recorder([_output(3, {"type": "stop", "matched": 7}), _output(3, {"type": "stop"}),
+                                     aborted]))
+    with pytest.warns(RuntimeWarning, match=r"aborted 1 of 3 requests.*Abort in waiting queue"):
+        group = engine.generate([[1, 2]], SamplingParams(n=3, max_new_tokens=3))[0]
     assert engine.aborted == 1
     record = PromptRecord(index=0, prompt="", prompt_ids=[1, 2], label="", verifier="math")
     tokenizer = types.SimpleNamespace(decode=lambda ids, skip_special_tokens=True: "")
     samples = [policy_sample(0, record, c, tokenizer) for c in group]
-    assert [s.status for s in samples] == [SampleStatus.COMPLETED, SampleStatus.TRUNCATED]
-    packed = pack(samples, pad_id=0, mask_truncated=True)
-    assert packed.loss_mask[1].sum() == 0 and packed.loss_mask[0].sum() == 3
+    assert [s.status for s in samples] == [SampleStatus.COMPLETED, SampleStatus.COMPLETED, SampleStatus.ABORTED]
+    for s, reward in zip(samples, [1.0, 0.0, 0.0]):
+        s.reward = reward
+
+    packed = pack(samples, pad_id=0, mask_truncated=False)  # out of the loss without --mask-truncated too
+    assert packed.loss_mask.sum(dim=1).tolist() == [3.0, 3.0, 0.0]
+    rewards = torch.tensor([[1.0, 0.0, 0.0]])
+    advantages = compute_grpo_advantages(rewards).flatten()  # the aborted row stays in its group's baseline
+    mean, std = 1 / 3, (((2 / 3) ** 2 + 2 * (1 / 3) ** 2) / 2) ** 0.5
+    assert torch.allclose(advantages, torch.tensor([(1 - mean) / std, -mean / std, -mean / std]), atol=1e-5)
+    logp = packed.rollout_logp.clone().requires_grad_(True)
+    per_token, _ = grpo_token_loss(logp, packed.rollout_logp, None, advantages, packed.loss_mask)
+    num, den = aggregate(per_token, packed.loss_mask)
+    (num / den).backward()
+    assert logp.grad[2].abs().sum() == 0, "no gradient from the aborted row"
+    # ratio 1: the loss is -mean over the 6 finished tokens of their advantages
+    assert torch.allclose(num / den, -(3 * advantages[0] + 3 * advantages[1]) / 6, atol=1e-6)
+
+    batch = TrainBatch(tokens=packed.tokens, loss_mask=packed.loss_mask, rollout_logp=packed.rollout_logp,
+                       lengths=packed.lengths, rewards=rewards.flatten(), advantages=advantages)
+    one = ParallelInfo(rank=0, world_size=1, tp_rank=0, tp_size=1, pp_rank=0, pp_size=1, dp_rank=0, dp_size=1)
+    metrics = report.step_metrics(1, RolloutBatch(samples, group_size=3), batch, {"grad_norm": 0.0, "lr": 0.0}, {},
+                                  1.0, one)
+    assert metrics["aborted_frac"] == pytest.approx(1 / 3) and metrics["truncated_frac"] == 0.0
 
 
 # -- finding 7: SGLang's input log-probs ignore the temperature -------------------------------------------------
@@ -132,6 +176,49 @@ def test_release_and_resume_cover_every_memory_tag():
     assert set(released) == {"kv_cache", "weights", "cuda_graph"}
     assert sorted(resumed) == sorted(released), "each released tag is resumed once"
     assert fake.log[1] == ("resume", ("weights",)) and fake.log[-1] == "flush_cache"
+
+
+# -- finding 9: one IPC payload per TP rank, and IPC memory collected per bucket -----------------------------------
+
+
+def test_each_tp_rank_gets_a_payload_of_its_own(monkeypatch):
+    """SGLang's TP rank r opens only payload r (`deserialize_own_rank`): CUDA-IPC refcounting is per payload, so
+    one payload opened by every TP rank is released early or never. Without the trainer ranks on the engine's GPUs
+    (`IpcGather`, tests/distributed/test_ipc_gather.py) the leader serialises the bucket once per TP rank, as
+    SGLang's own `_serialize_tensors_per_rank` does, and warns that all of them live on its GPU."""
+    serialized = []
+
+    def serialize(obj, output_str=False):
+        serialized.append(obj["flattened_tensor"])
+        return f"payload {len(serialized)}"
+
+    names = ("sglang", "sglang.srt", "sglang.srt.utils", "sglang.srt.weight_sync",
+             "sglang.srt.weight_sync.tensor_bucket")
+    modules = {name: types.ModuleType(name) for name in names}
+    modules["sglang.srt.utils"].MultiprocessingSerializer = types.SimpleNamespace(serialize=serialize)
+    modules["sglang.srt.weight_sync.tensor_bucket"].FlattenedTensorMetadata = lambda **kw: kw
+    for name, module in modules.items():
+        monkeypatch.setitem(sys.modules, name, module)
+    fake = _Recorder()
+    fake.update_weights_from_tensor = lambda named_tensors, **kw: fake.log.append(list(named_tensors)) or (True, "")
+    with pytest.warns(RuntimeWarning, match=r"TP 2 without the trainer ranks on its GPUs.*build_ipc_gather"):
+        engine = SGLangEngine(fake, tp_size=2)
+    engine.load_weight_buckets(pack_buckets([(f"w{i}", torch.ones(4)) for i in range(3)], 32), version=1)
+    assert fake.log == [["payload 1", "payload 2"], ["payload 3", "payload 4"]], "one serialisation per TP rank"
+    engine = SGLangEngine(_Recorder(), tp_size=2, serialize=lambda bucket, tp: [bucket])
+    with pytest.raises(WeightSyncError, match="1 IPC payloads for an engine at TP 2"):
+        engine.load_weight_buckets(pack_buckets([("w", torch.ones(2))]), version=1)
+
+
+def test_ipc_memory_is_collected_after_each_bucket(monkeypatch):
+    """CUDA-IPC memory an engine has loaded from is given back per bucket (`torch.cuda.ipc_collect`, as slime
+    does per chunk), not once the whole sync is over."""
+    collected, fake = [], _Recorder()
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "ipc_collect", lambda: collected.append(len(fake.log)))
+    engine = SGLangEngine(fake, serialize=lambda bucket, tp: [bucket])
+    engine.load_weight_buckets(pack_buckets([(f"w{i}", torch.ones(4)) for i in range(3)], 16), version=1)
+    assert fake.log == ["update"] * 3 and collected == [1, 2, 3], "one collect right after each bucket's update"
 
 
 # -- finding 13: Megatron's fused softmax only where its kernel imports --------------------------------------------

@@ -267,9 +267,9 @@ def test_sglang_serializer_and_flattened_bucket_round_trip():
     named = [("a", torch.randn(3, 4)), ("b", torch.randn(5)), ("c", torch.randn(2, 2, dtype=torch.float64)),
              ("d", torch.arange(7, dtype=torch.bfloat16))]
     for bucket in pack_buckets(named, 1 << 20):
-        payloads = serialize_bucket(bucket, tp_size=2)
-        assert len(payloads) == 2 and isinstance(payloads[0], str)
-        data = MultiprocessingSerializer.deserialize(payloads[1])
+        payload = serialize_bucket(bucket)
+        assert isinstance(payload, str)
+        data = MultiprocessingSerializer.deserialize(payload)
         rebuilt = FlattenedTensorBucket(flattened_tensor=data["flattened_tensor"], metadata=data["metadata"])
         for (name, got), (want_name, want) in zip(rebuilt.reconstruct_tensors(), bucket.tensors()):
             assert name == want_name and got.dtype == want.dtype and torch.equal(got, want)

@@ -226,6 +226,24 @@ def test_latency_percentiles_of_the_latest_call(tok):
     assert rollout.step_metrics() == {"tool_latency_p50": 1.0, "tool_latency_p99": 1.75}
 
 
+def test_a_turn_the_engine_aborts_ends_the_trajectory_as_aborted(tok):
+    """An engine that stops a turn from outside (SGLang's abort) ends the trajectory there as ABORTED: no tool is
+    run for a call the policy may not have finished, and the sample is neither finished nor length-truncated."""
+
+    class AbortingSecondTurn(ScriptedEngine):
+        def generate(self, prompts, params):
+            out = super().generate(prompts, params)
+            if len(self.calls) == 2:
+                out = [[Completion(c.token_ids[:3], c.logprobs[:3], "abort", c.weight_version) for c in g] for g in out]
+            return out
+
+    tool = EvalTool()
+    script = lambda p, k, j: f"```python\n{p[:-1]}\n```\n"  # the model calls the tool every turn
+    (s,) = _rollout(tool)(AbortingSecondTurn(tok, script), _prompts(tok, "12*34="),
+                          SamplingParams(max_new_tokens=80), InProcessReward(), tok)
+    assert s.status is SampleStatus.ABORTED and s.metadata["turns"] == 2 and len(tool.batches) == 1
+
+
 def test_chat_models_get_the_templates_tool_turn(tok):
     """With a chat template the output is the template's tool turn (after what it writes past the assistant's
     end-of-turn token) and turns end at that token: no stop strings."""
