@@ -56,8 +56,9 @@ class WeightSync:
 
     Whether weights move at all is the engine's to say (`shares_actor_weights`); the replica's leader holds the
     engine and tells the other ranks once. The export is streamed (`MegatronPolicy.iter_hf`): the leader receives
-    one full tensor at a time and packs it into the current bucket, so a sync costs it about a bucket
-    (`--sync-bucket-mb`) of extra memory, not a copy of the model.
+    one full tensor at a time and packs it into the current bucket, so a sync costs it a few buckets
+    (`--sync-bucket-mb`) of extra memory, not a copy of the model (3 to 4 measured on CPU: the tensors of the
+    bucket being filled, the bucket, the one the engine is loading; tests/unit/test_colocation.py).
 
     --verify-weight-sync is split in two: the actor's log-probs on the probe are computed at the sync, while the
     actor holds the GPU (the forward is collective); the engine scores the probe at the next `enter_rollout`,
