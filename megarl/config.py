@@ -125,7 +125,8 @@ class RolloutConfig:
     sync_bucket_mb: int = _f(512, "weight sync: the actor's weights go to the engine in flat buckets of at most "
                              "this many MiB")
     verify_weight_sync: bool = _f(False, "after each weight sync, compare the engine's and the actor's log-probs on a "
-                                  "probe sequence and stop on a mismatch")
+                                  "probe sequence and stop on a mismatch (the engine scores it when it next takes "
+                                  "the GPU, before it generates)")
     verify_sync_tolerance: float = _f(0.05, "largest mean absolute log-prob difference --verify-weight-sync accepts "
                                       "(fp32: ~1e-6; bf16 engines: ~1e-2)")
     rollout_servers: str = _f("", "disaggregated mode: comma-separated host:port of SGLang servers on other nodes "

@@ -59,7 +59,10 @@ def run(cfg: Config, checked) -> int:
     run = setup.start(cfg, checked)  # process groups, data, actor (+ what the algorithm needs), engine, resume
     actor, engine, info, say = run.actor, run.engine, run.info, run.say
     log = setup.open_log(run)
-    eval_before = report.evaluate(run) if run.eval_prompts and run.start_step == 0 else None
+    eval_before = None
+    if run.eval_prompts and run.start_step == 0:
+        enter_rollout(actor, engine, t, run.sync)  # the engine takes the GPU (and checks the first sync's probe)
+        eval_before = report.evaluate(run)
     if eval_before:
         say(f"held-out before training: sampled {100 * eval_before['sampled']:.1f}%, "
             f"greedy {100 * eval_before['greedy']:.1f}%")
@@ -68,7 +71,8 @@ def run(cfg: Config, checked) -> int:
     step = run.start_step
     while step < t.num_steps:
         t0, timer = time.perf_counter(), PhaseTimer()
-        enter_rollout(actor, engine, t)  # colocated: the actor offloads, the engine resumes its KV cache
+        # colocated: the actor offloads, the engine resumes its KV cache (and scores the last sync's probe)
+        probe_metrics = enter_rollout(actor, engine, t, run.sync)
         rollout = run.collect(step)  # generate and score (asynchronous: take the batch made K steps ago)
         timer.add(t_generate=rollout.generate_seconds)
         if run.pending is not None:
@@ -86,7 +90,7 @@ def run(cfg: Config, checked) -> int:
         with timer("t_sync"):
             if run.pending is not None and cfg.rollout.rollout_servers and info.dp_size > 1:
                 run.pending.settle()  # servers shared by the DP leaders: their queued batches first
-            sync_metrics = run.sync(version=step + 1)
+            sync_metrics = {**run.sync(version=step + 1), **probe_metrics}
         step += 1
         seconds = time.perf_counter() - t0
         if run.pending is not None:
@@ -118,7 +122,7 @@ def run(cfg: Config, checked) -> int:
 
     if c.save_hf:
         report.save_hf(actor, run.tokenizer, cfg.model.hf_checkpoint, c.save_hf, info)
-    enter_rollout(actor, engine, t)
+    enter_rollout(actor, engine, t, run.sync)  # the last sync's probe is checked before the evaluation generates
     eval_after = report.evaluate(run) if run.eval_prompts else None
     report.finish(run, log, eval_before, eval_after, train_minutes, step)
     setup.close(run)

@@ -87,6 +87,7 @@ def _prompts(vocab: int, count: int, step: int):
     return out
 
 
+SGLANG_PART_NEEDS_S = 150  # a cold start of the 0.5B engine (CUDA graphs captured) and two GRPO steps
 _PEAK = [0]  # the running peak of GPU memory: weight_sync.push resets CUDA's own peak counter for its window
 
 
@@ -162,7 +163,7 @@ def grpo_part(args, hf_config: dict, *, bf16: bool, offload: bool, use_te: bool 
         row = {}
         t_step = time.perf_counter()
         mem0 = torch.cuda.memory_allocated() if cuda else 0
-        enter_rollout(actor, engine, cfg.training)
+        probe = enter_rollout(actor, engine, cfg.training, sync)  # the engine scores the last sync's probe
         row["offload_freed_mib"] = ((mem0 - torch.cuda.memory_allocated()) / 2**20) if cuda else 0.0
         prompts = _prompts(shape.vocab_size, args.prompts, step)
         sp = SamplingParams(n=args.samples, temperature=1.0, max_new_tokens=args.response_len, seed=step)
@@ -182,14 +183,14 @@ def grpo_part(args, hf_config: dict, *, bf16: bool, offload: bool, use_te: bool 
         sync_row = _sync(sync, step + 1)
         row.update(step=step + 1, reward=float(batch.rewards.mean()), rollout_tokens=tokens,
                    rollout_seconds=gen_s, rollout_tokens_per_s=tokens / max(gen_s, 1e-9), train_seconds=train_s,
-                   grad_norm=update.get("grad_norm"), step_seconds=time.perf_counter() - t_step, **sync_row)
+                   grad_norm=update.get("grad_norm"), step_seconds=time.perf_counter() - t_step, **sync_row, **probe)
         out["steps"].append(row)
         log(f"    step {row['step']}: {row['step_seconds']:.2f} s | rollout {tokens} tok in {gen_s:.2f} s "
             f"({row['rollout_tokens_per_s']:.0f} tok/s) | train {train_s:.2f} s | sync {row['sync_seconds']:.3f} s "
             f"push, {row['sync_total_seconds']:.3f} s total, {row['sync_bytes'] / 2**20:.1f} MiB in "
             f"{row['sync_buckets']} buckets | probe |dlogp| {row['sync_probe_absdiff_mean']:.2e} | "
             f"reward {row['reward']:.3f}")
-    enter_rollout(actor, engine, cfg.training)
+    out["final_probe"] = enter_rollout(actor, engine, cfg.training, sync)  # the last sync's probe
     out["peak_gpu_mib"] = _peak() / 2**20 if cuda else None
     from megarl.rollout.weight_sync import model_parameter_count
 
@@ -220,7 +221,7 @@ def sglang_part(args, budget: Budget, workdir: Path) -> dict:
         return {"status": "skipped", "why": why}
     if not torch.cuda.is_available():
         return {"status": "skipped", "why": "SGLang runs models on CUDA only"}
-    if budget.left() < 240:
+    if budget.left() < SGLANG_PART_NEEDS_S:
         return {"status": "skipped", "why": f"only {budget.left():.0f} s left of the time budget"}
     try:
         from safetensors.torch import save_file
@@ -228,25 +229,34 @@ def sglang_part(args, budget: Budget, workdir: Path) -> dict:
         return {"status": "skipped", "why": "safetensors is not importable: SGLang needs a checkpoint on disk"}
     # SGLang loads a checkpoint from disk; write a random one of the 0.5B shape (the sync overwrites it anyway).
     ckpt = workdir / "qwen2_05b_random"
-    ckpt.mkdir(parents=True, exist_ok=True)
-    cfg = dict(QWEN25_05B, architectures=["Qwen2ForCausalLM"], torch_dtype="bfloat16")
-    (ckpt / "config.json").write_text(json.dumps(cfg))
-    from megarl.rollout.builtin import BuiltinEngine
-
-    shell = BuiltinEngine(QWEN25_05B, device="cpu", dtype=torch.bfloat16)
-    tensors = {n: torch.randn_like(t) * 0.02 for n, t in shell._hf_views().items() if n != "lm_head.weight"}
-    save_file({n: t.contiguous() for n, t in tensors.items()}, str(ckpt / "model.safetensors"))
-    del shell, tensors
+    write_random_checkpoint(ckpt, QWEN25_05B, save_file)
     t = time.perf_counter()
     engine = SGLangEngine.launch(str(ckpt), tp_size=1, base_gpu_id=torch.cuda.current_device(),
                                  mem_fraction=args.sglang_mem_fraction, dtype="bfloat16", seed=0)
     launch_s = time.perf_counter() - t
+    engine.release_memory()  # as in training (`setup.launch_engine_first`): the actor is built in what it frees
     try:
         out = grpo_part(args, QWEN25_05B, bf16=True, offload=True, use_te=None, engine=engine, steps_count=2)
         out["launch_seconds"] = launch_s
         return out
     finally:
         engine.shutdown()
+
+
+def write_random_checkpoint(ckpt: Path, hf_config: dict, save_file) -> Path:
+    """A random bf16 checkpoint of `hf_config`'s shape (config.json and one safetensors file) for SGLang to load:
+    the first sync overwrites its weights anyway. `save_file`: safetensors' (imported by the caller, who reports
+    it missing)."""
+    from megarl.rollout.builtin import BuiltinEngine
+
+    ckpt.mkdir(parents=True, exist_ok=True)
+    cfg = dict(hf_config, architectures=["Qwen2ForCausalLM"], torch_dtype="bfloat16")
+    (ckpt / "config.json").write_text(json.dumps(cfg))
+    shell = BuiltinEngine(hf_config, device="cpu", dtype=torch.bfloat16)
+    skip = {"lm_head.weight"} if hf_config.get("tie_word_embeddings") else set()
+    tensors = {n: torch.randn_like(t) * 0.02 for n, t in shell._hf_views().items() if n not in skip}
+    save_file({n: t.contiguous() for n, t in tensors.items()}, str(ckpt / "model.safetensors"))
+    return ckpt
 
 
 def dynamic_part(args) -> dict:
@@ -297,9 +307,36 @@ def dynamic_part(args) -> dict:
     return out
 
 
+def verdict(name: str, status: str, detail: str) -> None:
+    """The stage's one-line verdict, which tools/gpu_check.sh collects: `PASS stage NAME: figures`,
+    `FAIL stage NAME: reason` or `SKIP stage NAME: reason`."""
+    word = {"ran": "PASS", "failed": "FAIL", "skipped": "SKIP"}.get(status, status.upper())
+    log(f"{word} stage {name}: {' '.join(detail.split())}")
+
+
+def part_verdict(name: str, out: dict) -> tuple[str, str]:
+    """(status, detail) of a part's results: a part that ran fails when a sync moved other than the parameter
+    bytes (a probe mismatch has already raised)."""
+    if out["status"] != "ran":
+        return out["status"], str(out.get("why") or out.get("error"))
+    if out.get("sync_bytes_equal_parameter_bytes") is False:
+        return "failed", f"a sync moved other than the {out['parameter_bytes']} parameter bytes"
+    probes = [r["sync_probe_absdiff_max"] for r in out.get("steps", ()) if "sync_probe_absdiff_max" in r]
+    figures = f"{out['seconds']:.0f} s"
+    if probes:
+        figures += f", {len(probes)} verified syncs, probe |dlogp| max {max(probes):.2e}"
+    if out.get("summary"):
+        figures += (f", rollout {out['summary']['rollout_tokens_per_s']:.0f} tok/s, sync "
+                     f"{out['summary']['sync_seconds']:.3f} s")
+    if out.get("peak_gpu_mib"):
+        figures += f", peak GPU {out['peak_gpu_mib']:.0f} MiB"
+    return "ran", figures
+
+
 def skip(results: dict, name: str, title: str, why: str) -> None:
     results[name] = {"status": "skipped", "why": why, "title": title}
     log(f"\n== {name}: {title}\n   skipped: {why}")
+    verdict(name, "skipped", why)
 
 
 def run_part(name: str, title: str, fn, results: dict, budget: Budget, need_s: float) -> None:
@@ -307,6 +344,7 @@ def run_part(name: str, title: str, fn, results: dict, budget: Budget, need_s: f
     if budget.left() < need_s:
         results[name] = {"status": "skipped", "why": f"only {budget.left():.0f} s left of the time budget"}
         log(f"   skipped: {results[name]['why']}")
+        verdict(name, "skipped", results[name]["why"])
         return
     t = time.perf_counter()
     try:
@@ -323,6 +361,7 @@ def run_part(name: str, title: str, fn, results: dict, budget: Budget, need_s: f
     results[name] = out
     log(f"   {out['status']}" + (f": {out.get('why') or out.get('error')}" if out["status"] != "ran" else
                                  f" in {out['seconds']:.1f} s"))
+    verdict(name, *part_verdict(name, out))
 
 
 def main(argv=None) -> int:
@@ -412,7 +451,8 @@ def main(argv=None) -> int:
             log(f"  {'':<7} greedy vs built-in engine: {100 * pr['greedy_identical_frac']:.0f}% identical, "
                 f"|dlogp| {pr['logprob_absdiff_mean']:.2e}")
     log(f"results: {out_dir / 'results.json'}")
-    failed = [n for n, r in results.items() if isinstance(r, dict) and r.get("status") == "failed"]
+    parts = {n: r for n, r in results.items() if isinstance(r, dict) and "status" in r}
+    failed = [n for n, r in parts.items() if part_verdict(n, r)[0] == "failed"]
     return 1 if failed else 0
 
 

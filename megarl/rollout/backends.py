@@ -6,7 +6,9 @@ configuration, and whether it can run on this machine.
 
 `build(cfg, actor)` runs on each model-parallel leader once process groups and the actor exist; `check(cfg)` is a
 configuration rule run when flags are parsed (raise `ConfigError` naming the flags); `available(cfg)` says
-whether the engine can run here, `(True, "")` or `(False, why)`, checked before any work starts. Built in:
+whether the engine can run here, `(True, "")` or `(False, why)`, checked before any work starts;
+`launch_first(cfg)`: the engine sizes its memory from the GPU memory free when it starts, so it is built before
+the actor (`build(cfg, None)`) and releases its memory at once (`megarl.stages.setup`). Built in:
 `builtin` (plain PyTorch, CPU or GPU), `sglang` (colocated, or servers elsewhere with `--rollout-servers`) and
 `megatron` (megatron-core's inference engine over the actor's own model, `megarl/mcore/inference_engine.py`).
 """
@@ -37,23 +39,29 @@ def _runs_anywhere(cfg: Config) -> tuple[bool, str]:
     return True, ""
 
 
+def _after_the_actor(cfg: Config) -> bool:
+    return False
+
+
 @dataclass(frozen=True)
 class Backend:
     name: str
     build: Callable[[Config, MegatronPolicy | None], RolloutEngine]
     check: Callable[[Config], None] = _no_rule
     available: Callable[[Config], tuple[bool, str]] = _runs_anywhere
+    launch_first: Callable[[Config], bool] = _after_the_actor
 
 
 BACKENDS: Registry[Backend] = Registry("rollout backend")  # the built-in backends are registered below
 
 
 def register_backend(name: str, *, check: Callable[[Config], None] = _no_rule,
-                     available: Callable[[Config], tuple[bool, str]] = _runs_anywhere):
+                     available: Callable[[Config], tuple[bool, str]] = _runs_anywhere,
+                     launch_first: Callable[[Config], bool] = _after_the_actor):
     """Decorator on a backend's `build(cfg, actor) -> RolloutEngine` (see the module docstring)."""
 
     def decorate(build):
-        BACKENDS.add(name, Backend(name, build, check, available))
+        BACKENDS.add(name, Backend(name, build, check, available, launch_first))
         return build
 
     return decorate
@@ -108,7 +116,14 @@ def _sglang_available(cfg: Config) -> tuple[bool, str]:
                               "--rollout-backend builtin")
 
 
-@register_backend("sglang", available=_sglang_available)
+def _sglang_colocated(cfg: Config) -> bool:
+    """The in-process engine sizes its KV pool from the GPU memory free at launch (SGLang's
+    `mem_fraction_static` is a share of that, not of the GPU): launched after the actor and the reference it
+    would get what they leave, or refuse to start. Servers elsewhere have GPUs of their own."""
+    return not cfg.rollout.rollout_servers
+
+
+@register_backend("sglang", available=_sglang_available, launch_first=_sglang_colocated)
 def build_sglang(cfg: Config, actor: MegatronPolicy | None = None) -> RolloutEngine:
     """An in-process SGLang engine on this rank's GPUs, or a client of `--rollout-servers`."""
     import torch.distributed as dist

@@ -9,6 +9,8 @@ the actor's own parameters, only a new version. On CPU every one of these is a n
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 import torch.distributed as dist
 
@@ -19,13 +21,17 @@ from megarl.mcore.parallel import ParallelInfo
 from megarl.rollout import RolloutEngine, weight_sync
 
 
-def enter_rollout(actor: MegatronPolicy, engine: RolloutEngine | None, t: TrainingConfig) -> None:
+def enter_rollout(actor: MegatronPolicy, engine: RolloutEngine | None, t: TrainingConfig,
+                  sync: WeightSync | None = None) -> dict[str, float]:
     """Hand the GPU to the engine: offload the actor (per --offload-optimizer / --offload-params), then the engine
-    re-acquires its KV cache and flushes prefixes cached under the old weights."""
+    re-acquires its KV cache and flushes prefixes cached under the old weights. With `sync` holding the probe of
+    its last sync (--verify-weight-sync), the engine then scores it, so its KV cache never comes back beside the
+    optimizer state. Returns that check's metrics ({} without one, and off the replica's leader)."""
     if t.offload_optimizer or t.offload_params:
         actor.offload(params=t.offload_params, optimizer=t.offload_optimizer)
     if engine is not None:
         engine.resume_memory()
+    return sync.check_probe() if sync is not None else {}
 
 
 def enter_training(actor: MegatronPolicy, engine: RolloutEngine | None) -> None:
@@ -36,43 +42,96 @@ def enter_training(actor: MegatronPolicy, engine: RolloutEngine | None) -> None:
     actor.onload()
 
 
+@dataclass(frozen=True)
+class Probe:
+    """The actor's log-probs on a probe sequence, kept on the replica's leader until the engine scores it."""
+
+    version: int
+    tokens: list[int]
+    actor_logp: torch.Tensor  # [len(tokens) - 1], on the CPU
+
+
 class WeightSync:
     """The actor -> engine sync of a model replica; every rank of the replica calls it (the export is collective).
 
     Whether weights move at all is the engine's to say (`shares_actor_weights`); the replica's leader holds the
-    engine and tells the other ranks once."""
+    engine and tells the other ranks once. The export is streamed (`MegatronPolicy.iter_hf`): the leader receives
+    one full tensor at a time and packs it into the current bucket, so a sync costs it a few buckets
+    (`--sync-bucket-mb`) of extra memory, not a copy of the model (3 to 4 measured on CPU: the tensors of the
+    bucket being filled, the bucket, the one the engine is loading; tests/unit/test_colocation.py).
+
+    --verify-weight-sync is split in two: the actor's log-probs on the probe are computed at the sync, while the
+    actor holds the GPU (the forward is collective); the engine scores the probe at the next `enter_rollout`,
+    after the actor's optimizer (and weights) have left the GPU and the engine has taken back its KV cache. The
+    check so runs before the engine generates anything with the synced weights, never with the optimizer state
+    and the KV cache on the GPU at once."""
 
     def __init__(self, actor: MegatronPolicy, engine: RolloutEngine | None, r: RolloutConfig, info: ParallelInfo):
-        self.actor, self.engine, self.r = actor, engine, r
+        self.actor, self.engine, self.r, self.info = actor, engine, r, info
         shares = engine.shares_actor_weights if engine is not None else None
         self.shares_actor_weights = parallel.broadcast_in_mp_group(shares) if info.replica_size > 1 else shares
+        self.pending: Probe | None = None  # the last sync's probe, not yet scored by the engine
 
     def __call__(self, version: int) -> dict[str, float]:
-        """Sync the actor's weights as `version`; with --verify-weight-sync compare log-probs on a probe
-        sequence. Returns the sync's metrics on the leader ({} elsewhere)."""
+        """Sync the actor's weights as `version` (with --verify-weight-sync: and take the actor's side of the
+        probe). Returns the sync's metrics on the leader ({} elsewhere)."""
         if self.shares_actor_weights:
             metrics = weight_sync.stamp(self.engine, version).metrics() if self.engine is not None else {}
         else:
-            named = self.actor.export_hf()  # gathers TP/PP shards on the leader; collective
-            metrics = (weight_sync.push(self.engine, named, version, self.r.sync_bucket_mb << 20).metrics()
-                       if self.engine is not None else {})
-            del named
+            metrics = self._push(version)
         if self.r.verify_weight_sync:
-            metrics.update(verify_sync(self.actor, self.engine, version, self.r.verify_sync_tolerance))
+            self.pending = actor_probe(self.actor, version, gather=self.info.replica_size > 1)
         return metrics
+
+    def _push(self, version: int) -> dict[str, float]:
+        named = self.actor.iter_hf()  # gathers TP/PP shards on the leader, one tensor at a time; collective
+        try:
+            if self.engine is None:
+                return {}
+            return weight_sync.push(self.engine, named, version, self.r.sync_bucket_mb << 20).metrics()
+        finally:
+            # Every model-parallel rank runs the export to its end in step with the others: ranks without an
+            # engine, an engine that takes no buckets, and a push that failed part way (its error is then raised
+            # on this rank, not a hang in the others' next gather). After an error of the export itself the
+            # generator is finished and this is a no-op.
+            for _ in named:
+                pass
+
+    def check_probe(self) -> dict[str, float]:
+        """The engine scores the last sync's probe (at most once); raises `WeightSyncError` on a mismatch. The
+        metrics name the version checked (`sync_probe_version`): the sync before the rollout that follows."""
+        probe, self.pending = self.pending, None
+        if probe is None or self.engine is None:
+            return {}
+        return {**engine_check(self.engine, probe, self.r.verify_sync_tolerance), "sync_probe_version": probe.version}
+
+
+def actor_probe(actor: MegatronPolicy, version: int, gather: bool = True) -> Probe | None:
+    """The actor's log-probs on the probe sequence of `version`, on the model-parallel leader (None elsewhere).
+    Every model-parallel rank calls this: the forward is collective, and with `gather` the log-probs (on the last
+    pipeline stage) are gathered to the leader."""
+    probe = weight_sync.probe_sequence(actor.shape.vocab_size, seed=version)
+    logp = actor.logprobs(torch.tensor([probe], device=parallel.device()), micro_batch_size=1, temperature=1.0)
+    if not gather:
+        return Probe(version, probe, logp[0].cpu())
+    gathered = [None] * dist.get_world_size(parallel.mp_group())
+    dist.all_gather_object(gathered, None if logp is None else logp.cpu(), group=parallel.mp_group())
+    return Probe(version, probe, next(g for g in gathered if g is not None)[0])
+
+
+def engine_check(engine: RolloutEngine, probe: Probe, tolerance: float) -> dict[str, float]:
+    """The engine's log-probs on `probe` against the actor's (`weight_sync.check_probe`); the engine must hold
+    its KV cache (`enter_rollout`)."""
+    engine_logp = torch.tensor(engine.score([probe.tokens], [1], temperature=1.0)[0])
+    return weight_sync.check_probe(probe.actor_logp, engine_logp, tolerance)
 
 
 def verify_sync(actor: MegatronPolicy, engine: RolloutEngine | None, version: int,
                 tolerance: float) -> dict[str, float]:
-    """The actor's and the engine's log-probs on one probe sequence must agree (all model-parallel ranks call
-    this: the actor's forward is collective). Raises `WeightSyncError` on a mismatch."""
-    probe = weight_sync.probe_sequence(actor.shape.vocab_size, seed=version)
-    logp = actor.logprobs(torch.tensor([probe], device=parallel.device()), micro_batch_size=1, temperature=1.0)
-    gathered = [None] * dist.get_world_size(parallel.mp_group())
-    dist.all_gather_object(gathered, None if logp is None else logp.cpu(), group=parallel.mp_group())
+    """Both halves of the check at once, for a caller that has already handed the engine its memory (the actor's
+    forward is collective: all model-parallel ranks call this). Raises `WeightSyncError` on a mismatch."""
+    probe = actor_probe(actor, version)
     if engine is None:
         return {}
     engine.resume_memory()  # scoring needs the KV cache
-    actor_logp = next(g for g in gathered if g is not None)[0]
-    engine_logp = torch.tensor(engine.score([probe], [1], temperature=1.0)[0])
-    return weight_sync.check_probe(actor_logp, engine_logp, tolerance)
+    return engine_check(engine, probe, tolerance)

@@ -166,11 +166,11 @@ def evaluate(run: TrainingRun, quiet: bool = False) -> dict:
 def evaluate_between_steps(run: TrainingRun, step: int) -> dict:
     """`--eval-interval`: held-out accuracy after `step`, as metrics.jsonl keys, the GPU handed to the engine for it
     and back. The seeds are those of every evaluation, so the curve compares like with like."""
-    enter_rollout(run.actor, run.engine, run.cfg.training)
+    probe = enter_rollout(run.actor, run.engine, run.cfg.training, run.sync)  # the probe first (--verify-weight-sync)
     result = evaluate(run, quiet=True)
     enter_training(run.actor, run.engine)
     run.say(f"step {step}: held-out sampled {100 * result['sampled']:.1f}%, greedy {100 * result['greedy']:.1f}%")
-    return {"eval_sampled": result["sampled"], "eval_greedy": result["greedy"]}
+    return {"eval_sampled": result["sampled"], "eval_greedy": result["greedy"], **probe}
 
 
 def save_hf(actor: MegatronPolicy, tokenizer, src_dir: str, out_dir: str, info: ParallelInfo,

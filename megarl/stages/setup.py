@@ -2,7 +2,9 @@
 needs besides it, the rollout engine and stage, resume; then checkpoints and the end of the run.
 
 The order of construction is fixed (actor, reference, resume, critic, engine): a resumed run restores the RNG
-states in between, and every later random draw depends on it.
+states in between, and every later random draw depends on it. An engine that sizes its memory from what is free
+when it starts (the colocated SGLang engine, `Backend.launch_first`) comes first instead, on a GPU the actor has not
+touched yet, and releases its memory before the actor is built; it draws no random numbers in this process.
 """
 
 from __future__ import annotations
@@ -15,6 +17,7 @@ from pathlib import Path
 from typing import Callable
 
 import torch
+import torch.distributed as dist
 
 from megarl.arguments import import_plugins
 from megarl.config import SAVED_CONFIG, Config, ConfigError, TrainingConfig, saved_config
@@ -124,19 +127,11 @@ def start(cfg: Config, checked: Checked) -> TrainingRun:
 
     model = dict(tp=info.tp_size, pp=info.pp_size, bf16=m.bf16, use_transformer_engine=m.use_transformer_engine,
                  cp=info.cp_size, padded_vocab_size=padded, moe=MoEOptions.from_config(m))
-    say(f"megarl: building the actor{' and the reference' if Algorithm.needs_reference(cfg) else ''}")
-    actor = MegatronPolicy(shape, trainable=True, optim=optim_config(t), sequence_parallel=m.sequence_parallel,
-                           routing_replay=cfg.algorithm.routing_replay,
-                           recompute_granularity=m.recompute_granularity, **model)
-    reference = None
-    if Algorithm.needs_reference(cfg):
-        reference = MegatronPolicy(shape, trainable=False, **model)
-        reference.load_hf(m.ref_checkpoint or m.hf_checkpoint)
-    sampler = PromptSampler(len(prompts), seed=t.seed, shuffle=d.shuffle)
-    start_step, rank_state = _resume(cfg, checked.resume_from, actor, sampler, say)
-    critic = (Critic(cfg, shape, info, optim_config(t), padded, checked.resume_from)
-              if Algorithm.needs_critic(cfg) else None)
-    engine = rollout_engine = build_engine(cfg, actor) if info.is_mp_leader else None
+    sampler = PromptSampler(len(prompts), seed=t.seed, shuffle=d.shuffle)  # its own RNG, none of torch's
+    models = build_models(cfg, checked, info, model, sampler, say)
+    actor, reference, critic, start_step, rank_state = (models.actor, models.reference, models.critic,
+                                                         models.start_step, models.rank_state)
+    engine = rollout_engine = models.engine
     pipeline = Pipeline() if t.async_staleness else None
     if pipeline is not None and engine is not None:  # the loop's calls queue behind the rollouts in flight
         engine = OrderedEngine(rollout_engine, pipeline)
@@ -157,6 +152,59 @@ def start(cfg: Config, checked: Checked) -> TrainingRun:
     return TrainingRun(cfg, info, say, tokenizer, pad_id, prompts, eval_prompts, sampler, actor,
                Algorithm(cfg, info, reference, critic), engine, reward, rollout_fn, collect, sync, start_step, record,
                pending)
+
+
+@dataclass
+class Models:
+    """What `build_models` built: the actor, what the algorithm needs besides it, the engine (on each model
+    replica's leader), and where a resumed run starts."""
+
+    actor: MegatronPolicy
+    reference: MegatronPolicy | None
+    critic: Critic | None
+    engine: RolloutEngine | None
+    start_step: int
+    rank_state: dict
+
+
+def build_models(cfg: Config, checked: Checked, info: ParallelInfo, model: dict, sampler: PromptSampler,
+                 say) -> Models:
+    """Actor, reference, resume, critic, engine, in this order (see the module docstring), or the engine first
+    when its backend says so (`launch_engine_first`). `model`: MegatronPolicy's layout and precision arguments."""
+    m, t = cfg.model, cfg.training
+    engine = launch_engine_first(cfg, info, say)
+    say(f"megarl: building the actor{' and the reference' if Algorithm.needs_reference(cfg) else ''}")
+    actor = MegatronPolicy(checked.shape, trainable=True, optim=optim_config(t), sequence_parallel=m.sequence_parallel,
+                           routing_replay=cfg.algorithm.routing_replay,
+                           recompute_granularity=m.recompute_granularity, **model)
+    reference = None
+    if Algorithm.needs_reference(cfg):
+        reference = MegatronPolicy(checked.shape, trainable=False, **model)
+        reference.load_hf(m.ref_checkpoint or m.hf_checkpoint)
+    start_step, rank_state = _resume(cfg, checked.resume_from, actor, sampler, say)
+    critic = (Critic(cfg, checked.shape, info, optim_config(t), model["padded_vocab_size"], checked.resume_from)
+              if Algorithm.needs_critic(cfg) else None)
+    if engine is None and info.is_mp_leader:
+        engine = build_engine(cfg, actor)
+    return Models(actor, reference, critic, engine, start_step, rank_state)
+
+
+def launch_engine_first(cfg: Config, info: ParallelInfo, say) -> RolloutEngine | None:
+    """For a backend that sizes its memory pools from the GPU memory free at launch (`Backend.launch_first`):
+    launch the engine on each model-parallel leader while the GPUs are still empty, then have it release its
+    memory (the actor and the reference are built in what it frees; the first sync resumes its weights, the first
+    rollout its KV cache). Every rank waits until all engines have launched, since an engine's TP ranks use the
+    GPUs of other trainer ranks. None for other backends, and off the leaders."""
+    if not BACKENDS.get(cfg.rollout.rollout_backend).launch_first(cfg):
+        return None
+    say(f"megarl: launching the {cfg.rollout.rollout_backend} engine before the actor (it sizes its memory pools "
+        "from the GPU memory free at launch)")
+    engine = None
+    if info.is_mp_leader:
+        engine = build_engine(cfg, None)
+        engine.release_memory()
+    dist.barrier()
+    return engine
 
 
 def _config_lines(cfg: Config) -> str:

@@ -58,7 +58,8 @@ def test_offload_frees_gpu_memory_and_restores_it():
 
 def _gpu_check(tmp_path, parts: str, timeout: int = 470) -> dict:
     proc = subprocess.run([str(REPO / "tools/gpu_check.sh"), "--parts", parts, "--out", str(tmp_path)], cwd=REPO,
-                          env={**env(), "PYTHON": sys.executable}, capture_output=True, text=True, timeout=timeout)
+                          env={**env(), "PYTHON": sys.executable, "GPU_CHECK_TP2_STAGES": "none"},
+                          capture_output=True, text=True, timeout=timeout)
     assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
     return json.loads((tmp_path / "results.json").read_text())
 
@@ -109,3 +110,22 @@ def test_gpu_check_megatron_dynamic_engine(tmp_path):
     # Same bf16 weights, two implementations: a near-tie may flip a greedy token, rarely.
     assert part["parity"]["greedy_identical_frac"] >= 0.75
     assert part["parity"]["logprob_absdiff_mean"] < 0.05
+
+
+@pytest.mark.slow
+@pytest.mark.distributed
+@pytest.mark.parametrize("stage", ["tp2-builtin", "tp2-sglang", "disaggregated"])
+def test_gpu_check_tp2_stage(stage):
+    """tools/gpu_check_tp2.py's stages: TP 2 under torchrun (built-in engine, SGLang colocated) and the
+    disaggregated pair; each prints its verdict line."""
+    if torch.cuda.device_count() < 2:
+        pytest.skip("needs 2 CUDA GPUs (NCCL refuses two ranks on one GPU)")
+    if stage != "tp2-builtin":
+        from megarl.rollout.sglang_engine import sglang_available
+
+        ok, why = sglang_available()
+        if not ok:
+            pytest.skip(why)
+    proc = subprocess.run([sys.executable, str(REPO / "tools/gpu_check_tp2.py"), "--stages", stage], cwd=REPO,
+                          env=env(), capture_output=True, text=True, timeout=300)
+    assert f"PASS stage {stage}:" in proc.stdout and proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-2000:]

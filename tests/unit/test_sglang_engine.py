@@ -69,15 +69,15 @@ class RecordingSessionEngine(RecordingEngine):
 
 
 class FakeActor:
-    """What the cycle needs of `MegatronPolicy`: export and offload."""
+    """What the cycle needs of `MegatronPolicy`: the streamed export and offload."""
 
     def __init__(self, log):
         self.log = log
         self.weights = [(f"model.layers.{i}.mlp.down_proj.weight", torch.full((8, 8), float(i))) for i in range(3)]
 
-    def export_hf(self):
-        self.log.append("export")
-        return list(self.weights)
+    def iter_hf(self):
+        self.log.append("export")  # a generator, like the real one: nothing runs until the push pulls a tensor
+        yield from self.weights
 
     def offload(self, *, params, optimizer):
         self.log.append(("offload", params, optimizer))
@@ -110,8 +110,8 @@ def test_colocation_cycle_order():
         assert metrics["weight_version"] == step + 1 and metrics["sync_bytes"] == 3 * 8 * 8 * 4
     enter_rollout(actor, engine, cfg.training)
     one_step = [("offload", True, True), ("resume", ("cuda_graph", "kv_cache")), "flush_cache", "generate",
-                ("release", ("kv_cache", "weights", "cuda_graph")), "onload", "train", "export",
-                ("resume", ("weights",)), "begin_weight_update", ("update", "flattened_bucket", False, 2),
+                ("release", ("kv_cache", "weights", "cuda_graph")), "onload", "train",
+                ("resume", ("weights",)), "begin_weight_update", "export", ("update", "flattened_bucket", False, 2),
                 "end_weight_update"]
     first = [("offload", True, True), "flush_cache"] + one_step[3:]  # nothing released before the first rollout
     assert log == first + one_step + [("offload", True, True), ("resume", ("cuda_graph", "kv_cache")), "flush_cache"]
