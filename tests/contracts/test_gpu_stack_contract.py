@@ -18,48 +18,21 @@ without network and without the cache, the tests skip and name the command that 
 from __future__ import annotations
 
 import ast
-import fcntl
 import functools
 import re
 import runpy
-import subprocess
-import sys
 import types
 import zipfile
-from pathlib import Path
 from unittest import mock
 
-import pytest
 import setuptools
 from packaging.requirements import Requirement
 
+from sglang_upstream import ROOT, fetch_wheel
+
 from megarl.mcore import convert
 
-ROOT = Path(__file__).resolve().parents[2]
-CACHE = ROOT / ".cache" / "contract"
-DOWNLOAD_TIMEOUT_S = 300
-
-
-def fetch_wheel(requirement: str, pattern: str) -> Path:
-    """`pip download --no-deps requirement` into .cache/contract/ once; the wheel matching `pattern` there.
-
-    Skips the calling test, naming the command, when the wheel is absent and cannot be fetched (offline)."""
-    CACHE.mkdir(parents=True, exist_ok=True)
-    with open(CACHE / ".lock", "w") as lock:
-        fcntl.flock(lock, fcntl.LOCK_EX)  # another xdist worker may be fetching it right now
-        found = sorted(CACHE.glob(pattern))
-        if not found:
-            cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--quiet", requirement, "-d", str(CACHE)]
-            try:
-                done = subprocess.run(cmd, capture_output=True, text=True, timeout=DOWNLOAD_TIMEOUT_S)
-                why = (done.stderr or done.stdout).strip().splitlines()[-1:] if done.returncode else []
-            except subprocess.TimeoutExpired:
-                why = [f"no answer in {DOWNLOAD_TIMEOUT_S} s"]
-            found = sorted(CACHE.glob(pattern))
-            if not found:
-                pytest.skip(f"{requirement} is not in {CACHE} and could not be downloaded (offline?): "
-                            f"{' '.join(why) or 'no wheel'}; fill the cache with `{' '.join(cmd[2:])}`")
-    return found[-1]
+# One fetcher for every upstream wheel these tests read (cache, lock, the offline skip): sglang_upstream's.
 
 
 @functools.lru_cache(maxsize=1)
