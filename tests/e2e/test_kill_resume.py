@@ -62,10 +62,18 @@ def _run_and_kill(nproc: int, args: list, ckpt: Path, timeout: float = 400) -> i
     return _latest_step(ckpt)
 
 
-# Synchronous on one process; asynchronous at DP=2 (each rank's queue and dynamic-sampling buffer) with two batches
-# in flight. (Synchronous resumes at DP=2: test_train_cli.py and test_ppo.py; K = 1 passes here too, kept out of CI
-# for time: `--async-staleness 1` on one process and at DP=2 was measured bitwise when asynchronous training landed.)
-@pytest.mark.parametrize("nproc,staleness", [(1, 0), (2, 2)], ids=["single", "dp2-async2"])
+# Asynchronous at DP=2 (each rank's queue and dynamic-sampling buffer) with two batches in flight: the kill lands
+# with the most state in flight. The synchronous run on one process (`single`) passes too and is kept out of
+# `make test` for CI's time (~75 s; MEGARL_KILL_RESUME_SINGLE=1 runs it): synchronous resumes are tested at DP=2 by
+# test_train_cli.py and test_ppo.py. K = 1 passes here too: `--async-staleness 1` on one process and at DP=2 was
+# measured bitwise when asynchronous training landed.
+CASES = [pytest.param(1, 0, id="single", marks=pytest.mark.skipif(
+             os.environ.get("MEGARL_KILL_RESUME_SINGLE") != "1",
+             reason="kept out of make test for CI's time; MEGARL_KILL_RESUME_SINGLE=1 runs it")),
+         pytest.param(2, 2, id="dp2-async2")]
+
+
+@pytest.mark.parametrize("nproc,staleness", CASES)
 def test_sigkill_then_resume_matches_uninterrupted_run(starter, tmp_path, nproc, staleness):
     full_out, out, ckpt = tmp_path / "full", tmp_path / "run", tmp_path / "ckpt"
     extra = ["--async-staleness", staleness, "--tis-cap", 2] if staleness else []
