@@ -213,7 +213,7 @@ class MegatronEngine:
         """As `update_weights`: buckets of weights have nowhere to go (`weight_sync.stamp` sends none)."""
         self.update_weights((t for bucket in buckets for t in bucket.tensors()), version)
 
-    def release_memory(self) -> None:
+    def release_memory(self, keep_weights: bool = False) -> None:
         """Free the KV cache (Megatron's `suspend`) before training."""
         self.engine.suspend()
 

@@ -101,8 +101,10 @@ class RolloutEngine(Protocol):
         """Load one sync's buckets (`weight_sync.pack_buckets`), then stamp `version`."""
         ...
 
-    def release_memory(self) -> None:
-        """Free rollout memory (KV cache, weights) before training; a no-op where there is nothing to free."""
+    def release_memory(self, keep_weights: bool = False) -> None:
+        """Free rollout memory (KV cache, weights) before training; a no-op where there is nothing to free.
+        `keep_weights`: no push follows before the next rollout (an evaluation between steps), so the weights stay:
+        an engine whose released weights lose their contents would generate from garbage otherwise."""
         ...
 
     def resume_memory(self) -> None:

@@ -265,7 +265,7 @@ class BuiltinEngine:
             packed = self._packed[id(weight)] = torch.ops.mkldnn._reorder_linear_weight(weight, 32)
         return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
 
-    def release_memory(self) -> None:
+    def release_memory(self, keep_weights: bool = False) -> None:
         """Nothing to free: the KV cache lives only for one `generate` call."""
 
     def resume_memory(self) -> None:

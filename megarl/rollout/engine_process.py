@@ -82,7 +82,7 @@ class EngineProcess:
         self._call("stamp", version)
         self.weight_version = version
 
-    def release_memory(self) -> None:
+    def release_memory(self, keep_weights: bool = False) -> None:
         """Nothing to free: the engine holds no GPU the actor needs."""
 
     def resume_memory(self) -> None:

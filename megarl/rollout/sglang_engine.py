@@ -241,12 +241,16 @@ class SGLangEngine:
 
     # -- the colocation cycle --------------------------------------------------------------------------------
 
-    def release_memory(self) -> None:
+    def release_memory(self, keep_weights: bool = False) -> None:
         """Free everything the memory saver holds for training (colocated mode only): the KV cache, the weights
-        and the captured CUDA graphs' memory, which would otherwise stay reserved while the actor trains."""
+        and the captured CUDA graphs' memory, which would otherwise stay reserved while the actor trains.
+        `keep_weights` (no push follows: an evaluation between steps): the weights stay. SGLang keeps no copy of
+        released weights unless `enable_weights_cpu_backup` is on, so weights released with no push after them
+        come back as uninitialised memory."""
         if self.colocated:
-            _check(self.engine.release_memory_occupation(tags=list(MEMORY_TAGS)), "release_memory_occupation")
-            self._released = set(MEMORY_TAGS)
+            tags = [t for t in MEMORY_TAGS if not (keep_weights and t == WEIGHTS)]
+            _check(self.engine.release_memory_occupation(tags=tags), "release_memory_occupation")
+            self._released = set(tags)
 
     def load_weight_buckets(self, buckets: Iterable[WeightBucket], version: int) -> None:
         """Resume the weights' memory if released, then push every bucket without flushing the cache per bucket."""
@@ -569,7 +573,7 @@ class SGLangServers:
         answer = answer if isinstance(answer, list) else [answer]
         return [input_logprobs(o, len(s), p) for o, s, p in zip(answer, sequences, prompt_lens)]
 
-    def release_memory(self) -> None:
+    def release_memory(self, keep_weights: bool = False) -> None:
         """Nothing to release: the servers have GPUs of their own."""
 
     def resume_memory(self) -> None:

@@ -145,7 +145,7 @@ class OrderedEngine:
         self.pipeline.submit(self.inner.load_weight_buckets, owned, version, watch=True)
         self.weight_version = version
 
-    def release_memory(self) -> None:
+    def release_memory(self, keep_weights: bool = False) -> None:
         """The engine runs beside the actor, never in its memory: nothing to hand over."""
 
     def resume_memory(self) -> None:

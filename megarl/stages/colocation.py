@@ -9,6 +9,7 @@ the actor's own parameters, only a new version. On CPU every one of these is a n
 
 from __future__ import annotations
 
+import inspect
 from dataclasses import dataclass
 
 import torch
@@ -34,10 +35,15 @@ def enter_rollout(actor: MegatronPolicy, engine: RolloutEngine | None, t: Traini
     return sync.check_probe() if sync is not None else {}
 
 
-def enter_training(actor: MegatronPolicy, engine: RolloutEngine | None) -> None:
+def enter_training(actor: MegatronPolicy, engine: RolloutEngine | None, keep_weights: bool = False) -> None:
     """Hand the GPU to the actor: the engine releases its KV cache and weights, the actor takes back what it
-    offloaded."""
-    if engine is not None:
+    offloaded. `keep_weights` where no sync follows before the next rollout (an evaluation between steps): the
+    engine keeps its weights, which a release would lose (`SGLangEngine.release_memory`)."""
+    if engine is None:
+        pass
+    elif keep_weights and "keep_weights" in inspect.signature(engine.release_memory).parameters:
+        engine.release_memory(keep_weights=True)
+    else:  # a plugin engine written before `keep_weights` keeps its one-argument release_memory
         engine.release_memory()
     actor.onload()
 

@@ -168,7 +168,7 @@ def evaluate_between_steps(run: TrainingRun, step: int) -> dict:
     and back. The seeds are those of every evaluation, so the curve compares like with like."""
     probe = enter_rollout(run.actor, run.engine, run.cfg.training, run.sync)  # the probe first (--verify-weight-sync)
     result = evaluate(run, quiet=True)
-    enter_training(run.actor, run.engine)
+    enter_training(run.actor, run.engine, keep_weights=True)  # no sync before the next rollout: the weights stay
     run.say(f"step {step}: held-out sampled {100 * result['sampled']:.1f}%, greedy {100 * result['greedy']:.1f}%")
     return {"eval_sampled": result["sampled"], "eval_greedy": result["greedy"], **probe}
 

@@ -220,3 +220,76 @@ def _construction_order(monkeypatch, backend: str) -> list:
     models = setup.build_models(cfg, checked, ONE_RANK, {"padded_vocab_size": 64}, sampler=None, say=lambda *a: None)
     assert isinstance(models.engine, SGLangEngine) and models.reference is not None
     return log
+
+
+# -- an evaluation between steps ---------------------------------------------------------------------------------
+
+
+class ForgetfulEngine(RecordingSessionEngine):
+    """SGLang's memory saver without `enable_weights_cpu_backup` (0.5.23): released weights come back as
+    uninitialised memory, and only a push makes them valid again; generating from them is what the test catches."""
+
+    def __init__(self, log):
+        super().__init__(log)
+        self.weights_valid = True
+
+    def release_memory_occupation(self, tags=None):
+        super().release_memory_occupation(tags)
+        if "weights" in tags:
+            self.weights_valid = False
+
+    def update_weights_from_tensor(self, named_tensors, load_format=None, flush_cache=True):
+        self.weights_valid = True
+        return super().update_weights_from_tensor(named_tensors, load_format, flush_cache)
+
+    def generate(self, input_ids, sampling_params, return_logprob=False, logprob_start_len=None):
+        assert self.weights_valid, f"generated from released weights; calls so far: {self.log}"
+        return super().generate(input_ids, sampling_params, return_logprob, logprob_start_len)
+
+
+def test_an_evaluation_between_steps_leaves_the_engine_its_weights(monkeypatch):
+    """train.py's order with --eval-interval: step (release, train, push), the evaluation between steps (the
+    engine takes the GPU, generates, hands it back), the next step's rollout. No push follows the evaluation, so
+    the engine must keep its weights through it; its KV cache and CUDA graphs still go."""
+    from types import SimpleNamespace
+
+    from megarl.stages import colocation, report
+
+    log = []
+    fake = ForgetfulEngine(log)
+    engine, actor = SGLangEngine(fake, serialize=lambda bucket, tp: [bucket] * tp), FakeActor(log)
+    cfg = build_config({"offload_optimizer": True, "offload_params": True})
+    sync = colocation.WeightSync(actor, engine, cfg.rollout, ONE_RANK)
+
+    def rollout():
+        fake.generate([[1, 2]], {"max_new_tokens": 1})
+
+    monkeypatch.setattr(report, "evaluate", lambda run, quiet=False: (rollout(), {"sampled": 0.5, "greedy": 0.5})[1])
+    run = SimpleNamespace(actor=actor, engine=engine, cfg=cfg, sync=sync, say=lambda *a, **k: None)
+    for step in (1, 2):
+        colocation.enter_rollout(actor, engine, cfg.training, sync)
+        rollout()
+        colocation.enter_training(actor, engine)
+        sync(version=step)
+        assert report.evaluate_between_steps(run, step)["eval_sampled"] == 0.5
+    released = [e[1] for e in log if e[0] == "release"]
+    assert released[1] == ("kv_cache", "cuda_graph"), released  # after the first evaluation: the weights stay
+
+
+class OldPluginEngine:
+    """A plugin engine written before `keep_weights`: its release_memory takes no argument."""
+
+    def __init__(self):
+        self.released = 0
+
+    def release_memory(self):
+        self.released += 1
+
+
+def test_a_plugin_engines_one_argument_release_memory_still_works():
+    from megarl.stages import colocation
+
+    engine, actor = OldPluginEngine(), FakeActor([])
+    colocation.enter_training(actor, engine, keep_weights=True)
+    colocation.enter_training(actor, engine)
+    assert engine.released == 2
