@@ -51,7 +51,12 @@ def test_disaggregated_servers_take_the_tp_size_flag(monkeypatch):
     from megarl.arguments import parse_args
     from megarl.rollout.backends import build_engine
 
+    from megarl.mcore import parallel
+
     monkeypatch.setattr(dist, "get_rank", lambda: 1)  # not the pushing rank: no weight-update group
+    # one data-parallel rank (no process group here): no barrier among DP leaders, which needs the default store
+    monkeypatch.setattr(parallel, "parallel_info", lambda: parallel.ParallelInfo(
+        rank=1, world_size=2, tp_rank=0, tp_size=1, pp_rank=0, pp_size=1, dp_rank=0, dp_size=1))
     cfg = parse_args(["--rollout-backend", "sglang", "--rollout-servers", "a:1,b:2", "--sglang-tp-size", "2"])
     servers = build_engine(cfg)
     assert servers.tp_sizes == [2, 2] and not servers.push
