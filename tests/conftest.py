@@ -21,6 +21,21 @@ def tiny_llama_tied(tmp_path_factory):
     return make_tiny_hf_model(tmp_path_factory.mktemp("llama"), "llama", tie=True, seed=1)
 
 
+@pytest.fixture()
+def one_rank_group():
+    """A one-process gloo group, for code whose metrics or checks reduce over ranks."""
+    import socket
+
+    import torch.distributed as dist
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=1)
+    yield
+    dist.destroy_process_group()
+
+
 @pytest.fixture(scope="session")
 def starter():
     """A briefly pre-trained starter model and its data, built by the real tool (`helpers.build_test_starter`)."""

@@ -4,12 +4,10 @@ aggregation modes, DAPO's overlong shaping, truncation masking and dynamic sampl
 from __future__ import annotations
 
 import math
-import socket
 from types import SimpleNamespace
 
 import pytest
 import torch
-import torch.distributed as dist
 
 from megarl.algorithms import (
     ADVANTAGES,
@@ -236,16 +234,6 @@ class _FakeEngine:
             texts = ["5" if kind == 0 or (kind == 2 and i % 2 == 0) else "4" for i in range(params.n)]
             out.append([Completion([ord(c) for c in txt] + [0], [-0.1, -0.1], "stop") for txt in texts])
         return out
-
-
-@pytest.fixture()
-def one_rank_group():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=1)
-    yield
-    dist.destroy_process_group()
 
 
 def _dynamic_sampling(prompts, engine, cfg):

@@ -57,21 +57,6 @@ class _Recorder:
 # -- finding 8: an aborted request is not a finished sample ------------------------------------------------------
 
 
-@pytest.fixture()
-def one_rank_group():
-    """A one-process gloo group: the step's metrics reduce over ranks."""
-    import socket
-
-    import torch.distributed as dist
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=1)
-    yield
-    dist.destroy_process_group()
-
-
 def test_aborted_request_is_its_own_status_and_stays_out_of_the_loss(one_rank_group):
     """SGLang ends a request it aborts with finish_reason {"type": "abort", "message": ...}: the partial response
     must reach GRPO neither as a finished answer nor as one cut at the length limit. It becomes
