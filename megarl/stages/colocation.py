@@ -39,12 +39,11 @@ def enter_training(actor: MegatronPolicy, engine: RolloutEngine | None, keep_wei
     """Hand the GPU to the actor: the engine releases its KV cache and weights, the actor takes back what it
     offloaded. `keep_weights` where no sync follows before the next rollout (an evaluation between steps): the
     engine keeps its weights, which a release would lose (`SGLangEngine.release_memory`)."""
-    if engine is None:
-        pass
-    elif keep_weights and "keep_weights" in inspect.signature(engine.release_memory).parameters:
-        engine.release_memory(keep_weights=True)
-    else:  # a plugin engine written before `keep_weights` keeps its one-argument release_memory
-        engine.release_memory()
+    if engine is not None:
+        if keep_weights and "keep_weights" in inspect.signature(engine.release_memory).parameters:
+            engine.release_memory(keep_weights=True)
+        else:  # a plugin engine written before `keep_weights` keeps its one-argument release_memory
+            engine.release_memory()
     actor.onload()
 
 
