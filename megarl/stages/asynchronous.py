@@ -38,7 +38,7 @@ import threading
 import time
 from collections import deque
 from concurrent.futures import Future, ThreadPoolExecutor
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Iterable, Sequence
 
 import torch
@@ -197,10 +197,14 @@ class AsyncCollect:
         item = self.queue.popleft()
         start = time.perf_counter()
         rollout = self._result(item)
-        self.wait_seconds += time.perf_counter() - start
+        waited = time.perf_counter() - start
+        self.wait_seconds += waited
         rollout = self.collector.share_batch(rollout)
         self.generate_seconds += rollout.generate_seconds + rollout.reward_exposed_seconds  # the worker's time
-        return rollout
+        # The worker's reward wait came last in its work, so the trainer waited on at most that much of it: the
+        # step's exposed reward is the part of the worker's that overlapped no training (t_reward_exposed is what
+        # the step waited on, as in the synchronous loop; t_reward stays the scoring's own time).
+        return replace(rollout, reward_exposed_seconds=min(rollout.reward_exposed_seconds, waited))
 
     def _result(self, item: _Queued) -> RolloutBatch | None:
         if item.done is not None:

@@ -8,7 +8,7 @@ from __future__ import annotations
 import json
 import os
 import signal
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import pytest
 import torch
@@ -262,3 +262,26 @@ def test_settle_waits_for_every_queued_batch(monkeypatch):
     collect.settle()
     assert all(q.future.done() for q in collect.queue) and calls == [False]
     pipeline.close()
+
+
+def test_exposed_reward_is_what_the_trainer_waited_on():
+    """The worker scored a batch for 0.3 s (all of it exposed inside the worker); the trainer, busy meanwhile, took
+    it after the worker had finished: it waited on none of the reward. One taken before the worker finished waited
+    on at most its wait, never more than the worker's own exposed reward."""
+    import time as _time
+
+    class _Scored(_FakeCollector):
+        def produce(self, prompts, index):
+            _time.sleep(0.3)
+            return replace(super().produce(prompts, index), reward_seconds=0.3, reward_exposed_seconds=0.3)
+
+    inner, pipeline = _Recorder(), Pipeline()
+    engine = OrderedEngine(inner, pipeline)
+    collect = AsyncCollect(_Scored(inner), pipeline, engine, 1)
+    collect.start()
+    first = collect(0)  # taken at once: the trainer waits ~0.3 s, all of it on the worker's scoring
+    assert 0.2 < first.reward_exposed_seconds <= 0.3 and first.reward_seconds == 0.3
+    _time.sleep(0.5)  # the trainer trains while the worker makes the next batch
+    second = collect(1)
+    assert second.reward_exposed_seconds < 0.05 and second.reward_seconds == 0.3
+    collect.stop()
