@@ -104,7 +104,8 @@ def foreign_metadata_refused() -> None:
         end_idx: int
         numel: int
 
-    FlattenedTensorMetadata.__module__ = "megarl.rollout.sglang_ipc"
+    FlattenedTensorMetadata.__module__ = "megarl.rollout.sglang_ipc"  # pickle names it so
+    FlattenedTensorMetadata.__qualname__ = "FlattenedTensorMetadata"
     original, tensor_bucket.FlattenedTensorMetadata = tensor_bucket.FlattenedTensorMetadata, FlattenedTensorMetadata
     import megarl.rollout.sglang_ipc as ipc
 
