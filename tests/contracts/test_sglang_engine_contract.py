@@ -13,8 +13,9 @@ What is checked, each against the 0.5.23 wheel's own text or code (`sglang_upstr
   globals), `_update_weights_from_flattened_bucket` and `FlattenedTensorBucket.reconstruct_tensors`, and comes out
   as the tensors the actor exported, at SGLang TP 1.
 
-Not checked here: `ServerArgs(**kwargs)` itself and the engine's import, which need SGLang's pinned torch 2.14.1
-and ~20 more packages (this environment has torch 2.13 CPU); CUDA IPC handles (a CPU tensor travels as a shared
+Not checked here: `ServerArgs(**kwargs)` itself (test_sglang_runtime_contract.py builds it, with SGLang imported
+for real in a subprocess) and the engine module's import (its chain needs a torchvision that loads under this torch
+2.13 CPU; see sglang_runtime); CUDA IPC handles (a CPU tensor travels as a shared
 memory file descriptor instead); TP > 1, where each TP rank needs its own payload made on its GPU (on CPU the same
 payload can be opened once only, so `[payload] * 2` fails on the second rank here too).
 """
