@@ -6,8 +6,8 @@ chunked one (`--logprob-chunk-tokens`, `megarl/mcore/chunked_logprobs.py`), side
 
 Each point (a fresh subprocess when it runs for real): hidden states [tokens, h] and one TP rank's output-weight
 shard [v/tp, h] (fp32), then log p(label) and the entropy at temperature 0.7, and the backward pass of a loss that
-uses both, as a training step with an entropy bonus runs it. Full: logits = hidden @ W.T, then `actor.label_logprobs` and
-`actor.position_entropy`; chunked: `chunked_logprobs(chunk_tokens=--chunk)`.
+uses both, as a training step with an entropy bonus runs it. Full: logits = hidden @ W.T, then
+`actor.label_logprobs` and `actor.position_entropy`; chunked: `chunked_logprobs(chunk_tokens=--chunk)`.
 
 Peak memory is measured by tracking every tensor storage that the point's aten operations allocate and free (a
 TorchDispatchMode; the peak of live bytes, as `torch.cuda.max_memory_allocated` counts on a GPU), less what existed
