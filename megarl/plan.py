@@ -14,7 +14,7 @@ command line. Memory, in bytes, for P parameters held by one GPU (its TP shard o
   output, SwiGLU's two inputs and output). All of it is sharded over TP with --sequence-parallel; without it the
   8h bytes of the norms' inputs and outputs are whole on every TP rank. A PP stage keeps min(PP, micro-batches)
   micro-batches in flight (1F1B). The last stage adds the log-prob head (`logprob_head_bytes`, measured by
-  tools/bench/logprob_memory.py): six fp32 [tokens, vocab / TP] tensors with full logits, two [chunk, vocab / TP]
+  tools/bench/logprob_memory.py): five fp32 [tokens, vocab / TP] tensors with full logits, three [chunk, vocab / TP]
   with --logprob-chunk-tokens.
 - KV cache per token: 2 (K and V) x layers x kv_heads x head_dim x 2 bytes, sharded over the engine's TP.
 - reference model (when --kl-coef > 0): its bf16 weights, sharded like the actor.
@@ -478,13 +478,14 @@ def logprob_head_bytes(tokens: float, vocab: int, hidden: int, *, tp: int = 1, c
     """Extra peak bytes of the log-prob and entropy head, forward and backward, on one TP rank, above its inputs
     (the hidden states and the output-weight shard), with fp32 logits, as tools/bench/logprob_memory.py measures it.
 
-    Full logits (`chunk_tokens` 0): six [tokens, vocab / TP] fp32 tensors are live at once (the logits, the
-    scaled copy the cross-entropy turns into its saved softmax, the entropy's scaled copy, its exp(x - m) and, in
-    the backward pass, two gradients), plus the weight's gradient. Chunked (`--logprob-chunk-tokens`): two
-    [chunk, vocab / TP] tensors (the chunk's logits and their exponentials, or their gradient), the weight's fp32
-    gradient and the hidden states' gradient. Both add a few fp32 numbers per token (log-probs, entropy, sums)."""
+    Full logits (`chunk_tokens` 0): five [tokens, vocab / TP] fp32 tensors are live at the peak (the cross-entropy's
+    scaled copy, kept as its softmax, the entropy's scaled copy, its exp(x - m) kept for the backward pass, and
+    gradients), plus the weight's gradient. Chunked (`--logprob-chunk-tokens`): three [chunk, vocab / TP] tensors
+    (the chunk's logits, their exponentials or gradient, and a transposed copy of it for the weight's gradient), two
+    weight-sized ones (the weight's fp32 gradient and a transposed copy for the matmul) and the hidden states'
+    gradient. Both add a few fp32 numbers per token (log-probs, entropy, sums)."""
     local = vocab / tp
     per_token = 32
     if not chunk_tokens:
-        return 4 * (6 * tokens * local + local * hidden) + per_token * tokens
-    return 4 * (2 * min(chunk_tokens, tokens) * local + local * hidden + tokens * hidden) + per_token * tokens
+        return 4 * (5 * tokens * local + local * hidden) + per_token * tokens
+    return 4 * (3 * min(chunk_tokens, tokens) * local + 2 * local * hidden + tokens * hidden) + per_token * tokens
