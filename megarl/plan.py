@@ -13,9 +13,9 @@ command line. Memory, in bytes, for P parameters held by one GPU (its TP shard o
   with q = heads x head_dim, kv = kv_heads x head_dim, f = the MLP width (norm inputs and outputs, QKV, attention
   output, SwiGLU's two inputs and output). All of it is sharded over TP with --sequence-parallel; without it the
   8h bytes of the norms' inputs and outputs are whole on every TP rank. A PP stage keeps min(PP, micro-batches)
-  micro-batches in flight (1F1B). The last stage adds the log-prob head (`logprob_head_bytes`, measured by
-  tools/bench/logprob_memory.py): five fp32 [tokens, vocab / TP] tensors with full logits, three [chunk, vocab / TP]
-  with --logprob-chunk-tokens.
+  micro-batches in flight (1F1B). The last stage adds the logits: 10 bytes per vocabulary entry per token, sharded
+  over TP, with full logits (tools/bench/logprob_memory.py measures five fp32 copies: `logprob_head_bytes`); with
+  --logprob-chunk-tokens the measured `logprob_head_bytes` (three [chunk, vocab / TP] fp32 tensors).
 - KV cache per token: 2 (K and V) x layers x kv_heads x head_dim x 2 bytes, sharded over the engine's TP.
 - reference model (when --kl-coef > 0): its bf16 weights, sharded like the actor.
 - reward model (`hf_rm`, --reward-model): not on the GPUs: each trainer process that leads a model replica starts
@@ -254,7 +254,10 @@ def _train_phase(s: ModelShape, r: RunSettings, dp: int) -> dict[str, float]:
     whole = 8 * s.hidden_size  # the norms' inputs and outputs: TP-sharded only with sequence parallelism
     per_token = (activation_bytes_per_token_layer(s) - whole) / r.tp + whole / (r.tp if r.sequence_parallel else 1)
     layers = math.ceil(s.num_layers / r.pp) * per_token * tokens * in_flight
-    logits = logprob_head_bytes(tokens, s.vocab_size, s.hidden_size, tp=r.tp, chunk_tokens=r.logprob_chunk_tokens)
+    # The full-logits head keeps the old 10 bytes per entry here (recipe verdicts depend on it); the chunked one
+    # uses the measured model. logprob_head_bytes measures the full head at five fp32 copies (issue 29).
+    logits = (logprob_head_bytes(tokens, s.vocab_size, s.hidden_size, tp=r.tp, chunk_tokens=r.logprob_chunk_tokens)
+              if r.logprob_chunk_tokens else 10 * s.vocab_size * tokens / r.tp)
     return {"actor weights": weights_bytes(p), "gradients (fp32)": 4 * p,
             "optimizer (fp32 main + Adam)": adam_state_bytes(p, dp * r.cp if r.distributed_optimizer else 1),
             "activations + logits": layers + logits,
