@@ -75,6 +75,10 @@ class ModelConfig:
     recompute_granularity: Literal["none", "selective", "full"] = _f(
         "none", "activation recomputation in the backward pass: selective (core attention only) or full (every "
         "transformer layer's input is kept, the rest recomputed), trading compute for activation memory")
+    logprob_chunk_tokens: int = _f(0, "log-probs and entropy from the last hidden states, this many tokens at a "
+                                   "time, fused with the output layer forward and backward, so the [tokens, "
+                                   "vocab / TP] logits never exist (long responses, large vocabularies); 0 = the "
+                                   "full logits (megarl/mcore/chunked_logprobs.py)")
 
     @property
     def token_dispatcher(self) -> str:
@@ -91,6 +95,9 @@ class ModelConfig:
     def __post_init__(self):
         _positive(self, "tensor_model_parallel_size", "pipeline_model_parallel_size", "context_parallel_size",
                   "make_vocab_size_divisible_by", "expert_model_parallel_size")
+        if self.logprob_chunk_tokens < 0:
+            raise ConfigError(f"--logprob-chunk-tokens must be >= 0 (0 = the full logits), got "
+                              f"{self.logprob_chunk_tokens}")
         if self.expert_tensor_parallel_size < 0 or self.moe_aux_loss_coeff < 0:
             raise ConfigError(f"--expert-tensor-parallel-size (0 = the TP size) and --moe-aux-loss-coeff must be >= "
                               f"0, got {self.expert_tensor_parallel_size} and {self.moe_aux_loss_coeff}")

@@ -13,8 +13,9 @@ command line. Memory, in bytes, for P parameters held by one GPU (its TP shard o
   with q = heads x head_dim, kv = kv_heads x head_dim, f = the MLP width (norm inputs and outputs, QKV, attention
   output, SwiGLU's two inputs and output). All of it is sharded over TP with --sequence-parallel; without it the
   8h bytes of the norms' inputs and outputs are whole on every TP rank. A PP stage keeps min(PP, micro-batches)
-  micro-batches in flight (1F1B). The last stage adds the logits: bf16 + fp32 scaled copy + fp32 softmax = 10 bytes
-  per vocabulary entry per token, sharded over TP.
+  micro-batches in flight (1F1B). The last stage adds the logits: 10 bytes per vocabulary entry per token, sharded
+  over TP, with full logits (tools/bench/logprob_memory.py measures five fp32 copies: `logprob_head_bytes`); with
+  --logprob-chunk-tokens the measured `logprob_head_bytes` (three [chunk, vocab / TP] fp32 tensors).
 - KV cache per token: 2 (K and V) x layers x kv_heads x head_dim x 2 bytes, sharded over the engine's TP.
 - reference model (when --kl-coef > 0): its bf16 weights, sharded like the actor.
 - reward model (`hf_rm`, --reward-model): not on the GPUs: each trainer process that leads a model replica starts
@@ -99,6 +100,7 @@ class RunSettings:
     offload_params: bool = False
     engine_mem_fraction: float = 0.5  # colocated; a dedicated rollout GPU uses DEDICATED_ENGINE_FRACTION
     mfu: float = 0.35  # training model-FLOPs utilisation
+    logprob_chunk_tokens: int = 0  # the log-prob head's chunk (--logprob-chunk-tokens); 0 = full logits
 
     @classmethod
     def from_config(cls, cfg, **planner) -> "RunSettings":
@@ -114,6 +116,7 @@ class RunSettings:
                    offload_optimizer=getattr(t, "offload_optimizer", False),
                    offload_params=getattr(t, "offload_params", False),
                    sequence_parallel=getattr(m, "sequence_parallel", False),
+                   logprob_chunk_tokens=getattr(m, "logprob_chunk_tokens", 0),
                    engine_mem_fraction=getattr(r, "sglang_mem_fraction", 0.5),
                    mode="disaggregated" if getattr(r, "rollout_servers", "") else "colocated",
                    async_staleness=getattr(t, "async_staleness", 0), **planner)
@@ -251,7 +254,10 @@ def _train_phase(s: ModelShape, r: RunSettings, dp: int) -> dict[str, float]:
     whole = 8 * s.hidden_size  # the norms' inputs and outputs: TP-sharded only with sequence parallelism
     per_token = (activation_bytes_per_token_layer(s) - whole) / r.tp + whole / (r.tp if r.sequence_parallel else 1)
     layers = math.ceil(s.num_layers / r.pp) * per_token * tokens * in_flight
-    logits = 10 * s.vocab_size * tokens / r.tp
+    # The full-logits head keeps the old 10 bytes per entry here (recipe verdicts depend on it); the chunked one
+    # uses the measured model. logprob_head_bytes measures the full head at five fp32 copies (issue 29).
+    logits = (logprob_head_bytes(tokens, s.vocab_size, s.hidden_size, tp=r.tp, chunk_tokens=r.logprob_chunk_tokens)
+              if r.logprob_chunk_tokens else 10 * s.vocab_size * tokens / r.tp)
     return {"actor weights": weights_bytes(p), "gradients (fp32)": 4 * p,
             "optimizer (fp32 main + Adam)": adam_state_bytes(p, dp * r.cp if r.distributed_optimizer else 1),
             "activations + logits": layers + logits,
@@ -468,3 +474,21 @@ def recommend(s: ModelShape, r: RunSettings, cluster: Cluster) -> tuple[str, str
     why += (f"; each of these makes colocated fit: {'; '.join(fix)}" if fix
             else "; it needs more GPUs or a smaller model")
     return "neither", why, colo, dis or colo
+
+
+
+def logprob_head_bytes(tokens: float, vocab: int, hidden: int, *, tp: int = 1, chunk_tokens: int = 0) -> float:
+    """Extra peak bytes of the log-prob and entropy head, forward and backward, on one TP rank, above its inputs
+    (the hidden states and the output-weight shard), with fp32 logits, as tools/bench/logprob_memory.py measures it.
+
+    Full logits (`chunk_tokens` 0): five [tokens, vocab / TP] fp32 tensors are live at the peak (the cross-entropy's
+    scaled copy, kept as its softmax, the entropy's scaled copy, its exp(x - m) kept for the backward pass, and
+    gradients), plus the weight's gradient. Chunked (`--logprob-chunk-tokens`): three [chunk, vocab / TP] tensors
+    (the chunk's logits, their exponentials or gradient, and a transposed copy of it for the weight's gradient), two
+    weight-sized ones (the weight's fp32 gradient and a transposed copy for the matmul) and the hidden states'
+    gradient. Both add a few fp32 numbers per token (log-probs, entropy, sums)."""
+    local = vocab / tp
+    per_token = 32
+    if not chunk_tokens:
+        return 4 * (5 * tokens * local + local * hidden) + per_token * tokens
+    return 4 * (3 * min(chunk_tokens, tokens) * local + 2 * local * hidden + tokens * hidden) + per_token * tokens

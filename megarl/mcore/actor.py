@@ -9,11 +9,14 @@ Its loss may also ask for the per-token entropy (`loss_fn.needs_entropy`), compu
 
 from __future__ import annotations
 
+from contextlib import contextmanager, nullcontext
+
 import torch
 import torch.distributed as dist
 
 from megarl.mcore import convert
 from megarl.mcore.base_model import LossFn, MegatronModel, OptimConfig
+from megarl.mcore.chunked_logprobs import chunked_logprobs
 
 __all__ = ["LossFn", "MegatronPolicy", "OptimConfig", "label_logprobs", "mask_vocab_padding", "position_entropy",
            "token_entropy", "token_logprobs"]
@@ -76,8 +79,92 @@ def position_entropy(logits: torch.Tensor, temperature: float, vocab_size: int =
     return torch.log(z) + m.squeeze(-1) - ex / z
 
 
+class _SumGradOverTP(torch.autograd.Function):
+    """Identity forward, gradient all-reduced over the TP group backward: Megatron's
+    `copy_to_tensor_model_parallel_region`, which all-reduces a contiguous copy and returns the original when the
+    gradient is not contiguous (as GPTModel's final transpose makes it here)."""
+
+    @staticmethod
+    def forward(ctx, x, group):
+        ctx.group = group
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad):
+        grad = grad.contiguous()
+        if dist.get_world_size(ctx.group) > 1:
+            dist.all_reduce(grad, group=ctx.group)
+        return grad, None
+
+
+@contextmanager
+def _hidden_states_out(gpt):
+    """GPTModel's output layer hands its input through: the model returns its last hidden states [b, s, h] for
+    `chunked_logprobs` to multiply by the output weight, without changing GPTModel. What `ColumnParallelLinear` does
+    to its input stays: with sequence parallelism the hidden states are gathered over TP ranks (reduce-scattered
+    back in the backward pass); without, their gradient is all-reduced over TP ranks (each rank's covers its
+    vocabulary shard)."""
+    from megatron.core.tensor_parallel.mappings import gather_from_sequence_parallel_region
+
+    layer = getattr(gpt, "output_layer", None)
+    if layer is None:  # not the last pipeline stage
+        yield
+        return
+
+    def hand_through(hidden_states, weight=None, runtime_gather_output=None):
+        if layer.sequence_parallel:
+            return gather_from_sequence_parallel_region(hidden_states, group=layer.tp_group), None
+        return _SumGradOverTP.apply(hidden_states, layer.tp_group), None
+
+    layer.forward = hand_through
+    try:
+        yield
+    finally:
+        del layer.forward
+
+
 class MegatronPolicy(MegatronModel):
-    """A GPTModel shard with its language-model head (actor when trainable, reference when frozen)."""
+    """A GPTModel shard with its language-model head (actor when trainable, reference when frozen).
+
+    `logprob_chunk_tokens` N > 0 (`--logprob-chunk-tokens`): the model outputs its last hidden states instead of
+    logits while log-probs are computed, and the head multiplies them by the output weight N tokens at a time, forward
+    and backward (`megarl.mcore.chunked_logprobs`), so no [tokens, v/tp] tensor exists; 0: today's full logits."""
+
+    def __init__(self, shape, *, logprob_chunk_tokens: int = 0, **kwargs):
+        if logprob_chunk_tokens < 0:
+            raise ValueError(f"--logprob-chunk-tokens must be >= 0 (0 = the full logits), got {logprob_chunk_tokens}")
+        self.logprob_chunk_tokens = logprob_chunk_tokens
+        super().__init__(shape, **kwargs)
+
+    def _output_scope(self):
+        return _hidden_states_out(convert.unwrap(self.model)) if self.logprob_chunk_tokens else nullcontext()
+
+    def _output_weight(self) -> torch.Tensor:
+        """This stage's output-weight shard [v/tp, h]: the embedding's when the two are tied and this stage holds it
+        (what GPTModel passes its output layer)."""
+        gpt = convert.unwrap(self.model)
+        if gpt.share_embeddings_and_output_weights:
+            return gpt.shared_embedding_or_output_weight()
+        return gpt.output_layer.weight
+
+    def _head(self, output, mb, labels, temperature, loss_fn, whole):
+        """With `logprob_chunk_tokens`, `output` is the hidden states [b, s, h]: log-probs and, when the loss asks
+        for it, the entropy in one chunked pass (differentiated only when the loss says `entropy_grad`)."""
+        if not self.logprob_chunk_tokens:
+            return super()._head(output, mb, labels, temperature, loss_fn, whole)
+        from megatron.core import parallel_state
+
+        if labels is None:  # without CP: positions 0..S-2 predict tokens 1..S-1
+            output, labels = output[:, :-1], mb["tokens"][:, 1:]
+        entropy = loss_fn is not None and getattr(loss_fn, "needs_entropy", False)
+        logp, ent = chunked_logprobs(output, self._output_weight(), labels, temperature=temperature,
+                                     chunk_tokens=self.logprob_chunk_tokens, vocab_size=self._vocab_mask,
+                                     with_entropy=entropy, group=parallel_state.get_tensor_model_parallel_group())
+        if not entropy:
+            return whole(logp), mb
+        if not (torch.is_grad_enabled() and getattr(loss_fn, "entropy_grad", True)):
+            ent = ent.detach()
+        return whole(logp), {**mb, "entropy": whole(ent)}
 
     @property
     def _vocab_mask(self) -> int:

@@ -18,6 +18,7 @@ Megatron sums `loss_sum` and `denominator` over micro-batches and DP ranks and d
 
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass
 from functools import partial
 from typing import Callable
@@ -202,6 +203,23 @@ class MegatronModel:
         per-position tensor over context-parallel ranks)."""
         return mb
 
+    def _head(self, output: torch.Tensor, mb: dict, labels: torch.Tensor | None, temperature: float,
+              loss_fn: LossFn | None, whole: Callable[[torch.Tensor], torch.Tensor]) -> tuple[torch.Tensor, dict]:
+        """The per-token output [b, S - 1] and the micro-batch the loss sees (`loss_fn` None: `mb`): `_per_token`,
+        or with context parallelism (`labels`: this rank's next tokens) `_per_position` gathered by `whole`, then
+        `_loss_inputs`. A head that computes both in one pass replaces this."""
+        if labels is not None:
+            per_token = whole(self._per_position(output, labels, temperature))
+        else:
+            per_token = self._per_token(output, mb["tokens"], temperature)
+        if loss_fn is None:
+            return per_token, mb
+        return per_token, self._loss_inputs(output, mb, loss_fn, temperature, whole)
+
+    def _output_scope(self):
+        """A context the forward(-backward) schedule runs in; a head may change what the model outputs there."""
+        return contextlib.nullcontext()
+
     # -- weights -------------------------------------------------------------------------------------------
 
     _hf_skip: tuple[str, ...] = ()  # parameters (name prefixes) a head has no HF tensor for: left as initialised
@@ -284,18 +302,15 @@ class MegatronModel:
 
         def loss_func(mb, labels, output):
             width = mb["tokens"].shape[1]
-            if cp > 1:
-                logp = whole(self._per_position(output, labels, temperature), width)
-            else:
-                logp = self._per_token(output, mb["tokens"], temperature)
+            logp, inputs = self._head(output, mb, labels, temperature, loss_fn,
+                                      (lambda x: whole(x, width)) if cp > 1 else (lambda x: x))
             if loss_fn is None:
                 zero = logp.sum() * 0.0
                 out = {"logprobs": logp.detach()[: mb["_real_rows"]]}
                 if "_rows" in mb:
                     out["_rows"] = mb["_rows"]
                 return zero, torch.tensor(1, dtype=torch.int), out
-            mb = self._loss_inputs(output, mb, loss_fn, temperature, lambda x: whole(x, width) if cp > 1 else x)
-            loss_sum, denom, metrics = loss_fn(logp, mb)
+            loss_sum, denom, metrics = loss_fn(logp, inputs)
             # With CP every CP rank returns the whole sequences' loss and count, and Megatron sums gradients and
             # counts over DP x CP ranks while each rank's gradient covers only its own positions: scaling the
             # loss by CP makes the summed gradient over the summed count the per-token mean.
@@ -328,7 +343,7 @@ class MegatronModel:
                 output = output[:, :width]
             return output, partial(loss_func, mb, labels)
 
-        with cpu_compat.megatron_scope():
+        with cpu_compat.megatron_scope(), self._output_scope():
             return get_forward_backward_func()(
                 forward_step_func=forward_step,
                 data_iterator=iter(micro),

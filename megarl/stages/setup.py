@@ -126,7 +126,8 @@ def start(cfg: Config, checked: Checked) -> TrainingRun:
     say(_config_lines(cfg))
 
     model = dict(tp=info.tp_size, pp=info.pp_size, bf16=m.bf16, use_transformer_engine=m.use_transformer_engine,
-                 cp=info.cp_size, padded_vocab_size=padded, moe=MoEOptions.from_config(m))
+                 cp=info.cp_size, padded_vocab_size=padded, moe=MoEOptions.from_config(m),
+                 logprob_chunk_tokens=m.logprob_chunk_tokens)
     sampler = PromptSampler(len(prompts), seed=t.seed, shuffle=d.shuffle)  # its own RNG, none of torch's
     models = build_models(cfg, checked, info, model, sampler, say)
     actor, reference, critic, start_step, rank_state = (models.actor, models.reference, models.critic,
