@@ -430,7 +430,10 @@ class CheckpointConfig:
     ckpt_step: int = _f(-1, "with --load: resume from this step's checkpoint (iter_N) instead of the latest; -1 = "
                         "the latest")
     keep_last: int = _f(2, "checkpoints kept; older ones are deleted after a newer one is complete")
-    save_hf: str = _f("", "export the final actor as an HF checkpoint directory here")
+    save_hf: str = _f("", "export the final actor as an HF checkpoint directory here (with LoRA: the merged weights "
+                      "W + (alpha / rank) B A)")
+    save_peft: str = _f("", "with --lora-rank: export the final adapters as a PEFT adapter directory here, which "
+                        "peft.PeftModel.from_pretrained loads on the --hf-checkpoint model")
 
     def __post_init__(self):
         _positive(self, "keep_last")
@@ -523,6 +526,10 @@ class Config:
             if self.model.recompute_granularity == "full" or self.model.context_parallel_size > 1:
                 raise ConfigError("--routing-replay works without --recompute-granularity full and with "
                                   "--context-parallel-size 1 (the replayed experts follow one forward per micro-batch)")
+
+        if self.checkpoint.save_peft and not self.model.lora_rank:
+            raise ConfigError(f"--save-peft {self.checkpoint.save_peft} needs --lora-rank > 0 (it writes the LoRA "
+                              "adapters; without them use --save-hf)")
 
     def _check_async(self):
         r, t, k = self.rollout, self.training, self.training.async_staleness

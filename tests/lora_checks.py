@@ -26,8 +26,10 @@ def adapter_values(names_and_shapes: dict[str, tuple[int, ...]]) -> dict[str, to
     return {n: torch.randn(s, generator=g) * 0.2 for n, s in sorted(names_and_shapes.items())}
 
 
-def megatron_side(hf: str, *, tp: int, targets: tuple[str, ...], sequence_parallel: bool = False) -> dict:
-    """Run inside initialised process groups (`parallel.init_distributed(tp=tp)`)."""
+def megatron_side(hf: str, *, tp: int, targets: tuple[str, ...], sequence_parallel: bool = False,
+                  peft_dir: str = "") -> dict:
+    """Run inside initialised process groups (`parallel.init_distributed(tp=tp)`). `peft_dir`: also save the
+    trained adapters there (`--save-peft`) and return the logits after the update."""
     from megatron.core.tensor_parallel.mappings import gather_from_tensor_model_parallel_region
 
     from megarl.mcore import convert, cpu_compat, lora
@@ -71,9 +73,15 @@ def megatron_side(hf: str, *, tp: int, targets: tuple[str, ...], sequence_parall
     base = MegatronPolicy(shape, tp=tp, pp=1, trainable=False, sequence_parallel=sequence_parallel)
     base.load_hf(hf)
     merged = dict(actor.export_hf())
+    logits_after = None
+    if peft_dir:
+        actor.save_peft(hf, peft_dir)
+        module.eval()
+        with torch.no_grad(), cpu_compat.megatron_scope():
+            logits_after = gather_from_tensor_model_parallel_region(module(tokens, positions, None))
     return dict(values=values, logits=logits, base_logits=base_logits, grads=grads, trainable=trainable,
                 changed=changed, ref_before=ref_before, ref_after=ref_after, base_logp=base.logprobs(tokens, **kw),
-                adapters_after=lora.peft_tensors(actor.model), merged=merged)
+                adapters_after=lora.peft_tensors(actor.model), merged=merged, logits_after=logits_after)
 
 
 def peft_side(hf, values: dict, targets, trained: dict) -> dict:

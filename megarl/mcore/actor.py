@@ -108,6 +108,12 @@ class MegatronPolicy(MegatronModel):
         """`export_hf` one tensor at a time; every model-parallel rank must exhaust it (it runs collectives)."""
         return convert.iter_hf_weights(self.model, self.shape)
 
+    def save_peft(self, base: str, out_dir: str) -> None:
+        """The LoRA adapters as a PEFT adapter directory (`lora.save_peft`); every rank calls it."""
+        if self.lora is None:
+            raise ValueError(f"--save-peft {out_dir}: the actor has no LoRA adapters (--lora-rank 0)")
+        lora.save_peft(self.model, self.lora, base, out_dir)
+
     def logprobs(self, tokens: torch.Tensor, *, micro_batch_size: int, temperature: float = 1.0,
                  lengths: torch.Tensor | None = None, max_tokens_per_micro_batch: int = 0,
                  routing: torch.Tensor | None = None) -> torch.Tensor | None:

@@ -297,3 +297,35 @@ def peft_tensors(model: torch.nn.Module, grads: bool = False) -> dict[str, torch
             p = torch.cat(pieces, dim=param.partition_dim)
         out[peft_name] = p.clone()
     return out
+
+
+def peft_config(opts: LoRAOptions, base: str) -> dict:
+    """`adapter_config.json` for `peft.PeftModel.from_pretrained`: the adapters' rank, alpha, dropout and targets
+    on the HF model at `base` (PEFT's defaults for the rest)."""
+    return {"peft_type": "LORA", "task_type": "CAUSAL_LM", "base_model_name_or_path": str(base), "r": opts.rank,
+            "lora_alpha": opts.alpha or opts.rank, "lora_dropout": opts.dropout, "target_modules": list(opts.targets),
+            "bias": "none", "use_rslora": False, "fan_in_fan_out": False, "inference_mode": True}
+
+
+def save_peft(model: torch.nn.Module, opts: LoRAOptions, base: str, out_dir: str) -> None:
+    """`--save-peft`: the adapters as a PEFT adapter directory (`adapter_config.json`, `adapter_model.safetensors`)
+    that `peft.PeftModel.from_pretrained(<HF model at base>, out_dir)` loads. Every rank calls it: TP shards are
+    gathered, pipeline stages' adapters sent to the first stage, and global rank 0 writes."""
+    import json
+    from pathlib import Path
+
+    import torch.distributed as dist
+    from megatron.core import parallel_state as ps
+    from safetensors.torch import save_file
+
+    tensors = {k: v.float().cpu() for k, v in peft_tensors(model).items()}
+    if ps.get_pipeline_model_parallel_world_size() > 1:
+        stages = [None] * ps.get_pipeline_model_parallel_world_size()
+        dist.all_gather_object(stages, tensors, group=ps.get_pipeline_model_parallel_group())
+        tensors = {k: v for stage in stages for k, v in stage.items()}
+    if dist.get_rank() == 0:
+        out = Path(out_dir)
+        out.mkdir(parents=True, exist_ok=True)
+        save_file({k: v.contiguous() for k, v in tensors.items()}, str(out / "adapter_model.safetensors"))
+        (out / "adapter_config.json").write_text(json.dumps(peft_config(opts, base), indent=2) + "\n")
+    dist.barrier()

@@ -11,10 +11,11 @@ import os
 import socket
 
 import pytest
+import torch
 from helpers import make_tiny_hf_model
-from lora_checks import ALL, check_against_peft, megatron_side, peft_side
+from lora_checks import ALL, batch, check_against_peft, megatron_side, peft_side
 
-from megarl.config import ModelConfig
+from megarl.config import ModelConfig, parse_config
 from megarl.errors import ConfigError
 
 needs_peft = pytest.mark.skipif(importlib.util.find_spec("peft") is None,
@@ -41,9 +42,20 @@ def process_group():
 
 @needs_peft
 @pytest.mark.slow
-def test_megatron_lora_matches_peft_at_tp1_qwen2(tiny_qwen2, process_group):
-    meg = megatron_side(str(tiny_qwen2), tp=1, targets=ALL)
+def test_megatron_lora_matches_peft_at_tp1_qwen2(tiny_qwen2, process_group, tmp_path):
+    meg = megatron_side(str(tiny_qwen2), tp=1, targets=ALL, peft_dir=str(tmp_path / "adapter"))
     check_against_peft(meg, peft_side(tiny_qwen2, meg["values"], ALL, meg["adapters_after"]))
+    # --save-peft: the directory loads in peft on the HF base and gives the trained actor's logits.
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+
+    loaded = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(tiny_qwen2).float(),
+                                       tmp_path / "adapter").eval()
+    tokens, _ = batch(loaded.config.vocab_size)
+    with torch.no_grad():
+        got = loaded(tokens).logits
+    assert (meg["logits_after"] - meg["logits"]).abs().max() > 1e-4  # the update moved them
+    assert torch.allclose(got, meg["logits_after"], atol=1e-5, rtol=0)
 
 
 @needs_peft
@@ -66,6 +78,12 @@ def test_megatron_lora_matches_peft_at_tp1_qwen3_moe_attention(tmp_path, process
 def test_lora_flags_are_checked(flags, match):
     with pytest.raises(ConfigError, match=match):
         ModelConfig(**flags)
+
+
+def test_save_peft_needs_adapters():
+    with pytest.raises(ConfigError, match="--save-peft /x needs --lora-rank > 0"):
+        parse_config(["--save-peft", "/x"])
+    assert parse_config(["--save-peft", "/x", "--lora-rank", "8"]).checkpoint.save_peft == "/x"
 
 
 def test_lora_targets_read_attention_as_the_four_projections():
