@@ -1,15 +1,13 @@
 """tests/distributed/test_lora_tp.py's torchrun worker: `lora_checks.megatron_side` at TP 2, without and with
-sequence parallelism; rank 0 saves both results for the test to hold against `peft`."""
+sequence parallelism; rank 0 saves both results for the test to hold against `peft`. The test puts tests/ on its
+PYTHONPATH (for tests/lora_checks.py)."""
 
 from __future__ import annotations
 
 import argparse
 import sys
-from pathlib import Path
 
 import torch
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests/lora_checks.py
 
 
 def main() -> None:

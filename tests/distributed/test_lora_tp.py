@@ -4,9 +4,11 @@ columns and B replicated, with and without sequence parallelism, in one torchrun
 
 from __future__ import annotations
 
+import os
+
 import pytest
 import torch
-from helpers import torchrun
+from helpers import REPO, torchrun
 from lora_checks import ALL, check_against_peft, peft_side
 
 pytestmark = [pytest.mark.distributed, pytest.mark.slow]
@@ -15,7 +17,9 @@ pytest.importorskip("peft", reason="peft (the dev extra) is the independent refe
 
 def test_megatron_lora_matches_peft_at_tp2_with_and_without_sequence_parallelism(tiny_qwen2, tmp_path):
     out = tmp_path / "lora_tp2.pt"
-    torchrun(2, "tests/distributed/lora_worker.py", "--hf", tiny_qwen2, "--out", out, "--tp", 2, timeout=240)
+    tests = os.pathsep.join([str(REPO / "tests"), str(REPO)])  # tests/lora_checks.py, megarl
+    torchrun(2, "tests/distributed/lora_worker.py", "--hf", tiny_qwen2, "--out", out, "--tp", 2, timeout=400,
+             extra_env={"PYTHONPATH": tests})
     results = torch.load(out, weights_only=False)
     for sp in (False, True):
         meg = results[sp]
