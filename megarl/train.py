@@ -122,6 +122,8 @@ def run(cfg: Config, checked) -> int:
 
     if c.save_hf:
         report.save_hf(actor, run.tokenizer, cfg.model.hf_checkpoint, c.save_hf, info)
+    if c.save_peft:
+        actor.save_peft(cfg.model.hf_checkpoint, c.save_peft)
     enter_rollout(actor, engine, t, run.sync)  # the last sync's probe is checked before the evaluation generates
     eval_after = report.evaluate(run) if run.eval_prompts else None
     report.finish(run, log, eval_before, eval_after, train_minutes, step)

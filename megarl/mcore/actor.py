@@ -14,12 +14,12 @@ from contextlib import contextmanager, nullcontext
 import torch
 import torch.distributed as dist
 
-from megarl.mcore import convert
+from megarl.mcore import convert, lora
 from megarl.mcore.base_model import LossFn, MegatronModel, OptimConfig
 from megarl.mcore.chunked_logprobs import chunked_logprobs
 
-__all__ = ["LossFn", "MegatronPolicy", "OptimConfig", "label_logprobs", "mask_vocab_padding", "position_entropy",
-           "token_entropy", "token_logprobs"]
+__all__ = ["AdaptersOff", "LossFn", "MegatronPolicy", "OptimConfig", "label_logprobs", "mask_vocab_padding",
+           "position_entropy", "token_entropy", "token_logprobs"]
 
 
 def mask_vocab_padding(x: torch.Tensor, vocab_size: int) -> torch.Tensor:
@@ -195,6 +195,12 @@ class MegatronPolicy(MegatronModel):
         """`export_hf` one tensor at a time; every model-parallel rank must exhaust it (it runs collectives)."""
         return convert.iter_hf_weights(self.model, self.shape)
 
+    def save_peft(self, base: str, out_dir: str) -> None:
+        """The LoRA adapters as a PEFT adapter directory (`lora.save_peft`); every rank calls it."""
+        if self.lora is None:
+            raise ValueError(f"--save-peft {out_dir}: the actor has no LoRA adapters (--lora-rank 0)")
+        lora.save_peft(self.model, self.lora, base, out_dir)
+
     def logprobs(self, tokens: torch.Tensor, *, micro_batch_size: int, temperature: float = 1.0,
                  lengths: torch.Tensor | None = None, max_tokens_per_micro_batch: int = 0,
                  routing: torch.Tensor | None = None) -> torch.Tensor | None:
@@ -203,3 +209,19 @@ class MegatronPolicy(MegatronModel):
         return self._forward_only(tokens, micro_batch_size=micro_batch_size, temperature=temperature,
                                   lengths=lengths, max_tokens_per_micro_batch=max_tokens_per_micro_batch,
                                   routing=routing)
+
+
+class AdaptersOff:
+    """The reference policy of a LoRA actor: the actor's own forward with its adapters off (`lora.adapters_disabled`),
+    the frozen base weights, so there is no second model in memory. Its log-probs are bitwise those of a model
+    without adapters, before and after any update (only adapters train)."""
+
+    def __init__(self, actor: MegatronPolicy):
+        if actor.lora is None:
+            raise ValueError("AdaptersOff needs an actor built with LoRA adapters (--lora-rank > 0)")
+        self.actor = actor
+
+    def logprobs(self, tokens: torch.Tensor, **kw) -> torch.Tensor | None:
+        """`MegatronPolicy.logprobs` of the base model."""
+        with lora.adapters_disabled(self.actor.model):
+            return self.actor.logprobs(tokens, **kw)

@@ -26,6 +26,8 @@ from typing import Callable
 import torch
 
 from megarl.mcore import context_parallel, convert, cpu_compat, parallel, routing
+from megarl.mcore import lora as lora_adapters
+from megarl.mcore.lora import LoRAOptions
 from megarl.mcore.model import MoEOptions, build_gpt_model, in_model_precision, recompute_options, transformer_config
 from megarl.model_shape import ModelShape
 
@@ -127,13 +129,15 @@ class MegatronModel:
     def __init__(self, shape: ModelShape, *, tp: int, pp: int, trainable: bool, optim: OptimConfig | None = None,
                  use_transformer_engine: bool | None = None, bf16: bool = False, sequence_parallel: bool = False,
                  cp: int = 1, local_kernels: bool = True, padded_vocab_size: int = 0,
-                 recompute_granularity: str = "none", moe: MoEOptions | None = None, routing_replay: bool = False):
+                 recompute_granularity: str = "none", moe: MoEOptions | None = None, routing_replay: bool = False,
+                 lora: LoRAOptions | None = None):
         """`padded_vocab_size`: rows of the embedding and output layer (`megarl.preflight.padded_vocab_size`;
         0 = the HF vocabulary padded only as TP needs). `recompute_granularity`: none, selective or full
         (`--recompute-granularity`). `moe`: expert parallelism and routing of a mixture-of-experts model (EP and
         expert-TP must be those the process groups were made with, `parallel.init_distributed`). `routing_replay`:
         a batch's `routing` (the engine's experts) is replayed by the routers, not only compared
-        (`megarl.mcore.routing`)."""
+        (`megarl.mcore.routing`). `lora`: adapters on the linear layers, everything else frozen (`megarl.mcore.lora`;
+        rank 0 or None: none)."""
         from megatron.core import parallel_state
         from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
         from megatron.core.distributed.finalize_model_grads import finalize_model_grads
@@ -157,7 +161,13 @@ class MegatronModel:
                                          params_dtype=torch.bfloat16 if bf16 else torch.float32,
                                          context_parallel_size=cp, local_kernels=self.local_kernels, moe=moe,
                                          **recompute_options(recompute_granularity))
-        module = in_model_precision(self._build_module(shape, use_transformer_engine), self.config)
+        module = self._build_module(shape, use_transformer_engine)
+        self.lora = lora if lora is not None and lora.rank > 0 else None
+        if self.lora is not None:
+            if not trainable:
+                raise ValueError("LoRA adapters are for a trainable model; a frozen one is the actor's base")
+            lora_adapters.attach(module, shape, self.lora)  # before DDP: it buckets the adapters only
+        module = in_model_precision(module, self.config)
         self.routing_replay = routing_replay
         self._taps = []
         if shape.is_moe:

@@ -322,8 +322,8 @@ def load_hf_weights(model: torch.nn.Module, hf_dir: str | Path, shape: ModelShap
     params = dict(model.named_parameters())
     plan = {}
     for local_name, global_name in names.items():
-        if skip and global_name.startswith(skip):
-            continue
+        if (skip and global_name.startswith(skip)) or is_adapter_param(global_name):
+            continue  # LoRA adapters have no tensor in an HF checkpoint (a PEFT directory holds them)
         if global_name == "output_layer.weight" and shape.tie_word_embeddings:
             plan[local_name] = (_match("embedding.word_embeddings.weight", rules)[0], None, None)
         else:
@@ -357,7 +357,8 @@ def iter_hf_weights(model: torch.nn.Module, shape: ModelShape) -> Iterator[tuple
     writes each away (a shard file, a sync bucket) never holds the whole model twice.
 
     Every rank of the model-parallel group must run the generator to its end, in step with the others (it runs
-    TP gathers and PP broadcasts); ranks other than the leader yield nothing.
+    TP gathers and PP broadcasts); ranks other than the leader yield nothing. A layer with a LoRA adapter is
+    exported merged, `W + (alpha / rank) B A` (`_merged`), its adapter tensors not at all.
     """
     from megatron.core import parallel_state as ps
 
@@ -373,10 +374,14 @@ def iter_hf_weights(model: torch.nn.Module, shape: ModelShape) -> Iterator[tuple
         for local_name, global_name in global_param_names(model).items():
             if global_name == "output_layer.weight" and shape.tie_word_embeddings:
                 continue  # a PP copy of the embedding, which stage 0 exports
+            if is_adapter_param(global_name):
+                continue  # merged into its layer's weight below
             rule, layer, expert = _match_expert(global_name, rules)
             param = params[local_name]
             _, size, group = _tp_of(global_name)
-            full = gather_tp(rule, param.detach(), param, group, size)
+            owner, _, attr = local_name.rpartition(".")
+            local = _merged(model.get_submodule(owner), param.detach()) if attr == "weight" else param.detach()
+            full = gather_tp(rule, local, param, group, size)
             for e, tensor in _gather_ep(full, expert, shape):
                 if tp_rank == 0:
                     yield from zip(hf_names(rule, layer, e), mcore_to_hf_tensors(rule, tensor, shape))
@@ -406,6 +411,20 @@ def iter_hf_weights(model: torch.nn.Module, shape: ModelShape) -> Iterator[tuple
             dist.broadcast(buf, src=src, group=pp_group)
             if pp_rank == 0:
                 yield name, buf
+
+
+def is_adapter_param(name: str) -> bool:
+    """Whether a parameter (local or global name) is a LoRA adapter's (`megarl.mcore.lora`: `<layer>.lora.A.q`)."""
+    return ".lora." in name
+
+
+def _merged(layer: torch.nn.Module, weight: torch.Tensor) -> torch.Tensor:
+    """This rank's shard of `W + (alpha / rank) B A` when `layer` has a LoRA adapter (`megarl.mcore.lora`, whose
+    shards merge without communication), else `weight`."""
+    adapter = getattr(layer, "lora", None)
+    if adapter is None:
+        return weight
+    return (weight.float() + adapter.delta(weight.shape[0])).to(weight.dtype)
 
 
 def _gather_ep(tensor: torch.Tensor, expert: int | None, shape: ModelShape) -> list[tuple[int | None, torch.Tensor]]:

@@ -23,7 +23,8 @@ from megarl.arguments import import_plugins
 from megarl.config import SAVED_CONFIG, Config, ConfigError, TrainingConfig, saved_config
 from megarl.data import PromptRecord, PromptSampler, load_prompts, split_by_length
 from megarl.mcore import checkpoint, parallel
-from megarl.mcore.actor import MegatronPolicy, OptimConfig
+from megarl.mcore.actor import AdaptersOff, MegatronPolicy, OptimConfig
+from megarl.mcore.lora import LoRAOptions
 from megarl.mcore.model import MoEOptions
 from megarl.mcore.parallel import ParallelInfo
 from megarl.metrics import MetricsLog, open_sinks
@@ -177,9 +178,12 @@ def build_models(cfg: Config, checked: Checked, info: ParallelInfo, model: dict,
     say(f"megarl: building the actor{' and the reference' if Algorithm.needs_reference(cfg) else ''}")
     actor = MegatronPolicy(checked.shape, trainable=True, optim=optim_config(t), sequence_parallel=m.sequence_parallel,
                            routing_replay=cfg.algorithm.routing_replay,
-                           recompute_granularity=m.recompute_granularity, **model)
+                           recompute_granularity=m.recompute_granularity,
+                           lora=LoRAOptions.from_config(m, seed=t.seed), **model)
     reference = None
-    if Algorithm.needs_reference(cfg):
+    if Algorithm.needs_reference(cfg) and actor.lora is not None:
+        reference = AdaptersOff(actor)  # the actor's base weights: frozen, and loaded below
+    elif Algorithm.needs_reference(cfg):
         reference = MegatronPolicy(checked.shape, trainable=False, **model)
         reference.load_hf(m.ref_checkpoint or m.hf_checkpoint)
     start_step, rank_state = _resume(cfg, checked.resume_from, actor, sampler, say)
