@@ -282,7 +282,9 @@ def test_no_sys_path_edits_outside_the_tests_conftest():
 
     # `--plugins path/to/x.py` asks for that file's directory on sys.path (its siblings import as the user expects,
     # and worker processes find it too): the one edit the user requests by name.
-    allowed = {("megarl/registry.py", "load_plugins")}
+    # The SGLang contract probe, a subprocess of its own, puts the unpacked wheel on its path only after torch has
+    # cached that no triton is installed (a PYTHONPATH entry would be seen first; the probe's docstring says why).
+    allowed = {("megarl/registry.py", "load_plugins"), ("tests/contracts/sglang_runtime_probe.py", "<module>")}
     files = [p for top in ("megarl", "tools", "launch", "tests") for p in sorted((REPO / top).rglob("*.py"))
              if p.name != "conftest.py"]
     assert len(files) > 100, "the scan must see the code"
@@ -294,5 +296,5 @@ def test_no_sys_path_edits_outside_the_tests_conftest():
                 seen.add((rel, scope))
             else:
                 offenders.append(f"{rel}:{line}")
-    assert seen == allowed, "the plugin loader's edit must be seen (the scan is blind otherwise)"
+    assert seen == allowed, "every allowed edit must be seen (the scan is blind otherwise)"
     assert offenders == []
