@@ -239,7 +239,7 @@ def test_a_stalled_ipc_gather_names_the_rank_the_leader_and_the_bucket(monkeypat
 def test_an_engine_off_its_leaders_first_stage_tp_ranks_is_refused(monkeypatch):
     """The ranks on a colocated engine's GPUs read the leader's export stream, so they must be its first stage's
     TP ranks: an engine at TP 2 over a trainer at TP 1 x PP 2 would put rank 1, a later stage, on TP rank 1's
-    GPU. Checked on every rank alike when the gather is built."""
+    GPU. Checked on every rank alike when the gather is built, and, for the flags, when they are parsed."""
     from megarl.rollout import sglang_ipc
 
     places = [(0, 0, 0), (0, 1, 0)]  # (TP, PP, CP) of ranks 0 and 1: TP 1 x PP 2
@@ -250,6 +250,14 @@ def test_an_engine_off_its_leaders_first_stage_tp_ranks_is_refused(monkeypatch):
     with pytest.raises(ValueError, match=r"rank 1, on the GPU of TP rank 1 of leader 0's engine, is \(TP, PP, CP\) "
                                          r"rank \(0, 1, 0\), not \(1, 0, 0\)"):
         sglang_ipc.build_ipc_gather(2, is_leader=True, place=places[0])
+    from megarl.arguments import parse_args
+    from megarl.config import ConfigError
+
+    with pytest.raises(ConfigError, match="--sglang-tp-size 2: a colocated SGLang engine .* at most "
+                                          "--tensor-model-parallel-size 1"):
+        parse_args(["--rollout-backend", "sglang", "--sglang-tp-size", "2"])
+    assert parse_args(["--rollout-backend", "sglang", "--sglang-tp-size", "2",
+                       "--tensor-model-parallel-size", "2"]).rollout.sglang_tp_size == 2
 
 
 # -- finding 13: Megatron's fused softmax only where its kernel imports --------------------------------------------
