@@ -191,6 +191,7 @@ class SGLangEngine:
         self.colocated = colocated
         self.ipc: IpcGather | None = None
         self._serialize = serialize
+        self._warned = False  # about payloads all made on this rank's GPU (`_payloads`)
         if ipc is not None:
             self.use_ipc(ipc)
         self.weight_version = 0
@@ -241,7 +242,7 @@ class SGLangEngine:
             return self._serialize(bucket, self.tp_size)
         if self.ipc is not None:
             return self.ipc.payloads(bucket, self.tp_size)
-        if self.tp_size > 1 and not getattr(self, "_warned", False):
+        if self.tp_size > 1 and not self._warned:
             self._warned = True
             warnings.warn(f"SGLang engine at TP {self.tp_size} without the trainer ranks on its GPUs (no use_ipc): "
                           "each TP rank gets a payload of its own, all serialised on this rank's GPU, so each opens "
@@ -286,12 +287,12 @@ class SGLangEngine:
 
     def load_weight_buckets(self, buckets: Iterable[WeightBucket], version: int) -> None:
         """Resume the weights' memory if released, then push every bucket without flushing the cache per bucket."""
-        if WEIGHTS in self._released:
-            _check(self.engine.resume_memory_occupation(tags=[WEIGHTS]), "resume_memory_occupation(weights)")
-            self._released.discard(WEIGHTS)
         session = hasattr(self.engine, "begin_weight_update")
         buckets = iter(buckets)
         try:
+            if WEIGHTS in self._released:
+                _check(self.engine.resume_memory_occupation(tags=[WEIGHTS]), "resume_memory_occupation(weights)")
+                self._released.discard(WEIGHTS)
             if session:
                 _check(self.engine.begin_weight_update(), "begin_weight_update")
             try:
@@ -328,6 +329,10 @@ class SGLangEngine:
         self.engine.flush_cache()
 
     def update_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]], version: int | None = None) -> None:
+        if self.ipc is not None:
+            raise WeightSyncError(f"SGLangEngine.update_weights: the engine's TP ranks load each bucket from the "
+                                  f"trainer ranks {self.ipc.ranks}, which must all pack it: sync through "
+                                  "megarl.stages.colocation.WeightSync")
         self.load_weight_buckets(pack_buckets(named_tensors, DEFAULT_BUCKET_BYTES),
                                  self.weight_version + 1 if version is None else version)
 
@@ -722,5 +727,9 @@ class SGLangServers:
         self.weight_version = version
 
     def update_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]], version: int | None = None) -> None:
+        if self.ipc is not None:
+            raise WeightSyncError(f"SGLangEngine.update_weights: the engine's TP ranks load each bucket from the "
+                                  f"trainer ranks {self.ipc.ranks}, which must all pack it: sync through "
+                                  "megarl.stages.colocation.WeightSync")
         self.load_weight_buckets(pack_buckets(named_tensors, DEFAULT_BUCKET_BYTES),
                                  self.weight_version + 1 if version is None else version)

@@ -97,6 +97,8 @@ def check_sync(fake: FakeColocatedEngine, reference: list[tuple[str, torch.Tenso
 def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("--hf", required=True)
+    p.add_argument("--pp", type=int, default=1, help="pipeline stages (4 ranks at 2: the later stage's tensors "
+                   "reach both TP ranks of the first; run by hand, the test runs PP 1)")
     args = p.parse_args()
     torch.set_num_threads(1)
     from megarl.config import RolloutConfig
@@ -109,10 +111,10 @@ def main() -> None:
     from megarl.stages.colocation import WeightSync
 
     sglang_ipc.serialize_bucket = sglang_engine.serialize_bucket = record_serialize
-    info = parallel.init_distributed(2, 1, timeout_s=60, seed=0)
+    info = parallel.init_distributed(2, args.pp, timeout_s=60, seed=0)
     rank = info.rank
     shape = ModelShape.from_pretrained(args.hf)
-    actor = MegatronPolicy(shape, tp=2, pp=1, trainable=False)
+    actor = MegatronPolicy(shape, tp=2, pp=args.pp, trainable=False)
     actor.load_hf(args.hf)
     reference = actor.export_hf()  # the leader's full tensors, [] on rank 1
     fake = FakeColocatedEngine(2) if info.is_mp_leader else None
@@ -125,7 +127,7 @@ def main() -> None:
     if fake is not None:
         print(f"rank 0: sync 1: {check_sync(fake, reference, stats)}", flush=True)
     else:
-        print(f"rank 1: sync 1: {len(collects)} ipc_collect", flush=True)
+        print(f"rank {rank}: sync 1: {len(collects)} ipc_collect", flush=True)
     for version, what in ((2, "refuse_update_at"), (3, "refuse_begin")):
         if fake is not None:
             fake.reset()
