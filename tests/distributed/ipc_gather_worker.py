@@ -111,7 +111,7 @@ def main() -> None:
     from megarl.stages.colocation import WeightSync
 
     sglang_ipc.serialize_bucket = sglang_engine.serialize_bucket = record_serialize
-    info = parallel.init_distributed(2, args.pp, timeout_s=60, seed=0)
+    info = parallel.init_distributed(2, args.pp, timeout_s=120, seed=0)
     rank = info.rank
     shape = ModelShape.from_pretrained(args.hf)
     actor = MegatronPolicy(shape, tp=2, pp=args.pp, trainable=False)
@@ -119,7 +119,7 @@ def main() -> None:
     reference = actor.export_hf()  # the leader's full tensors, [] on rank 1
     fake = FakeColocatedEngine(2) if info.is_mp_leader else None
     engine = SGLangEngine(fake, tp_size=2, dtype=DTYPE) if fake is not None else None
-    sync = WeightSync(actor, engine, RolloutConfig(sync_bucket_mb=1), info, timeout_s=60)
+    sync = WeightSync(actor, engine, RolloutConfig(sync_bucket_mb=1), info, timeout_s=120)
     collects = []
     if rank == 1:  # CUDA as far as the IPC bookkeeping goes: rank 1 collects once the engine has loaded a bucket
         torch.cuda.is_available, torch.cuda.ipc_collect = (lambda: True), (lambda: collects.append(1))
