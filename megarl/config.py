@@ -526,6 +526,11 @@ class Config:
                               f"exchange fixed-shape micro-batches), got {self.model.pipeline_model_parallel_size}")
         if self.training.async_staleness:
             self._check_async()
+        r, tp = self.rollout, self.model.tensor_model_parallel_size
+        if r.rollout_backend == "sglang" and not r.rollout_servers and r.sglang_tp_size > tp:
+            raise ConfigError(f"--sglang-tp-size {r.sglang_tp_size}: a colocated SGLang engine runs on the GPUs of "
+                              "its model replica's first-stage TP ranks, which each hand it the weights from their "
+                              f"own GPU, so at most --tensor-model-parallel-size {tp} (0 = the same)")
         if self.algorithm.routing_replay:
             if self.rollout.rollout_backend != "builtin":
                 raise ConfigError(f"--routing-replay needs --rollout-backend builtin (the engine that records each "

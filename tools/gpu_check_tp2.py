@@ -6,7 +6,8 @@ Stages, each in processes of its own under a time limit, each ending in one verd
   tp2-builtin     torchrun, 2 ranks, TP 2 on NCCL: the built-in engine on the leader's GPU, the colocation cycle
                   with optimizer and weight offload, streamed syncs (TP gathers), each verified
   tp2-sglang      the same with SGLang colocated at TP 2: launched before the actor (`setup.launch_engine_first`),
-                  one IPC payload per SGLang TP rank, release / resume of every memory tag
+                  one IPC payload per SGLang TP rank made by the trainer rank on its GPU (the weight sync's
+                  IPC gather, `megarl/rollout/sglang_ipc.py`), release / resume of every memory tag
   disaggregated   an SGLang server on GPU 1 and a trainer (torchrun, 1 rank) on GPU 0: the weight-update group's
                   rendezvous under torchrun, the push over NCCL, the prefix-cache flush, the probe scored over HTTP
 
@@ -258,7 +259,8 @@ def colocated_worker(args) -> None:
                            use_transformer_engine=False)
     if engine is None and info.is_mp_leader:
         engine = BuiltinEngine(hf, device="cuda" if cuda else "cpu", dtype=torch.float32)
-    sync, algorithm = WeightSync(actor, engine, cfg.rollout, info), Algorithm(cfg, info, None, None)
+    sync = WeightSync(actor, engine, cfg.rollout, info, timeout_s=120)  # SGLang: with its IPC gather over both ranks
+    algorithm = Algorithm(cfg, info, None, None)
     rows = [sync(version=0)]
     probes = []
     for step in range(args.steps):
@@ -277,14 +279,17 @@ def colocated_worker(args) -> None:
     if info.is_mp_leader:
         expected = model_parameter_count(shape) * (engine.dtype.itemsize if engine.dtype is not None else 4)
         checked = [p["sync_probe_version"] for p in probes]
-        if any(r["sync_bytes"] != expected for r in rows):
+        if args.engine == "sglang" and (sync.ipc is None or sync.ipc.ranks != [0, 1]):
+            verdict(name, "FAIL", f"the TP 2 engine synced without the IPC gather over ranks [0, 1] ({sync.ipc})")
+        elif any(r["sync_bytes"] != expected for r in rows):
             verdict(name, "FAIL", f"sync bytes {[r['sync_bytes'] for r in rows]}, expected {expected} each")
         elif checked != list(range(args.steps + 1)):
             verdict(name, "FAIL", f"probes checked for versions {checked}, expected 0..{args.steps}")
         else:
             peak = f", peak GPU {torch.cuda.max_memory_allocated() / 2**20:.0f} MiB" if cuda else ""
+            ipc = ", each bucket's IPC payloads from ranks [0, 1]" if sync.ipc is not None else ""
             verdict(name, "PASS", f"{args.steps} steps at TP 2, {len(rows)} syncs of {expected / 2**20:.2f} MiB "
-                                  f"in {rows[-1]['sync_buckets']} buckets, probe |dlogp| max "
+                                  f"in {rows[-1]['sync_buckets']} buckets{ipc}, probe |dlogp| max "
                                   f"{max(p['sync_probe_absdiff_max'] for p in probes):.2e}{peak}")
         engine.shutdown()
     parallel.destroy()

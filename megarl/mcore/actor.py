@@ -191,9 +191,10 @@ class MegatronPolicy(MegatronModel):
         """Full HF-named weights on the model-parallel leader, [] elsewhere."""
         return convert.export_hf_weights(self.model, self.shape)
 
-    def iter_hf(self):
-        """`export_hf` one tensor at a time; every model-parallel rank must exhaust it (it runs collectives)."""
-        return convert.iter_hf_weights(self.model, self.shape)
+    def iter_hf(self, every_tp_rank: bool = False):
+        """`export_hf` one tensor at a time; every model-parallel rank must exhaust it (it runs collectives).
+        `every_tp_rank`: every TP rank of the first stage gets the full tensors, not only the leader."""
+        return convert.iter_hf_weights(self.model, self.shape, every_tp_rank)
 
     def save_peft(self, base: str, out_dir: str) -> None:
         """The LoRA adapters as a PEFT adapter directory (`lora.save_peft`); every rank calls it."""

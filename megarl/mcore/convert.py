@@ -352,12 +352,17 @@ def export_hf_weights(model: torch.nn.Module, shape: ModelShape) -> list[tuple[s
     return list(iter_hf_weights(model, shape))
 
 
-def iter_hf_weights(model: torch.nn.Module, shape: ModelShape) -> Iterator[tuple[str, torch.Tensor]]:
+def iter_hf_weights(model: torch.nn.Module, shape: ModelShape,
+                    every_tp_rank: bool = False) -> Iterator[tuple[str, torch.Tensor]]:
     """`export_hf_weights` as a stream: the leader receives one full HF tensor at a time, so a consumer that
     writes each away (a shard file, a sync bucket) never holds the whole model twice.
 
     Every rank of the model-parallel group must run the generator to its end, in step with the others (it runs
-    TP gathers and PP broadcasts); ranks other than the leader yield nothing. A layer with a LoRA adapter is
+    TP gathers and PP broadcasts); ranks other than the leader yield nothing. With `every_tp_rank` every TP rank
+    of the first stage yields the same full tensors in the same order (a colocated engine's TP ranks each load
+    the bucket from their own GPU: `megarl.rollout.sglang_ipc`). The TP all-gather leaves every TP rank the full
+    tensor anyway; what it adds is the PP hand-over of the later stages on every TP rank's pipeline group, not on
+    TP rank 0's only (each TP rank's bytes travel in parallel, on their own link). A layer with a LoRA adapter is
     exported merged, `W + (alpha / rank) B A` (`_merged`), its adapter tensors not at all.
     """
     from megatron.core import parallel_state as ps
@@ -367,10 +372,11 @@ def iter_hf_weights(model: torch.nn.Module, shape: ModelShape) -> Iterator[tuple
     pp_rank, tp_rank = ps.get_pipeline_model_parallel_rank(), ps.get_tensor_model_parallel_rank()
     rules = rules_for(shape)
     params = dict(model.named_parameters())
+    yields = tp_rank == 0 or every_tp_rank
 
     def this_stage() -> Iterator[tuple[str, torch.Tensor]]:
         """This stage's tensors, gathered over TP (experts: over expert-TP, then EP), on its TP rank 0 (other TP
-        ranks only join the gathers)."""
+        ranks only join the gathers, unless `every_tp_rank`)."""
         for local_name, global_name in global_param_names(model).items():
             if global_name == "output_layer.weight" and shape.tie_word_embeddings:
                 continue  # a PP copy of the embedding, which stage 0 exports
@@ -383,18 +389,18 @@ def iter_hf_weights(model: torch.nn.Module, shape: ModelShape) -> Iterator[tuple
             local = _merged(model.get_submodule(owner), param.detach()) if attr == "weight" else param.detach()
             full = gather_tp(rule, local, param, group, size)
             for e, tensor in _gather_ep(full, expert, shape):
-                if tp_rank == 0:
+                if yields:
                     yield from zip(hf_names(rule, layer, e), mcore_to_hf_tensors(rule, tensor, shape))
 
-    if tp_rank != 0:
+    if not yields:
         for _ in this_stage():
             pass
         return
     if pp_rank == 0:
         yield from this_stage()
     for stage in range(1, pp_size):
-        # Stage `stage` sends its tensors to stage 0 over the PP group of TP rank 0 ranks, one at a time, each
-        # announced by its (name, shape, dtype); None ends the stage.
+        # Stage `stage` sends its tensors to stage 0 over the PP group of TP rank 0 ranks (`every_tp_rank`: over
+        # each TP rank's), one at a time, each announced by its (name, shape, dtype); None ends the stage.
         src = dist.get_global_rank(pp_group, stage)
         sending = this_stage() if pp_rank == stage else None
         while True:

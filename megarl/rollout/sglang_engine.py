@@ -11,11 +11,12 @@ between steps. In SGLang >= 0.5.23 weight updates run inside `begin_weight_updat
 older versions have neither, and the adapter then calls the update alone. Buckets go over as
 `load_format="flattened_bucket"`: one serialized `{flattened_tensor, metadata}` per SGLang TP rank, which for a
 CUDA tensor is an IPC handle, not the data (`serialize_bucket`). SGLang's TP rank r opens only entry r, a payload
-of its own (CUDA-IPC refcounting is per payload), best made on rank r's own GPU: with `ipc` the trainer ranks on
-the engine's GPUs each serialise their copy of the bucket and the leader gathers them
-(`megarl.rollout.sglang_ipc.IpcGather`); without it the leader serialises once per TP rank and every TP rank opens
-a CUDA context on the leader's GPU. After each bucket the IPC memory the engine let go of is collected
-(`torch.cuda.ipc_collect`).
+of its own (CUDA-IPC refcounting is per payload), made on rank r's own GPU: at TP > 1 the weight sync
+(`megarl.stages.colocation.WeightSync`) attaches the trainer ranks on the engine's GPUs (`use_ipc`), which each
+pack the same buckets from their own export stream and serialise their copy, and the leader gathers the payloads
+(`megarl.rollout.sglang_ipc.IpcGather`). Without them (the engine used on its own) the leader serialises once per
+TP rank, every TP rank opens a CUDA context on the leader's GPU, and the first load warns. After each bucket the
+IPC memory the engine let go of is collected (`torch.cuda.ipc_collect`).
 
 Disaggregated (`SGLangServers`): SGLang servers launched elsewhere (`--rollout-servers host:port,...`), reached
 over HTTP. Prompts are split over the servers in contiguous blocks. Weights go either over NCCL (the trainer's
@@ -68,6 +69,15 @@ def _own_payload(bucket: WeightBucket, tp_size: int) -> list[str]:
     SGLang's CUDA-IPC refcounting needs (its own `Engine._serialize_tensors_per_rank` serialises plain tensors so),
     but all of them point to this rank's GPU. `IpcGather.payloads` makes each on the TP rank's own GPU."""
     return [serialize_bucket(bucket) for _ in range(tp_size)]
+
+
+def _close_quietly(ipc: IpcGather, error: str, rest: Iterable[WeightBucket], cause: BaseException) -> None:
+    """`ipc.close(error, rest)` on a failed sync; should that fail too (the gather's collectives broke), the
+    original error is still the one raised, with this one as a note."""
+    try:
+        ipc.close(error, rest)
+    except Exception as e:  # noqa: BLE001 - reported on the error being raised, which names the first cause
+        cause.add_note(f"telling the other ranks of the engine failed too: {type(e).__name__}: {e}")
 
 
 def sampling_dict(params: SamplingParams, seed: int | None = None) -> dict:
@@ -171,23 +181,19 @@ class SGLangEngine:
                  serialize: Callable[[WeightBucket, int], list] | None = None, ipc: IpcGather | None = None,
                  tokenizer: bool = True):
         """`tokenizer`: whether the engine was launched with its tokenizer, which stop strings need.
-        `ipc`: the trainer ranks on the engine's GPUs, which make one payload each (needed at `tp_size` > 1);
-        `serialize(bucket, tp_size)`: the per-TP-rank payloads of a bucket, instead of `ipc` (tests)."""
-        if serialize is None and ipc is None and tp_size > 1:
-            warnings.warn(f"SGLang engine at TP {tp_size} without the trainer ranks on its GPUs (ipc=None): each TP "
-                          "rank gets a payload of its own, all serialised on this rank's GPU, so each opens a CUDA "
-                          "context there; pass ipc=build_ipc_gather(...) (megarl.rollout.sglang_ipc) to have each "
-                          "made on the TP rank's own GPU", RuntimeWarning, stacklevel=2)
-        if ipc is not None and ipc.tp_size != tp_size:
-            raise ValueError(f"the IpcGather spans {ipc.tp_size} ranks ({ipc.ranks}) but the engine runs at TP "
-                             f"{tp_size}: one trainer rank per SGLang TP rank")
+        `ipc`: the trainer ranks on the engine's GPUs, which make one payload each (at `tp_size` > 1; the weight
+        sync attaches them with `use_ipc`); `serialize(bucket, tp_size)`: the per-TP-rank payloads of a bucket,
+        instead of `ipc` (tests)."""
         self.engine = engine
-        self.ipc = ipc
         self.tokenizer = tokenizer
         self.dtype = dtype  # weights are sent in this dtype (None: as the actor holds them)
         self.tp_size = tp_size
         self.colocated = colocated
-        self.serialize = serialize or (ipc.payloads if ipc is not None else _own_payload)
+        self.ipc: IpcGather | None = None
+        self._serialize = serialize
+        self._warned = False  # about payloads all made on this rank's GPU (`_payloads`)
+        if ipc is not None:
+            self.use_ipc(ipc)
         self.weight_version = 0
         self.aborted = 0  # requests SGLang aborted so far (`count_aborted`)
         self._released: set[str] = set()
@@ -216,6 +222,33 @@ class SGLangEngine:
                                **server_args)
         return cls(engine, tp_size=tp_size, colocated=colocated, tokenizer=tokenizer, ipc=ipc,
                    dtype=getattr(torch, dtype) if dtype in ("bfloat16", "float16", "float32") else None)
+
+    @property
+    def ipc_tp_size(self) -> int:
+        """How many trainer ranks each make their own payload of every bucket (`use_ipc`): the TP ranks of a
+        colocated engine, whose GPUs are the trainer's; 1 where the leader's payloads are all it needs."""
+        return self.tp_size if self.colocated and self._serialize is None else 1
+
+    def use_ipc(self, ipc: IpcGather) -> None:
+        """From now on the payloads of a bucket come from the trainer ranks on the engine's GPUs, one each
+        (`IpcGather`); those ranks must take part in every `load_weight_buckets` (`WeightSync` sees to it)."""
+        if ipc.tp_size != self.tp_size:
+            raise ValueError(f"the IpcGather spans {ipc.tp_size} ranks ({ipc.ranks}) but the engine runs at TP "
+                             f"{self.tp_size}: one trainer rank per SGLang TP rank")
+        self.ipc = ipc
+
+    def _payloads(self, bucket: WeightBucket) -> list:
+        if self._serialize is not None:
+            return self._serialize(bucket, self.tp_size)
+        if self.ipc is not None:
+            return self.ipc.payloads(bucket, self.tp_size)
+        if self.tp_size > 1 and not self._warned:
+            self._warned = True
+            warnings.warn(f"SGLang engine at TP {self.tp_size} without the trainer ranks on its GPUs (no use_ipc): "
+                          "each TP rank gets a payload of its own, all serialised on this rank's GPU, so each opens "
+                          "a CUDA context there; sync through megarl.stages.colocation.WeightSync, which has each "
+                          "made on the TP rank's own GPU (megarl.rollout.sglang_ipc)", RuntimeWarning, stacklevel=4)
+        return _own_payload(bucket, self.tp_size)
 
     # -- rollout ---------------------------------------------------------------------------------------------
 
@@ -254,33 +287,36 @@ class SGLangEngine:
 
     def load_weight_buckets(self, buckets: Iterable[WeightBucket], version: int) -> None:
         """Resume the weights' memory if released, then push every bucket without flushing the cache per bucket."""
-        if WEIGHTS in self._released:
-            _check(self.engine.resume_memory_occupation(tags=[WEIGHTS]), "resume_memory_occupation(weights)")
-            self._released.discard(WEIGHTS)
         session = hasattr(self.engine, "begin_weight_update")
-        failed, opened = None, False
+        buckets = iter(buckets)
         try:
+            if WEIGHTS in self._released:
+                _check(self.engine.resume_memory_occupation(tags=[WEIGHTS]), "resume_memory_occupation(weights)")
+                self._released.discard(WEIGHTS)
             if session:
                 _check(self.engine.begin_weight_update(), "begin_weight_update")
-                opened = True
-            for bucket in buckets:
-                payloads = self.serialize(bucket, self.tp_size)
-                if len(payloads) != self.tp_size:
-                    raise WeightSyncError(f"{len(payloads)} IPC payloads for an engine at TP {self.tp_size}: SGLang "
-                                          "needs one per TP rank")
-                result = self.engine.update_weights_from_tensor(named_tensors=payloads,
-                                                                load_format="flattened_bucket", flush_cache=False)
-                _check(result, "update_weights_from_tensor")
-                del payloads
-                release_ipc()  # the engine has loaded this bucket and closed its handles (slime does this per chunk)
+            try:
+                for bucket in buckets:
+                    payloads = self._payloads(bucket)
+                    if len(payloads) != self.tp_size:
+                        raise WeightSyncError(f"{len(payloads)} IPC payloads for an engine at TP {self.tp_size}: "
+                                              "SGLang needs one per TP rank")
+                    result = self.engine.update_weights_from_tensor(named_tensors=payloads,
+                                                                    load_format="flattened_bucket", flush_cache=False)
+                    _check(result, "update_weights_from_tensor")
+                    del payloads
+                    release_ipc()  # the engine has loaded this bucket and closed its handles (slime: per chunk)
+                    if self.ipc is not None:
+                        self.ipc.loaded()  # the other ranks drop their copies
+            finally:
+                if session:
+                    _check(self.engine.end_weight_update(), "end_weight_update")
         except BaseException as e:
-            failed = f"{type(e).__name__}: {e}"
+            if self.ipc is not None:  # the other ranks on the engine's GPUs learn it where they wait, and raise
+                _close_quietly(self.ipc, f"{type(e).__name__}: {e}", buckets, e)
             raise
-        finally:
-            if self.ipc is not None:  # the other ranks on the engine's GPUs leave `follow`
-                self.ipc.close(failed)
-            if opened:
-                _check(self.engine.end_weight_update(), "end_weight_update")
+        if self.ipc is not None:
+            self.ipc.close()
         self.weight_version = version
 
     def resume_memory(self) -> None:
@@ -293,6 +329,10 @@ class SGLangEngine:
         self.engine.flush_cache()
 
     def update_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]], version: int | None = None) -> None:
+        if self.ipc is not None:
+            raise WeightSyncError(f"SGLangEngine.update_weights: the engine's TP ranks load each bucket from the "
+                                  f"trainer ranks {self.ipc.ranks}, which must all pack it: sync through "
+                                  "megarl.stages.colocation.WeightSync")
         self.load_weight_buckets(pack_buckets(named_tensors, DEFAULT_BUCKET_BYTES),
                                  self.weight_version + 1 if version is None else version)
 
@@ -687,5 +727,9 @@ class SGLangServers:
         self.weight_version = version
 
     def update_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]], version: int | None = None) -> None:
+        if self.ipc is not None:
+            raise WeightSyncError(f"SGLangEngine.update_weights: the engine's TP ranks load each bucket from the "
+                                  f"trainer ranks {self.ipc.ranks}, which must all pack it: sync through "
+                                  "megarl.stages.colocation.WeightSync")
         self.load_weight_buckets(pack_buckets(named_tensors, DEFAULT_BUCKET_BYTES),
                                  self.weight_version + 1 if version is None else version)

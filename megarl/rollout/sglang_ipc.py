@@ -1,39 +1,48 @@
 """One CUDA-IPC payload per SGLang TP rank, each made on that rank's own GPU (colocated SGLang at TP > 1).
 
 SGLang 0.5.23 hands a `load_format="flattened_bucket"` update to its TP workers as a list, and worker r opens
-only entry r (`tp_worker.deserialize_own_rank`): torch's CUDA-IPC refcounting is per payload, so one payload
-opened by several processes is released early or never, and a handle to the leader's GPU opened by every TP
-rank puts a CUDA context of each of them on the leader's GPU. slime and verl gather one handle per GPU; so does
-this module.
+only entry r (`tp_worker.deserialize_own_rank`) and loads the whole bucket of full Hugging Face tensors from it
+(`model.load_weights` takes its own TP shard): torch's CUDA-IPC refcounting is per payload, so one payload opened
+by several processes is released early or never, and a handle to the leader's GPU opened by every TP rank puts a
+CUDA context of each of them on the leader's GPU. slime and verl gather one handle per GPU; so does this module.
 
 The layout: the engine of a model replica runs on its leader's GPU and the next `tp_size - 1` (`launch`'s
-`base_gpu_id`), which are the GPUs of the trainer ranks `leader .. leader + tp_size - 1`. Those ranks form an
-`IpcGather`. Per bucket the leader broadcasts the bucket's layout (gloo) and bytes (the tensor group: NCCL on
-GPUs), every rank keeps its own copy on its own GPU and serialises it, and the leader gathers the payloads in
-rank order, which is the engine's TP order. Each rank keeps its copy alive until the engine has loaded the bucket
-(SGLang returns from `update_weights_from_tensor` after loading), then drops it and calls
-`torch.cuda.ipc_collect()`, as slime does per chunk, so the memory the engine mapped is given back.
+`base_gpu_id`), which are the GPUs of the trainer ranks `leader .. leader + tp_size - 1`: the first stage's TP
+ranks of the leader's replica (TP is megatron's innermost dimension), checked by `build_ipc_gather`. Those ranks
+form an `IpcGather`.
 
-What it costs: one bucket of memory on each of the engine's GPUs (`--sync-bucket-mb`) and one bucket broadcast
-within a node. The leader runs `payloads` per bucket and `close` at the end of the sync (also when it failed: the
-others then raise with its message); every other rank of the group runs `follow` for the same sync.
+Lock-step with the streamed export, as in slime: after `gather_tp`'s all-gather every TP rank holds each full
+tensor, so every rank of the gather reads the same stream (`MegatronPolicy.iter_hf(every_tp_rank=True)`) and
+packs the same buckets (`pack_buckets` with the same size and dtype) on its own GPU; only the payloads move. Per
+bucket, every rank of the gather takes part in two gloo collectives:
 
-What it needs of the export: the other ranks sit in `follow` while the leader pushes, so the leader's buckets must
-not be filled by an export that runs collectives with them (the streamed `iter_hf`, whose TP gathers every rank
-joins): the export is finished before the push (`export_hf`). For a streamed export the bytes should come from the
-export itself instead, as in slime: after `gather_tp`'s all-gather every TP rank of stage 0 holds each full tensor,
-so each rank can pack the same buckets from its own stream and only the payloads need gathering.
+1. `gather`: each rank serialises its own bucket and the leader gathers the payloads in rank order, which is the
+   engine's TP order (the leader: `payloads`, called by `SGLangEngine.load_weight_buckets`; the others: `serve`);
+2. `outcome`: once the engine has loaded the bucket (SGLang returns from `update_weights_from_tensor` after
+   loading), the leader broadcasts whether it did (`loaded`, or `close` with the error); each other rank then
+   drops its copy and calls `torch.cuda.ipc_collect()`, as slime does per chunk, so the memory the engine mapped
+   is given back.
+
+After the last bucket the leader broadcasts the end of the sync (`close`). A leader that fails anywhere (before
+the first bucket, between buckets, in the engine) goes on to the next point where the others wait, packs and
+gathers the bucket they are at if need be, and tells them its error there; they raise it (`WeightSyncError`
+naming the leader) and every rank drains the rest of the export, whose collectives need them all. A collective
+that fails or times out (`--distributed-timeout-seconds`) raises an error naming this rank, the leader, the
+bucket and what it waited for.
+
+What it costs: on each of the engine's GPUs, the buckets a rank packs itself (`--sync-bucket-mb`), and with
+PP > 1 the later stages' tensors sent to every TP rank of the first stage instead of TP rank 0 only.
 """
 
 from __future__ import annotations
 
 import datetime
-from typing import Callable, Sequence
+from typing import Callable, Iterable, Sequence
 
 import torch
 import torch.distributed as dist
 
-from megarl.rollout.weight_sync import TensorSlot, WeightBucket, WeightSyncError
+from megarl.rollout.weight_sync import WeightBucket, WeightSyncError
 
 
 def serialize_bucket(bucket: WeightBucket) -> str:
@@ -66,101 +75,153 @@ def _device_index(t: torch.Tensor) -> int:
 
 class IpcGather:
     """The trainer ranks on one colocated engine's GPUs; `ranks[i]` is on engine TP rank i's GPU and `ranks[0]`,
-    the replica's leader, holds the engine. `group` is a gloo group of `ranks` (objects); `tensor_group` carries
-    the bucket bytes (the default backend's group of the same ranks; `group` when None)."""
+    the replica's leader, holds the engine. `group` is a gloo group of `ranks` (see the module docstring for the
+    protocol: the leader runs `payloads` and `loaded` per bucket and `close` at the end, every other rank `serve`
+    over its own buckets)."""
 
-    def __init__(self, group, ranks: Sequence[int], *, tensor_group=None,
-                 serialize: Callable[[WeightBucket], str] | None = None):
+    def __init__(self, group, ranks: Sequence[int], *, serialize: Callable[[WeightBucket], str] | None = None):
         self.group = group
-        self.tensor_group = tensor_group if tensor_group is not None else group
         self.ranks = list(ranks)
         self.src = self.ranks[0]
         self._serialize = serialize
-        self._held: WeightBucket | None = None  # this rank's copy of the bucket being loaded
+        self._bucket = 0  # buckets gathered in this sync
+        self._pending = False  # the leader gathered a bucket whose outcome it has not told
 
     @property
     def tp_size(self) -> int:
         return len(self.ranks)
 
+    @property
+    def is_leader(self) -> bool:
+        return dist.get_rank() == self.src
+
     def serialize(self, bucket: WeightBucket) -> str:
         return (self._serialize or serialize_bucket)(bucket)
 
-    def _release(self) -> None:
-        """(The other ranks) the engine has loaded the previous bucket: drop this rank's copy, give its IPC memory
-        back."""
-        if self._held is not None:
-            self._held = None
-            release_ipc()
+    # -- the two collectives, their failures named ----------------------------------------------------------
 
-    def _announce(self, message) -> None:
-        box = [message]
-        dist.broadcast_object_list(box, src=self.src, group=self.group)
-        return box[0]
+    def _collective(self, what: str, fn, *args):
+        try:
+            return fn(*args, group=self.group)
+        except RuntimeError as e:  # gloo's timeout, or a peer that went away: say who waited for what
+            role = ("the leader" if self.is_leader else f"on the GPU of TP rank {self.ranks.index(dist.get_rank())}")
+            raise WeightSyncError(
+                f"rank {dist.get_rank()} ({role} of the colocated SGLang engine on ranks {self.ranks}): {what} "
+                f"failed: {type(e).__name__}: {e}. Every rank of the engine packs the same buckets from the "
+                "streamed export; look for an earlier error on the other ranks, or raise "
+                "--distributed-timeout-seconds if the engine loads a bucket slowly") from e
 
-    def _gather(self, bucket: WeightBucket) -> list | None:
-        mine = (dist.get_rank(), _device_index(bucket.flat), self.serialize(bucket))
-        out = [None] * self.tp_size if dist.get_rank() == self.src else None
-        dist.gather_object(mine, out, dst=self.src, group=self.group)
+    def _gather(self, bucket: WeightBucket | None) -> list | None:
+        """Collective: this rank's (rank, GPU, payload) to the leader; the leader gets them in rank order."""
+        mine = None if bucket is None else (dist.get_rank(), _device_index(bucket.flat), self.serialize(bucket))
+        out = [None] * self.tp_size if self.is_leader else None
+        what = (f"gathering the payloads of ranks {self.ranks[1:]} for bucket {self._bucket}" if self.is_leader
+                else f"sending the payload of bucket {self._bucket} to leader {self.src}")
+        self._collective(what, dist.gather_object, mine, out, self.src)
+        self._bucket += 1
         return out
 
+    def _tell(self, message=None, end: bool = False):
+        """Collective: the leader's `message` (("ok",), ("error", text), ("end", text or None)) on every rank;
+        `end`: the message ends the sync rather than a bucket (for the error's words)."""
+        box = [message]
+        subject = "the end of the sync" if end else f"bucket {self._bucket - 1}"
+        what = (f"telling ranks {self.ranks[1:]} the outcome of {subject}" if self.is_leader
+                else f"waiting for leader {self.src} to load {subject} into the engine" if not end
+                else f"waiting for leader {self.src} to end the sync")
+        self._collective(what, dist.broadcast_object_list, box, self.src)
+        return box[0]
+
+    # -- the leader ---------------------------------------------------------------------------------------
+
     def payloads(self, bucket: WeightBucket, tp_size: int | None = None) -> list[str]:
-        """Leader: one payload per engine TP rank (`tp_size` of them), in TP order, each serialised by the rank on
-        that GPU. The
-        leader's own copy is the caller's bucket, and the caller collects its IPC memory once the engine has
-        loaded it (`SGLangEngine.load_weight_buckets`)."""
+        """Leader: one payload per engine TP rank (`tp_size` of them), in TP order, each serialised by the rank
+        on that GPU from its own copy of `bucket`. The caller loads them, then calls `loaded`."""
         if tp_size not in (None, self.tp_size):
             raise WeightSyncError(f"an engine at TP {tp_size} served by {self.tp_size} ranks ({self.ranks})")
-        self._announce(("bucket", bucket.flat.numel(), bucket.flat.device.type,
-                        [(s.name, s.shape, s.dtype, s.start, s.end) for s in bucket.slots]))
-        dist.broadcast(bucket.flat, src=self.src, group=self.tensor_group)
+        if self._pending:
+            raise WeightSyncError("IpcGather.payloads: the previous bucket's outcome was not told (call loaded)")
         gathered = self._gather(bucket)
-        ranks = [g[0] for g in gathered]
-        if ranks != self.ranks:
-            raise WeightSyncError(f"IPC payloads came from ranks {ranks}, expected {self.ranks} (engine TP order)")
-        devices = [g[1] for g in gathered]
-        if devices[0] >= 0 and devices != list(range(devices[0], devices[0] + self.tp_size)):
-            raise WeightSyncError(
-                f"ranks {self.ranks} hold their bucket copies on GPUs {devices}, but the engine's TP ranks run on "
-                f"GPUs {devices[0]}..{devices[0] + self.tp_size - 1} (launch's base_gpu_id onward): each rank must "
-                "be on the GPU of the TP rank it serves (one node, local rank = GPU index)")
+        self._pending = True
+        problem = _check_gathered(gathered, self.ranks)
+        if problem is not None:
+            raise WeightSyncError(problem)
         return [g[2] for g in gathered]
 
-    def close(self, error: str | None = None) -> None:
-        """Leader: the sync is over (`error`: it failed, with this message); the other ranks leave `follow`."""
-        self._announce(("end", error))
+    def loaded(self) -> None:
+        """Leader: the engine has loaded the bucket of the last `payloads`; the other ranks drop their copies."""
+        self._pending = False
+        self._tell(("ok",))
 
-    def follow(self) -> int:
-        """Every rank but the leader, during the leader's sync: copy each bucket onto this rank's GPU, serialise
-        it and send the payload to the leader, until the leader closes the sync. Returns the buckets served;
-        raises `WeightSyncError` with the leader's message when its sync failed."""
+    def close(self, error: str | None = None, rest: Iterable[WeightBucket] = ()) -> None:
+        """Leader, at the end of the sync, also when it failed (`error`). A sync that failed tells the others
+        where they wait: at the bucket just gathered, else at the next bucket of `rest` (the buckets this rank
+        did not load, which it packs so that it meets them there), else at the end."""
+        try:
+            if error is None:
+                self._tell(("end", None), end=True)
+                return
+            if not self._pending and next(iter(rest), None) is not None:
+                self._gather(None)  # the others' payloads of the bucket they are at, unused
+                self._pending = True
+            self._tell(("error", error) if self._pending else ("end", error), end=not self._pending)
+        finally:
+            self._pending, self._bucket = False, 0
+
+    # -- the other ranks ----------------------------------------------------------------------------------
+
+    def serve(self, buckets: Iterable[WeightBucket]) -> int:
+        """Every rank but the leader, during the leader's sync: for each of this rank's `buckets` (packed from
+        its own export stream, as the leader packs its own), send the leader its payload and keep the bucket until
+        the engine has loaded it. Returns the buckets served; raises `WeightSyncError` with the leader's message
+        when its sync failed (the caller then drains its export)."""
         served = 0
-        while True:
-            message = self._announce(None)
-            self._release()
-            if message[0] == "end":
-                if message[1] is not None:
+        try:
+            for bucket in buckets:
+                self._gather(bucket)
+                message = self._tell()
+                del bucket  # the engine has loaded it (or given up): its IPC memory can go
+                release_ipc()
+                if message[0] != "ok":
                     raise WeightSyncError(f"the weight sync on rank {self.src} failed: {message[1]}")
-                return served
-            _, nbytes, device_type, slots = message
-            device = torch.device("cuda", torch.cuda.current_device()) if device_type == "cuda" else "cpu"
-            flat = torch.empty(nbytes, dtype=torch.uint8, device=device)
-            dist.broadcast(flat, src=self.src, group=self.tensor_group)
-            self._held = WeightBucket(flat, [TensorSlot(*s) for s in slots])  # alive until the engine loaded it
-            self._gather(self._held)
-            served += 1
+                served += 1
+            message = self._tell(end=True)
+            if message[0] != "end" or message[1] is not None:
+                raise WeightSyncError(f"the weight sync on rank {self.src} failed: {message[1]} (this rank "
+                                      f"packed {served} buckets)")
+            return served
+        finally:
+            self._bucket = 0
 
 
-def build_ipc_gather(tp_size: int, is_leader: bool, timeout_s: float = 600.0) -> IpcGather | None:
+def _check_gathered(gathered: list, ranks: list[int]) -> str | None:
+    """Why the leader cannot hand `gathered` to the engine, or None: a payload from the wrong rank, or copies on
+    GPUs that are not the engine's TP ranks' GPUs."""
+    got = [g[0] for g in gathered]
+    if got != ranks:
+        return f"IPC payloads came from ranks {got}, expected {ranks} (engine TP order)"
+    devices = [g[1] for g in gathered]
+    if devices[0] >= 0 and devices != list(range(devices[0], devices[0] + len(ranks))):
+        return (f"ranks {ranks} hold their buckets on GPUs {devices}, but the engine's TP ranks run on GPUs "
+                f"{devices[0]}..{devices[0] + len(ranks) - 1} (launch's base_gpu_id onward): each rank must be on "
+                "the GPU of the TP rank it serves (one node, local rank = GPU index)")
+    return None
+
+
+def build_ipc_gather(tp_size: int, is_leader: bool, timeout_s: float = 600.0,
+                     place: tuple[int, int, int] | None = None) -> IpcGather | None:
     """Collective on every rank of the job: the `IpcGather` of this rank's colocated engine (ranks `leader ..
     leader + tp_size - 1` for each model-parallel leader that launches one), None where this rank serves no
-    engine or `tp_size` is 1 (the leader's own payload is then the only one)."""
+    engine or `tp_size` is 1 (the leader's own payload is then the only one). `place`: this rank's (TP rank,
+    PP rank, CP rank); every rank of a gather must be TP rank i of its leader's first stage, which reads the same
+    export stream (checked when given, on every rank alike)."""
     if tp_size < 1:
         raise ValueError(f"--sglang-tp-size must be >= 1, got {tp_size}")
     flags = [None] * dist.get_world_size()
-    dist.all_gather_object(flags, bool(is_leader))
+    dist.all_gather_object(flags, (bool(is_leader), place))
     if tp_size == 1:
         return None
-    leaders = [r for r, f in enumerate(flags) if f]
+    leaders = [r for r, (f, _) in enumerate(flags) if f]
     spans = [list(range(leader, leader + tp_size)) for leader in leaders]
     for a, b in zip(spans, spans[1:]):
         if b[0] <= a[-1]:
@@ -169,11 +230,17 @@ def build_ipc_gather(tp_size: int, is_leader: bool, timeout_s: float = 600.0) ->
     if spans and spans[-1][-1] >= dist.get_world_size():
         raise ValueError(f"--sglang-tp-size {tp_size}: leader {spans[-1][0]}'s engine needs ranks up to "
                          f"{spans[-1][-1]}, but the job has {dist.get_world_size()} ranks")
+    for ranks in spans:
+        for i, r in enumerate(ranks):
+            if flags[r][1] is not None and flags[r][1] != (i, 0, 0):
+                raise ValueError(
+                    f"--sglang-tp-size {tp_size}: rank {r}, on the GPU of TP rank {i} of leader {ranks[0]}'s "
+                    f"engine, is (TP, PP, CP) rank {flags[r][1]}, not ({i}, 0, 0): a colocated engine's GPUs must "
+                    "be those of its leader's first-stage TP ranks, so at most --tensor-model-parallel-size")
     timeout = datetime.timedelta(seconds=timeout_s)
     mine = None
     for ranks in spans:  # every rank creates every group, in the same order
         group = dist.new_group(ranks, backend="gloo", timeout=timeout)
-        tensors = dist.new_group(ranks, timeout=timeout) if dist.get_backend() != "gloo" else group
         if dist.get_rank() in ranks:
-            mine = IpcGather(group, ranks, tensor_group=tensors)
+            mine = IpcGather(group, ranks)
     return mine

@@ -65,17 +65,36 @@ class WeightSync:
     (`--sync-bucket-mb`) of extra memory, not a copy of the model (3 to 4 measured on CPU: the tensors of the
     bucket being filled, the bucket, the one the engine is loading; tests/unit/test_colocation.py).
 
+    A colocated engine at TP > 1 (SGLang's `ipc_tp_size`) loads every bucket on each of its TP ranks from that
+    rank's GPU, which is a trainer rank's: the first stage's TP ranks of the replica. Each of them reads the export
+    in full (`iter_hf(every_tp_rank=True)`), packs the same buckets as the leader and hands the leader its own
+    payload per bucket (`megarl.rollout.sglang_ipc`); at TP 1 nothing changes.
+
     --verify-weight-sync is split in two: the actor's log-probs on the probe are computed at the sync, while the
     actor holds the GPU (the forward is collective); the engine scores the probe at the next `enter_rollout`,
     after the actor's optimizer (and weights) have left the GPU and the engine has taken back its KV cache. The
     check so runs before the engine generates anything with the synced weights, never with the optimizer state
     and the KV cache on the GPU at once."""
 
-    def __init__(self, actor: MegatronPolicy, engine: RolloutEngine | None, r: RolloutConfig, info: ParallelInfo):
+    def __init__(self, actor: MegatronPolicy, engine: RolloutEngine | None, r: RolloutConfig, info: ParallelInfo,
+                 timeout_s: float = 600.0):
+        """`timeout_s`: how long a rank on a colocated engine's GPUs waits for the leader per bucket
+        (--distributed-timeout-seconds)."""
         self.actor, self.engine, self.r, self.info = actor, engine, r, info
-        shares = engine.shares_actor_weights if engine is not None else None
-        self.shares_actor_weights = parallel.broadcast_in_mp_group(shares) if info.replica_size > 1 else shares
+        mine = None
+        if engine is not None:  # what the other ranks of the replica need to know of the leader's engine
+            mine = (engine.shares_actor_weights, getattr(engine, "ipc_tp_size", 1), getattr(engine, "dtype", None))
+        self.shares_actor_weights, self.ipc_tp, self.dtype = (
+            parallel.broadcast_in_mp_group(mine) if info.replica_size > 1 else mine or (None, 1, None))
         self.pending: Probe | None = None  # the last sync's probe, not yet scored by the engine
+        self.ipc = None  # this rank's share of a colocated engine's IPC gather (`ipc_tp` > 1)
+        if self.ipc_tp > 1 and not self.shares_actor_weights:
+            from megarl.rollout.sglang_ipc import build_ipc_gather
+
+            self.ipc = build_ipc_gather(self.ipc_tp, info.is_mp_leader, timeout_s,
+                                        place=(info.tp_rank, info.pp_rank, info.cp_rank))
+            if engine is not None:
+                engine.use_ipc(self.ipc)
 
     def __call__(self, version: int) -> dict[str, float]:
         """Sync the actor's weights as `version` (with --verify-weight-sync: and take the actor's side of the
@@ -89,9 +108,15 @@ class WeightSync:
         return metrics
 
     def _push(self, version: int) -> dict[str, float]:
-        named = self.actor.iter_hf()  # gathers TP/PP shards on the leader, one tensor at a time; collective
+        # gathers TP/PP shards on the leader (for an engine at TP > 1 on the first stage's TP ranks too), one
+        # tensor at a time; collective
+        # every TP rank alike, on every stage: the later stages' TP rank r sends to the first stage's over their
+        # own PP group
+        named = self.actor.iter_hf(every_tp_rank=True) if self.ipc_tp > 1 else self.actor.iter_hf()
         try:
             if self.engine is None:
+                if self.ipc is not None:  # this rank's own copy of each bucket, for the TP rank on its GPU
+                    self.ipc.serve(weight_sync.pack_buckets(named, self.r.sync_bucket_mb << 20, self.dtype))
                 return {}
             return weight_sync.push(self.engine, named, version, self.r.sync_bucket_mb << 20).metrics()
         finally:

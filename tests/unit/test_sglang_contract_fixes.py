@@ -169,8 +169,9 @@ def test_release_and_resume_cover_every_memory_tag():
 def test_each_tp_rank_gets_a_payload_of_its_own(monkeypatch):
     """SGLang's TP rank r opens only payload r (`deserialize_own_rank`): CUDA-IPC refcounting is per payload, so
     one payload opened by every TP rank is released early or never. Without the trainer ranks on the engine's GPUs
-    (`IpcGather`, tests/distributed/test_ipc_gather.py) the leader serialises the bucket once per TP rank, as
-    SGLang's own `_serialize_tensors_per_rank` does, and warns that all of them live on its GPU."""
+    (`IpcGather`, which `WeightSync` attaches: tests/distributed/test_ipc_gather.py) the leader serialises the
+    bucket once per TP rank, as SGLang's own `_serialize_tensors_per_rank` does, and warns at the first load that
+    all of them live on its GPU."""
     serialized = []
 
     def serialize(obj, output_str=False):
@@ -186,9 +187,9 @@ def test_each_tp_rank_gets_a_payload_of_its_own(monkeypatch):
         monkeypatch.setitem(sys.modules, name, module)
     fake = _Recorder()
     fake.update_weights_from_tensor = lambda named_tensors, **kw: fake.log.append(list(named_tensors)) or (True, "")
-    with pytest.warns(RuntimeWarning, match=r"TP 2 without the trainer ranks on its GPUs.*build_ipc_gather"):
-        engine = SGLangEngine(fake, tp_size=2)
-    engine.load_weight_buckets(pack_buckets([(f"w{i}", torch.ones(4)) for i in range(3)], 32), version=1)
+    engine = SGLangEngine(fake, tp_size=2)
+    with pytest.warns(RuntimeWarning, match=r"TP 2 without the trainer ranks on its GPUs.*WeightSync"):
+        engine.load_weight_buckets(pack_buckets([(f"w{i}", torch.ones(4)) for i in range(3)], 32), version=1)
     assert fake.log == [["payload 1", "payload 2"], ["payload 3", "payload 4"]], "one serialisation per TP rank"
     engine = SGLangEngine(_Recorder(), tp_size=2, serialize=lambda bucket, tp: [bucket])
     with pytest.raises(WeightSyncError, match="1 IPC payloads for an engine at TP 2"):
@@ -204,6 +205,59 @@ def test_ipc_memory_is_collected_after_each_bucket(monkeypatch):
     engine = SGLangEngine(fake, serialize=lambda bucket, tp: [bucket])
     engine.load_weight_buckets(pack_buckets([(f"w{i}", torch.ones(4)) for i in range(3)], 16), version=1)
     assert fake.log == ["update"] * 3 and collected == [1, 2, 3], "one collect right after each bucket's update"
+
+
+def test_a_stalled_ipc_gather_names_the_rank_the_leader_and_the_bucket(monkeypatch):
+    """A rank of a colocated engine waits for the leader per bucket (`IpcGather`): when a collective of the gather
+    times out (gloo raises a RuntimeError after --distributed-timeout-seconds), the error says which rank waited,
+    on whose engine, for what, and at which bucket, not only gloo's words."""
+    from megarl.rollout import sglang_ipc
+
+    me = {"rank": 1}
+    timed_out = RuntimeError("[gloo] Timed out waiting 60000ms for recv operation to complete")
+
+    def stall(*args, **kwargs):
+        raise timed_out
+
+    monkeypatch.setattr(sglang_ipc.dist, "get_rank", lambda group=None: me["rank"])
+    monkeypatch.setattr(sglang_ipc.dist, "gather_object", lambda *a, **k: None)
+    monkeypatch.setattr(sglang_ipc.dist, "broadcast_object_list", stall)
+    gather = sglang_ipc.IpcGather(None, [0, 1], serialize=lambda bucket: "payload")
+    with pytest.raises(WeightSyncError) as info:
+        gather.serve(pack_buckets([("w", torch.ones(4))]))
+    assert str(info.value).startswith(
+        "rank 1 (on the GPU of TP rank 1 of the colocated SGLang engine on ranks [0, 1]): waiting for leader 0 to "
+        "load bucket 0 into the engine failed: RuntimeError: [gloo] Timed out waiting 60000ms"), info.value
+    assert info.value.__cause__ is timed_out
+    me["rank"] = 0
+    monkeypatch.setattr(sglang_ipc.dist, "gather_object", stall)
+    with pytest.raises(WeightSyncError, match=r"^rank 0 \(the leader of the colocated SGLang engine on ranks "
+                                              r"\[0, 1\]\): gathering the payloads of ranks \[1\] for bucket 0 failed"):
+        gather.payloads(next(pack_buckets([("w", torch.ones(4))])), tp_size=2)
+
+
+def test_an_engine_off_its_leaders_first_stage_tp_ranks_is_refused(monkeypatch):
+    """The ranks on a colocated engine's GPUs read the leader's export stream, so they must be its first stage's
+    TP ranks: an engine at TP 2 over a trainer at TP 1 x PP 2 would put rank 1, a later stage, on TP rank 1's
+    GPU. Checked on every rank alike when the gather is built, and, for the flags, when they are parsed."""
+    from megarl.rollout import sglang_ipc
+
+    places = [(0, 0, 0), (0, 1, 0)]  # (TP, PP, CP) of ranks 0 and 1: TP 1 x PP 2
+    monkeypatch.setattr(sglang_ipc.dist, "get_world_size", lambda group=None: 2)
+    monkeypatch.setattr(sglang_ipc.dist, "all_gather_object",
+                        lambda out, obj, group=None: out.__setitem__(slice(None), [(i == 0, p) for i, p in
+                                                                                    enumerate(places)]))
+    with pytest.raises(ValueError, match=r"rank 1, on the GPU of TP rank 1 of leader 0's engine, is \(TP, PP, CP\) "
+                                         r"rank \(0, 1, 0\), not \(1, 0, 0\)"):
+        sglang_ipc.build_ipc_gather(2, is_leader=True, place=places[0])
+    from megarl.arguments import parse_args
+    from megarl.config import ConfigError
+
+    with pytest.raises(ConfigError, match="--sglang-tp-size 2: a colocated SGLang engine .* at most "
+                                          "--tensor-model-parallel-size 1"):
+        parse_args(["--rollout-backend", "sglang", "--sglang-tp-size", "2"])
+    assert parse_args(["--rollout-backend", "sglang", "--sglang-tp-size", "2",
+                       "--tensor-model-parallel-size", "2"]).rollout.sglang_tp_size == 2
 
 
 # -- finding 13: Megatron's fused softmax only where its kernel imports --------------------------------------------
