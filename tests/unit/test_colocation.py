@@ -199,7 +199,7 @@ def _construction_order(monkeypatch, backend: str) -> list:
 
     class Policy:
         def __init__(self, shape, *, trainable, **kwargs):
-            self.name = "actor" if trainable else "reference"
+            self.name, self.lora = ("actor" if trainable else "reference"), None  # LoRA off, as by default
             log.append(self.name)
 
         def load_hf(self, path):
