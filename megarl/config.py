@@ -129,6 +129,14 @@ class RolloutConfig:
                                   "the GPU, before it generates)")
     verify_sync_tolerance: float = _f(0.05, "largest mean absolute log-prob difference --verify-weight-sync accepts "
                                       "(fp32: ~1e-6; bf16 engines: ~1e-2)")
+    mismatch_check_interval: int = _f(0, "every this many steps, at the weight sync, compare the engine's and the "
+                                      "actor's whole next-token distributions at the sampled positions of a few "
+                                      "rows (KL both ways, total variation, top-1 agreement, the worst positions: "
+                                      "mismatch_* metrics; SGLang: its top-k log-probs, the rest bounded); 0 = off")
+    mismatch_check_rows: int = _f(2, "--mismatch-check-interval: rows of the step's batch compared (their vocabulary-"
+                                  "wide log-probs are gathered on the replica's leader)")
+    mismatch_check_topk: int = _f(20, "--mismatch-check-interval on an engine that returns top-k log-probs only "
+                                  "(SGLang): how many per position")
     rollout_servers: str = _f("", "disaggregated mode: comma-separated host:port of SGLang servers on other nodes "
                               "(launch/slurm/disaggregated.sbatch fills it); empty = the colocated engine")
     weight_sync_port: int = _f(0, "disaggregated mode: the port of the weight-update group's rendezvous on rank 0's "
@@ -138,7 +146,10 @@ class RolloutConfig:
                               "own process (the trainer keeps --threads-per-rank)")
 
     def __post_init__(self):
-        _positive(self, "n_samples_per_prompt", "max_response_len", "sync_bucket_mb", "rollout_threads")
+        _positive(self, "n_samples_per_prompt", "max_response_len", "sync_bucket_mb", "rollout_threads",
+                  "mismatch_check_rows", "mismatch_check_topk")
+        if self.mismatch_check_interval < 0:
+            raise ConfigError(f"--mismatch-check-interval must be >= 0 (0 = off), got {self.mismatch_check_interval}")
         if not 0 < self.sglang_mem_fraction < 1:
             raise ConfigError(f"--sglang-mem-fraction must be in (0, 1), got {self.sglang_mem_fraction}")
         if self.sglang_tp_size < 0 or self.verify_sync_tolerance <= 0 or self.weight_sync_port < 0:
