@@ -52,7 +52,8 @@ def full_mismatch(engine_logp: Tensor, actor_logp: Tensor, where: Tensor | None 
     if engine_logp.shape != actor_logp.shape or engine_logp.dim() != 2:
         raise ValueError(f"full_mismatch needs two [N, V] log-prob tensors, got {tuple(engine_logp.shape)} and "
                          f"{tuple(actor_logp.shape)}")
-    e, a = engine_logp.double(), actor_logp.double()
+    # Renormalised in float64: float32 log-probs sum to 1 only to ~1e-8, enough to make a KL of ~1e-8 negative.
+    e, a = torch.log_softmax(engine_logp.double(), -1), torch.log_softmax(actor_logp.double(), -1)
     tv = 0.5 * (e.exp() - a.exp()).abs().sum(dim=-1)
     top1 = e.argmax(dim=-1) == a.argmax(dim=-1)
     where = where if where is not None else torch.stack([torch.zeros(len(e)), torch.arange(len(e))], dim=-1)
@@ -66,7 +67,7 @@ def topk_mismatch(engine_ids: Tensor, engine_topk_logp: Tensor, actor_logp: Tens
     `mismatch_kl_fwd`, `mismatch_kl_rev` and `mismatch_tv` are lower bounds, `mismatch_tv_upper` an upper one;
     `mismatch_remaining_mass` is the engine's mass outside its top k (see the module docstring)."""
     e = engine_topk_logp.double()
-    full = actor_logp.double()
+    full = torch.log_softmax(actor_logp.double(), -1)  # renormalised in float64, as in `full_mismatch`
     a = full.gather(1, engine_ids.long())
     # The engine's rest is all it tells of its tail: below float32's resolution of a sum of probabilities it is
     # rounding, not mass (else a k = vocab answer would give r_e ~1e-8 against r_a = 0, an infinite bound).
