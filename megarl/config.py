@@ -172,6 +172,14 @@ class RolloutConfig:
                                   "the GPU, before it generates)")
     verify_sync_tolerance: float = _f(0.05, "largest mean absolute log-prob difference --verify-weight-sync accepts "
                                       "(fp32: ~1e-6; bf16 engines: ~1e-2)")
+    mismatch_check_interval: int = _f(0, "every this many steps, at the weight sync, compare the engine's and the "
+                                      "actor's whole next-token distributions at the sampled positions of a few "
+                                      "rows (KL both ways, total variation, top-1 agreement, the worst positions: "
+                                      "mismatch_* metrics; SGLang: its top-k log-probs, the rest bounded); 0 = off")
+    mismatch_check_rows: int = _f(2, "--mismatch-check-interval: rows of the step's batch compared (their vocabulary-"
+                                  "wide log-probs are gathered on the replica's leader)")
+    mismatch_check_topk: int = _f(20, "--mismatch-check-interval on an engine that returns top-k log-probs only "
+                                  "(SGLang): how many per position")
     rollout_servers: str = _f("", "disaggregated mode: comma-separated host:port of SGLang servers on other nodes "
                               "(launch/slurm/disaggregated.sbatch fills it); empty = the colocated engine")
     weight_sync_port: int = _f(0, "disaggregated mode: the port of the weight-update group's rendezvous on rank 0's "
@@ -181,7 +189,10 @@ class RolloutConfig:
                               "own process (the trainer keeps --threads-per-rank)")
 
     def __post_init__(self):
-        _positive(self, "n_samples_per_prompt", "max_response_len", "sync_bucket_mb", "rollout_threads")
+        _positive(self, "n_samples_per_prompt", "max_response_len", "sync_bucket_mb", "rollout_threads",
+                  "mismatch_check_rows", "mismatch_check_topk")
+        if self.mismatch_check_interval < 0:
+            raise ConfigError(f"--mismatch-check-interval must be >= 0 (0 = off), got {self.mismatch_check_interval}")
         if not 0 < self.sglang_mem_fraction < 1:
             raise ConfigError(f"--sglang-mem-fraction must be in (0, 1), got {self.sglang_mem_fraction}")
         if self.sglang_tp_size < 0 or self.verify_sync_tolerance <= 0 or self.weight_sync_port < 0:
@@ -306,14 +317,33 @@ class AlgorithmConfig:
     eps_clip: float = _f(0.2, "PPO clip range, lower side")
     eps_clip_high: float = _f(0.2, "PPO clip range, upper side (DAPO clip-higher when larger)")
     clip_ratio_c: float = _f(3.0, "dual-clip cap: a negative-advantage token's loss is at most -c * A (c > 1)")
-    off_policy_correction: Literal["none", "tis", "decoupled"] = _f(
-        "none", "off-policy correction against the rollout engine's (behaviour) log-probs: tis (truncated importance "
-        "weight, cap --tis-cap; with the clip against the actor before the update, this is also AReaL's decoupled "
-        "PPO), none; decoupled is the former name of tis, its cap --decoupled-is-cap")
+    off_policy_correction: Literal["none", "tis", "decoupled", "seq_tis", "mis", "geo_rs", "icepop"] = _f(
+        "none", "off-policy correction against the rollout engine's (behaviour) log-probs, per token or sequence "
+        "(megarl.algorithms.corrections): tis (truncated importance weight, cap --tis-cap; with the clip against the "
+        "actor before the update, this is also AReaL's decoupled PPO), seq_tis (the sequence's weight truncated, "
+        "--seq-tis-cap), mis (masked IS: a token or sequence whose ratio leaves [--mis-low, --mis-high] is dropped, "
+        "--mis-level), geo_rs (a sequence whose geometric-mean ratio leaves [--geo-rs-low, --geo-rs-high] is "
+        "dropped), icepop (a token whose ratio leaves [--icepop-low, --icepop-high] is dropped), none; decoupled is "
+        "the former name of tis, its cap --decoupled-is-cap")
     tis_cap: float = _f(0.0, "truncated importance sampling against the rollout engine's log-probs: weight cap "
                         "(e.g. 2.0); 0 = off. A cap alone turns on --off-policy-correction tis (the older spelling)")
     decoupled_is_cap: float = _f(5.0, "the cap of --off-policy-correction decoupled, the former name of tis: "
                                  "becomes --tis-cap (5.0, as AReaL's recipes set behav_imp_weight_cap)")
+    seq_tis_cap: float = _f(2.0, "--off-policy-correction seq_tis: cap of a sequence's importance weight, the "
+                            "product of its token ratios (2.0, verl's seq_is preset)")
+    mis_level: Literal["token", "sequence"] = _f("sequence", "--off-policy-correction mis: drop single tokens or "
+                                                 "whole sequences (sequence: TRL's default sequence_mask)")
+    mis_low: float = _f(0.0, "--off-policy-correction mis: a ratio below this is dropped (0: only the upper side, "
+                        "as TRL and verl's seq_mis)")
+    mis_high: float = _f(2.0, "--off-policy-correction mis: a ratio above this is dropped")
+    geo_rs_low: float = _f(0.999, "--off-policy-correction geo_rs: a sequence whose geometric-mean ratio is below "
+                           "this is dropped (about 1 / --geo-rs-high, as verl)")
+    geo_rs_high: float = _f(1.001, "--off-policy-correction geo_rs: a sequence whose geometric-mean ratio is above "
+                            "this is dropped (verl: 1.0002-1.001)")
+    icepop_low: float = _f(0.5, "--off-policy-correction icepop: a token whose ratio is below this is dropped "
+                           "(IcePop's alpha, 0.5)")
+    icepop_high: float = _f(5.0, "--off-policy-correction icepop: a token whose ratio is above this is dropped "
+                            "(IcePop's beta, 5)")
     routing_replay: bool = _f(False, "mixture of experts: the actor's routers take the experts the rollout engine "
                               "chose for each token (rollout routing replay) instead of their own top-k, so "
                               "log-probs are computed under the routing that produced the sample (built-in engine)")
@@ -375,11 +405,29 @@ class AlgorithmConfig:
             self.off_policy_correction, self.tis_cap = "tis", self.decoupled_is_cap
         if self.off_policy_correction == "tis" and self.tis_cap == 0:
             raise ConfigError("--off-policy-correction tis needs --tis-cap > 0, its weight cap (e.g. 2.0)")
+        if self.seq_tis_cap <= 0:
+            raise ConfigError(f"--seq-tis-cap must be > 0, got {self.seq_tis_cap}")
+        for flag in ("mis", "geo_rs", "icepop"):
+            low, high = getattr(self, f"{flag}_low"), getattr(self, f"{flag}_high")
+            if not 0 <= low < high:
+                name = flag.replace("_", "-")
+                raise ConfigError(f"--{name}-low and --{name}-high must satisfy 0 <= low < high, got {low} and {high}")
 
     @property
     def off_policy_cap(self) -> float:
         """The weight cap of the chosen `--off-policy-correction` (0 for none)."""
         return self.tis_cap if self.off_policy_correction == "tis" else 0.0
+
+    @property
+    def off_policy_options(self) -> dict:
+        """The keyword arguments of the chosen `--off-policy-correction` (`megarl.algorithms.corrections`)."""
+        c = self.off_policy_correction
+        if c in ("tis", "seq_tis"):
+            return {"cap": self.tis_cap if c == "tis" else self.seq_tis_cap}
+        if c in ("mis", "geo_rs", "icepop"):
+            band = {"low": getattr(self, f"{c}_low"), "high": getattr(self, f"{c}_high")}
+            return {"level": self.mis_level, **band} if c == "mis" else band
+        return {}
 
 
 @dataclass

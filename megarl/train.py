@@ -90,7 +90,7 @@ def run(cfg: Config, checked) -> int:
         with timer("t_sync"):
             if run.pending is not None and cfg.rollout.rollout_servers and info.dp_size > 1:
                 run.pending.settle()  # servers shared by the DP leaders: their queued batches first
-            sync_metrics = {**run.sync(version=step + 1), **probe_metrics}
+            sync_metrics = {**run.sync(version=step + 1, rows=packed), **probe_metrics}
         step += 1
         seconds = time.perf_counter() - t0
         if run.pending is not None:

@@ -1,5 +1,6 @@
 """Algorithm slots of GRPO-style training as pure tensor functions: advantage estimators, policy losses,
-KL estimators and loss aggregation. No megatron, no process groups; the trainer calls only the registries."""
+KL estimators, rollout corrections and loss aggregation. No megatron, no process groups; the trainer calls only the
+registries."""
 
 from megarl.algorithms.advantages import (
     ADVANTAGES,
@@ -13,23 +14,31 @@ from megarl.algorithms.advantages import (
     compute_rloo_advantages,
     register_advantage,
 )
+from megarl.algorithms.corrections import (
+    OFF_POLICY_CORRECTIONS,
+    geometric_rejection_weights,
+    icepop_weights,
+    masked_is_weights,
+    register_correction,
+    sequence_truncated_is_weights,
+    truncated_is_weights,
+)
 from megarl.algorithms.gae import compute_gae_advantages
 from megarl.algorithms.losses import (
     AGGREGATION_MODES,
     KL_ESTIMATORS,
-    OFF_POLICY_CORRECTIONS,
     POLICY_LOSSES,
     aggregate,
     grpo_token_loss,
     kl_k1,
     kl_k2,
     kl_k3,
+    policy_loss_cispo,
     policy_loss_clip,
     policy_loss_dual_clip,
     policy_loss_gspo,
     register_kl,
     register_policy_loss,
-    truncated_is_weights,
 )
 
 __all__ = [
@@ -48,15 +57,21 @@ __all__ = [
     "compute_reinforce_pp_advantages",
     "compute_reinforce_pp_baseline_advantages",
     "compute_rloo_advantages",
+    "geometric_rejection_weights",
     "grpo_token_loss",
+    "icepop_weights",
     "kl_k1",
     "kl_k2",
     "kl_k3",
+    "masked_is_weights",
+    "policy_loss_cispo",
     "policy_loss_clip",
     "policy_loss_dual_clip",
     "policy_loss_gspo",
     "register_advantage",
+    "register_correction",
     "register_kl",
     "register_policy_loss",
+    "sequence_truncated_is_weights",
     "truncated_is_weights",
 ]

@@ -7,7 +7,8 @@ completion tokens that count. Masked-out positions may hold anything finite or n
 out of every exp(), give 0 loss and 0 gradient.
 
 Two registries, one signature each: policy losses (`@register_policy_loss`, `POLICY_LOSSES`) and KL
-estimators (`@register_kl`, `KL_ESTIMATORS`). `aggregate` returns a (numerator, denominator) pair instead of a
+estimators (`@register_kl`, `KL_ESTIMATORS`); the third slot of the per-token loss, rollout corrections, has its
+own module (`megarl.algorithms.corrections`). `aggregate` returns a (numerator, denominator) pair instead of a
 mean, so that means are taken once over the whole optimizer step (see its docstring).
 """
 
@@ -18,6 +19,7 @@ from typing import Callable, Literal, Protocol
 import torch
 from torch import Tensor
 
+from megarl.algorithms.corrections import OFF_POLICY_CORRECTIONS
 from megarl.registry import Registry
 
 AggregationMode = Literal["token-mean", "seq-mean-token-mean", "seq-mean-token-sum", "seq-mean-token-sum-norm"]
@@ -192,30 +194,41 @@ def policy_loss_gspo(
     return _clipped_surrogate(ratio, adv, mask, clip_low, clip_high)
 
 
-OFF_POLICY_CORRECTIONS: tuple[str, ...] = ("none", "tis")
+@register_policy_loss("cispo")
+def policy_loss_cispo(
+    logp: Tensor,
+    old_logp: Tensor,
+    advantages: Tensor,
+    mask: Tensor,
+    clip_low: float = 0.2,
+    clip_high: float = 0.2,
+    **options,
+) -> tuple[Tensor, dict[str, float]]:
+    """CISPO (MiniMax-M1, Chen et al. 2025, eq. 4; slime's `cispo`): clip the importance weight, not the update.
+    Every token keeps its gradient, scaled by its clipped, stop-gradient ratio,
 
+        ratio = exp(logp - old_logp),    w = sg(clamp(ratio, 1 - clip_low, 1 + clip_high))
+        loss  = -w * A * log pi(token)   (gradient -w * A * grad logp)
 
-def truncated_is_weights(old_logp: Tensor, rollout_logp: Tensor, mask: Tensor, cap: float,
-                         name: str = "tis") -> tuple[Tensor, dict]:
-    """Truncated importance sampling (TIS; Yao et al. 2025): the rollout engine samples from its own
-    distribution (different kernels, precision, or older weights), not exactly the trainer's. Each token's
-    policy-gradient term is reweighted by
-
-        w_t = min(exp(old_logp_t - rollout_logp_t), cap)     (no gradient; 1 at masked positions)
-
-    Shapes: [B, T] each. Returns the weights and metrics `<name>_weight_mean`, `<name>_weight_max` and
-    `<name>_clip_frac` (the share of masked-in tokens whose weight was truncated).
+    where PPO's clip zeroes the gradient of a token outside the trust region (often the rare "However", "Wait"
+    tokens a long reasoning chain forks at). Written `-w * A * exp(logp - sg(logp))`: the same gradient, and a
+    value of -w * A, on the scale of PPO's. The paper sets no lower bound (a large epsilon_low, here
+    `--eps-clip` >= 1) and tunes only `--eps-clip-high`. Shapes as `policy_loss_clip`; metrics `clip_frac` (share
+    of tokens whose weight was clipped; they still give a gradient), `clip_frac_low`, `clip_frac_high`,
+    `ratio_mean`.
     """
     mask = mask.bool()
+    adv = _per_token_advantages(advantages, logp)
+    ratio = torch.exp(torch.where(mask, logp - old_logp, torch.zeros_like(logp)))
+    weight = ratio.clamp(1 - clip_low, 1 + clip_high).detach()
+    safe = torch.where(mask, logp, torch.zeros_like(logp))  # padding may hold -inf
+    pg = -weight * adv * torch.exp(safe - safe.detach())
     with torch.no_grad():
-        raw = torch.exp(torch.where(mask, old_logp - rollout_logp, torch.zeros_like(old_logp)))
-        w = raw.clamp(max=cap)
-        metrics = {
-            f"{name}_weight_mean": _masked_mean(w, mask),
-            f"{name}_weight_max": float(torch.where(mask, w, torch.zeros_like(w)).max()) if mask.any() else 0.0,
-            f"{name}_clip_frac": _masked_mean((raw > cap).float(), mask),
-        }
-    return torch.where(mask, w, torch.ones_like(w)), metrics
+        low, high = ratio < 1 - clip_low, ratio > 1 + clip_high
+        metrics = {"clip_frac": _masked_mean((low | high).float(), mask),
+                   "clip_frac_low": _masked_mean(low.float(), mask),
+                   "clip_frac_high": _masked_mean(high.float(), mask), "ratio_mean": _masked_mean(ratio, mask)}
+    return torch.where(mask, pg, torch.zeros_like(pg)), metrics
 
 
 def grpo_token_loss(
@@ -233,6 +246,7 @@ def grpo_token_loss(
     rollout_logp: Tensor | None = None,
     off_policy_correction: str = "none",
     is_cap: float = 0.0,
+    correction_options: dict | None = None,
     entropy: Tensor | None = None,
     entropy_coef: float = 0.0,
     **options,
@@ -244,43 +258,38 @@ def grpo_token_loss(
     `clip_ratio_c`), `kl_t` the registered KL estimator `kl_type` of KL(actor || reference). As in TRL (without
     its `use_bias_correction_kl`), the KL term is added per token before aggregation, so it is normalised exactly
     like the policy term. `ref_logp` may be None only when `kl_coef == 0` (no reference model is run then).
-    `w_t` is the off-policy correction `off_policy_correction` (`rollout_logp`, the behaviour policy's log-probs,
-    required unless "none"), with `is_cap` its cap:
-      - "none": w_t = 1;
-      - "tis": truncated importance sampling against the rollout engine's log-probs (`truncated_is_weights`),
+    `w_t` is the registered off-policy correction `off_policy_correction` (`megarl.algorithms.corrections`; "none"
+    gives w_t = 1), computed against `rollout_logp`, the behaviour policy's log-probs (required unless "none"), with
+    `correction_options` its keyword arguments (`AlgorithmConfig.off_policy_options`); without them, `is_cap` is the
+    cap of "tis":
 
-            l_t = min(exp(old_t - behav_t), is_cap) * pg_t(ratio = exp(logp_t - old_t)).
+        l_t = min(exp(old_t - behav_t), is_cap) * pg_t(ratio = exp(logp_t - old_t)).
 
-        `old_logp` being the actor before the update (the proximal policy), not the engine's log-probs, this is
-        also AReaL's decoupled PPO objective (Fu et al. 2025, eq. 5): the clip taken against the proximal policy,
-        each token weighted by the truncated proximal/behaviour ratio. (AReaL's code drops a token whose weight
-        exceeds the cap; here it is truncated.)
-    The older spellings (`--tis-cap C` alone, `--off-policy-correction decoupled`) are resolved by
-    `megarl.config.AlgorithmConfig`, once; this function takes the correction by name only.
+    `old_logp` being the actor before the update (the proximal policy), not the engine's log-probs, this is also
+    AReaL's decoupled PPO objective (Fu et al. 2025, eq. 5). (AReaL's code drops a token whose weight exceeds the
+    cap; "tis" truncates it, "mis" at level token drops it.) The older spellings (`--tis-cap C` alone,
+    `--off-policy-correction decoupled`) are resolved by `megarl.config.AlgorithmConfig`, once; this function takes
+    the correction by name only.
     `entropy` [B, T] is the actor's per-token entropy (differentiable); with `entropy_coef > 0` it is a bonus
     (subtracted from the loss); it is reported whenever given.
 
     Shapes: logp, old_logp, ref_logp, rollout_logp, entropy, mask [B, T]; advantages [B] or [B, T]. Returns the
     per-token loss [B, T] and float metrics (those of the policy loss, `kl_mean` over masked tokens when
-    `ref_logp` is given, `entropy_mean` when `entropy` is, the weights' `<correction>_weight_mean`, `_weight_max`
-    and `_clip_frac` when a correction is on).
+    `ref_logp` is given, `entropy_mean` when `entropy` is, the weights' `<correction>_weight_mean`, `_weight_max`,
+    `_clip_frac` and `_masked_frac` when a correction is on).
     """
     mask = mask.bool()
     if "tis_cap" in options:  # the policy losses take **options: a stale call would silently lose its weights
         raise TypeError("grpo_token_loss takes off_policy_correction='tis', is_cap=C, not tis_cap")
-    if off_policy_correction not in OFF_POLICY_CORRECTIONS:
-        raise ValueError(f"unknown off-policy correction {off_policy_correction!r}; valid: "
-                         f"{', '.join(OFF_POLICY_CORRECTIONS)}")
+    correct = OFF_POLICY_CORRECTIONS.get(off_policy_correction)
     per_token, metrics = POLICY_LOSSES.get(policy_loss)(logp, old_logp, advantages, mask, clip_low, clip_high,
                                                          **options)
     zero = torch.zeros_like(logp)
     if off_policy_correction != "none":
         if rollout_logp is None:
             raise ValueError(f"off-policy correction {off_policy_correction!r} needs the rollout engine's log-probs")
-        if not is_cap > 0:
-            raise ValueError(f"off-policy correction {off_policy_correction!r} needs a weight cap > 0, got {is_cap}")
-        weights, is_metrics = truncated_is_weights(old_logp.detach(), rollout_logp, mask, is_cap,
-                                                   name=off_policy_correction)
+        options = {"cap": is_cap} if correction_options is None else correction_options
+        weights, is_metrics = correct(old_logp.detach(), rollout_logp, mask, **options)
         per_token = per_token * weights
         metrics.update(is_metrics)
     if entropy is not None:

@@ -187,6 +187,21 @@ class MegatronPolicy(MegatronModel):
                 return {**mb, "entropy": whole(position_entropy(output, temperature, self._vocab_mask))}
             return {**mb, "entropy": token_entropy(output, temperature, self._vocab_mask)}
 
+    def next_token_distributions(self, tokens: torch.Tensor, temperature: float = 1.0) -> torch.Tensor | None:
+        """The whole next-token distribution at every position but the last, as log-probs [B, S - 1, vocab]
+        (float32; the padding rows of a padded vocabulary cut off), on the last pipeline stage, None on the others.
+        The vocab-parallel logits are gathered over TP ranks: meant for a few rows (`megarl.rollout.mismatch`),
+        one micro-batch of them; context parallelism 1."""
+        from megatron.core import tensor_parallel
+
+        vocab = self.shape.vocab_size
+
+        def head(output: torch.Tensor, _tokens: torch.Tensor, t: float) -> torch.Tensor:
+            full = tensor_parallel.gather_from_tensor_model_parallel_region(output[:, :-1])[..., :vocab]
+            return torch.log_softmax(full.float() / (t if t > 0 else 1.0), dim=-1)
+
+        return self._forward_only(tokens, micro_batch_size=tokens.shape[0], temperature=temperature, head=head)
+
     def export_hf(self) -> list[tuple[str, torch.Tensor]]:
         """Full HF-named weights on the model-parallel leader, [] elsewhere."""
         return convert.export_hf_weights(self.model, self.shape)

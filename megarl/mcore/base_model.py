@@ -282,7 +282,7 @@ class MegatronModel:
     # -- compute -------------------------------------------------------------------------------------------
 
     def _run(self, batch: dict[str, torch.Tensor], loss_fn: LossFn | None, micro_batch_size: int,
-             temperature: float, forward_only: bool, max_tokens: int = 0) -> list[dict]:
+             temperature: float, forward_only: bool, max_tokens: int = 0, head=None) -> list[dict]:
         from megatron.core import parallel_state
         from megatron.core.pipeline_parallel import get_forward_backward_func
 
@@ -312,8 +312,11 @@ class MegatronModel:
 
         def loss_func(mb, labels, output):
             width = mb["tokens"].shape[1]
-            logp, inputs = self._head(output, mb, labels, temperature, loss_fn,
-                                      (lambda x: whole(x, width)) if cp > 1 else (lambda x: x))
+            if head is not None:  # another per-token output than the model's own (`_forward_only`), from logits
+                logp, inputs = head(output, mb["tokens"], temperature), mb
+            else:
+                logp, inputs = self._head(output, mb, labels, temperature, loss_fn,
+                                          (lambda x: whole(x, width)) if cp > 1 else (lambda x: x))
             if loss_fn is None:
                 zero = logp.sum() * 0.0
                 out = {"logprobs": logp.detach()[: mb["_real_rows"]]}
@@ -353,7 +356,7 @@ class MegatronModel:
                 output = output[:, :width]
             return output, partial(loss_func, mb, labels)
 
-        with cpu_compat.megatron_scope(), self._output_scope():
+        with cpu_compat.megatron_scope(), (self._output_scope() if head is None else contextlib.nullcontext()):
             return get_forward_backward_func()(
                 forward_step_func=forward_step,
                 data_iterator=iter(micro),
@@ -367,16 +370,19 @@ class MegatronModel:
     @torch.no_grad()
     def _forward_only(self, tokens: torch.Tensor, *, micro_batch_size: int, temperature: float = 1.0,
                       lengths: torch.Tensor | None = None, max_tokens_per_micro_batch: int = 0,
-                      routing: torch.Tensor | None = None) -> torch.Tensor | None:
+                      routing: torch.Tensor | None = None, head=None) -> torch.Tensor | None:
         """The head's per-token output [B, S - 1] (`_per_token`) on the last pipeline stage, None on the others.
         With a token budget, micro-batches follow `_budget_micro_batches` (positions past a row's length come back
-        as 0). `routing`: the engine's experts per token (replayed with `routing_replay`)."""
+        as 0). `routing`: the engine's experts per token (replayed with `routing_replay`). `head(output, tokens,
+        temperature)`: another output per micro-batch than `_per_token` (context parallelism 1 only)."""
+        if head is not None and (self.config.context_parallel_size > 1 or max_tokens_per_micro_batch):
+            raise ValueError("a forward with another head needs --context-parallel-size 1 and fixed micro-batches")
         self.model.eval()
         batch = {"tokens": tokens} if lengths is None else {"tokens": tokens, "lengths": lengths}
         if routing is not None:
             batch["routing"] = routing
         outputs = self._run(batch, None, micro_batch_size, temperature, forward_only=True,
-                            max_tokens=max_tokens_per_micro_batch)
+                            max_tokens=max_tokens_per_micro_batch, head=head)
         if not outputs:
             return None
         if "_rows" not in outputs[0]:

@@ -444,6 +444,20 @@ class BuiltinEngine:
             for row, (seq, plen) in enumerate(zip(sequences, prompt_lens))
         ]
 
+    @torch.inference_mode()
+    def score_distributions(self, sequences: list[list[int]], prompt_lens: list[int],
+                            temperature: float = 1.0) -> list[torch.Tensor]:
+        """The whole next-token distribution at each token after its prompt: per sequence, log-probs
+        [len(seq) - prompt_len, vocab] (float32, on the CPU), row j the distribution token prompt_len + j was drawn
+        from (`megarl.rollout.mismatch`). One full forward, as `score`."""
+        ids, pos, pads = self._left_pad(sequences)
+        width = ids.shape[1]
+        logits = self._logits(self._forward(ids, pos, self._prefill_mask(self._key_mask(pads, width), width)))
+        if temperature > 0:
+            logits = logits / temperature
+        logp = torch.log_softmax(logits[:, :-1], dim=-1).cpu()
+        return [logp[row, width - len(seq) + plen - 1 :] for row, (seq, plen) in enumerate(zip(sequences, prompt_lens))]
+
     reports_finished_rows = True  # `generate(..., on_finish=)`: a rollout function may score rows as they stop
 
     @torch.inference_mode()

@@ -162,6 +162,19 @@ def input_logprobs(output: dict, seq_len: int, prompt_len: int) -> list[float]:
     return [float(e[0]) for e in entries[prompt_len:]]
 
 
+def input_top_logprobs(output: dict, seq_len: int, prompt_len: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The engine's top-k (token ids, log-probs) [seq_len - prompt_len, k] at each token after its prompt, from
+    `meta_info.input_top_logprobs` of a request sent with `logprob_start_len=0, top_logprobs_num=k` (entry j: the
+    k likeliest tokens given tokens[:j], each as (logprob, token_id, text); entry 0 has none)."""
+    entries = output["meta_info"]["input_top_logprobs"]
+    if len(entries) != seq_len:
+        raise RuntimeError(f"SGLang gave top log-probs for {len(entries)} input tokens of a {seq_len}-token sequence")
+    rows = entries[prompt_len:]
+    ids = torch.tensor([[int(e[1]) for e in row] for row in rows], dtype=torch.long)
+    logp = torch.tensor([[float(e[0]) for e in row] for row in rows], dtype=torch.float64)
+    return ids, logp
+
+
 def _check(result, what: str) -> None:
     """SGLang's control calls answer (success, message) or {"success": ..., "message": ...}."""
     if isinstance(result, dict):
@@ -271,6 +284,15 @@ class SGLangEngine:
                                        sampling_params={"max_new_tokens": 1, "temperature": temperature},
                                        return_logprob=True, logprob_start_len=0)
         return [input_logprobs(o, len(s), p) for o, s, p in zip(outputs, sequences, prompt_lens)]
+
+    def score_topk(self, sequences: list[list[int]], prompt_lens: list[int],
+                   k: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """The engine's k likeliest next tokens and their log-probs at each token after its prompt, at temperature
+        1: per sequence (ids, log-probs) [len(seq) - prompt_len, k] (`megarl.rollout.mismatch.topk_mismatch`)."""
+        outputs = self.engine.generate(input_ids=[list(s) for s in sequences],
+                                       sampling_params={"max_new_tokens": 1, "temperature": 1.0},
+                                       return_logprob=True, logprob_start_len=0, top_logprobs_num=k)
+        return [input_top_logprobs(o, len(s), p) for o, s, p in zip(outputs, sequences, prompt_lens)]
 
     # -- the colocation cycle --------------------------------------------------------------------------------
 

@@ -20,6 +20,8 @@ from megarl.mcore import parallel
 from megarl.mcore.actor import MegatronPolicy
 from megarl.mcore.parallel import ParallelInfo
 from megarl.rollout import RolloutEngine, weight_sync
+from megarl.samples import PackedSamples
+from megarl.stages import mismatch
 
 
 def enter_rollout(actor: MegatronPolicy, engine: RolloutEngine | None, t: TrainingConfig,
@@ -95,16 +97,21 @@ class WeightSync:
                                         place=(info.tp_rank, info.pp_rank, info.cp_rank))
             if engine is not None:
                 engine.use_ipc(self.ipc)
+        self.pending_mismatch: mismatch.ActorSide | None = None  # --mismatch-check-interval's actor side
 
-    def __call__(self, version: int) -> dict[str, float]:
+    def __call__(self, version: int, rows: PackedSamples | None = None) -> dict[str, float]:
         """Sync the actor's weights as `version` (with --verify-weight-sync: and take the actor's side of the
-        probe). Returns the sync's metrics on the leader ({} elsewhere)."""
+        probe; with --mismatch-check-interval N, every N versions, the actor's distributions on a few of `rows`,
+        the step's batch). Returns the sync's metrics on the leader ({} elsewhere)."""
         if self.shares_actor_weights:
             metrics = weight_sync.stamp(self.engine, version).metrics() if self.engine is not None else {}
         else:
             metrics = self._push(version)
         if self.r.verify_weight_sync:
             self.pending = actor_probe(self.actor, version, gather=self.info.replica_size > 1)
+        if rows is not None and (n := self.r.mismatch_check_interval) and version % n == 0:
+            self.pending_mismatch = mismatch.actor_side(self.actor, rows, self.r.mismatch_check_rows,
+                                                        gather=self.info.replica_size > 1)
         return metrics
 
     def _push(self, version: int) -> dict[str, float]:
@@ -131,9 +138,14 @@ class WeightSync:
         """The engine scores the last sync's probe (at most once); raises `WeightSyncError` on a mismatch. The
         metrics name the version checked (`sync_probe_version`): the sync before the rollout that follows."""
         probe, self.pending = self.pending, None
-        if probe is None or self.engine is None:
+        side, self.pending_mismatch = self.pending_mismatch, None
+        if self.engine is None:
             return {}
-        return {**engine_check(self.engine, probe, self.r.verify_sync_tolerance), "sync_probe_version": probe.version}
+        metrics = {} if side is None else mismatch.engine_side(self.engine, side, self.r.mismatch_check_topk)
+        if probe is None:
+            return metrics
+        return {**metrics, **engine_check(self.engine, probe, self.r.verify_sync_tolerance),
+                "sync_probe_version": probe.version}
 
 
 def actor_probe(actor: MegatronPolicy, version: int, gather: bool = True) -> Probe | None:

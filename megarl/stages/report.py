@@ -10,6 +10,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
+from megarl.algorithms import OFF_POLICY_CORRECTIONS
 from megarl.config import Config
 from megarl.mcore import parallel
 from megarl.mcore.actor import MegatronPolicy
@@ -26,8 +27,6 @@ _SUM_KEYS = ["n_samples", "reward_sum", "correct", "response_tokens", "truncated
              "uniform_groups",
              "loss_num", "loss_den", "tokens", "clip_frac_sum", "kl_sum", "entropy_sum", "mismatch_abs_sum",
              "mismatch_abs_max", "mismatch_kl_sum", "is_weight_sum", "is_weight_max", "is_weight_negmin_max",
-             # off-policy correction (`--off-policy-correction`): its importance weights
-             "tis_weight_sum", "tis_weight_max", "tis_clip_sum",
              # mixture of experts (`megarl.mcore.routing.take_metrics`)
              "router_tokens", "router_entropy_sum", "routing_disagree_sum", "routing_replayed_sum",
              "router_imbalance_sum", "router_layers"]
@@ -47,6 +46,7 @@ def step_metrics(step: int, rollout: RolloutBatch, batch: TrainBatch, update: di
     """Reduce this step's metrics over ranks (rollout metrics from MP leaders, loss metrics from last stages).
     Rewards are the final ones the advantages came from (shaped, KL folded in)."""
     local: dict[str, float] = {}
+    correction_keys = _correction_keys()
     meta = _metadata_keys(rollout.samples)
     if info.is_mp_leader:
         rewards = batch.rewards.view(-1, rollout.group_size)
@@ -64,8 +64,9 @@ def step_metrics(step: int, rollout: RolloutBatch, batch: TrainBatch, update: di
             **{f"sample_{k}": sum(float(s.metadata.get(k, 0.0)) for s in rollout.samples) for k in meta},
         )
     if info.is_last_stage and info.tp_rank == 0 and info.cp_rank == 0:  # CP ranks hold the same whole-sequence sums
-        local.update({k: update.get(k, 0.0) for k in _SUM_KEYS if k in update})
-    g = reduce_over_ranks(local, _SUM_KEYS + _DS_KEYS + _REWARD_KEYS + _TOOL_LATENCY_KEYS + _RM_KEYS + _SANDBOX_KEYS +
+        local.update({k: update.get(k, 0.0) for k in _SUM_KEYS + correction_keys if k in update})
+    g = reduce_over_ranks(local, _SUM_KEYS + correction_keys + _DS_KEYS + _REWARD_KEYS + _TOOL_LATENCY_KEYS +
+                          _RM_KEYS + _SANDBOX_KEYS +
                           [f"sample_{k}" for k in meta])
     n, tok = max(g["n_samples"], 1), max(g["tokens"], 1)
     return {
@@ -85,8 +86,7 @@ def step_metrics(step: int, rollout: RolloutBatch, batch: TrainBatch, update: di
         "rollout_actor_kl": g["mismatch_kl_sum"] / tok,
         "is_weight_mean": g["is_weight_sum"] / tok, "is_weight_max": g["is_weight_max"],
         "is_weight_min": -g["is_weight_negmin_max"],
-        **({"tis_weight_mean": g["tis_weight_sum"] / tok, "tis_weight_max": g["tis_weight_max"],
-            "tis_clip_frac": g["tis_clip_sum"] / tok} if g["tis_weight_sum"] > 0 else {}),
+        **_correction_metrics(g),
         **({"router_entropy": g["router_entropy_sum"] / g["router_tokens"],
             "router_load_imbalance": g["router_imbalance_sum"] / max(g["router_layers"], 1),
             "routing_topk_disagree_frac": g["routing_disagree_sum"] / g["router_tokens"],
@@ -111,6 +111,24 @@ def _tool_metrics(g: dict) -> dict:
             "tool_error_rate": g["sample_tool_errors"] / calls, "tool_timeout_rate": g["sample_tool_timeouts"] / calls,
             "tool_output_frac": g["sample_tool_tokens"] / max(g["response_tokens"], 1),
             "tool_latency_p50": g["tool_latency_p50_max"], "tool_latency_p99": g["tool_latency_p99_max"]}
+
+
+def _correction_keys() -> list[str]:
+    """The sums of every registered off-policy correction's weights (`megarl.stages.update`), a plugin's included:
+    every rank reduces the same keys, whichever correction runs."""
+    return [f"{c}_{k}" for c in OFF_POLICY_CORRECTIONS.names() if c != "none"
+            for k in ("tokens", "weight_sum", "weight_max", "clip_sum", "masked_sum")]
+
+
+def _correction_metrics(g: dict) -> dict:
+    """The running correction's weights over the step's tokens: `<name>_weight_mean`, `_weight_max`, `_clip_frac`
+    (truncated) and `_masked_frac` (dropped)."""
+    out = {}
+    for c in OFF_POLICY_CORRECTIONS.names():
+        if (tok := g.get(f"{c}_tokens", 0.0)) > 0:
+            out.update({f"{c}_weight_mean": g[f"{c}_weight_sum"] / tok, f"{c}_weight_max": g[f"{c}_weight_max"],
+                        f"{c}_clip_frac": g[f"{c}_clip_sum"] / tok, f"{c}_masked_frac": g[f"{c}_masked_sum"] / tok})
+    return out
 
 
 def _rm_metrics(g: dict) -> dict:

@@ -26,7 +26,8 @@ def make_loss_fn(a: AlgorithmConfig, max_response_len: int):
         per_token, m = grpo_token_loss(
             logp, old, ref, mb["advantages"][:n], mask, a.eps_clip, a.eps_clip_high, kl_coef, a.kl_estimator,
             a.policy_loss, rollout_logp=rollout_logp, off_policy_correction=a.off_policy_correction,
-            is_cap=a.off_policy_cap, entropy=entropy, entropy_coef=a.entropy_coef, clip_ratio_c=a.clip_ratio_c,
+            correction_options=a.off_policy_options, entropy=entropy, entropy_coef=a.entropy_coef,
+            clip_ratio_c=a.clip_ratio_c,
         )
         num, den = aggregate(per_token, mask, a.loss_aggregation, max_len=max_response_len)
         tokens = mask.sum()
@@ -36,10 +37,12 @@ def make_loss_fn(a: AlgorithmConfig, max_response_len: int):
             "entropy_sum": m.get("entropy_mean", 0.0) * tokens,
             **mismatch_metrics(logp.detach(), rollout_logp, mask),
         }
-        if (c := a.off_policy_correction) != "none":  # tis_*
+        if (c := a.off_policy_correction) != "none":  # its weights: the keys of `megarl.stages.report`
+            metrics[f"{c}_tokens"] = tokens
             metrics[f"{c}_weight_sum"] = m[f"{c}_weight_mean"] * tokens
             metrics[f"{c}_weight_max"] = m[f"{c}_weight_max"]
             metrics[f"{c}_clip_sum"] = m[f"{c}_clip_frac"] * tokens
+            metrics[f"{c}_masked_sum"] = m[f"{c}_masked_frac"] * tokens
         return num, den, metrics
 
     loss_fn.needs_entropy = True  # reported every step; differentiated only when there is an entropy bonus

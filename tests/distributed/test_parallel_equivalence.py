@@ -78,6 +78,21 @@ def test_engine_logprobs_equal_actor_after_sync(layout, tiny_qwen2, tmp_path):
     assert (engine - actor).abs().max() < 1e-4
 
 
+def test_mismatch_check_full_vocabulary_at_tp2(tiny_qwen2, tmp_path):
+    """--mismatch-check-interval: the actor's distributions gathered over 2 TP ranks at the sampled positions of
+    the first 2 rows; fp32 engine vs fp32 actor and `transformers` vs the actor: KL below 1e-6 both ways; bf16
+    engine vs fp32 actor: strictly positive (the tiny random model is near uniform: ~1e-7)."""
+    got = _run("mismatch", tiny_qwen2, tmp_path, 2, 2, 1)[0]
+    assert got["rows"] == 2 and [c.tolist() for c in got["columns"]] == [[3, 4, 5, 6, 7, 8], [2, 3, 4, 5]]
+    for side in ("fp32", "hf"):
+        m = got[side]
+        assert m["mismatch_positions"] == 10 and m["mismatch_top1"] == 1, side
+        assert 0 <= m["mismatch_kl_fwd"] < 1e-6 and 0 <= m["mismatch_kl_rev"] < 1e-6, (side, m)
+    assert got["hf_vs_hf"]["mismatch_kl_fwd"] == 0
+    bf16, fp32 = got["bf16"], got["fp32"]
+    assert bf16["mismatch_kl_fwd"] > 10 * fp32["mismatch_kl_fwd"] and bf16["mismatch_kl_rev"] > 0, (bf16, fp32)
+
+
 def test_checkpoint_saved_at_tp2_loads_at_tp1(tiny_qwen2, tmp_path):
     ckpt = tmp_path / "ckpt"
     saved = _last_stage_logprobs(_run("ckpt_save", tiny_qwen2, tmp_path, 2, 2, 1, ckpt=ckpt))

@@ -473,7 +473,46 @@ def scenario_recompute(args, info):
     return out
 
 
-SCENARIOS = {"padded_vocab": scenario_padded_vocab, "recompute": scenario_recompute,
+def scenario_mismatch(args, info):
+    """--mismatch-check-interval's two sides: the actor's vocabulary-wide distributions at the sampled positions
+    (gathered over TP), then, on the leader, the built-in engine's (fp32 and bf16) against them, and `transformers`'
+    fp32 distributions against the actor's, by the same metric."""
+    from transformers import AutoModelForCausalLM
+
+    from megarl.mcore.actor import MegatronPolicy
+    from megarl.model_shape import ModelShape
+    from megarl.rollout.builtin import BuiltinEngine
+    from megarl.samples import PackedSamples
+    from megarl.stages.mismatch import ActorSide, actor_side, engine_side
+
+    shape = ModelShape.from_pretrained(args.hf)
+    policy = MegatronPolicy(shape, tp=args.tp, pp=args.pp, trainable=False)
+    policy.load_hf(args.hf)
+    tokens = _fixed_tokens(shape.vocab_size, rows=3, seq=10)
+    lengths = torch.tensor([10, 7, 9])
+    mask = torch.zeros(3, 9)
+    mask[0, 3:9], mask[1, 2:6], mask[2, 4:8] = 1, 1, 1  # the sampled positions; row 2 is past --rows 2
+    packed = PackedSamples(tokens, mask, torch.zeros(3, 9), lengths)
+    side = actor_side(policy, packed, rows=2, gather=True)
+    if info.rank != 0:
+        return {}
+    hf = AutoModelForCausalLM.from_pretrained(args.hf).float().eval()
+    with torch.no_grad():
+        ref = [torch.log_softmax(hf(torch.tensor([s])).logits[0, :-1].float(), -1) for s in side.sequences]
+
+    class Transformers:  # the reference as an engine: its distributions at the same positions
+        def score_distributions(self, sequences, prompt_lens, temperature):
+            return ref
+
+    return {"columns": side.columns, "rows": len(side.sequences),
+            "fp32": engine_side(BuiltinEngine.from_pretrained(args.hf), side, topk=5),
+            "bf16": engine_side(BuiltinEngine.from_pretrained(args.hf, dtype=torch.bfloat16), side, topk=5),
+            "hf": engine_side(Transformers(), side, topk=5),
+            "hf_vs_hf": engine_side(Transformers(), ActorSide(side.sequences, side.columns,
+                                                              [r[c] for r, c in zip(ref, side.columns)]), topk=5)}
+
+
+SCENARIOS = {"mismatch": scenario_mismatch, "padded_vocab": scenario_padded_vocab, "recompute": scenario_recompute,
               "forward": scenario_forward, "dp_step": scenario_dp_step, "sync": scenario_sync,
              "ckpt_save": scenario_ckpt_save, "ckpt_load": scenario_ckpt_load, "dynbatch": scenario_dynbatch,
              "entropy": scenario_entropy, "trl_parity": scenario_trl_parity, "layouts": scenario_layouts,

@@ -167,8 +167,8 @@ def test_masked_tokens_contribute_nothing_and_get_zero_gradient():
 
 def test_policy_loss_registry():
     assert POLICY_LOSSES.get("clip") is policy_loss_clip
-    with pytest.raises(ValueError, match="'cispo'.*valid names: clip"):
-        POLICY_LOSSES.get("cispo")
+    with pytest.raises(ValueError, match="'sapo'.*valid names: cispo, clip"):
+        POLICY_LOSSES.get("sapo")
 
 
 # ---------------------------------------------------------------------------------------------- GRPO loss

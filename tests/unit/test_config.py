@@ -599,7 +599,8 @@ def test_older_spellings_are_resolved_once_so_the_resolved_config_reads_back_unc
     "argv, pattern",
     [
         (["--off-policy-correction", "async"],
-         r"command line: --off-policy-correction 'async' is not valid; choose one of: none, tis, decoupled"),
+         r"command line: --off-policy-correction 'async' is not valid; choose one of: none, tis, decoupled, "
+         r"seq_tis, mis, geo_rs, icepop"),
         (["--off-policy-correction", "tis"], r"--off-policy-correction tis needs --tis-cap > 0"),
         (["--off-policy-correction", "decoupled", "--tis-cap", "2"],
          r"--tis-cap 2.0 is the cap of --off-policy-correction tis; decoupled takes --decoupled-is-cap"),
@@ -615,5 +616,5 @@ def test_off_policy_correction_checked_when_built_directly():
     from megarl.config import AlgorithmConfig
 
     with pytest.raises(ConfigError, match=r"--off-policy-correction 'aysnc' is not valid; choose one of: none, tis, "
-                                          r"decoupled"):
+                                          r"decoupled, seq_tis"):
         AlgorithmConfig(off_policy_correction="aysnc")

@@ -119,25 +119,35 @@ def test_kl_estimator_contract(name):
     assert torch.isfinite(per_token).all() and torch.isfinite(lp.grad).all() and math.isfinite(metrics["kl_mean"])
 
 
-@pytest.mark.parametrize("correction", OFF_POLICY_CORRECTIONS)
+def _correction_options(name: str) -> dict:
+    """A correction's keyword arguments as a run's config gives them (its defaults; tis needs a cap)."""
+    from megarl.config import AlgorithmConfig
+
+    return AlgorithmConfig(off_policy_correction=name, tis_cap=2.0 if name == "tis" else 0.0).off_policy_options
+
+
+@pytest.mark.parametrize("correction", OFF_POLICY_CORRECTIONS.names())
 @pytest.mark.parametrize("name", POLICY_LOSSES.names())
 def test_off_policy_correction_contract(name, correction):
     lp, old, adv, mask = _policy_inputs()
     g = torch.Generator().manual_seed(2)
     behaviour = _garbage_outside(-torch.rand(B, T, generator=g) * 3, mask)
+    options = _correction_options(correction)
     per_token, metrics = grpo_token_loss(lp, old, None, adv, mask, policy_loss=name, rollout_logp=behaviour,
-                                         off_policy_correction=correction, is_cap=2.0)
+                                         off_policy_correction=correction, correction_options=options)
     assert torch.isfinite(per_token).all() and torch.equal(per_token[~mask], torch.zeros(int((~mask).sum())))
     per_token.sum().backward()
     assert torch.isfinite(lp.grad).all() and torch.equal(lp.grad[~mask], torch.zeros(int((~mask).sum())))
-    if correction != "none":
-        assert 0 < metrics[f"{correction}_weight_mean"] <= metrics[f"{correction}_weight_max"] <= 2.0
-        assert 0 <= metrics[f"{correction}_clip_frac"] <= 1
+    if correction != "none":  # weights are >= 0; the truncated and the dropped shares are shares
+        assert 0 <= metrics[f"{correction}_weight_mean"] <= metrics[f"{correction}_weight_max"]
+        assert metrics[f"{correction}_weight_max"] <= options.get("cap", options.get("high", math.inf))
+        assert 0 <= metrics[f"{correction}_clip_frac"] <= 1 and 0 <= metrics[f"{correction}_masked_frac"] <= 1
     # The behaviour policy equal to the denominator of the ratio: weights 1, the policy loss unchanged.
-    same, _ = grpo_token_loss(lp.detach(), old, None, adv, mask, policy_loss=name, rollout_logp=old,
-                              off_policy_correction=correction, is_cap=2.0)
+    same, m = grpo_token_loss(lp.detach(), old, None, adv, mask, policy_loss=name, rollout_logp=old,
+                              off_policy_correction=correction, correction_options=options)
     plain, _ = POLICY_LOSSES.get(name)(lp.detach(), old, adv, mask, 0.2, 0.2)
     assert torch.equal(same, plain)
+    assert correction == "none" or m[f"{correction}_masked_frac"] == 0 == m[f"{correction}_clip_frac"]
 
 
 @pytest.mark.parametrize("mode", AGGREGATION_MODES)
