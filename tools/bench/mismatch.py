@@ -27,7 +27,6 @@ from pathlib import Path
 import torch
 
 REPO = Path(__file__).resolve().parents[2]
-sys.path.insert(0, str(REPO))  # run from a checkout without installing it
 
 
 def _free_port() -> int:
