@@ -61,7 +61,7 @@ def test_the_planner_predicts_the_measured_head_peak(one_rank_group, monkeypatch
     try:
         vocab, hidden, chunk = 8192, 32, 128
         for tp in (1, 2):
-            for tokens in (512, 1024):
+            for tokens in (192, 512, 1024):  # 192: between one and two chunks
                 for c in (0, chunk):
                     measured = bench.measure("chunked" if c else "full", tokens, tp, vocab, hidden, chunk,
                                              "meta")["extra"]
