@@ -198,7 +198,7 @@ class MegatronPolicy(MegatronModel):
 
         def head(output: torch.Tensor, _tokens: torch.Tensor, t: float) -> torch.Tensor:
             full = tensor_parallel.gather_from_tensor_model_parallel_region(output[:, :-1])[..., :vocab]
-            return torch.log_softmax(full.float() / (t if t > 0 else 1.0), dim=-1)
+            return torch.log_softmax(_scaled(full, t, 0), dim=-1)  # (cut to the real vocabulary: no mask)
 
         return self._forward_only(tokens, micro_batch_size=tokens.shape[0], temperature=temperature, head=head)
 

@@ -34,6 +34,11 @@ def _plogp_diff(logp: Tensor, other: Tensor) -> Tensor:
     return torch.where(p > 0, p * (logp - other), torch.zeros_like(p)).sum(dim=-1)
 
 
+def _first_row(n: int) -> Tensor:
+    """(row, position) of n positions when the caller gives none: row 0, positions 0..n-1."""
+    return torch.stack([torch.zeros(n), torch.arange(n)], dim=-1)
+
+
 def _summary(kl_fwd: Tensor, kl_rev: Tensor, tv: Tensor, top1: Tensor, where: Tensor) -> dict[str, float]:
     """Means over positions, the worst KL_fwd, and the `WORST` worst positions as (row, position) pairs."""
     out = {"mismatch_kl_fwd": float(kl_fwd.mean()), "mismatch_kl_rev": float(kl_rev.mean()),
@@ -56,7 +61,7 @@ def full_mismatch(engine_logp: Tensor, actor_logp: Tensor, where: Tensor | None 
     e, a = torch.log_softmax(engine_logp.double(), -1), torch.log_softmax(actor_logp.double(), -1)
     tv = 0.5 * (e.exp() - a.exp()).abs().sum(dim=-1)
     top1 = e.argmax(dim=-1) == a.argmax(dim=-1)
-    where = where if where is not None else torch.stack([torch.zeros(len(e)), torch.arange(len(e))], dim=-1)
+    where = where if where is not None else _first_row(len(e))
     return _summary(_plogp_diff(e, a), _plogp_diff(a, e), tv, top1, where)
 
 
@@ -79,7 +84,7 @@ def topk_mismatch(engine_ids: Tensor, engine_topk_logp: Tensor, actor_logp: Tens
     a_m = torch.cat([a, r_a.log()[:, None]], dim=-1)
     diff = (e.exp() - a.exp()).abs().sum(dim=-1)
     top1 = engine_ids.long().gather(1, e.argmax(dim=-1, keepdim=True)).squeeze(1) == actor_logp.argmax(dim=-1)
-    where = where if where is not None else torch.stack([torch.zeros(len(e)), torch.arange(len(e))], dim=-1)
+    where = where if where is not None else _first_row(len(e))
     out = _summary(_plogp_diff(e_m, a_m), _plogp_diff(a_m, e_m), 0.5 * (diff + (r_e - r_a).abs()), top1, where)
     out["mismatch_tv_upper"] = float((0.5 * (diff + r_e + r_a)).mean())
     out["mismatch_remaining_mass"] = float(r_e.mean())
