@@ -13,6 +13,13 @@ Ground truth (the row's gold field, a dict or its JSON text), in the two layouts
   `outputs[i]` the value, APPS' one-element wrapping accepted; a LeetCode-style `class Solution` works).
 - optional per row: `time_s` (per test; default 5 s), `memory_mb` (default 1024).
 
+Time limits are on the program's CPU time, as a judge's are, not the wall clock: on a machine loaded by the
+trainer and other cases a correct program only waits longer for a core, and must neither fail for it nor make a
+same-seed run give another verdict. A test is also cut off at 5x its limit of wall time (a program that sleeps,
+blocks, or is starved by its own child processes uses no CPU on its own clock), and every test before the case's
+overall wall-clock limit (2x the tests' limits + 5 s; `sandbox/guest/rpc.py`, `Limit`). Loading the program (its
+module-level code) has max(time_s, 5) s.
+
 The response is the whole program, bare or in a markdown code block (`extract`: the last ```python block, else
 the last ``` block, else the whole text; `first` takes the first block; `none` takes the text as it is).
 
@@ -72,7 +79,8 @@ class CodeOptions:
     code_extract: Literal["last", "first", "none"] = option(
         "last", "code verifier: the program is the last (or first) fenced code block of the response, or the whole "
         "response (none)")
-    code_test_seconds: float = option(5.0, "code verifier: seconds each test may run, unless its row sets time_s")
+    code_test_seconds: float = option(5.0, "code verifier: CPU seconds each test may run (cut off at 5x that of "
+                                           "wall time), unless its row sets time_s")
     code_memory_mb: int = option(1024, "code verifier: memory a program may use, unless its row sets memory_mb")
 
     def __post_init__(self):
@@ -146,6 +154,7 @@ class CodeVerifier:
             return VerifyResult(score=0.0, outcome="parse_error", extracted=code, normalized=f"bad ground truth: {e}")
         secret = secrets.token_hex(16)
         wall = min(600.0, 5.0 + spec["time_s"] * (2 if spec["mode"] == "function" else 1) * max(1, n_tests))
+        spec["wall_s"] = wall  # (the harness ends its program waits before the case's end: rpc.begin_case)
         limits = self.sandbox.limits.replace(wall_s=wall, cpu_s=wall,
                                              memory_mb=int(spec.pop("memory_mb", self.memory_mb)))
         if self.persistent_harness and getattr(self.sandbox, "harness_server", False):

@@ -118,9 +118,13 @@ def test_stdin_stdout_style(verifier):
     assert r.score == pytest.approx(1 / 3)
     r = CodeVerifier(workers=1, reward="fraction", early_stop=True).verify("print(7)", gold)
     assert r.score == 0.0 and "wrong_answer" in r.normalized
-    slow = {"inputs": ["1\n", "2\n"], "outputs": ["1\n", "2\n"], "time_s": 0.5}
-    r = verifier.verify("import time\nx = input()\ntime.sleep(int(x) - 1)\nprint(x)\n", slow)
+    slow = {"inputs": ["1\n", "2\n"], "outputs": ["1\n", "2\n"], "time_s": 0.5}  # (of CPU time: rpc.Limit)
+    busy = "import time\nx = input()\nend = time.process_time() + int(x) - 1\nwhile time.process_time() < end:\n" \
+           "    pass\nprint(x)\n"
+    r = verifier.verify(busy, slow)
     assert r.normalized.startswith("1/2") and r.outcome == "timeout"
+    r = verifier.verify("import time\nx = input()\ntime.sleep(3 * (int(x) - 1))\nprint(x)\n", slow)
+    assert r.normalized.startswith("1/2") and r.outcome == "timeout"  # asleep: cut off at 5x the limit of wall time
 
 
 def test_call_style(verifier):

@@ -94,6 +94,7 @@ class Context:
 def run_case(source, spec, ctx):
     """The results of one program against one spec, one per test as each is done (the tests run here, the
     program in program processes). Raises CompileError when the program does not compile."""
+    rpc.begin_case(spec.get("wall_s"))
     mode = spec["mode"]
     if mode == "function":
         return run_function_tests(spec, source, ctx)
@@ -325,14 +326,11 @@ def _run_stdio(ctx, source, stdin_text, time_s, cap):
         os.close(code_w)
         code_w = None
         buf, status = bytearray(), None
-        deadline = time.monotonic() + time_s
+        limit = rpc.Limit(time_s, lambda: ctx.spawner.cpu_seconds(pid))  # its CPU time (see rpc.Limit)
         eof = exited = False
         while not (eof and exited) and status is None:
-            left = deadline - time.monotonic()
-            if left <= 0:
-                status = "timeout"
-                break
-            ready, _, _ = select.select([pidfd] + ([] if eof else [out_r]), [], [], left)
+            left = limit.left()
+            ready, _, _ = select.select([pidfd] + ([] if eof else [out_r]), [], [], max(left, 0.0))
             if pidfd in ready:
                 exited = True
             if out_r in ready:
@@ -343,6 +341,8 @@ def _run_stdio(ctx, source, stdin_text, time_s, cap):
                     status = "output_limit"
             if exited and not eof and out_r not in ready:
                 break  # exited, and something it left behind still holds the pipe: take what is there
+            if left <= 0 and status is None and not (eof and exited):
+                status = "timeout"  # (after one last look: what it wrote in time counts)
         wstatus, oom = ctx.spawner.reap(pid)
         if status is None:
             status = _stdio_status(wstatus, oom > ctx.oom_kills)

@@ -74,9 +74,47 @@ def send(fd: int, data: bytes) -> None:
 _PENDING: dict[int, bytes] = {}  # fd -> bytes read past the last frame
 
 
-def receive(fd: int, timeout: float | None) -> bytes:
-    """One length-prefixed frame, in as few reads as the data allows."""
-    deadline = None if timeout is None else time.monotonic() + timeout
+WALL_FACTOR = 5  # a program's time limit is cut off at this many times the limit of wall time
+_case_end: float | None = None  # (monotonic) every wait of the current case ends by then: see begin_case
+
+
+def begin_case(wall_s: float | None) -> None:
+    """A case starts with `wall_s` seconds of wall time in all (its backend ends it there, and takes the whole
+    case as timed out). Every program wait of the case ends a little before that, so the harness still answers
+    each test itself (a timeout), keeps the results of the tests done, and is not replaced."""
+    global _case_end
+    _case_end = None if not wall_s else time.monotonic() + wall_s - max(0.5, 0.1 * wall_s)
+
+
+class Limit:
+    """A program's time limit, counted on its CPU-time clock: a machine loaded by other work (the trainer, other
+    cases) slows a program down in wall time, and a correct program must not fail for it, nor a same-seed run
+    get another verdict. A program that sleeps or blocks uses no CPU, so the wall clock still cuts it off, at
+    WALL_FACTOR times the limit, and at the case's end (`begin_case`); so does a program whose own processes
+    starve it (a fork bomb: its children's CPU time is not on its clock). `cpu` reads the program's CPU seconds
+    (None once it is gone, or where it cannot be read: the limit is then on wall time alone)."""
+
+    def __init__(self, seconds: float, cpu=None):
+        self.seconds, self.cpu = seconds, cpu
+        self.start = time.monotonic()
+        self.cpu0 = cpu() if cpu is not None else None
+
+    def left(self) -> float:
+        """Seconds to wait before asking again; <= 0 once the limit is spent."""
+        now = time.monotonic()
+        wall = now - self.start
+        used = self.cpu() if self.cpu0 is not None else None
+        if used is None:
+            left = self.seconds - wall
+        else:
+            left = min(self.seconds - (used - self.cpu0), self.seconds * WALL_FACTOR - wall)
+        return left if _case_end is None else min(left, _case_end - now)
+
+
+def receive(fd: int, timeout: float | Limit | None) -> bytes:
+    """One length-prefixed frame, in as few reads as the data allows; TimeoutError past `timeout` (seconds of
+    wall time, or a Limit)."""
+    limit = Limit(timeout) if isinstance(timeout, (int, float)) else timeout
     buf = _PENDING.pop(fd, b"")
     need = 4
     while True:
@@ -89,14 +127,22 @@ def receive(fd: int, timeout: float | None) -> bytes:
                 if len(buf) > need:
                     _PENDING[fd] = bytes(buf[need:])
                 return bytes(buf[4:need])
-        if deadline is not None:
-            left = deadline - time.monotonic()
-            if left <= 0 or not select.select([fd], [], [], left)[0]:
-                raise TimeoutError
+        if limit is not None:
+            wait_readable(fd, limit)
         chunk = os.read(fd, max(1 << 16, need - len(buf)))
         if not chunk:
             raise EOFError
         buf += chunk
+
+
+def wait_readable(fd: int, limit: Limit) -> None:
+    """Wait until `fd` is readable; TimeoutError once `limit` is spent (what is there by then still counts)."""
+    while True:
+        left = limit.left()
+        if select.select([fd], [], [], max(left, 0.0))[0]:
+            return
+        if left <= 0:
+            raise TimeoutError
 
 
 def describe(e: BaseException) -> str:
@@ -221,7 +267,7 @@ class Program:
             send(self.req_w, pickle.dumps((source, prompt)))
         except OSError:
             pass  # it died before reading: the receive below says so
-        kind, value = self._answer(max(time_s, 5.0))
+        kind, value = self._answer(max(time_s, 5.0))  # (seconds of its CPU time: see Limit)
         if kind == "compile_error":
             self.compile_error = value
         elif kind != "ready":
@@ -279,10 +325,10 @@ class Program:
 
     def _answer(self, timeout: float) -> tuple:
         try:
-            data = receive(self.resp_r, timeout)
+            data = receive(self.resp_r, Limit(timeout, lambda: self.spawner.cpu_seconds(self.pid)))
         except TimeoutError:
             self.dead = True
-            return "timeout", f"no answer within {self.time_s} s"
+            return "timeout", f"no answer within {timeout} s of its CPU time ({WALL_FACTOR}x that of wall time)"
         except (EOFError, OSError):
             self.dead = True
             return "dead", self._death()

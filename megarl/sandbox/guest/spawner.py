@@ -39,6 +39,7 @@ import resource
 import signal
 import socket
 import sys
+import time
 
 COMPILE_EXIT = 86  # a stdio program process that could not compile its source exits with this
 _TMP, _SHM, _WORK = "/tmp", "/dev/shm", "/tmp/w"
@@ -114,6 +115,15 @@ class Spawner:
         """Kill a program process (everything in its pid namespace) and reap it: like `status`."""
         status, oom = self._ask(b"reap %d" % pid).split()
         return int(status), int(oom)
+
+    def cpu_seconds(self, pid: int) -> float | None:
+        """The CPU seconds (user + system, every thread) program process `pid` has used so far, or None once it
+        is gone. Read from its CPU-time clock here where Z's pids are ours (a root host, or no pid namespace),
+        else asked of Z, in whose pid namespace they are (a Docker container: Z is pid 1 of its own)."""
+        if self.info.get("own_pids", True):
+            return process_cpu_seconds(pid)
+        reply = self._ask(b"cpu %d" % pid)
+        return None if reply.startswith(b"-") else float(reply)
 
     def end(self) -> tuple[int, float]:
         """Kill and reap every program process of the case, fresh mounts; the case's OOM kills and the CPU
@@ -191,9 +201,23 @@ def _handle(verb: bytes, arg: bytes, fds: list[int], setup, modes: dict, childre
         children.clear()
         reply, cpu[0] = b"%d %.6f" % (setup.oom_kills(), cpu[0]), 0.0
         return reply, [], lambda: (setup.fresh_state(), setup.next_case())
+    if verb == b"cpu":
+        seconds = process_cpu_seconds(int(arg)) if int(arg) in children else None
+        return b"-1" if seconds is None else b"%.9f" % seconds, [], None
     if verb == b"hello":
         return json.dumps(setup.describe()).encode(), [], None
     raise ValueError(f"unknown request {verb!r}")
+
+
+def process_cpu_seconds(pid: int) -> float | None:
+    """Process `pid`'s CPU time, user + system over all its threads, from its CPU-time clock: clock_gettime on
+    the clock id the kernel makes for a process (MAKE_PROCESS_CPUCLOCK(pid, CPUCLOCK_SCHED) = ~pid << 3 | 2),
+    resolved in the caller's pid namespace. Needs no /proc, which a confined harness no longer has. None once
+    the process is gone (or where the kernel refuses the clock)."""
+    try:
+        return time.clock_gettime((~pid << 3) | 2)
+    except (OSError, OverflowError):
+        return None
 
 
 def _wait(children: dict, pid: int, cpu: list) -> int:
@@ -253,7 +277,7 @@ class PlainSetup:
         pass
 
     def describe(self) -> dict:
-        return {"fresh": False, "cgroup": False, "pid_ns": False}
+        return {"fresh": False, "cgroup": False, "pid_ns": False, "own_pids": True}
 
     def fork(self, child) -> int:
         """Fork and run `child()` (which never returns) in the child; its pid, or -1."""
@@ -307,6 +331,7 @@ class FreshSetup(PlainSetup):
         self.cgroup_mb = 0
         self.memory_mb = cfg.get("memory_mb", 512)
         self.mounted = self.minimal_root = False
+        self.own_pids = True
         self.confinement = None
         self.oom_base = 0
         self.missing: list[str] = []
@@ -333,7 +358,8 @@ class FreshSetup(PlainSetup):
         """A private mount and IPC namespace (first a user namespace, where Z has no capability: a Docker
         container) with a minimal root and fresh tmpfs mounts, and the way to a pid namespace per program."""
         iso = self.iso_mod
-        if os.geteuid() != 0:  # a Docker container's unprivileged user: a user namespace of our own
+        self.own_pids = os.geteuid() == 0  # (else H's pids are not ours: see _become_pid1_of_own_namespace)
+        if not self.own_pids:  # a Docker container's unprivileged user: a user namespace of our own
             iso.enter_user_namespace(iso.CLONE_NEWNS | iso.CLONE_NEWIPC | iso.CLONE_NEWPID)
             self._become_pid1_of_own_namespace()
         else:
@@ -375,7 +401,8 @@ class FreshSetup(PlainSetup):
 
     def describe(self) -> dict:
         return {"fresh": self.mounted, "pid_ns": self.pid_ns_fd is not None, "cgroup": self.cgroup is not None,
-                "minimal_root": self.minimal_root, "missing": self.missing}
+                "minimal_root": self.minimal_root, "missing": self.missing,
+                "own_pids": self.own_pids}
 
     def fork_raw(self) -> int:
         """fork(), the child (which gets 0) being pid 1 of a fresh pid namespace where that is possible; -1 if
