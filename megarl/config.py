@@ -334,12 +334,12 @@ class AlgorithmConfig:
     mis_level: Literal["token", "sequence"] = _f("sequence", "--off-policy-correction mis: drop single tokens or "
                                                  "whole sequences (sequence: TRL's default sequence_mask)")
     mis_low: float = _f(0.0, "--off-policy-correction mis: a ratio below this is dropped (0: only the upper side, "
-                        "as TRL and verl's seq_mis)")
+                        "TRL's default; verl's decoupled_seq_is_rs preset drops below 0.5 too)")
     mis_high: float = _f(2.0, "--off-policy-correction mis: a ratio above this is dropped")
     geo_rs_low: float = _f(0.999, "--off-policy-correction geo_rs: a sequence whose geometric-mean ratio is below "
-                           "this is dropped (about 1 / --geo-rs-high, as verl)")
+                           "this is dropped (verl's decoupled_geo_rs preset: 0.999)")
     geo_rs_high: float = _f(1.001, "--off-policy-correction geo_rs: a sequence whose geometric-mean ratio is above "
-                            "this is dropped (verl: 1.0002-1.001)")
+                            "this is dropped (verl's decoupled_geo_rs preset: 1.001)")
     icepop_low: float = _f(0.5, "--off-policy-correction icepop: a token whose ratio is below this is dropped "
                            "(IcePop's alpha, 0.5)")
     icepop_high: float = _f(5.0, "--off-policy-correction icepop: a token whose ratio is above this is dropped "

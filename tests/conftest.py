@@ -1,3 +1,5 @@
+import os
+import socket
 import sys
 from pathlib import Path
 
@@ -19,6 +21,26 @@ def tiny_qwen2(tmp_path_factory):
 @pytest.fixture(scope="session")
 def tiny_llama_tied(tmp_path_factory):
     return make_tiny_hf_model(tmp_path_factory.mktemp("llama"), "llama", tie=True, seed=1)
+
+
+@pytest.fixture()
+def process_group():
+    """Megatron's parallel state over one in-process gloo rank (TP 1, PP 1), for an actor built in a unit test."""
+    from megarl.mcore import parallel
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    saved = {k: os.environ.get(k) for k in ("MASTER_ADDR", "MASTER_PORT")}
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    parallel.init_distributed(tp=1, pp=1, timeout_s=60, seed=0)
+    yield
+    parallel.destroy()
+    for k, v in saved.items():
+        if v is None:
+            os.environ.pop(k, None)
+        else:
+            os.environ[k] = v
 
 
 @pytest.fixture()

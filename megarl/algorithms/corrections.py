@@ -15,6 +15,15 @@ sequence a correction *drops* gets weight 0: its loss and gradient are 0, and it
 denominator, as in TRL's `*_mask` modes and IcePop's `M(k) = 0` inside its 1/|y| sum (verl instead removes rejected
 tokens from the denominator; with token-mean aggregation that rescales the step by the kept share).
 
+The sources read, and re-derived in tests/unit/test_rollout_corrections.py (commits as read):
+TRL huggingface/trl f2cd577 (`trl/trainer/grpo_trainer.py`, `vllm_importance_sampling_mode`; ratio
+exp(old - rollout), `*_mask` multiply the per-token loss by 0, the denominator unchanged); verl volcengine/verl
+b178a3c (`verl/trainer/ppo/rollout_corr_helper.py`, presets in `verl/trainer/config/algorithm.py`,
+`docs/algo/rollout_corr.md`; rejection edits the response mask, so the denominator too, and log-ratios are
+clamped to [-20, 20], which matters only for a log-ratio beyond that); slime THUDM/slime 624b824
+(`slime/backends/megatron_utils/loss.py` `icepop_function`); IcePop: Ring-1T, arXiv 2510.18855, and
+https://ringtech.notion.site/icepop.
+
 Every correction reports, over masked-in tokens: `<name>_weight_mean`, `<name>_weight_max`, `<name>_clip_frac`
 (share whose weight was truncated) and `<name>_masked_frac` (share dropped: weight 0).
 """
@@ -94,7 +103,9 @@ def sequence_truncated_is_weights(old_logp: Tensor, rollout_logp: Tensor, mask: 
         w_i = min(exp(s_i), cap) = min(prod_{t in mask_i} r_t, cap)
 
     Unbiased below the cap for a sequence-level objective (the sequence is what was sampled), at the price of a
-    variance that grows with length; `cap` ~2-10 (verl). Shapes: [B, T] each.
+    variance that grows with length; `cap` ~2-10 (verl). TRL's `sequence_truncate` is this (with an optional
+    floor, `vllm_importance_sampling_clip_min`, not taken here); verl's `rollout_is: sequence` clamps s_i to
+    [-20, 20] before exp(), which differs from this only for a weight below 2e-9. Shapes: [B, T] each.
     """
     if not cap > 0:
         raise ValueError(f"off-policy correction 'seq_tis' needs a weight cap > 0, got {cap}")
@@ -123,9 +134,13 @@ def masked_is_weights(old_logp: Tensor, rollout_logp: Tensor, mask: Tensor, leve
         level "token":     w_t = r_t       if low <= r_t <= high,        else 0
         level "sequence":  w_t = exp(s_i)  if low <= exp(s_i) <= high,   else 0    (every token of sequence i)
 
-    TRL and verl's `seq_mis` mask above the cap only (low = 0). Truncation keeps a biased contribution of a
-    sample the engine made far likelier than the trainer would; masking drops it (Liu, Li et al. 2025, "When
-    speed kills stability"). Shapes: [B, T] each.
+    TRL's `*_mask` modes are exactly this (TRL's default `vllm_importance_sampling_clip_min` is None, low = 0
+    here; its `clip_max` defaults to 3). verl's `decoupled_seq_is_rs(is_threshold=C, rs_threshold="L_U")` (default
+    2.0 and "0.5_2.0", two-sided) weights a kept sequence min(exp(s_i), C) and rejects by `seq_sum_k1`, which
+    reads its band on the inverse ratio pi_rollout / pi_old: verl's "L_U" is low = 1/U, high = 1/L here, and the
+    weights agree when 1/L <= C. verl also removes rejected tokens from the denominator (see the module
+    docstring). Truncation keeps a biased contribution of a sample the engine made far likelier than the trainer
+    would; masking drops it (Liu, Li et al. 2025, "When speed kills stability"). Shapes: [B, T] each.
     """
     _band("mis", low, high)
     if level not in ("token", "sequence"):
@@ -141,15 +156,17 @@ def masked_is_weights(old_logp: Tensor, rollout_logp: Tensor, mask: Tensor, leve
 @register_correction("geo_rs")
 def geometric_rejection_weights(old_logp: Tensor, rollout_logp: Tensor, mask: Tensor, low: float,
                                 high: float) -> tuple[Tensor, dict]:
-    """Geometric-mean rejection sampling (Geo-RS; verl's `geo_rs` preset, `rollout_rs: geometric`, without its
-    optional per-token veto): a sequence is kept or rejected whole by the geometric mean of its token ratios, and
-    kept sequences are not reweighted,
+    """Geometric-mean rejection sampling (Geo-RS; verl's `decoupled_geo_rs()` preset, `rollout_rs: seq_mean_k1`,
+    and `docs/algo/rollout_corr_math.md` section 3.3.3): a sequence is kept or rejected whole by the geometric mean
+    of its token ratios, and kept sequences are not reweighted,
 
         g_i = exp(s_i / |mask_i|),     w_t = 1 if low <= g_i <= high, else 0
 
     The geometric mean does not grow with length as the product does, so one band fits short and long
-    sequences; it is a per-token average, so the band is tight (verl: high ~1.0002-1.001, low = 1/high).
-    Shapes: [B, T] each.
+    sequences; it is a per-token average, so the band is tight (verl's preset: "0.999_1.001"). The band is read
+    on g_i, as verl's math document writes it; verl's code reads it on 1/g_i (`seq_mean_k1` bounds the mean of
+    -log r_t), so its "L_U" is low = 1/U, high = 1/L here (the same rows for a band symmetric in log). verl
+    removes a rejected sequence's tokens from the denominator; here they count with weight 0. Shapes: [B, T] each.
     """
     _band("geo_rs", low, high)
     mask = mask.bool()
@@ -165,13 +182,18 @@ def geometric_rejection_weights(old_logp: Tensor, rollout_logp: Tensor, mask: Te
 @register_correction("icepop")
 def icepop_weights(old_logp: Tensor, rollout_logp: Tensor, mask: Tensor, low: float,
                    high: float) -> tuple[Tensor, dict]:
-    """IcePop (Ling team, "Small leak can sink a great ship", 2025; the Ring-1T report): token-level masking with
-    a two-sided band, the calibration factor kept inside it,
+    """IcePop (Ling team, "Small leak can sink a great ship", https://ringtech.notion.site/icepop, 2025; the
+    Ring-1T report, arXiv 2510.18855, J_IcePop): token-level masking with a two-sided band, the calibration factor
+    kept inside it,
 
-        w_t = M(r_t; low, high),    M(k) = k if low <= k <= high, else 0
+        w_t = M(r_t; low, high),    M(k) = k if low <= k <= high, else 0,    r_t = pi_train / pi_infer at theta_old
 
-    (the paper's alpha = low = 0.5, beta = high = 5). The same weights as `mis` at level token with that band:
-    a registered name of its own so that a run says which published recipe it follows. Shapes: [B, T] each.
+    multiplying the PPO term of token t inside the paper's 1/|y_i| sum: a masked token's term is 0 and it still
+    counts in |y_i| (the numerator only). slime's `icepop_function` is the same: ratio exp(old - rollout), kept
+    (not clipped) inside [--tis-clip-low, --tis-clip], bounds inclusive, loss masks untouched. TRL runs it as
+    `token_mask` with (C_min, C_max) = (alpha, beta) (its tests label (0.5, 5.0) IcePop; the defaults here).
+    The same weights as `mis` at level token with that band: a registered name of its own so that a run says
+    which published recipe it follows. Shapes: [B, T] each.
     """
     _band("icepop", low, high)
     mask = mask.bool()

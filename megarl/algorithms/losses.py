@@ -212,8 +212,11 @@ def policy_loss_cispo(
 
     where PPO's clip zeroes the gradient of a token outside the trust region (often the rare "However", "Wait"
     tokens a long reasoning chain forks at). Written `-w * A * exp(logp - sg(logp))`: the same gradient, and a
-    value of -w * A, on the scale of PPO's. The paper sets no lower bound (a large epsilon_low, here
-    `--eps-clip` >= 1) and tunes only `--eps-clip-high`. Shapes as `policy_loss_clip`; metrics `clip_frac` (share
+    value of -w * A, on the scale of PPO's. slime's `compute_cispo_loss` (THUDM/slime 624b824,
+    `slime/utils/ppo_utils.py`) writes `-sg(clamp(ratio, 1 - eps_clip, 1 + eps_clip_high)) * A * logp`: the same
+    ratio (exp(logp - old)), bounds and gradient, and a value scaled by logp (tests/unit/test_rollout_corrections.py
+    compares the gradients). The paper sets no lower bound (a large epsilon_low, here `--eps-clip` >= 1; slime
+    warns below 1) and tunes only `--eps-clip-high`. Shapes as `policy_loss_clip`; metrics `clip_frac` (share
     of tokens whose weight was clipped; they still give a gradient), `clip_frac_low`, `clip_frac_high`,
     `ratio_mean`.
     """

@@ -7,8 +7,6 @@ without sequence parallelism) in tests/distributed/test_lora_tp.py."""
 from __future__ import annotations
 
 import importlib.util
-import os
-import socket
 
 import pytest
 import torch
@@ -20,25 +18,6 @@ from megarl.errors import ConfigError
 
 needs_peft = pytest.mark.skipif(importlib.util.find_spec("peft") is None,
                                 reason="peft (the dev extra) is the independent reference for LoRA")
-
-@pytest.fixture()
-def process_group():
-    from megarl.mcore import parallel
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    saved = {k: os.environ.get(k) for k in ("MASTER_ADDR", "MASTER_PORT")}
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    parallel.init_distributed(tp=1, pp=1, timeout_s=60, seed=0)
-    yield
-    parallel.destroy()
-    for k, v in saved.items():
-        if v is None:
-            os.environ.pop(k, None)
-        else:
-            os.environ[k] = v
-
 
 @needs_peft
 @pytest.mark.slow

@@ -130,3 +130,63 @@ def test_off_by_default_and_the_sync_takes_no_actor_side_when_off():
     sync.pending = sync.pending_mismatch = None
     rows = PackedSamples(torch.ones(2, 4, dtype=torch.long), torch.ones(2, 3), torch.zeros(2, 3), torch.tensor([4, 4]))
     assert sync(version=3, rows=rows) == {} and sync.pending_mismatch is None
+
+
+class _Recording:
+    """An engine that keeps what it sampled and the distributions it scored, for the bench test's own reference."""
+
+    def __init__(self, engine):
+        self.engine, self.groups = engine, None
+
+    def generate(self, prompts, params):
+        self.groups = self.engine.generate(prompts, params)
+        return self.groups
+
+    def score_distributions(self, sequences, prompt_lens, temperature=1.0):
+        self.scored = self.engine.score_distributions(sequences, prompt_lens, temperature)
+        return self.scored
+
+
+def test_bench_core_against_transformers_on_the_tiny_model(tiny_qwen2, process_group):
+    """tools/bench/mismatch.py's `measure` (engine samples, Megatron actor, both distributions) on the tiny random
+    model, against a float64 reference from `transformers`' fp32 model at the sampled positions: the full KL
+    (engine || actor), the sampled-token |dlogp|, the row and position counts. fp32 engine: KL < 1e-6; bf16:
+    strictly larger."""
+    import importlib.util
+    from pathlib import Path
+
+    from transformers import AutoModelForCausalLM
+
+    from megarl.mcore.actor import MegatronPolicy
+    from megarl.model_shape import ModelShape
+    from megarl.rollout.builtin import BuiltinEngine
+
+    spec = importlib.util.spec_from_file_location(
+        "bench_mismatch", Path(__file__).resolve().parents[2] / "tools" / "bench" / "mismatch.py")
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    actor = MegatronPolicy(ModelShape.from_pretrained(tiny_qwen2), tp=1, pp=1, trainable=False)
+    actor.load_hf(tiny_qwen2)
+    hf = AutoModelForCausalLM.from_pretrained(tiny_qwen2).double().eval()
+    prompts = [[3, 17, 5], [11, 2], [40, 41, 42, 43]]
+    got = {}
+    for name, dtype in (("fp32", torch.float32), ("bf16", torch.bfloat16)):
+        engine = _Recording(BuiltinEngine.from_pretrained(tiny_qwen2, dtype=dtype))
+        got[name] = m = bench.measure(engine, actor, prompts, max_new_tokens=5, seed=0)
+        kl, dlogp = [], []
+        for i, (p, (c,)) in enumerate(zip(prompts, engine.groups)):
+            seq = torch.tensor([p + list(c.token_ids)])
+            with torch.no_grad():
+                ref = torch.log_softmax(hf(seq).logits[0, len(p) - 1: -1], dim=-1)  # [response, vocab]
+            # Scored from prompt length 1: row j predicts token j + 1; renormalised as the definition says
+            eng = torch.log_softmax(engine.scored[i][len(p) - 1:].double(), dim=-1)
+            kl.append((eng.exp() * (eng - ref)).sum(-1))
+            dlogp.append((ref.gather(1, torch.tensor(c.token_ids)[:, None]).squeeze(1)
+                          - torch.tensor(c.logprobs, dtype=torch.float64)).abs())
+        kl, dlogp = torch.cat(kl), torch.cat(dlogp)
+        assert m["mismatch_rows"] == 3 and m["mismatch_positions"] == kl.numel() == 15, m  # no stop token in 5
+        assert m["mismatch_kl_fwd"] == pytest.approx(float(kl.mean()), rel=0.05, abs=1e-9), name
+        assert m["sampled_abs_dlogp"] == pytest.approx(float(dlogp.mean()), rel=0.01, abs=1e-6), name
+    assert got["fp32"]["mismatch_kl_fwd"] < 1e-6 and got["fp32"]["sampled_abs_dlogp"] < 1e-5
+    assert got["bf16"]["mismatch_kl_fwd"] > 10 * got["fp32"]["mismatch_kl_fwd"]
+    assert got["bf16"]["sampled_abs_dlogp"] > 10 * got["fp32"]["sampled_abs_dlogp"]

@@ -163,3 +163,78 @@ def test_config_names_every_registered_correction_and_checks_the_bands():
         AlgorithmConfig(off_policy_correction="icepop", icepop_low=5.0)
     with pytest.raises(ConfigError, match="--seq-tis-cap must be > 0, got 0"):
         AlgorithmConfig(seq_tis_cap=0.0)
+
+
+# Per-token log(pi_old / pi_rollout) of four rows, chosen so that an asymmetric band read on the ratio or on its
+# inverse keeps different rows (geometric means 1.30, 0.71, 1.11, 1.06; products 1.69, 0.36, 1.11, 1.26).
+VERL_ROWS = [[0.3, 0.225], [-0.4, -0.3, -0.33], [0.1], [0.05, -0.02, 0.3, -0.1]]
+
+
+def _verl_keep(option: str, band: str, log_ratio: list[float]) -> bool:
+    """verl's `compute_rollout_rejection_mask` (volcengine/verl b178a3c, verl/trainer/ppo/rollout_corr_helper.py),
+    re-derived for its k1 options: the statistic is -log r per token (clamped to [-20, 20]), summed (`seq_sum_k1`)
+    or averaged (`seq_mean_k1`) over the sequence, and kept iff log L <= statistic <= log U for a band "L_U"."""
+    low, high = (float(x) for x in band.split("_"))
+    k1 = [-min(max(x, -20.0), 20.0) for x in log_ratio]
+    stat = sum(k1) if option == "seq_sum_k1" else sum(k1) / len(k1)
+    return math.log(low) <= stat <= math.log(high)
+
+
+@pytest.mark.parametrize("name, option, band, is_cap", [
+    ("geo_rs", "seq_mean_k1", "0.6_1.2", None),  # verl's decoupled_geo_rs() preset shape (its default 0.999_1.001)
+    ("mis", "seq_sum_k1", "0.6_1.2", 2.0),  # decoupled_seq_is_rs(is_threshold, rs_threshold) (default 2.0, 0.5_2.0)
+])
+def test_sequence_rejection_reproduces_verl_with_the_band_inverted(name, option, band, is_cap):
+    """verl reads a k1 band "L_U" on pi_rollout / pi_old, the inverse of the ratio megarl (as TRL, IcePop and verl's
+    own rollout_corr_math.md) bands: its "L_U" is megarl's [1/U, 1/L]. Taken literally, the same numbers keep other
+    rows. verl's Seq-MIS weight is min(exp(s), C) on kept sequences, equal to megarl's exp(s) when 1/L <= C. verl
+    then drops rejected tokens from the loss's denominator, megarl keeps them: verl's token-mean is megarl's
+    numerator over the kept tokens only."""
+    low, high = (float(x) for x in band.split("_"))
+    width = max(map(len, VERL_ROWS))
+    mask = [[1 if j < len(r) else 0 for j in range(width)] for r in VERL_ROWS]
+    prox = [[-1.0 - 0.1 * j for j in range(width)] for _ in VERL_ROWS]
+    behav = [[p - (r[j] if j < len(r) else 0.0) for j, p in enumerate(row)] for row, r in zip(prox, VERL_ROWS)]
+    logp = [[p + 0.05 * ((i + j) % 3 - 1) for j, p in enumerate(row)] for i, row in enumerate(prox)]
+    adv = [1.0, -0.5, 2.0, -1.5]
+    m = torch.tensor(mask, dtype=torch.bool)
+    opts = {"low": 1 / high, "high": 1 / low} | ({"level": "sequence"} if name == "mis" else {})
+
+    keep = [_verl_keep(option, band, r) for r in VERL_ROWS]
+    literal = OFF_POLICY_CORRECTIONS.get(name)(torch.tensor(prox, dtype=F64), torch.tensor(behav, dtype=F64), m,
+                                               **opts | {"low": low, "high": high})[0]
+    assert [bool(literal[i, 0] > 0) for i in range(len(VERL_ROWS))] != keep, "the band's reading must matter here"
+
+    lp = torch.tensor(logp, dtype=F64).requires_grad_()
+    per_token, _ = grpo_token_loss(lp, torch.tensor(prox, dtype=F64), None, torch.tensor(adv, dtype=F64), m,
+                                   EPS_LOW, EPS_HIGH, rollout_logp=torch.tensor(behav, dtype=F64),
+                                   off_policy_correction=name, correction_options=opts)
+    num, _ = aggregate(per_token, m, "token-mean")
+    num.backward()
+    verl_w = [(min(math.exp(sum(r)), is_cap) if is_cap else 1.0) if k else 0.0 for r, k in zip(VERL_ROWS, keep)]
+    kept = sum(len(r) for r, k in zip(VERL_ROWS, keep) if k)
+    want_loss, want_grad = _hand_clip_loss([{j: w for j in range(len(r))} for r, w in zip(VERL_ROWS, verl_w)],
+                                           logp, prox, adv, mask)
+    n = sum(map(len, VERL_ROWS))
+    # `_hand_clip_loss` divides by every masked-in token; verl's denominator counts the kept ones only.
+    torch.testing.assert_close(num / kept, torch.tensor(want_loss * n / kept, dtype=F64), rtol=1e-12, atol=1e-12)
+    torch.testing.assert_close(lp.grad, torch.tensor(want_grad, dtype=F64) * n, rtol=1e-12, atol=1e-12)
+
+
+@pytest.mark.parametrize("seed", [0, 1])
+def test_cispo_gradient_equals_slimes_loss(seed):
+    """slime's `compute_cispo_loss` (THUDM/slime 624b824, slime/utils/ppo_utils.py), re-derived: per token
+    -sg(clamp(r, 1 - eps_clip, 1 + eps_clip_high)) * A * logp, r = exp(logp - old). Its gradient is megarl's; its
+    value (scaled by logp) is not: megarl reports -w * A, on PPO's scale, so only the gradients are compared."""
+    logp, prox, _, adv, mask = _batch(seed)
+    m = torch.tensor(mask, dtype=torch.bool)
+    ours, theirs = (torch.tensor(logp, dtype=F64).requires_grad_() for _ in range(2))
+    old, a = torch.tensor(prox, dtype=F64), torch.tensor(adv, dtype=F64)[:, None].expand(-1, 6)
+    per_token, _ = grpo_token_loss(ours, old, None, torch.tensor(adv, dtype=F64), m, 1.0, 0.05, policy_loss="cispo")
+    num, den = aggregate(per_token, m, "token-mean")
+    (num / den).backward()
+    safe = torch.where(m, theirs, torch.zeros_like(theirs))
+    w = torch.exp(safe - torch.where(m, old, torch.zeros_like(old))).clamp(1 - 1.0, 1 + 0.05).detach()
+    (torch.where(m, -w * a * safe, torch.zeros_like(safe)).sum() / m.sum()).backward()
+    torch.testing.assert_close(ours.grad, theirs.grad, rtol=1e-12, atol=1e-12)
+    assert (w[m] == 1.05).any() and (w[m] < 1.05).any(), "some tokens clipped, some not"
