@@ -188,6 +188,10 @@ def load(path: str | os.PathLike, policy, *, load_optimizer: bool = True, load_r
 
     path = Path(path)
     check_lora_base(path, policy)
+    if (path / LORA_BASE).is_file() and not (path / "trainer_state.pkl").is_file():
+        raise ConfigError(f"{path} holds LoRA adapters only, no training state (megarl-convert-checkpoint "
+                          "--from-peft writes such checkpoints): start a run from it with --lora-checkpoint, not "
+                          "--load")
     if load_optimizer:
         _give_states_to_distributed_optimizer(policy.optimizer)
     sd = _sharded_state_dict(policy, is_loading=True)
@@ -316,6 +320,28 @@ def check_lora_base(path: Path, policy) -> None:
     dist.broadcast_object_list(why, src=0)
     if why[0]:
         raise ConfigError(why[0])
+
+
+@cpu_compat.in_megatron_scope
+def save_lora_adapters(root: str | os.PathLike, policy, config: dict) -> Path:
+    """Collective. A LoRA policy's adapters as a checkpoint of step 0 with no training state (`root/iter_0000000`,
+    `root/latest`): the adapters at any TP/PP layout, `lora_base.json` and `config` as `config.json`. What
+    `megarl-convert-checkpoint --from-peft` writes and `--lora-checkpoint` starts a run from (`load_weights`)."""
+    from megatron.core import dist_checkpointing
+
+    if getattr(policy, "lora", None) is None:
+        raise ValueError("save_lora_adapters needs a policy built with LoRA adapters")
+    final = Path(root) / iter_name(0)
+    if dist.get_rank() == 0:
+        final.mkdir(parents=True)
+    dist.barrier()
+    dist_checkpointing.save({"model": _model_sharded_state_dict(policy)}, str(final))
+    if dist.get_rank() == 0:
+        write_lora_base(final, policy)
+        (final / SAVED_CONFIG).write_text(json.dumps(config, indent=1) + "\n")
+        (Path(root) / LATEST).write_text(final.name + "\n")
+    dist.barrier()
+    return final
 
 
 HF_SHARD_BYTES = 2 << 30  # like transformers' save_pretrained default ("5GB" there; smaller shards load lazily)

@@ -227,6 +227,10 @@ def _resume(cfg: Config, path: Path | None, actor: MegatronPolicy, sampler: Prom
         if cfg.checkpoint.load:
             say(f"megarl: --load {cfg.checkpoint.load} holds no checkpoint yet: starting afresh from --hf-checkpoint")
         actor.load_hf(cfg.model.hf_checkpoint)
+        if cfg.model.lora_checkpoint:
+            adapters = checkpoint.find_latest(cfg.model.lora_checkpoint, flag="--lora-checkpoint")
+            checkpoint.load_weights(adapters, actor)
+            say(f"megarl: LoRA adapters from {adapters}")
         return 0, {}
     if actor.lora is not None:
         actor.load_hf(cfg.model.hf_checkpoint)
