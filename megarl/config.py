@@ -91,6 +91,10 @@ class ModelConfig:
                                   "adapters (Megatron's fused qkv and gate/up layers adapt each part with an A and "
                                   "a B of its own, as PEFT does); 'attention' = q,k,v,o_proj; a mixture-of-experts "
                                   "model's experts take none")
+    lora_checkpoint: str = _f("", "LoRA: a fresh run starts its adapters from this megarl checkpoint (a LoRA run's "
+                              "--save directory, or a PEFT adapter directory converted by megarl-convert-checkpoint "
+                              "--from-peft) instead of a random A and a zero B; a run resumed with --load takes its "
+                              "adapters from --load")
 
     @property
     def lora_targets(self) -> tuple[str, ...]:
@@ -140,6 +144,9 @@ class ModelConfig:
                               f"{', '.join(valid)} (comma-separated), or attention")
         if self.lora_rank and not self.lora_targets:
             raise ConfigError("--lora-target-modules is empty: name at least one projection, e.g. q_proj,v_proj")
+        if self.lora_checkpoint and not self.lora_rank:
+            raise ConfigError(f"--lora-checkpoint {self.lora_checkpoint} needs --lora-rank > 0 (the rank the "
+                              "adapters were saved with)")
         if self.lora_rank and self.ref_checkpoint:
             raise ConfigError(f"--ref-checkpoint {self.ref_checkpoint} with --lora-rank {self.lora_rank}: with LoRA "
                               "the reference is the actor with its adapters off (the --hf-checkpoint weights); drop "

@@ -18,6 +18,13 @@ command line. Memory, in bytes, for P parameters held by one GPU (its TP shard o
   --logprob-chunk-tokens the measured `logprob_head_bytes` (three [chunk, vocab / TP] fp32 tensors).
 - KV cache per token: 2 (K and V) x layers x kv_heads x head_dim x 2 bytes, sharded over the engine's TP.
 - reference model (when --kl-coef > 0): its bf16 weights, sharded like the actor.
+- LoRA (--lora-rank R): the base weights are frozen: 2P of bf16 weights and no gradient or optimizer state for
+  them. The adapters' parameters L (`lora_params`; per GPU `lora_stage_params`: for a column-parallel layer A
+  [R, in] is replicated over TP and B [out / TP, R] split, for a row-parallel one A [R, in / TP] split and B
+  [out, R] replicated) take 2L of bf16 weights, 4L of fp32 gradients and 12L of optimizer state (fp32 main copy +
+  Adam m and v, as above: bf16 training keeps a main copy; divided by DP with the distributed optimizer). No
+  reference model: the reference is the actor with its adapters off. The engine still holds the whole (merged)
+  weights, and the weight sync sends them.
 - reward model (`hf_rm`, --reward-model): not on the GPUs: each trainer process that leads a model replica starts
   one megarl-serve-rm holding it in fp32 on the CPU, so a node holds (GPUs per node / (TP x PP x CP)) copies of
   4 bytes x its parameters in host memory (`megarl-plan` prints them; `reward_model_params`).
@@ -42,6 +49,7 @@ from typing import Literal
 
 from megarl.model_shape import ModelShape
 
+LORA_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 GIB = 2**30  # memory is reported in GiB, as nvidia-smi's MiB and the GPUs' nominal sizes are binary
 MIB = 2**20
 OVERHEAD_BYTES = 4 * GIB
@@ -101,6 +109,8 @@ class RunSettings:
     engine_mem_fraction: float = 0.5  # colocated; a dedicated rollout GPU uses DEDICATED_ENGINE_FRACTION
     mfu: float = 0.35  # training model-FLOPs utilisation
     logprob_chunk_tokens: int = 0  # the log-prob head's chunk (--logprob-chunk-tokens); 0 = full logits
+    lora_rank: int = 0  # LoRA adapters of this rank (--lora-rank); 0 = full fine-tuning
+    lora_targets: tuple[str, ...] = LORA_TARGETS  # --lora-target-modules, HF projection names
 
     @classmethod
     def from_config(cls, cfg, **planner) -> "RunSettings":
@@ -119,7 +129,8 @@ class RunSettings:
                    logprob_chunk_tokens=getattr(m, "logprob_chunk_tokens", 0),
                    engine_mem_fraction=getattr(r, "sglang_mem_fraction", 0.5),
                    mode="disaggregated" if getattr(r, "rollout_servers", "") else "colocated",
-                   async_staleness=getattr(t, "async_staleness", 0), **planner)
+                   async_staleness=getattr(t, "async_staleness", 0), lora_rank=getattr(m, "lora_rank", 0),
+                   lora_targets=getattr(m, "lora_targets", LORA_TARGETS), **planner)
 
 
 DEDICATED_ENGINE_FRACTION = 0.85  # launch/slurm/disaggregated.sbatch's SGLANG_MEM_FRACTION
@@ -173,6 +184,41 @@ def expert_bytes_per_gpu(s: ModelShape, r: "RunSettings") -> float:
     """The bf16 expert weights one GPU holds (its EP rank's experts, its expert-TP shard) in its PP stage."""
     per_stage = math.ceil(s.num_layers / r.pp)
     return 2 * sum(expert_params(s, i) for i in range(per_stage)) / (r.ep * (r.etp or r.tp))
+
+
+def _lora_projections(s: ModelShape, layer: int, targets: tuple[str, ...]) -> list[tuple[str, int, int]]:
+    """(parallel mode, in, out) of each adapted projection of `layer`, as `megarl.mcore.lora.attach` adapts them:
+    the attention's four, and the MLP's three in a dense model (a mixture of experts' experts take none)."""
+    h, q, kv = s.hidden_size, s.num_attention_heads * s.head_dim, s.num_kv_heads * s.head_dim
+    f = s.ffn_hidden_size
+    shapes = {"q_proj": ("column", h, q), "k_proj": ("column", h, kv), "v_proj": ("column", h, kv),
+              "o_proj": ("row", q, h), "gate_proj": ("column", h, f), "up_proj": ("column", h, f),
+              "down_proj": ("row", f, h)}
+    mlp = ("gate_proj", "up_proj", "down_proj")
+    return [shapes[t] for t in targets if t not in mlp or not s.is_moe]
+
+
+def lora_layer_params(s: ModelShape, layer: int, rank: int, targets: tuple[str, ...], tp: int = 1) -> float:
+    """One TP rank's adapter parameters in `layer`: column-parallel A [rank, in] (replicated) + B [out / tp, rank];
+    row-parallel A [rank, in / tp] + B [out, rank] (replicated)."""
+    total = 0.0
+    for mode, n_in, n_out in _lora_projections(s, layer, targets):
+        total += rank * (n_in + n_out / tp) if mode == "column" else rank * (n_in / tp + n_out)
+    return total
+
+
+def lora_params(s: ModelShape, rank: int, targets: tuple[str, ...] = LORA_TARGETS) -> int:
+    """The trainable parameters of LoRA adapters of `rank` on `targets`, the whole model (TP 1)."""
+    return int(sum(lora_layer_params(s, i, rank, targets) for i in range(s.num_layers)))
+
+
+def lora_stage_params(s: ModelShape, r: "RunSettings") -> float:
+    """The adapter parameters on one GPU of the largest PP stage (0 without LoRA)."""
+    if not r.lora_rank:
+        return 0.0
+    per_stage = math.ceil(s.num_layers / r.pp)
+    return max(sum(lora_layer_params(s, i, r.lora_rank, r.lora_targets, r.tp)
+                   for i in range(st, min(s.num_layers, st + per_stage))) for st in range(0, s.num_layers, per_stage))
 
 
 def weights_bytes(params: float, bytes_per_param: int = 2) -> float:
@@ -258,10 +304,11 @@ def _train_phase(s: ModelShape, r: RunSettings, dp: int) -> dict[str, float]:
     # uses the measured model. logprob_head_bytes measures the full head at five fp32 copies (issue 29).
     logits = (logprob_head_bytes(tokens, s.vocab_size, s.hidden_size, tp=r.tp, chunk_tokens=r.logprob_chunk_tokens)
               if r.logprob_chunk_tokens else 10 * s.vocab_size * tokens / r.tp)
-    return {"actor weights": weights_bytes(p), "gradients (fp32)": 4 * p,
-            "optimizer (fp32 main + Adam)": adam_state_bytes(p, dp * r.cp if r.distributed_optimizer else 1),
+    trained = lora_stage_params(s, r) if r.lora_rank else p  # LoRA: the adapters only; the base is frozen
+    return {"actor weights": weights_bytes(p + (trained if r.lora_rank else 0)), "gradients (fp32)": 4 * trained,
+            "optimizer (fp32 main + Adam)": adam_state_bytes(trained, dp * r.cp if r.distributed_optimizer else 1),
             "activations + logits": layers + logits,
-            "reference model": weights_bytes(p) if r.kl else 0.0}
+            "reference model": weights_bytes(p) if r.kl and not r.lora_rank else 0.0}
 
 
 def memory_plan(s: ModelShape, r: RunSettings, cluster: Cluster) -> list[MemoryPlan]:

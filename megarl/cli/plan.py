@@ -24,7 +24,8 @@ from megarl.arguments import parse_args
 from megarl.config import ConfigError
 from megarl.model_shape import ModelShape
 from megarl.plan import (GIB, GPUS, Cluster, Plan, RunSettings, active_params, expert_bytes_per_gpu,
-                         kv_bytes_per_token, num_params, plan, recommend, reward_model_params)
+                         kv_bytes_per_token, lora_params, lora_stage_params, num_params, plan, recommend,
+                         reward_model_params)
 from megarl.preflight import model_problems, prompt_limit
 
 _SHAPE_DUMP = ('source "$1" >/dev/null; '
@@ -168,6 +169,12 @@ def main(argv: list[str] | None = None) -> int:
               "per GPU")
     refused = model_problems(cfg, shape, "train.py would stop")
     run = _layout_that_divides(run, shape, gpus)
+    if run.lora_rank:
+        trained = lora_params(shape, run.lora_rank, run.lora_targets)
+        print(f"LoRA: rank {run.lora_rank} on {','.join(run.lora_targets)}: {trained:,} trainable parameters "
+              f"({100 * trained / num_params(shape):.2f} % of the model; {lora_stage_params(shape, run):,.0f} per "
+              "GPU), which alone take gradients and optimizer state; the reference is the actor with its adapters "
+              "off (no second model)")
     print(f"cluster: {gpus} x {cluster.gpu.name}; TP {run.tp} x PP {run.pp}; {run.rollout_batch_size} prompts x "
           f"{run.n_samples_per_prompt} samples, prompt ~{run.prompt_len} (at most "
           f"{max(0, prompt_limit(cfg, shape))}) + response <= {run.max_response_len} tokens, micro-batch "

@@ -234,9 +234,12 @@ class MegatronModel:
 
     _hf_skip: tuple[str, ...] = ()  # parameters (name prefixes) a head has no HF tensor for: left as initialised
 
+    base_checkpoint: str = ""  # the HF directory `load_hf` read: a LoRA checkpoint records its base's fingerprint
+
     def load_hf(self, hf_dir) -> None:
         """This rank's shard from an HF checkpoint directory."""
         convert.load_hf_weights(self.model, hf_dir, self.shape, skip=self._hf_skip)
+        self.base_checkpoint = str(hf_dir)
         if self.optimizer is not None:
             # Megatron's optimizer may keep fp32 main copies of the params; refresh them from the model.
             reload = getattr(self.optimizer, "reload_model_params", None)  # not every Megatron optimizer has one

@@ -1,6 +1,11 @@
 """Checkpoints: model and optimizer through megatron `dist_checkpointing` (so a run saved at one TP/PP layout
 loads at another), plus the trainer's own state (step, scheduler, data position, RNG states per rank).
 
+With LoRA (`--lora-rank`) a checkpoint holds the adapters and their optimizer states only: the frozen base weights
+are the `--hf-checkpoint` ones, read again on resume (`load_hf` before `load`). So that a resume cannot put the
+adapters on another base, the checkpoint records the base's fingerprint (`lora_base.json`: every HF tensor's dtype,
+shape and CRC-32) and `load` refuses a base that differs.
+
 Layout: `<dir>/iter_0000007/` holds one complete checkpoint; `<dir>/latest` names the newest complete one.
 A checkpoint is written under `iter_0000007.tmp` and renamed only once every rank has finished, and `latest` is
 replaced atomically after that, so a crash mid-save never damages the last good checkpoint.
@@ -13,6 +18,9 @@ import os
 import pickle
 import random
 import shutil
+import struct
+import zlib
+from functools import lru_cache
 from pathlib import Path
 
 import numpy as np
@@ -21,8 +29,10 @@ import torch.distributed as dist
 
 from megarl.config import SAVED_CONFIG, ConfigError
 from megarl.mcore import cpu_compat
-from megarl.mcore.convert import unwrap
+from megarl.mcore.convert import is_adapter_param, unwrap
 from megarl.preflight import LATEST, iter_name, resolve_load
+
+LORA_BASE = "lora_base.json"  # a LoRA checkpoint's record of the base weights it was trained on
 
 def find_latest(root: str | os.PathLike, flag: str = "--load") -> Path:
     """The newest complete checkpoint under `root`, or a ConfigError naming what is wrong."""
@@ -45,10 +55,19 @@ def _set_rng_state(state: dict) -> None:
         torch.cuda.set_rng_state_all(state["cuda"])
 
 
+def _model_sharded_state_dict(policy) -> dict:
+    """The model's checkpoint entries; with LoRA the adapters' only (the base is frozen and comes from its HF
+    directory, and the optimizer, which holds the adapters only, finds its parameters among these)."""
+    sd = unwrap(policy.model).sharded_state_dict()
+    if getattr(policy, "lora", None) is not None:
+        sd = {k: v for k, v in sd.items() if is_adapter_param(k)}
+    return sd
+
+
 def _sharded_state_dict(policy, is_loading: bool) -> dict:
     from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
 
-    model_sd = unwrap(policy.model).sharded_state_dict()
+    model_sd = _model_sharded_state_dict(policy)
     # A mixture-of-experts model has two optimizers (experts and the rest) when experts are split over EP ranks,
     # one otherwise: keys without the chained optimizer's `chained_<i>.` prefix let a checkpoint saved at one EP
     # size resume at another.
@@ -98,6 +117,8 @@ def save(root: str | os.PathLike, step: int, policy, trainer_state: dict, keep_l
             pickle.dump({**trainer_state, "scheduler": policy.scheduler.state_dict(), "step": step}, fh)
         if config is not None:
             (tmp / SAVED_CONFIG).write_text(json.dumps(config, indent=1) + "\n")
+        if getattr(policy, "lora", None) is not None:
+            write_lora_base(tmp, policy)
     dist.barrier()
     if rank == 0:
         if final.exists():
@@ -143,6 +164,22 @@ def _restore_steps(optimizer) -> None:
                         state["step"] = torch.tensor(float(group["step"]), dtype=state["step"].dtype)
 
 
+def _load_model_state(policy, state: dict) -> None:
+    """Into the model; with LoRA the state holds every adapter (dist_checkpointing found each one) and no base."""
+    model = unwrap(policy.model)
+    if getattr(policy, "lora", None) is None:
+        model.load_state_dict(state)
+        return
+    params = dict(model.named_parameters())
+    adapters = {k for k in params if is_adapter_param(k)}
+    if state.keys() != adapters:
+        raise RuntimeError(f"LoRA checkpoint entries {sorted(state.keys() ^ adapters)[:3]} do not match the "
+                           "model's adapters")
+    with torch.no_grad():
+        for k, v in state.items():
+            params[k].copy_(v)
+
+
 @cpu_compat.in_megatron_scope
 def load(path: str | os.PathLike, policy, *, load_optimizer: bool = True, load_rng: bool = True) -> dict:
     """Load a checkpoint saved at any TP/PP layout (the distributed optimizer's: at the same TP and PP) into `policy`;
@@ -150,13 +187,18 @@ def load(path: str | os.PathLike, policy, *, load_optimizer: bool = True, load_r
     from megatron.core import dist_checkpointing
 
     path = Path(path)
+    check_lora_base(path, policy)
+    if (path / LORA_BASE).is_file() and not (path / "trainer_state.pkl").is_file():
+        raise ConfigError(f"{path} holds LoRA adapters only, no training state (megarl-convert-checkpoint "
+                          "--from-peft writes such checkpoints): start a run from it with --lora-checkpoint, not "
+                          "--load")
     if load_optimizer:
         _give_states_to_distributed_optimizer(policy.optimizer)
     sd = _sharded_state_dict(policy, is_loading=True)
     if not load_optimizer:
         sd.pop("optimizer")
     loaded = dist_checkpointing.load(sd, str(path))
-    unwrap(policy.model).load_state_dict(loaded["model"])
+    _load_model_state(policy, loaded["model"])
     if load_optimizer:
         with torch.no_grad():  # the distributed optimizer copies into its fp32 main params, views of the weights
             policy.optimizer.load_state_dict(loaded["optimizer"])
@@ -178,12 +220,128 @@ def load(path: str | os.PathLike, policy, *, load_optimizer: bool = True, load_r
 @cpu_compat.in_megatron_scope
 def load_weights(path: str | os.PathLike, policy) -> None:
     """The model's weights only, from a checkpoint saved at any TP/PP layout (no optimizer, scheduler or RNG
-    states: what an offline conversion needs)."""
+    states: what an offline conversion needs). With LoRA: the adapters, on a base already loaded (`load_hf`)."""
     from megatron.core import dist_checkpointing
 
-    model = unwrap(policy.model)
-    loaded = dist_checkpointing.load({"model": model.sharded_state_dict()}, str(path))
-    model.load_state_dict(loaded["model"])
+    check_lora_base(path, policy)
+    loaded = dist_checkpointing.load({"model": _model_sharded_state_dict(policy)}, str(path))
+    _load_model_state(policy, loaded["model"])
+
+
+def _file_stamps(hf_dir: str) -> tuple:
+    return tuple((f.name, f.stat().st_size, f.stat().st_mtime_ns) for f in sorted(Path(hf_dir).glob("*.safetensors")))
+
+
+def base_fingerprint(hf_dir: str | os.PathLike) -> dict[str, list]:
+    """Every tensor of the HF checkpoint at `hf_dir`: name -> [dtype, shape, CRC-32 of its bytes], read from the
+    safetensors files directly (the same weights in other files or another order have the same fingerprint).
+    Cached per directory while its files are unchanged: a run that saves every step reads the base once."""
+    return _fingerprint(str(Path(hf_dir).resolve()), _file_stamps(hf_dir))
+
+
+@lru_cache(maxsize=4)
+def _fingerprint(hf_dir: str, stamps: tuple) -> dict[str, list]:
+    out = {}
+    for name, _, _ in stamps:
+        with open(Path(hf_dir) / name, "rb") as fh:
+            (size,) = struct.unpack("<Q", fh.read(8))
+            header = json.loads(fh.read(size))
+            header.pop("__metadata__", None)
+            for key, meta in sorted(header.items(), key=lambda kv: kv[1]["data_offsets"][0]):
+                begin, end = meta["data_offsets"]
+                fh.seek(8 + size + begin)
+                crc, left = 0, end - begin
+                while left:
+                    chunk = fh.read(min(left, 64 << 20))
+                    crc, left = zlib.crc32(chunk, crc), left - len(chunk)
+                out[key] = [meta["dtype"], list(meta["shape"]), crc]
+    return out
+
+
+def _base_of(policy) -> str:
+    if not policy.base_checkpoint:
+        raise RuntimeError("a LoRA checkpoint needs the actor's base weights loaded from an HF checkpoint first "
+                           "(MegatronPolicy.load_hf): it records or checks their fingerprint")
+    return policy.base_checkpoint
+
+
+def write_lora_base(ckpt_dir: Path, policy) -> None:
+    """`lora_base.json` in `ckpt_dir`: where the base came from, and its fingerprint (rank 0 calls it)."""
+    base, opts = _base_of(policy), policy.lora
+    record = {"hf_checkpoint": base, "lora": _lora_record(opts), "tensors": base_fingerprint(base)}
+    (Path(ckpt_dir) / LORA_BASE).write_text(json.dumps(record) + "\n")
+
+
+def _lora_record(opts) -> dict:
+    """The adapters' settings a checkpoint must share with the model that loads it."""
+    return {"rank": opts.rank, "alpha": opts.alpha or opts.rank, "targets": sorted(opts.targets)}
+
+
+def _base_difference(saved: dict, now: dict) -> str:
+    """'' when equal, else the first difference in words."""
+    if missing := sorted(saved.keys() - now.keys()):
+        return f"it has no tensor {missing[0]}"
+    if extra := sorted(now.keys() - saved.keys()):
+        return f"its tensor {extra[0]} was not in the base"
+    for name in sorted(saved):
+        (dt0, sh0, crc0), (dt1, sh1, crc1) = saved[name], now[name]
+        if (dt0, sh0) != (dt1, sh1):
+            return f"{name} is {dt1} {sh1}, the base's was {dt0} {sh0}"
+        if crc0 != crc1:
+            return f"{name} holds other values (CRC-32 {crc1:08x}, the base's {crc0:08x})"
+    return ""
+
+
+def check_lora_base(path: Path, policy) -> None:
+    """Collective. A checkpoint and a policy agree on LoRA, and a LoRA checkpoint's base is the policy's (the
+    fingerprints of `lora_base.json` and of the HF directory the policy loaded, compared on rank 0); else a
+    ConfigError on every rank that names the difference."""
+    record = path / LORA_BASE
+    lora_opts = getattr(policy, "lora", None)
+    if lora_opts is None:
+        if record.is_file():
+            raise ConfigError(f"{path} holds LoRA adapters only (saved with --lora-rank): load it with the same "
+                              "--lora-rank and --lora-target-modules")
+        return
+    if not record.is_file():
+        raise ConfigError(f"{path} holds no LoRA adapters (no {LORA_BASE}: saved without --lora-rank, or before "
+                          f"megarl's LoRA checkpoints held the adapters only); this run has --lora-rank "
+                          f"{lora_opts.rank}")
+    base = _base_of(policy)
+    saved = json.loads(record.read_text())
+    if saved["lora"] != _lora_record(lora_opts):
+        raise ConfigError(f"{path} holds adapters of {saved['lora']}; this run's are {_lora_record(lora_opts)}: "
+                          "set --lora-rank, --lora-alpha and --lora-target-modules as they were saved")
+    why = [""]
+    if dist.get_rank() == 0:
+        if diff := _base_difference(saved["tensors"], base_fingerprint(base)):
+            why[0] = (f"{path}: its LoRA adapters were trained on the base {saved['hf_checkpoint']}, and the base "
+                      f"loaded now, --hf-checkpoint {base}, differs: {diff}. Resume on the run's own base")
+    dist.broadcast_object_list(why, src=0)
+    if why[0]:
+        raise ConfigError(why[0])
+
+
+@cpu_compat.in_megatron_scope
+def save_lora_adapters(root: str | os.PathLike, policy, config: dict) -> Path:
+    """Collective. A LoRA policy's adapters as a checkpoint of step 0 with no training state (`root/iter_0000000`,
+    `root/latest`): the adapters at any TP/PP layout, `lora_base.json` and `config` as `config.json`. What
+    `megarl-convert-checkpoint --from-peft` writes and `--lora-checkpoint` starts a run from (`load_weights`)."""
+    from megatron.core import dist_checkpointing
+
+    if getattr(policy, "lora", None) is None:
+        raise ValueError("save_lora_adapters needs a policy built with LoRA adapters")
+    final = Path(root) / iter_name(0)
+    if dist.get_rank() == 0:
+        final.mkdir(parents=True)
+    dist.barrier()
+    dist_checkpointing.save({"model": _model_sharded_state_dict(policy)}, str(final))
+    if dist.get_rank() == 0:
+        write_lora_base(final, policy)
+        (final / SAVED_CONFIG).write_text(json.dumps(config, indent=1) + "\n")
+        (Path(root) / LATEST).write_text(final.name + "\n")
+    dist.barrier()
+    return final
 
 
 HF_SHARD_BYTES = 2 << 30  # like transformers' save_pretrained default ("5GB" there; smaller shards load lazily)

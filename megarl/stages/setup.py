@@ -221,12 +221,19 @@ def _config_lines(cfg: Config) -> str:
 
 def _resume(cfg: Config, path: Path | None, actor: MegatronPolicy, sampler: PromptSampler, say) -> tuple[int, dict]:
     """Load `path` (the actor, its optimizer and RNG states, the data position), or the HF weights when None;
-    returns the step to start from and this rank's saved rollout state."""
+    returns the step to start from and this rank's saved rollout state. With LoRA the base weights always come from
+    --hf-checkpoint (a checkpoint holds the adapters only, and checks that this is the base they were trained on)."""
     if path is None:
         if cfg.checkpoint.load:
             say(f"megarl: --load {cfg.checkpoint.load} holds no checkpoint yet: starting afresh from --hf-checkpoint")
         actor.load_hf(cfg.model.hf_checkpoint)
+        if cfg.model.lora_checkpoint:
+            adapters = checkpoint.find_latest(cfg.model.lora_checkpoint, flag="--lora-checkpoint")
+            checkpoint.load_weights(adapters, actor)
+            say(f"megarl: LoRA adapters from {adapters}")
         return 0, {}
+    if actor.lora is not None:
+        actor.load_hf(cfg.model.hf_checkpoint)
     state = checkpoint.load(path, actor)
     sampler.load_state_dict(state["sampler"])
     say(f"megarl: resumed from {path} at step {state['step']}")

@@ -1,0 +1,125 @@
+"""Kill and resume with LoRA is bitwise, and a LoRA checkpoint holds the adapters and their optimizer states only.
+
+A run of N = 4 updates straight is held against one that makes k = 2, saves, is dropped, and is resumed by a new
+actor (base from the HF directory, adapters, Adam's states and the RNG states from the checkpoint; the torch RNG
+is reseeded in between, as a new process would have it) for the last N - k: the per-step metrics and the adapter
+tensors must be equal bit for bit. Dropout on the adapters' input (0.1) makes the RNG states part of the check.
+Both optimizers: Megatron's plain one and the distributed one (whose save format differs). Then the checkpoint's
+refusals: a base whose weights differ, and a model without adapters. One rank, in process (`python megarl/train.py`
+at DP = 1 runs the same save and load paths; the distributed optimizer's format is that of DP > 1)."""
+
+from __future__ import annotations
+
+import socket
+from pathlib import Path
+
+import pytest
+import torch
+
+pytestmark = pytest.mark.slow
+STEPS, SAVED_AT = 4, 2
+
+
+@pytest.fixture()
+def process_group(monkeypatch):
+    from megarl.mcore import parallel
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        monkeypatch.setenv("MASTER_PORT", str(s.getsockname()[1]))
+    monkeypatch.setenv("MASTER_ADDR", "127.0.0.1")
+    parallel.init_distributed(tp=1, pp=1, timeout_s=120, seed=0)
+    yield
+    parallel.destroy()
+
+
+def test_lora_checkpoint_resumes_bitwise_and_holds_only_the_adapters(tiny_qwen2, tmp_path, process_group):
+    r = run(str(tiny_qwen2), str(tmp_path))
+    for distributed in (False, True):
+        straight, resumed = r[distributed]["straight"], r[distributed]["resumed"]
+        assert [m["step"] for m in resumed["metrics"]] == list(range(1, STEPS + 1))
+        assert resumed["metrics"] == straight["metrics"], distributed  # loss, grad norm, ... bitwise
+        assert straight["adapters"].keys() == resumed["adapters"].keys() and straight["adapters"]
+        for name, t in straight["adapters"].items():
+            assert torch.equal(t, resumed["adapters"][name]), (distributed, name)
+        moved = max((t - r[distributed]["at_save"][n]).abs().max().item() for n, t in straight["adapters"].items())
+        assert moved > 1e-4, "the updates after the save must move the adapters, or the comparison says nothing"
+        # The checkpoint: adapters and their Adam states, no base weight and no state for one.
+        keys = r[distributed]["checkpoint_keys"]
+        assert any(".lora." in k for k in keys) and any("exp_avg_sq" in k for k in keys), keys
+        assert not [k for k in keys if "layers" in k and ".lora." not in k or "embedding" in k or "output" in k]
+    assert r["errors"]["other base"].startswith(f"{tmp_path / 'ckpt_False'}/iter_0000002: its LoRA adapters were ")
+    assert "differs: model.norm.weight holds other values" in r["errors"]["other base"]
+    assert "holds LoRA adapters only" in r["errors"]["no adapters"]
+
+
+def _batch(vocab: int, seed: int) -> dict[str, torch.Tensor]:
+    """A fixed batch of 8 sequences with random advantages."""
+    g = torch.Generator().manual_seed(seed)
+    tokens = torch.randint(0, vocab, (8, 12), generator=g)
+    mask = torch.zeros(8, 11)
+    mask[:, 2:] = 1.0
+    return {"tokens": tokens, "loss_mask": mask, "rollout_logp": torch.zeros(8, 11),
+            "advantages": torch.randn(8, generator=g)}
+
+
+def run(hf: str, out: str) -> dict:
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    from megarl.config import ConfigError, build_config
+    from megarl.mcore import checkpoint, lora
+    from megarl.mcore.actor import MegatronPolicy, OptimConfig
+    from megarl.model_shape import ModelShape
+    from megarl.stages.update import make_loss_fn
+
+    shape = ModelShape.from_pretrained(hf)
+    loss_fn = make_loss_fn(build_config({}).algorithm, 64)
+    opts = lora.LoRAOptions(rank=4, alpha=8.0, dropout=0.1, seed=3)
+
+    def build(distributed: bool, seed: int, base: str = hf) -> MegatronPolicy:
+        torch.manual_seed(seed)  # the torch RNG state a fresh process would have
+        # A large Adam eps, as tests/distributed/worker.py says why: float noise must not become full-size updates.
+        optim = OptimConfig(lr=1e-2, adam_eps=1e-4, weight_decay=0.1, use_distributed_optimizer=distributed)
+        actor = MegatronPolicy(shape, tp=1, pp=1, trainable=True, optim=optim, lora=opts)
+        actor.load_hf(base)
+        return actor
+
+    def steps(actor, first: int, last: int) -> list[dict]:
+        return [{"step": s, **actor.train_step(_batch(shape.vocab_size, s), loss_fn, micro_batch_size=2)}
+                for s in range(first, last + 1)]
+
+    result = {}
+    for distributed in (False, True):
+        ckpt = Path(out) / f"ckpt_{distributed}"
+        actor = build(distributed, seed=0)
+        straight = {"metrics": steps(actor, 1, STEPS), "adapters": lora.peft_tensors(actor.model)}
+        actor = build(distributed, seed=0)
+        before = steps(actor, 1, SAVED_AT)
+        at_save = lora.peft_tensors(actor.model)
+        checkpoint.save(ckpt, SAVED_AT, actor, {"sampler": {"epoch": 0, "position": 0}})
+        del actor  # the kill
+        actor = build(distributed, seed=12345)
+        assert checkpoint.load(checkpoint.find_latest(ckpt), actor)["step"] == SAVED_AT
+        resumed = {"metrics": before + steps(actor, SAVED_AT + 1, STEPS), "adapters": lora.peft_tensors(actor.model)}
+        from megatron.core import dist_checkpointing
+
+        keys = sorted(dist_checkpointing.load_tensors_metadata(str(checkpoint.find_latest(ckpt))))
+        result[distributed] = {"straight": straight, "resumed": resumed, "at_save": at_save, "checkpoint_keys": keys}
+
+    errors = {}
+    other = Path(out) / "other_base"
+    shutil.copytree(hf, other)
+    tensors = load_file(str(other / "model.safetensors"))
+    tensors["model.norm.weight"] = tensors["model.norm.weight"] * 1.5
+    save_file(tensors, str(other / "model.safetensors"), metadata={"format": "pt"})
+    ckpt = checkpoint.find_latest(Path(out) / "ckpt_False")
+    for what, policy in (("other base", build(False, seed=0, base=str(other))),
+                         ("no adapters", MegatronPolicy(shape, tp=1, pp=1, trainable=True, optim=OptimConfig()))):
+        try:
+            checkpoint.load(ckpt, policy)
+        except ConfigError as e:
+            errors[what] = str(e)
+    result["errors"] = errors
+    return result
