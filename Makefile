@@ -1,5 +1,5 @@
-# megarl developer entry points: `make venv`, `make demo`, `make demo-moe`, `make demo-tool`, `make demo-rm`,
-# `make demo-math`, `make demo-code`, `make lint`, `make test`, `make test-fast`, `make clean`.
+# megarl developer entry points: `make venv`, `make demo`, `make demo-lora`, `make demo-moe`, `make demo-tool`,
+# `make demo-rm`, `make demo-math`, `make demo-code`, `make lint`, `make test`, `make test-fast`, `make clean`.
 #
 # torch is installed before megarl, and only ever at a pinned version, because an unpinned `pip install torch`
 # on a machine without a GPU drags in gigabytes of CUDA wheels:
@@ -39,7 +39,7 @@ CODE_STARTER_STEPS ?= 600
 # Deferred (=), so torch is imported only when the venv is being (re)built.
 HOST_HAS_CUDA_TORCH = $(shell $(PYTHON) -c 'import torch; print(int(torch.version.cuda is not None))' 2>/dev/null || echo 0)
 
-.PHONY: venv demo demo-moe demo-tool demo-math demo-code demo-rm lint test test-fast sandbox-image clean distclean
+.PHONY: venv demo demo-lora demo-moe demo-tool demo-math demo-code demo-rm lint test test-fast sandbox-image clean distclean
 
 venv: $(STAMP)
 
@@ -70,6 +70,10 @@ $(STARTER): | $(STAMP)
 
 demo: venv $(STARTER)
 	$(VENV)/bin/torchrun --nproc-per-node $(NPROC) megarl/train.py recipes/tiny_cpu.sh
+
+# `make demo` with LoRA: the same starter, seed, batch and steps, adapters on every projection, the base frozen.
+demo-lora: venv $(STARTER)
+	$(VENV)/bin/torchrun --nproc-per-node $(NPROC) megarl/train.py recipes/tiny_cpu_lora.sh
 
 # The mixture-of-experts starter: a dense Qwen3 pre-trained for the same steps, upcycled into 4 experts (top-2).
 # One thread: on 2 shared cores two threads measured 12 s a step against 1.9 s for one (a thread waiting on the
