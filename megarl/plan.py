@@ -13,9 +13,11 @@ command line. Memory, in bytes, for P parameters held by one GPU (its TP shard o
   with q = heads x head_dim, kv = kv_heads x head_dim, f = the MLP width (norm inputs and outputs, QKV, attention
   output, SwiGLU's two inputs and output). All of it is sharded over TP with --sequence-parallel; without it the
   8h bytes of the norms' inputs and outputs are whole on every TP rank. A PP stage keeps min(PP, micro-batches)
-  micro-batches in flight (1F1B). The last stage adds the logits: 10 bytes per vocabulary entry per token, sharded
-  over TP, with full logits (tools/bench/logprob_memory.py measures five fp32 copies: `logprob_head_bytes`); with
-  --logprob-chunk-tokens the measured `logprob_head_bytes` (three [chunk, vocab / TP] fp32 tensors).
+  micro-batches in flight (1F1B). The last stage adds the log-prob head as tools/bench/logprob_memory.py measures
+  it (`logprob_head_bytes`): with full logits (--logprob-chunk-tokens 0) five fp32 [tokens, vocab / TP] tensors,
+  20 bytes per vocabulary entry per token; with --logprob-chunk-tokens three [chunk, vocab / TP] fp32 tensors
+  whatever the length. (Before issue 29 the planner counted 10 bytes per entry for full logits, half the measured
+  peak; `fixes` now offers --logprob-chunk-tokens when the head is what does not fit.)
 - KV cache per token: 2 (K and V) x layers x kv_heads x head_dim x 2 bytes, sharded over the engine's TP.
 - reference model (when --kl-coef > 0): its bf16 weights, sharded like the actor.
 - LoRA (--lora-rank R): the base weights are frozen: 2P of bf16 weights and no gradient or optimizer state for
@@ -134,6 +136,9 @@ class RunSettings:
 
 
 DEDICATED_ENGINE_FRACTION = 0.85  # launch/slurm/disaggregated.sbatch's SGLANG_MEM_FRACTION
+# The chunk `fixes` suggests: tools/bench/logprob_memory.py's default, the low end of the guide's 1024 to 4096,
+# where the head is near its floor (at Qwen's vocabulary, 1.8 GiB per TP rank whatever the length).
+SUGGESTED_CHUNK_TOKENS = 1024
 
 
 # ------------------------------------------------------------------------------------------------ the model
@@ -300,10 +305,7 @@ def _train_phase(s: ModelShape, r: RunSettings, dp: int) -> dict[str, float]:
     whole = 8 * s.hidden_size  # the norms' inputs and outputs: TP-sharded only with sequence parallelism
     per_token = (activation_bytes_per_token_layer(s) - whole) / r.tp + whole / (r.tp if r.sequence_parallel else 1)
     layers = math.ceil(s.num_layers / r.pp) * per_token * tokens * in_flight
-    # The full-logits head keeps the old 10 bytes per entry here (recipe verdicts depend on it); the chunked one
-    # uses the measured model. logprob_head_bytes measures the full head at five fp32 copies (issue 29).
-    logits = (logprob_head_bytes(tokens, s.vocab_size, s.hidden_size, tp=r.tp, chunk_tokens=r.logprob_chunk_tokens)
-              if r.logprob_chunk_tokens else 10 * s.vocab_size * tokens / r.tp)
+    logits = logprob_head_bytes(tokens, s.vocab_size, s.hidden_size, tp=r.tp, chunk_tokens=r.logprob_chunk_tokens)
     trained = lora_stage_params(s, r) if r.lora_rank else p  # LoRA: the adapters only; the base is frozen
     return {"actor weights": weights_bytes(p + (trained if r.lora_rank else 0)), "gradients (fp32)": 4 * trained,
             "optimizer (fp32 main + Adam)": adam_state_bytes(trained, dp * r.cp if r.distributed_optimizer else 1),
@@ -476,7 +478,9 @@ def best_split(s: ModelShape, r: RunSettings, cluster: Cluster) -> Plan:
 def fixes(s: ModelShape, r: RunSettings, cluster: Cluster) -> list[str]:
     """Single changes of megarl flags that make a colocated run fit."""
     out = []
-    tries = [("--sequence-parallel", dict(sequence_parallel=True))] if r.tp > 1 and not r.sequence_parallel else []
+    tries = [] if r.logprob_chunk_tokens else [(f"--logprob-chunk-tokens {SUGGESTED_CHUNK_TOKENS}",
+                                                dict(logprob_chunk_tokens=SUGGESTED_CHUNK_TOKENS))]
+    tries += [("--sequence-parallel", dict(sequence_parallel=True))] if r.tp > 1 and not r.sequence_parallel else []
     tries += [("--use-distributed-optimizer", dict(distributed_optimizer=True)),
              ("--offload-optimizer", dict(offload_optimizer=True)),
              ("--offload-optimizer --offload-params", dict(offload_optimizer=True, offload_params=True)),

@@ -2,7 +2,8 @@
 then `actor.label_logprobs` and `actor.position_entropy`, at this process's TP size (in-process at TP 1 from
 tests/distributed/test_chunked_logprobs.py, under torchrun at TP 2). Run under torchrun, each rank writes
 OUT/chunked-rank<r>.json with the largest differences of each case; the policy case compares a tiny
-MegatronPolicy's log-probs and one training step with --logprob-chunk-tokens against today's path."""
+MegatronPolicy's log-probs and one training step with --logprob-chunk-tokens against today's path; then the same
+two processes regroup as CP 2 and compare the actor's head on CP-split hidden states (`compare_cp`)."""
 
 from __future__ import annotations
 
@@ -59,6 +60,83 @@ def compare_cases(group) -> dict[str, float]:
         for part, ref, got in zip(("logp", "entropy", "grad_hidden", "grad_weight"), *results):
             out[f"{name}_{part}"] = (ref - got).abs().max().item() / max(1.0, ref.abs().max().item())
         out[name + "_grad_weight_norm"] = results[0][3].norm().item()  # not all zero: the case means something
+    return out
+
+
+def compare_cp(group) -> dict[str, float]:
+    """Context parallelism 2 (TP 1), as the actor sees it: `MegatronPolicy._run` splits every padded sequence into
+    2 x CP chunks, gives this rank chunks (r, 2 CP - 1 - r) of the tokens, positions and next-token labels, and hands
+    the model's output on those positions to `MegatronPolicy._head` with `whole` (the CP gather, cut to S - 1).
+    Here the actor's own `_head` runs both paths on this rank's split of the same hidden states (the full path on
+    the logits the output layer makes from them), with temperature 0.7 and a vocabulary of 37 padded to 40, on a
+    loss of log-probs and entropy. The model itself is not built: `MegatronPolicy.__init__` refuses CP > 1 without
+    Transformer Engine (megarl/mcore/base_model.py:150), since Megatron's local attention asserts CP 1
+    (megatron/core/transformer/dot_product_attention.py:57); the head needs no attention.
+
+    Largest |chunked - full| / max(1, max |full|) of the whole log-probs and entropy, this rank's hidden-state
+    gradient and output-weight gradient; and both paths against today's head at CP 1 on the whole sequences (log-probs,
+    entropy, this rank's part of the hidden-state gradient, the weight gradient summed over CP ranks as Megatron's
+    gradient reduction over DP x CP sums it)."""
+    import torch.distributed as dist
+
+    from megarl.mcore import context_parallel
+    from megarl.mcore.actor import MegatronPolicy
+
+    cp, rank = dist.get_world_size(group), dist.get_rank(group)
+    g = torch.Generator().manual_seed(11)
+    rows, width, temperature = 2, 15, 0.7
+    padded = context_parallel.padded_width(width, cp)  # 16: four chunks of 4 positions
+    tokens = torch.nn.functional.pad(torch.randint(0, REAL, (rows, width), generator=g), (0, padded - width))
+    labels = torch.nn.functional.pad(tokens[:, 1:], (0, 1))  # as MegatronPolicy._run makes them
+    hidden = torch.randn(rows, padded, HIDDEN, generator=g, dtype=torch.float64).float()  # the model's output
+    weight = torch.randn(PADDED, HIDDEN, generator=g) * 0.5
+    a, b = torch.randn(rows, width - 1, generator=g), torch.randn(rows, width - 1, generator=g)
+    mb = {"tokens": tokens[:, :width]}
+
+    def loss_fn(logp, inputs):
+        return (logp * a).sum() + (inputs["entropy"] * b).sum(), torch.tensor(logp.numel()), {}
+
+    loss_fn.needs_entropy = True
+
+    def whole(x):
+        return context_parallel.gather_from_cp_ranks(x, group)[:, : width - 1]
+
+    results = {}
+    for name, chunk in (("full", 0), ("chunked", 5)):  # 5 does not divide this rank's 2 x 8 positions
+        policy = MegatronPolicy.__new__(MegatronPolicy)  # the head's state only (see the docstring)
+        policy.logprob_chunk_tokens, policy.padded_vocab_size = chunk, PADDED
+        policy.shape = argparse.Namespace(vocab_size=REAL)
+        policy.config = argparse.Namespace(context_parallel_size=cp)
+        h = context_parallel.split_for_cp_rank(hidden, rank, cp).clone().requires_grad_()
+        w = weight.clone().requires_grad_()
+        policy._output_weight = lambda w=w: w
+        output = h @ w.t() if chunk == 0 else h  # the output layer's logits, or (--logprob-chunk-tokens) its input
+        logp, inputs = policy._head(output, mb, context_parallel.split_for_cp_rank(labels, rank, cp), temperature,
+                                    loss_fn, whole)
+        loss_fn(logp, inputs)[0].backward()
+        results[name] = [logp.detach(), inputs["entropy"].detach(), h.grad, w.grad]
+
+    h = hidden[:, : width - 1].clone().requires_grad_()  # today's head at CP 1 on the whole sequences
+    w = weight.clone().requires_grad_()
+    logp, ent = _reference(h, w, tokens[:, 1:width], temperature, REAL, True)
+    ((logp * a).sum() + (ent * b).sum()).backward()
+    grad_hidden = torch.nn.functional.pad(h.grad, (0, 0, 0, padded - width + 1))
+    cp1 = [logp.detach(), ent.detach(), context_parallel.split_for_cp_rank(grad_hidden, rank, cp), w.grad]
+
+    def rel(ref, got):
+        return (ref - got).abs().max().item() / max(1.0, ref.abs().max().item())
+
+    out = {}
+    parts = ("logp", "entropy", "grad_hidden", "grad_weight")
+    for part, full, chunked, ref in zip(parts, results["full"], results["chunked"], cp1):
+        out[f"cp2_{part}"] = rel(full, chunked)
+        if part == "grad_weight":  # each rank's covers its own positions: summed over CP, the whole gradient
+            full, chunked = full.clone(), chunked.clone()
+            dist.all_reduce(full, group=group)
+            dist.all_reduce(chunked, group=group)
+        out[f"cp2_full_vs_cp1_{part}"] = rel(ref, full)
+        out[f"cp2_chunked_vs_cp1_{part}"] = rel(ref, chunked)
+    out["cp2_grad_weight_norm"] = cp1[3].norm().item()
     return out
 
 
@@ -121,6 +199,10 @@ def main() -> None:
     info = parallel.init_distributed(tp=tp, pp=1, timeout_s=120, seed=0)
     out = compare_cases(parallel_state.get_tensor_model_parallel_group())
     out.update(compare_policy(tp))
+    # The same two processes as CP 2 at TP 1 (one torchrun for both layouts).
+    parallel_state.destroy_model_parallel()
+    parallel.init_distributed(tp=1, pp=1, cp=2, timeout_s=120, seed=0)
+    out.update(compare_cp(parallel.cp_group()))
     with open(os.path.join(args.out, f"chunked-rank{info.rank}.json"), "w") as f:
         json.dump(out, f)
 

@@ -2,7 +2,8 @@
 against today's head (full logits, then `actor.label_logprobs` / `actor.position_entropy`): values and gradients
 with respect to the hidden states and the output weight within 1e-6 (fp32, relative to the largest value), at TP 1
 in this process and TP 2 under torchrun, where a tiny MegatronPolicy's log-probs and one training step on a loss
-of log-probs and entropy are compared too (tests/distributed/chunked_logprobs_worker.py)."""
+of log-probs and entropy are compared too, and at CP 2 in the same two processes
+(tests/distributed/chunked_logprobs_worker.py)."""
 
 from __future__ import annotations
 
@@ -75,12 +76,28 @@ def test_the_planner_predicts_the_measured_head_peak(one_rank_group, monkeypatch
         parallel_state.destroy_model_parallel()
 
 
-def test_chunked_equals_full_logits_at_tp2_and_in_a_training_step(tmp_path):
-    torchrun(2, "tests/distributed/chunked_logprobs_worker.py", "--out", tmp_path, timeout=240)
-    ranks = [json.loads((tmp_path / f"chunked-rank{r}.json").read_text()) for r in range(2)]
-    for out in ranks:
+@pytest.fixture(scope="module")
+def two_ranks(tmp_path_factory) -> list[dict]:
+    """One torchrun of two processes for both tests below: TP 2, then CP 2 (chunked_logprobs_worker.py)."""
+    out = tmp_path_factory.mktemp("chunked")
+    torchrun(2, "tests/distributed/chunked_logprobs_worker.py", "--out", out, timeout=240)
+    return [json.loads((out / f"chunked-rank{r}.json").read_text()) for r in range(2)]
+
+
+def test_chunked_equals_full_logits_at_tp2_and_in_a_training_step(two_ranks):
+    for out in two_ranks:
         _check_cases(out)
         for tied in ("tied", "untied"):
             assert out[f"policy_{tied}_step_moved"] > 1e-2, "the step must change the log-probs"
             for what in ("logprobs", "after_step", "grad_norm", "entropy"):
                 assert out[f"policy_{tied}_{what}"] <= 1e-5, f"{tied} {what}: {out[f'policy_{tied}_{what}']}"
+
+
+def test_chunked_equals_full_logits_at_cp2(two_ranks):
+    """The actor's head at CP 2 on CP-split hidden states (temperature 0.7, vocabulary 37 padded to 40): chunked
+    against today's path, and both against today's head at CP 1 on the whole sequences, within 1e-6."""
+    for out in two_ranks:
+        assert out["cp2_grad_weight_norm"] > 1.0, "the gradient must not be trivially zero"
+        for part in PARTS:
+            for what in ("cp2", "cp2_full_vs_cp1", "cp2_chunked_vs_cp1"):
+                assert out[f"{what}_{part}"] <= 1e-6, f"{what} {part}: {out[f'{what}_{part}']}"

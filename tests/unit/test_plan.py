@@ -139,22 +139,39 @@ def test_the_old_command_names_the_new_one_and_still_runs():
 ONE_GPU = ["--tensor-model-parallel-size", "1", "--no-sequence-parallel"]
 
 
-@pytest.mark.parametrize("model,gpus,extra,verdict", [
-    ("qwen2.5-math-1.5b", 1, [*ONE_GPU, "--micro-batch-size", "8"], "recommendation: neither"),
-    ("qwen2.5-math-1.5b", 1, ONE_GPU, "recommendation: colocated"),
-    ("qwen2.5-math-7b", 8, [], "recommendation: colocated"),
-    ("llama-3.1-70b", 64, [], "recommendation: colocated"),
+@pytest.mark.parametrize("model,gpus,extra,verdict,fix", [
+    ("qwen2.5-math-1.5b", 1, [*ONE_GPU, "--micro-batch-size", "8"], "recommendation: neither", "--micro-batch-size 1"),
+    ("qwen2.5-math-1.5b", 1, ONE_GPU, "recommendation: neither", "--logprob-chunk-tokens 1024"),
+    ("qwen2.5-math-1.5b", 1, [*ONE_GPU, "--logprob-chunk-tokens", "1024"], "recommendation: colocated", None),
+    ("qwen2.5-math-7b", 8, [], "recommendation: colocated", None),
+    ("llama-3.1-70b", 64, [], "recommendation: colocated", None),
 ])
-def test_the_r1_math_recipe_on_three_cluster_sizes(monkeypatch, capsys, model, gpus, extra, verdict):
+def test_the_r1_math_recipe_on_three_cluster_sizes(monkeypatch, capsys, model, gpus, extra, verdict, fix):
     """Three cluster sizes, with r1_math's batch (128 prompts x 8 samples, responses up to 3072 tokens) on
-    H100s. On one GPU, micro-batches of 8 sequences put the activations and
-    logits past the GPU; the planner names the fix."""
+    H100s. On one GPU, micro-batches of 4 sequences (13k tokens) put the full-logits head at 38 GiB, the training
+    phase at 94 GiB: the planner names --logprob-chunk-tokens, which brings the head to 1.8 GiB; with 8 sequences
+    only a micro-batch of 1 fits."""
     monkeypatch.setenv("RECIPE_MODEL", model)
     rc = plan_main([str(REPO / "recipes/r1_math.sh"), "--gpus", str(gpus), "--", *extra])
     out = capsys.readouterr().out
     assert verdict in out and rc == (1 if "neither" in verdict else 0)
-    if "neither" in verdict:
-        assert "--micro-batch-size 4" in out
+    if fix:
+        assert f"each of these makes colocated fit: {fix}" in out
+
+
+def test_the_training_phase_counts_the_log_prob_head_as_measured():
+    """The head as tools/bench/logprob_memory.py measures it (`logprob_head_bytes`): full logits 20 bytes per
+    vocabulary entry per token per TP rank (five fp32 copies), not the 10 the planner counted before issue 29;
+    chunked, three [chunk, vocab / TP] fp32 tensors whatever the length."""
+    s, c = shape("qwen2.5-math-1.5b"), P.Cluster(H100, 8)
+    r = P.RunSettings(tp=2, micro_batch_size=4, prompt_len=256, max_response_len=3072)
+    head = lambda r: P.memory_plan(s, r, c)[0].phases[0].components["activations + logits"]
+    tokens, local, h = 4 * (256 + 3072), 151_936 / 2, 1536
+    full, chunked = head(r), head(replace(r, logprob_chunk_tokens=1024))
+    # full: 5 x 4 bytes x tokens x local + the weight's gradient (4 x local x h); chunked: 3 x 4 bytes x chunk x
+    # local + two weight-sized tensors (8 x local x h) + the hidden states' gradient (4 x tokens x h)
+    assert full - chunked == pytest.approx(20 * tokens * local - 12 * 1024 * local - 4 * local * h - 4 * tokens * h)
+    assert full - chunked > 17 * 2**30  # 38 GiB against 1.8
 
 
 def test_a_tp_that_does_not_divide_the_gpus_is_planned_at_a_lower_one(monkeypatch, capsys):

@@ -3,6 +3,7 @@ chunked one (`--logprob-chunk-tokens`, `megarl/mcore/chunked_logprobs.py`), side
 
     python tools/bench/logprob_memory.py                       # vocab 151936, hidden 64, 4k/16k/32k tokens, TP 1/2
     python tools/bench/logprob_memory.py --tokens 2048 --tp 1  # one point
+    python tools/bench/logprob_memory.py --tokens 4096 --tp 2 --repeat 3 --clock cpu  # a timed point, shared machine
 
 Each point (a fresh subprocess when it runs for real): hidden states [tokens, h] and one TP rank's output-weight
 shard [v/tp, h] (fp32), then log p(label) and the entropy at temperature 0.7, and the backward pass of a loss that
@@ -13,7 +14,11 @@ Peak memory is measured by tracking every tensor storage that the point's aten o
 TorchDispatchMode; the peak of live bytes, as `torch.cuda.max_memory_allocated` counts on a GPU), less what existed
 before (the inputs): the *extra peak*. Points whose full path would not fit in `--real-limit-gib` of this machine's
 memory run on the meta device (shapes only: the same operations and tensors, no data), so they have memory but no
-time; real points also report the rise of the process's peak RSS as a check. TP 2 is one rank: its vocabulary
+time; real points also report the rise of the process's peak RSS as a check. `--repeat N` runs each real point N
+times, the two paths interleaved (full, chunked, full, ...) so that a change in the machine's load falls on both,
+and reports the median time (memory is the same every time: the first run's). `--clock cpu` times the process's
+CPU seconds instead of wall-clock ones: the point runs on one thread, so on a machine shared with other jobs its CPU
+time is its work, where its wall time is mostly waiting for a core. TP 2 is one rank: its vocabulary
 shard, with the all-reduces over the TP group (tensors of [tokens], the same in both paths) skipped, so one process
 measures it.
 
@@ -26,6 +31,7 @@ from __future__ import annotations
 import argparse
 import json
 import resource
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -86,7 +92,7 @@ def measure(path: str, tokens: int, tp: int, vocab: int, hidden: int, chunk: int
     a, b = make(tokens), make(tokens)
     rss0 = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
     tracker = _tracker()
-    start = time.perf_counter()
+    start, cpu_start = time.perf_counter(), time.process_time()
     with tracker:
         if path == "full":
             logits = h @ w.t()
@@ -97,10 +103,10 @@ def measure(path: str, tokens: int, tp: int, vocab: int, hidden: int, chunk: int
             logp, ent = chunked_logprobs(h, w, labels, temperature=TEMPERATURE, chunk_tokens=chunk, with_entropy=True)
         ((logp * a).sum() + (ent * b).sum()).backward()
         del logp, ent
-    seconds = time.perf_counter() - start
+    seconds, cpu_seconds = time.perf_counter() - start, time.process_time() - cpu_start
     rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 - rss0
     return {"extra": tracker.peak, "seconds": seconds if device != "meta" else None,
-            "rss": rss if device != "meta" else None}
+            "cpu_seconds": cpu_seconds if device != "meta" else None, "rss": rss if device != "meta" else None}
 
 
 def one_rank() -> None:
@@ -139,6 +145,11 @@ def main() -> None:
     p.add_argument("--chunk", type=int, default=1024, help="--logprob-chunk-tokens")
     p.add_argument("--real-limit-gib", type=float, default=6.0,
                    help="points whose full path the planner puts above this run on the meta device (no time)")
+    p.add_argument("--repeat", type=int, default=1,
+                   help="runs of each real point, the paths interleaved; the time reported is the median")
+    p.add_argument("--clock", choices=("wall", "cpu"), default="wall",
+                   help="the time reported: wall-clock seconds, or the process's CPU seconds (one thread; for a "
+                        "shared machine)")
     p.add_argument("--point", choices=("full", "chunked"), help=argparse.SUPPRESS)
     p.add_argument("--device", default="cpu", help=argparse.SUPPRESS)
     args = p.parse_args()
@@ -160,8 +171,13 @@ def main() -> None:
             floor = 4 * (tokens * args.hidden + local * args.hidden + min(args.chunk, tokens) * local)
             full_predicted = logprob_head_bytes(tokens, args.vocab, args.hidden, tp=tp, chunk_tokens=0)
             device = "cpu" if full_predicted <= args.real_limit_gib * 2**30 else "meta"
-            for path in ("full", "chunked"):
-                r = _point(args, path, tokens, tp, device)
+            runs = {"full": [], "chunked": []}
+            for _ in range(args.repeat if device != "meta" else 1):
+                for path in runs:
+                    runs[path].append(_point(args, path, tokens, tp, device))
+            for path, rs in runs.items():
+                clock = "seconds" if args.clock == "wall" else "cpu_seconds"
+                r = {**rs[0], "seconds": statistics.median(x[clock] for x in rs) if device != "meta" else None}
                 predicted = logprob_head_bytes(tokens, args.vocab, args.hidden, tp=tp,
                                                chunk_tokens=0 if path == "full" else args.chunk)
                 err = 100 * abs(predicted - r["extra"]) / r["extra"]
@@ -171,6 +187,10 @@ def main() -> None:
                 secs = f"{r['seconds']:7.2f}" if r["seconds"] is not None else f"{'-':>7}"
                 print(f"{tokens:>6} {tp:>2} {path:>7} {device:>6} {r['extra'] / MiB:10.0f} {rss} "
                       f"{floor / MiB:9.0f} {predicted / MiB:8.0f} {err:6.1f} {secs}", flush=True)
+                if len(rs) > 1:
+                    times = ", ".join(f"{x[clock]:.2f}" for x in rs)
+                    wall = ", ".join(f"{x['seconds']:.2f}" for x in rs)
+                    print(f"{'':>15} {path} {args.clock} s: {times} (median above); wall s: {wall}")
     timed = [k for k in results if k[2] == "full" and results[k]["seconds"] is not None
              and (k[0], k[1], "chunked") in results]
     key = (16384, 1)
@@ -180,8 +200,8 @@ def main() -> None:
     if timed:
         t_key = max(timed, key=lambda k: (k[1] == key[1], k[0]))
         ratio = results[(t_key[0], t_key[1], "chunked")]["seconds"] / results[t_key]["seconds"]
-        print(f"time (chunked / full) measured at {t_key[0]} tokens, TP {t_key[1]}, the largest real point "
-              "(under CPU contention: a noisy ratio)")
+        print(f"time (chunked / full) measured at {t_key[0]} tokens, TP {t_key[1]}, the largest real point, "
+              f"median of {args.repeat} interleaved run(s), {args.clock} clock (label the machine's load: `uptime`)")
     else:
         ratio = float("nan")
         print("time: no point ran for real on both paths (raise --real-limit-gib)")
