@@ -26,31 +26,52 @@ def adapter_values(names_and_shapes: dict[str, tuple[int, ...]]) -> dict[str, to
     return {n: torch.randn(s, generator=g) * 0.2 for n, s in sorted(names_and_shapes.items())}
 
 
-def megatron_side(hf: str, *, tp: int, targets: tuple[str, ...], sequence_parallel: bool = False,
+def _over_stages(local, merge=None):
+    """Every pipeline stage's `local` on every rank: dicts merged, lists joined, else the one that is not None
+    (log-probs and logits live on the last stage only)."""
+    import torch.distributed as dist
+    from megatron.core import parallel_state as ps
+
+    stages = [None] * ps.get_pipeline_model_parallel_world_size()
+    dist.all_gather_object(stages, local, group=ps.get_pipeline_model_parallel_group())
+    if isinstance(local, dict):
+        return {k: v for stage in stages for k, v in stage.items()}
+    if isinstance(local, list):
+        return sorted(x for stage in stages for x in stage)
+    found = [x for x in stages if x is not None]
+    assert len(found) == 1, f"{len(found)} pipeline stages returned a result"
+    return found[0]
+
+
+def megatron_side(hf: str, *, tp: int, targets: tuple[str, ...], pp: int = 1, sequence_parallel: bool = False,
                   peft_dir: str = "") -> dict:
-    """Run inside initialised process groups (`parallel.init_distributed(tp=tp)`). `peft_dir`: also save the
-    trained adapters there (`--save-peft`) and return the logits after the update."""
+    """Run inside initialised process groups (`parallel.init_distributed(tp=tp, pp=pp)`); every rank gets the whole
+    result (pipeline stages' parts gathered), but `merged` on the model-parallel leader only. `peft_dir`: also save
+    the trained adapters there (`--save-peft`) and return the logits after the update."""
     from megatron.core.tensor_parallel.mappings import gather_from_tensor_model_parallel_region
 
-    from megarl.mcore import convert, cpu_compat, lora
+    from megarl.mcore import convert, lora
     from megarl.mcore.actor import AdaptersOff, MegatronPolicy
     from megarl.model_shape import ModelShape
 
     shape = ModelShape.from_pretrained(hf)
     opts = lora.LoRAOptions(rank=RANK, alpha=ALPHA, targets=targets, seed=5)
-    actor = MegatronPolicy(shape, tp=tp, pp=1, trainable=True, lora=opts, sequence_parallel=sequence_parallel)
+    actor = MegatronPolicy(shape, tp=tp, pp=pp, trainable=True, lora=opts, sequence_parallel=sequence_parallel)
     actor.load_hf(hf)
-    fresh = lora.peft_tensors(actor.model)
-    values = adapter_values({n: tuple(t.shape) for n, t in fresh.items()})
+    fresh = _over_stages({n: tuple(t.shape) for n, t in lora.peft_tensors(actor.model).items()})
+    values = adapter_values(fresh)
     lora.load_peft_tensors(actor.model, values)
     tokens, weights = batch(shape.vocab_size)
-    positions = torch.arange(tokens.shape[1]).unsqueeze(0).expand_as(tokens)
-    module = convert.unwrap(actor.model)
-    module.eval()
-    with torch.no_grad(), cpu_compat.megatron_scope():
-        logits = gather_from_tensor_model_parallel_region(module(tokens, positions, None))
-        with lora.adapters_disabled(actor.model):
-            base_logits = gather_from_tensor_model_parallel_region(module(tokens, positions, None))
+
+    def logits_of(model_logits, _tokens, _t):  # the whole logits, through the pipeline schedule
+        return gather_from_tensor_model_parallel_region(model_logits)
+
+    def forward_logits():
+        return _over_stages(actor._forward_only(tokens, micro_batch_size=2, head=logits_of))
+
+    logits = forward_logits()
+    with lora.adapters_disabled(actor.model):
+        base_logits = forward_logits()
 
     def loss_fn(logp, mb):
         return -(logp * mb["weights"]).sum(), torch.tensor(1), {}
@@ -60,28 +81,29 @@ def megatron_side(hf: str, *, tp: int, targets: tuple[str, ...], sequence_parall
     actor.model.train()
     actor.model.zero_grad_buffer()
     actor._run({"tokens": tokens, "weights": weights}, loss_fn, 2, 1.0, forward_only=False)
-    grads = lora.peft_tensors(actor.model, grads=True)
-    trainable = sorted(n for n, p in actor.model.named_parameters() if p.requires_grad)
+    grads = _over_stages(lora.peft_tensors(actor.model, grads=True))
+    module = convert.unwrap(actor.model)
+    names = convert.global_param_names(module)
+    trainable = _over_stages([names[n] for n, p in module.named_parameters() if p.requires_grad])
 
     kw = dict(micro_batch_size=2)
     reference = AdaptersOff(actor)
-    ref_before = reference.logprobs(tokens, **kw)
-    before = {n: p.detach().clone() for n, p in actor.model.named_parameters()}
+    ref_before = _over_stages(reference.logprobs(tokens, **kw))
+    before = {n: p.detach().clone() for n, p in module.named_parameters()}
     actor.train_step({"tokens": tokens, "weights": weights}, loss_fn, micro_batch_size=2)
-    changed = sorted(n for n, p in actor.model.named_parameters() if not torch.equal(p, before[n]))
-    ref_after = reference.logprobs(tokens, **kw)
-    base = MegatronPolicy(shape, tp=tp, pp=1, trainable=False, sequence_parallel=sequence_parallel)
+    changed = _over_stages([names[n] for n, p in module.named_parameters() if not torch.equal(p, before[n])])
+    ref_after = _over_stages(reference.logprobs(tokens, **kw))
+    base = MegatronPolicy(shape, tp=tp, pp=pp, trainable=False, sequence_parallel=sequence_parallel)
     base.load_hf(hf)
     merged = dict(actor.export_hf())
     logits_after = None
     if peft_dir:
         actor.save_peft(hf, peft_dir)
-        module.eval()
-        with torch.no_grad(), cpu_compat.megatron_scope():
-            logits_after = gather_from_tensor_model_parallel_region(module(tokens, positions, None))
+        logits_after = forward_logits()
     return dict(values=values, logits=logits, base_logits=base_logits, grads=grads, trainable=trainable,
-                changed=changed, ref_before=ref_before, ref_after=ref_after, base_logp=base.logprobs(tokens, **kw),
-                adapters_after=lora.peft_tensors(actor.model), merged=merged, logits_after=logits_after)
+                changed=changed, ref_before=ref_before, ref_after=ref_after,
+                base_logp=_over_stages(base.logprobs(tokens, **kw)),
+                adapters_after=_over_stages(lora.peft_tensors(actor.model)), merged=merged, logits_after=logits_after)
 
 
 def peft_side(hf, values: dict, targets, trained: dict) -> dict:
