@@ -113,8 +113,12 @@ def peft_side(hf, values: dict, targets, trained: dict) -> dict:
     from transformers import AutoModelForCausalLM
 
     model = AutoModelForCausalLM.from_pretrained(hf).float().eval()
-    pm = get_peft_model(model, LoraConfig(r=RANK, lora_alpha=ALPHA, target_modules=list(targets),
-                                          lora_dropout=0.0))
+    from megarl.mcore.lora import EXPERT_TARGETS, peft_target_parameters
+
+    # Experts: transformers' fused expert parameters, through PEFT's `target_parameters`.
+    pm = get_peft_model(model, LoraConfig(r=RANK, lora_alpha=ALPHA, lora_dropout=0.0,
+                                          target_modules=[t for t in targets if t not in EXPERT_TARGETS],
+                                          target_parameters=peft_target_parameters(targets)))
     result = set_peft_model_state_dict(pm, values)
     assert result.unexpected_keys == []
     tokens, weights = batch(model.config.vocab_size)
@@ -133,6 +137,24 @@ def peft_side(hf, values: dict, targets, trained: dict) -> dict:
     return dict(logits=logits.detach(), base_logits=base_logits, grads=grads, merged=merged)
 
 
+def per_expert(hf: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """transformers' fused expert parameters (`mlp.experts.gate_up_proj` [E, 2F, H], `mlp.experts.down_proj`
+    [E, H, F]) as the per-expert tensors of an HF checkpoint (`mlp.experts.e.{gate,up,down}_proj.weight`)."""
+    out = {}
+    for name, t in hf.items():
+        if name.endswith("mlp.experts.gate_up_proj"):
+            for e, w in enumerate(t):
+                gate, up = w.chunk(2, dim=0)
+                out[f"{name[:-len('gate_up_proj')]}{e}.gate_proj.weight"] = gate
+                out[f"{name[:-len('gate_up_proj')]}{e}.up_proj.weight"] = up
+        elif name.endswith("mlp.experts.down_proj"):
+            for e, w in enumerate(t):
+                out[f"{name[:-len('down_proj')]}{e}.down_proj.weight"] = w
+        else:
+            out[name] = t
+    return out
+
+
 def check_against_peft(meg: dict, ref: dict) -> None:
     # The adapters change the output (B is not zero), and match PEFT's.
     assert (meg["logits"] - meg["base_logits"]).abs().max() > 1e-2
@@ -145,15 +167,18 @@ def check_against_peft(meg: dict, ref: dict) -> None:
         assert (meg["grads"][name] - g).abs().max() <= 1e-5 * max(1.0, g.abs().max().item()), name
     # Only adapters train, and the step changed every one of them; the base is bitwise untouched.
     assert meg["trainable"] == meg["changed"] and all(".lora." in n for n in meg["changed"])
-    assert len(meg["changed"]) == len(meg["values"])
+    # (a PEFT expert tensor holds every expert's A, or B, fused: Megatron has one parameter per expert)
+    per_peft_tensor = [t.shape[0 if ".lora_A." in n else 1] // RANK if ".mlp.experts." in n else 1
+                       for n, t in meg["values"].items()]
+    assert len(meg["changed"]) == sum(per_peft_tensor)
     # One model as actor and reference: adapters off is the base model, bitwise, before and after the update.
     assert torch.equal(meg["ref_before"], meg["base_logp"]) and torch.equal(meg["ref_after"], meg["base_logp"])
     # Weight sync / --save-hf: W + (alpha / rank) B A, equal to PEFT's merge_and_unload() of the same adapters.
     # (transformers 5 holds a mixture-of-experts layer's experts fused in memory, per expert on disk and in the
-    # export: those are compared by the qwen3_moe export test, and take no adapters)
-    merged_ref = ref["merged"]
+    # export: PEFT's are split per expert here)
+    merged_ref = per_expert(ref["merged"])
     common = set(meg["merged"]) & set(merged_ref)
-    assert {n for n in merged_ref if ".experts." not in n} <= common
+    assert set(merged_ref) == common
     for name in common:
         t = meg["merged"][name]
         assert torch.allclose(t, merged_ref[name], atol=1e-6, rtol=0), name
