@@ -12,6 +12,9 @@ import torch
 
 RANK, ALPHA = 4, 8.0
 ALL = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+# Qwen3-MoE: a subset of attention (the fused qkv layer adapts q and v and leaves k alone) and the experts, which
+# PEFT adapts through target_parameters (transformers' fused expert parameters), one A and B per expert.
+MOE = ("q_proj", "v_proj", "o_proj", "experts.gate_up_proj", "experts.down_proj")
 
 
 def batch(vocab: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -26,37 +29,44 @@ def adapter_values(names_and_shapes: dict[str, tuple[int, ...]]) -> dict[str, to
     return {n: torch.randn(s, generator=g) * 0.2 for n, s in sorted(names_and_shapes.items())}
 
 
-def _over_stages(local, merge=None):
-    """Every pipeline stage's `local` on every rank: dicts merged, lists joined, else the one that is not None
-    (log-probs and logits live on the last stage only)."""
+def _over_stages(local):
+    """Every pipeline stage's `local` on every rank: dicts merged, lists of (global) names joined over all ranks
+    (pipeline stages and expert-parallel ranks hold different ones), else the one that is not None (log-probs and
+    logits live on the last stage only)."""
     import torch.distributed as dist
     from megatron.core import parallel_state as ps
 
+    if isinstance(local, list):
+        ranks = [None] * dist.get_world_size()
+        dist.all_gather_object(ranks, local)
+        return sorted({x for names in ranks for x in names})
     stages = [None] * ps.get_pipeline_model_parallel_world_size()
     dist.all_gather_object(stages, local, group=ps.get_pipeline_model_parallel_group())
     if isinstance(local, dict):
         return {k: v for stage in stages for k, v in stage.items()}
-    if isinstance(local, list):
-        return sorted(x for stage in stages for x in stage)
     found = [x for x in stages if x is not None]
     assert len(found) == 1, f"{len(found)} pipeline stages returned a result"
     return found[0]
 
 
-def megatron_side(hf: str, *, tp: int, targets: tuple[str, ...], pp: int = 1, sequence_parallel: bool = False,
-                  peft_dir: str = "") -> dict:
-    """Run inside initialised process groups (`parallel.init_distributed(tp=tp, pp=pp)`); every rank gets the whole
-    result (pipeline stages' parts gathered), but `merged` on the model-parallel leader only. `peft_dir`: also save
-    the trained adapters there (`--save-peft`) and return the logits after the update."""
+def megatron_side(hf: str, *, tp: int, targets: tuple[str, ...], pp: int = 1, ep: int = 1,
+                  sequence_parallel: bool = False, peft_dir: str = "") -> dict:
+    """Run inside initialised process groups (`parallel.init_distributed(tp=tp, pp=pp, ep=ep)`); every rank gets the
+    whole result (pipeline stages' parts gathered), but `merged` on the model-parallel leader only. `peft_dir`: also
+    save the trained adapters there (`--save-peft`) and return the logits after the update. With data-parallel
+    ranks (EP 2 on two processes is DP 2) every rank runs the same batch: the gradients are those of one."""
     from megatron.core.tensor_parallel.mappings import gather_from_tensor_model_parallel_region
 
     from megarl.mcore import convert, lora
     from megarl.mcore.actor import AdaptersOff, MegatronPolicy
+    from megarl.mcore.model import MoEOptions
     from megarl.model_shape import ModelShape
 
     shape = ModelShape.from_pretrained(hf)
     opts = lora.LoRAOptions(rank=RANK, alpha=ALPHA, targets=targets, seed=5)
-    actor = MegatronPolicy(shape, tp=tp, pp=pp, trainable=True, lora=opts, sequence_parallel=sequence_parallel)
+    moe = MoEOptions(ep=ep, dispatcher="alltoall") if shape.is_moe else None
+    actor = MegatronPolicy(shape, tp=tp, pp=pp, trainable=True, lora=opts, sequence_parallel=sequence_parallel,
+                           moe=moe)
     actor.load_hf(hf)
     fresh = _over_stages({n: tuple(t.shape) for n, t in lora.peft_tensors(actor.model).items()})
     values = adapter_values(fresh)
@@ -93,7 +103,7 @@ def megatron_side(hf: str, *, tp: int, targets: tuple[str, ...], pp: int = 1, se
     actor.train_step({"tokens": tokens, "weights": weights}, loss_fn, micro_batch_size=2)
     changed = _over_stages([names[n] for n, p in module.named_parameters() if not torch.equal(p, before[n])])
     ref_after = _over_stages(reference.logprobs(tokens, **kw))
-    base = MegatronPolicy(shape, tp=tp, pp=pp, trainable=False, sequence_parallel=sequence_parallel)
+    base = MegatronPolicy(shape, tp=tp, pp=pp, trainable=False, sequence_parallel=sequence_parallel, moe=moe)
     base.load_hf(hf)
     merged = dict(actor.export_hf())
     logits_after = None

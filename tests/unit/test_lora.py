@@ -13,7 +13,7 @@ import socket
 import pytest
 import torch
 from helpers import make_tiny_hf_model
-from lora_checks import ALL, batch, check_against_peft, megatron_side, peft_side
+from lora_checks import ALL, MOE, batch, check_against_peft, megatron_side, peft_side
 
 from megarl.config import ModelConfig, parse_config
 from megarl.errors import ConfigError
@@ -52,9 +52,7 @@ def test_megatron_lora_matches_peft_at_tp1_qwen2(tiny_qwen2, process_group, tmp_
 @pytest.mark.slow
 def test_megatron_lora_matches_peft_at_tp1_qwen3_moe_attention_and_experts(tmp_path, process_group):
     hf = make_tiny_hf_model(tmp_path / "qwen3_moe", "qwen3_moe", layers=2, mlp_only_layers=[1])
-    # A subset of attention (the fused qkv layer adapts q and v and leaves k alone), and the experts: PEFT adapts
-    # transformers' fused expert parameters (target_parameters), one A and B per expert.
-    targets = ("q_proj", "v_proj", "o_proj", "experts.gate_up_proj", "experts.down_proj")
+    targets = MOE  # q, v, o (not k: a part of the fused qkv layer) and the experts
     meg = megatron_side(str(hf), tp=1, targets=targets, peft_dir=str(tmp_path / "adapter"))
     assert not any("k_proj" in n for n in meg["values"])
     assert sum(".mlp.experts." in n for n in meg["values"]) == 4  # layer 0's experts: gate_up and down, A and B
@@ -82,6 +80,8 @@ def _check_peft_dir(hf, adapter, meg):
     (dict(lora_rank=4, lora_target_modules="q_proj,qkv"), "'qkv' is not a projection"),
     (dict(lora_rank=4, lora_target_modules=" , "), "empty"),
     (dict(lora_rank=4, ref_checkpoint="/x"), "drop --ref-checkpoint"),
+    (dict(lora_rank=4, lora_target_modules="q_proj,experts", tensor_model_parallel_size=2),
+     "needs --expert-tensor-parallel-size 1"),
 ])
 def test_lora_flags_are_checked(flags, match):
     with pytest.raises(ConfigError, match=match):
@@ -97,3 +97,8 @@ def test_save_peft_needs_adapters():
 def test_lora_targets_read_attention_as_the_four_projections():
     assert ModelConfig(lora_target_modules="attention").lora_targets == ALL[:4]
     assert ModelConfig(lora_target_modules="q_proj, v_proj").lora_targets == ("q_proj", "v_proj")
+    assert ModelConfig(lora_target_modules="attention,experts").lora_targets == ALL[:4] + (
+        "experts.gate_up_proj", "experts.down_proj")
+    # expert-TP 1 with TP 2: expert adapters allowed
+    assert ModelConfig(lora_rank=4, lora_target_modules="experts.down_proj", tensor_model_parallel_size=2,
+                       expert_tensor_parallel_size=1).lora_targets == ("experts.down_proj",)
