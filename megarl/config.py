@@ -89,8 +89,10 @@ class ModelConfig:
     lora_target_modules: str = _f("q_proj,k_proj,v_proj,o_proj,gate_proj,up_proj,down_proj",
                                   "LoRA: comma-separated projections, by their Hugging Face names, that take "
                                   "adapters (Megatron's fused qkv and gate/up layers adapt each part with an A and "
-                                  "a B of its own, as PEFT does); 'attention' = q,k,v,o_proj; a mixture-of-experts "
-                                  "model's experts take none")
+                                  "a B of its own, as PEFT does); 'attention' = q,k,v,o_proj. A mixture-of-experts "
+                                  "model takes attention targets and experts.gate_up_proj, experts.down_proj ("
+                                  "'experts' = both; PEFT's target_parameters, one A and B per expert over the fused "
+                                  "gate/up; needs --expert-tensor-parallel-size 1)")
     lora_checkpoint: str = _f("", "LoRA: a fresh run starts its adapters from this megarl checkpoint (a LoRA run's "
                               "--save directory, or a PEFT adapter directory converted by megarl-convert-checkpoint "
                               "--from-peft) instead of a random A and a zero B; a run resumed with --load takes its "
@@ -99,10 +101,10 @@ class ModelConfig:
     @property
     def lora_targets(self) -> tuple[str, ...]:
         """`--lora-target-modules` as a tuple of HF projection names."""
+        aliases = {"attention": ("q_proj", "k_proj", "v_proj", "o_proj"),
+                   "experts": ("experts.gate_up_proj", "experts.down_proj")}
         names = [n.strip() for n in self.lora_target_modules.split(",") if n.strip()]
-        if names == ["attention"]:
-            return ("q_proj", "k_proj", "v_proj", "o_proj")
-        return tuple(names)
+        return tuple(t for n in names for t in aliases.get(n, (n,)))
 
     @property
     def token_dispatcher(self) -> str:
@@ -135,18 +137,24 @@ class ModelConfig:
                               "attention does not split sequences; use --transformer-impl auto or transformer_engine")
 
     def _check_lora(self):
-        valid = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+        valid = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj", "experts.gate_up_proj",
+                 "experts.down_proj")
         if self.lora_rank < 0 or self.lora_alpha < 0 or not 0 <= self.lora_dropout < 1:
             raise ConfigError(f"--lora-rank and --lora-alpha must be >= 0 and --lora-dropout in [0, 1), got "
                               f"{self.lora_rank}, {self.lora_alpha} and {self.lora_dropout}")
         if unknown := [n for n in self.lora_targets if n not in valid]:
             raise ConfigError(f"--lora-target-modules {unknown[0]!r} is not a projection; choose among "
-                              f"{', '.join(valid)} (comma-separated), or attention")
+                              f"{', '.join(valid)} (comma-separated), or attention, experts")
         if self.lora_rank and not self.lora_targets:
             raise ConfigError("--lora-target-modules is empty: name at least one projection, e.g. q_proj,v_proj")
         if self.lora_checkpoint and not self.lora_rank:
             raise ConfigError(f"--lora-checkpoint {self.lora_checkpoint} needs --lora-rank > 0 (the rank the "
                               "adapters were saved with)")
+        etp = self.expert_tensor_parallel_size or self.tensor_model_parallel_size
+        if self.lora_rank and etp > 1 and any(t.startswith("experts.") for t in self.lora_targets):
+            raise ConfigError(f"--lora-target-modules {self.lora_target_modules} adapts experts, which needs "
+                              f"--expert-tensor-parallel-size 1 (it is {etp}; 0 means the TP size): Megatron's "
+                              "experts leave fc2's TP reduction to the token dispatcher (megarl/mcore/lora.py)")
         if self.lora_rank and self.ref_checkpoint:
             raise ConfigError(f"--ref-checkpoint {self.ref_checkpoint} with --lora-rank {self.lora_rank}: with LoRA "
                               "the reference is the actor with its adapters off (the --hf-checkpoint weights); drop "

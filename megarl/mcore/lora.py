@@ -24,13 +24,24 @@ frozen (`requires_grad` False): Megatron's DDP, optimizer and gradient clipping 
 Exports merge them into their layer's weight (`convert.iter_hf_weights`); `peft_tensors` gives them in PEFT's form.
 `adapters_disabled` turns them off for a forward: the reference log-probs come from the actor itself.
 
-Mixture-of-experts expert layers are not adapted (a qwen3_moe model takes attention targets only).
+Mixture-of-experts experts (`experts.gate_up_proj`, `experts.down_proj`): transformers holds a Qwen3-MoE layer's
+experts as two fused parameters, [experts, 2 x moe_ffn, hidden] and [experts, hidden, moe_ffn], and PEFT adapts them
+through `target_parameters` (its `ParamWrapper`): one A and one B per expert over the fused [gate ; up], the experts'
+A stacked by rows, their B interleaved by columns (`_expert_layout`). Megatron's experts (SequentialMLP, the layout
+megarl builds) are one MLP per expert, `local_experts.<j>.linear_fc1` = [gate ; up] (the same order), so each local
+expert's fc1 and fc2 get an adapter of one part, and `peft_tensors` / `load_peft_tensors` stack and unstack them.
+Expert parallelism needs nothing more: an EP rank holds its experts' adapters, gathered over EP for a PEFT export,
+their gradients reduced over the expert-data-parallel group with the experts' own. Expert-tensor parallelism > 1 is
+refused: Megatron's experts leave the TP reduction of fc2 to the token dispatcher, so a replicated B of fc2 would get
+a partial gradient that nothing sums. Dense MLP targets stay refused on a mixture-of-experts model: PEFT 0.21 reads a
+`down_proj` module target next to `target_parameters` as a parameter name, so there is no reference to match.
 """
 
 from __future__ import annotations
 
 import contextlib
 import math
+import re
 import types
 import zlib
 from dataclasses import dataclass
@@ -42,6 +53,7 @@ from megarl.mcore.convert import global_param_names, is_adapter_param, unwrap
 
 ATTENTION_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj")
 MLP_TARGETS = ("gate_proj", "up_proj", "down_proj")
+EXPERT_TARGETS = ("experts.gate_up_proj", "experts.down_proj")
 TARGETS = ATTENTION_TARGETS + MLP_TARGETS
 
 # Megatron layer (under a transformer layer) -> (parallel mode, the HF projections it fuses, in order).
@@ -50,6 +62,11 @@ _LAYERS = {
     "self_attention.linear_proj": ("row", ("o_proj",)),
     "mlp.linear_fc1": ("column", ("gate_proj", "up_proj")),
     "mlp.linear_fc2": ("row", ("down_proj",)),
+}
+# A local expert's Megatron layer -> the same, for the expert targets.
+_EXPERT_LAYERS = {
+    "linear_fc1": ("column", ("experts.gate_up_proj",)),
+    "linear_fc2": ("row", ("experts.down_proj",)),
 }
 # HF module of each projection, under model.layers.L (PEFT's names follow it).
 HF_MODULE = {"q_proj": "self_attn.q_proj", "k_proj": "self_attn.k_proj", "v_proj": "self_attn.v_proj",
@@ -82,22 +99,26 @@ class LoRAAdapter(torch.nn.Module):
     (`A.q`, `B.q`, ...), keyed by the part's HF projection name without `_proj`."""
 
     def __init__(self, base: torch.nn.Module, mode: str, parts: tuple[str, ...], targets: tuple[str, ...],
-                 opts: LoRAOptions, layout: dict, name: str):
+                 opts: LoRAOptions, layout: dict, name: str, expert: bool = False):
         super().__init__()
         from megatron.core import parallel_state as ps
 
         self.mode, self.parts, self.scale, self.enabled = mode, parts, opts.scale, True
         self.layout = layout  # how the parts sit in the fused output: {"kind": "qkv"|"concat", ...}
-        self.tp_rank, self.tp_size = ps.get_tensor_model_parallel_rank(), ps.get_tensor_model_parallel_world_size()
-        self.tp_group = ps.get_tensor_model_parallel_group()
-        self.sequence_parallel = bool(getattr(base.config, "sequence_parallel", False))
+        if expert:  # an expert's input is this rank's dispatched tokens, whole: no sequence parallelism
+            self.tp_rank, self.tp_group = ps.get_expert_tensor_parallel_rank(), ps.get_expert_tensor_parallel_group()
+            self.tp_size, self.sequence_parallel = ps.get_expert_tensor_parallel_world_size(), False
+        else:
+            self.tp_rank, self.tp_size = ps.get_tensor_model_parallel_rank(), ps.get_tensor_model_parallel_world_size()
+            self.tp_group = ps.get_tensor_model_parallel_group()
+            self.sequence_parallel = bool(getattr(base.config, "sequence_parallel", False))
         self.dropout = torch.nn.Dropout(opts.dropout) if opts.dropout > 0 else torch.nn.Identity()
         weight = base.weight
         out_local, in_local = weight.shape
         self.targets = tuple(p for p in parts if p in targets)
         self.A, self.B = torch.nn.ParameterDict(), torch.nn.ParameterDict()
         for p in self.targets:
-            key = p.removesuffix("_proj")
+            key = _key(p)
             in_full = in_local * (self.tp_size if mode == "row" else 1)
             a = _kaiming_uniform(opts.rank, in_full, seed=opts.seed, name=f"{name}.{key}")
             if mode == "row":
@@ -121,7 +142,7 @@ class LoRAAdapter(torch.nn.Module):
 
     def _fuse(self, pieces: dict[str, torch.Tensor], out_local: int, like: torch.Tensor) -> torch.Tensor:
         """The parts' outputs [..., rows_p] (missing parts: zeros) in the fused layer's output layout [..., out]."""
-        full = [pieces.get(p.removesuffix("_proj")) for p in self.parts]
+        full = [pieces.get(_key(p)) for p in self.parts]
         full = [t if t is not None else like.new_zeros(*like.shape[:-1], self.part_rows(p, out_local))
                 for t, p in zip(full, self.parts)]
         if self.layout["kind"] != "qkv":
@@ -153,6 +174,11 @@ class LoRAAdapter(torch.nn.Module):
         hs = torch.chunk(h, len(keys), dim=-1)
         pieces = {k: F.linear(hk, self.B[k]) for k, hk in zip(keys, hs)}
         return self._fuse(pieces, out_local, hs[0]) * self.scale
+
+
+def _key(part: str) -> str:
+    """A part's key in the adapter's `A` and `B`: `q_proj` -> `q`, `experts.gate_up_proj` -> `gate_up`."""
+    return part.rpartition(".")[2].removesuffix("_proj")
 
 
 def _mark(p: torch.nn.Parameter, *, tensor_parallel: bool, partition_dim: int) -> None:
@@ -202,15 +228,27 @@ def attach(model: torch.nn.Module, shape, opts: LoRAOptions) -> list[LoRAAdapter
     """Adapters on `model`'s (a GPTModel stage, unwrapped) targeted layers, and every other parameter frozen.
     Call before Megatron's DDP wraps the model."""
     if shape.is_moe and set(opts.targets) & set(MLP_TARGETS):
-        raise ValueError(f"--lora-target-modules {','.join(opts.targets)}: the experts of a mixture-of-experts "
-                         f"model take no adapters; choose among {','.join(ATTENTION_TARGETS)}")
+        raise ValueError(f"--lora-target-modules {','.join(opts.targets)}: a mixture-of-experts model's MLP "
+                         f"targets are its experts; choose among {','.join(ATTENTION_TARGETS + EXPERT_TARGETS)}")
+    if not shape.is_moe and set(opts.targets) & set(EXPERT_TARGETS):
+        raise ValueError(f"--lora-target-modules {','.join(opts.targets)}: the {shape.family} model has no experts; "
+                         f"choose among {','.join(TARGETS)}")
+    if set(opts.targets) & set(EXPERT_TARGETS):
+        from megatron.core import parallel_state as ps
+
+        if ps.get_expert_tensor_parallel_world_size() > 1:
+            raise ValueError(f"--lora-target-modules {','.join(opts.targets)}: expert adapters need "
+                             f"--expert-tensor-parallel-size 1 (got {ps.get_expert_tensor_parallel_world_size()}): "
+                             "Megatron's experts leave fc2's TP reduction to the token dispatcher, so a replicated "
+                             "B would get a partial gradient")
     for p in model.parameters():
         p.requires_grad_(False)
     names = global_param_names(model)
     adapters = []
     for local_name, module in model.named_modules():
-        for suffix, (mode, parts) in _LAYERS.items():
-            if not local_name.endswith(suffix) or ".experts." in local_name:
+        expert = ".mlp.experts.local_experts." in local_name
+        for suffix, (mode, parts) in (_EXPERT_LAYERS if expert else _LAYERS).items():
+            if not local_name.endswith(suffix) or (".experts." in local_name and not expert):
                 continue
             if not set(parts) & set(opts.targets):
                 continue
@@ -218,7 +256,7 @@ def attach(model: torch.nn.Module, shape, opts: LoRAOptions) -> list[LoRAAdapter
             layout = ({"kind": "qkv", "groups": shape.num_kv_heads, "head_dim": shape.head_dim,
                        "per_group": shape.num_attention_heads // shape.num_kv_heads}
                       if suffix.endswith("linear_qkv") else {"kind": "concat"})
-            adapter = LoRAAdapter(module, mode, parts, opts.targets, opts, layout, global_name)
+            adapter = LoRAAdapter(module, mode, parts, opts.targets, opts, layout, global_name, expert=expert)
             module.lora = adapter
             module.register_forward_hook(_hook)
             module._base_sharded_state_dict = module.sharded_state_dict
@@ -246,15 +284,42 @@ def adapters_disabled(model: torch.nn.Module):
             a.enabled = True
 
 
-def _peft_names(model: torch.nn.Module) -> dict[str, str]:
-    """Local adapter parameter name -> PEFT's name in `adapter_model.safetensors`."""
+def _peft_names(model: torch.nn.Module) -> dict[str, tuple[str, int | None]]:
+    """Local adapter parameter name -> (PEFT's name in `adapter_model.safetensors`, the global expert index or None).
+    PEFT nests the wrappers of an MoE layer's two expert parameters: with both adapted, gate_up's sit under
+    `base_layer.`."""
+    names = {k: v for k, v in global_param_names(model).items() if is_adapter_param(v)}
+    expert_keys = {g.rpartition(".")[2] for g in names.values() if ".mlp.experts." in g}
+    nested = expert_keys >= {"gate_up", "down"}
     out = {}
-    for local_name, global_name in global_param_names(model).items():
-        if is_adapter_param(global_name):
-            layer, rest = global_name.removeprefix("decoder.layers.").split(".", 1)
-            which, part = rest.rsplit(".", 2)[-2:]  # "A", "q"
-            out[local_name] = f"base_model.model.model.layers.{layer}.{HF_MODULE[part + '_proj']}.lora_{which}.weight"
+    for local_name, global_name in names.items():
+        layer, rest = global_name.removeprefix("decoder.layers.").split(".", 1)
+        which, part = rest.rsplit(".", 2)[-2:]  # "A", "q"
+        prefix = f"base_model.model.model.layers.{layer}."
+        expert = re.match(r"mlp\.experts\.local_experts\.(\d+)\.", rest)
+        if expert:
+            inner = "base_layer." if nested and part == "gate_up" else ""
+            out[local_name] = (f"{prefix}mlp.experts.{inner}lora_{which}.weight", int(expert[1]))
+        else:
+            out[local_name] = (f"{prefix}{HF_MODULE[part + '_proj']}.lora_{which}.weight", None)
     return out
+
+
+def _stack_experts(which: str, per_expert: list[torch.Tensor]) -> torch.Tensor:
+    """The experts' A [rank, in] or B [out, rank], in global expert order, as PEFT's `ParamWrapper` holds them
+    fused: A stacked by rows [experts x rank, in]; B [out, rank x experts], expert e's column k at k x experts + e
+    (PEFT reads B as [out, rank, experts])."""
+    if which == "A":
+        return torch.cat(per_expert, dim=0)
+    return torch.stack(per_expert, dim=-1).reshape(per_expert[0].shape[0], -1)
+
+
+def _unstack_expert(which: str, fused: torch.Tensor, expert: int, num_experts: int) -> torch.Tensor:
+    """Expert `expert`'s A or B out of PEFT's fused tensor (`_stack_experts`' inverse)."""
+    if which == "A":
+        rank = fused.shape[0] // num_experts
+        return fused[expert * rank:(expert + 1) * rank]
+    return fused.reshape(fused.shape[0], -1, num_experts)[:, :, expert]
 
 
 def load_peft_tensors(model: torch.nn.Module, tensors: dict[str, torch.Tensor]) -> None:
@@ -262,12 +327,14 @@ def load_peft_tensors(model: torch.nn.Module, tensors: dict[str, torch.Tensor]) 
     stage must be there."""
     model = unwrap(model)
     params = dict(model.named_parameters())
-    for local_name, peft_name in _peft_names(model).items():
+    for local_name, (peft_name, expert) in _peft_names(model).items():
         p = params[local_name]
         if peft_name not in tensors:
             raise KeyError(f"adapter tensor {peft_name} missing (the adapters' ranks and targets must match)")
         full = tensors[peft_name]
-        if p.tensor_model_parallel and p.shape != full.shape:
+        if expert is not None:
+            full = _unstack_expert(peft_name.rsplit(".", 2)[-2][-1], full, expert, model.config.num_moe_experts)
+        elif p.tensor_model_parallel and p.shape != full.shape:
             from megatron.core import parallel_state as ps
 
             full = torch.chunk(full, ps.get_tensor_model_parallel_world_size(), dim=p.partition_dim)[
@@ -279,31 +346,49 @@ def load_peft_tensors(model: torch.nn.Module, tensors: dict[str, torch.Tensor]) 
 def peft_tensors(model: torch.nn.Module, grads: bool = False) -> dict[str, torch.Tensor]:
     """This pipeline stage's adapters as PEFT names them in `adapter_model.safetensors`
     (`base_model.model.model.layers.L.self_attn.q_proj.lora_A.weight`), whole: the TP-split halves gathered over
-    the tensor-parallel group (every TP rank gets them, every TP rank must call this). `grads`: their gradients
-    (Megatron DDP's `main_grad`) instead."""
+    the tensor-parallel group, experts over the expert-parallel group and fused as PEFT holds them (every TP and
+    EP rank gets them, every one must call this). `grads`: their gradients (Megatron DDP's `main_grad`) instead."""
     import torch.distributed as dist
     from megatron.core import parallel_state as ps
 
     model = unwrap(model)
     params = dict(model.named_parameters())
     tp, group = ps.get_tensor_model_parallel_world_size(), ps.get_tensor_model_parallel_group()
-    out = {}
-    for local_name, peft_name in _peft_names(model).items():
+    out, experts = {}, {}
+    for local_name, (peft_name, expert) in _peft_names(model).items():
         param = params[local_name]
         p = (param.main_grad if grads else param).detach()
+        if expert is not None:  # expert-TP is 1 (`attach`)
+            experts.setdefault(peft_name, {})[expert] = p
+            continue
         if tp > 1 and param.tensor_model_parallel:
             pieces = [torch.empty_like(p) for _ in range(tp)]
             dist.all_gather(pieces, p.contiguous(), group=group)
             p = torch.cat(pieces, dim=param.partition_dim)
         out[peft_name] = p.clone()
+    ep = ps.get_expert_model_parallel_world_size()
+    for peft_name in sorted(experts):  # the same names, in the same order, on every EP rank
+        local = torch.stack([experts[peft_name][e] for e in sorted(experts[peft_name])])
+        if ep > 1:  # EP rank r holds experts r x E / EP ... in order
+            pieces = [torch.empty_like(local) for _ in range(ep)]
+            dist.all_gather(pieces, local.contiguous(), group=ps.get_expert_model_parallel_group())
+            local = torch.cat(pieces)
+        out[peft_name] = _stack_experts(peft_name.rsplit(".", 2)[-2][-1], list(local))
     return out
+
+
+def peft_target_parameters(targets: tuple[str, ...]) -> list[str]:
+    """PEFT's `target_parameters` for the expert targets among `targets` (transformers' fused expert parameters)."""
+    return [f"mlp.{t}" for t in EXPERT_TARGETS if t in targets]
 
 
 def peft_config(opts: LoRAOptions, base: str) -> dict:
     """`adapter_config.json` for `peft.PeftModel.from_pretrained`: the adapters' rank, alpha, dropout and targets
     on the HF model at `base` (PEFT's defaults for the rest)."""
     return {"peft_type": "LORA", "task_type": "CAUSAL_LM", "base_model_name_or_path": str(base), "r": opts.rank,
-            "lora_alpha": opts.alpha or opts.rank, "lora_dropout": opts.dropout, "target_modules": list(opts.targets),
+            "lora_alpha": opts.alpha or opts.rank, "lora_dropout": opts.dropout,
+            "target_modules": [t for t in opts.targets if t not in EXPERT_TARGETS],
+            "target_parameters": peft_target_parameters(opts.targets),
             "bias": "none", "use_rslora": False, "fan_in_fan_out": False, "inference_mode": True}
 
 
