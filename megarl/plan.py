@@ -193,27 +193,35 @@ def expert_bytes_per_gpu(s: ModelShape, r: "RunSettings") -> float:
 
 def _lora_projections(s: ModelShape, layer: int, targets: tuple[str, ...]) -> list[tuple[str, int, int]]:
     """(parallel mode, in, out) of each adapted projection of `layer`, as `megarl.mcore.lora.attach` adapts them:
-    the attention's four, and the MLP's three in a dense model (a mixture of experts' experts take none)."""
+    the attention's four, and the MLP's three in a dense model (experts: `lora_layer_params`)."""
     h, q, kv = s.hidden_size, s.num_attention_heads * s.head_dim, s.num_kv_heads * s.head_dim
     f = s.ffn_hidden_size
     shapes = {"q_proj": ("column", h, q), "k_proj": ("column", h, kv), "v_proj": ("column", h, kv),
               "o_proj": ("row", q, h), "gate_proj": ("column", h, f), "up_proj": ("column", h, f),
               "down_proj": ("row", f, h)}
     mlp = ("gate_proj", "up_proj", "down_proj")
-    return [shapes[t] for t in targets if t not in mlp or not s.is_moe]
+    return [shapes[t] for t in targets if t in shapes and (t not in mlp or not s.is_moe)]
 
 
-def lora_layer_params(s: ModelShape, layer: int, rank: int, targets: tuple[str, ...], tp: int = 1) -> float:
+def lora_layer_params(s: ModelShape, layer: int, rank: int, targets: tuple[str, ...], tp: int = 1,
+                      ep: int = 1) -> float:
     """One TP rank's adapter parameters in `layer`: column-parallel A [rank, in] (replicated) + B [out / tp, rank];
-    row-parallel A [rank, in / tp] + B [out, rank] (replicated)."""
+    row-parallel A [rank, in / tp] + B [out, rank] (replicated). Expert targets (`experts.gate_up_proj`,
+    `experts.down_proj`, expert-TP 1): an A and a B per expert on the EP rank, over the fused gate/up
+    (A [rank, hidden], B [2 x expert width, rank]) and the down projection (A [rank, width], B [hidden, rank])."""
     total = 0.0
     for mode, n_in, n_out in _lora_projections(s, layer, targets):
         total += rank * (n_in + n_out / tp) if mode == "column" else rank * (n_in / tp + n_out)
+    if s.is_moe_layer(layer):
+        h, f = s.hidden_size, s.moe_ffn_hidden_size
+        per_expert = (rank * (h + 2 * f) if "experts.gate_up_proj" in targets else 0) + \
+            (rank * (f + h) if "experts.down_proj" in targets else 0)
+        total += per_expert * s.num_experts / ep
     return total
 
 
 def lora_params(s: ModelShape, rank: int, targets: tuple[str, ...] = LORA_TARGETS) -> int:
-    """The trainable parameters of LoRA adapters of `rank` on `targets`, the whole model (TP 1)."""
+    """The trainable parameters of LoRA adapters of `rank` on `targets`, the whole model (TP 1, EP 1)."""
     return int(sum(lora_layer_params(s, i, rank, targets) for i in range(s.num_layers)))
 
 
@@ -222,7 +230,7 @@ def lora_stage_params(s: ModelShape, r: "RunSettings") -> float:
     if not r.lora_rank:
         return 0.0
     per_stage = math.ceil(s.num_layers / r.pp)
-    return max(sum(lora_layer_params(s, i, r.lora_rank, r.lora_targets, r.tp)
+    return max(sum(lora_layer_params(s, i, r.lora_rank, r.lora_targets, r.tp, r.ep)
                    for i in range(st, min(s.num_layers, st + per_stage))) for st in range(0, s.num_layers, per_stage))
 
 

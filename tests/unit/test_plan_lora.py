@@ -71,3 +71,21 @@ def test_planned_lora_params_are_the_built_models_trainable_ones(tiny_qwen2, pro
     assert sum(p.numel() for p in params if not p.requires_grad) == num_params(shape)  # the frozen base
     in_optimizer = sum(p.numel() for g in actor.optimizer.param_groups for p in g["params"])
     assert in_optimizer == trainable  # Adam's states are the adapters' only
+
+
+def test_planned_expert_adapters_are_the_built_moe_models_trainable_ones(tmp_path, process_group):
+    """Qwen3-MoE with its experts adapted (layer 0 sparse, layer 1 dense): an A and a B per expert over the fused
+    gate/up and over down, as `megarl.mcore.lora` attaches them."""
+    from megarl.mcore.actor import MegatronPolicy
+    from megarl.mcore.lora import LoRAOptions
+    from helpers import make_tiny_hf_model
+
+    targets = ("q_proj", "v_proj", "o_proj", "experts.gate_up_proj", "experts.down_proj")
+    shape = ModelShape.from_pretrained(make_tiny_hf_model(tmp_path / "moe", "qwen3_moe", layers=2,
+                                                          mlp_only_layers=[1]))
+    actor = MegatronPolicy(shape, tp=1, pp=1, trainable=True, lora=LoRAOptions(rank=4, targets=targets))
+    trainable = sum(p.numel() for p in actor.model.parameters() if p.requires_grad)
+    experts = shape.num_experts * 4 * (2 * shape.hidden_size + 3 * shape.moe_ffn_hidden_size)  # by hand, layer 0
+    assert trainable == lora_params(shape, 4, targets) == lora_params(shape, 4, targets[:3]) + experts
+    assert lora_stage_params(shape, RunSettings(ep=2, lora_rank=4, lora_targets=targets)) == \
+        lora_params(shape, 4, targets[:3]) + experts / 2  # EP 2: half the experts on a GPU
