@@ -85,7 +85,7 @@ def test_offline_converter_writes_what_transformers_loads(padded_run):
     assert (logp - padded_run["ranks"][0]["logprobs_after"]).abs().max() < 1e-4
 
     again = subprocess.run([sys.executable, "-m", "megarl.cli.convert_checkpoint", "--load",
-                            str(padded_run["ckpt"]), "--ckpt-step", "7", "--out", str(out)], cwd=REPO, env=env(),
-                           capture_output=True, text=True, timeout=120)
+                            str(padded_run["ckpt"]), "--ckpt-step", "7", "--out", str(out) + "_again"], cwd=REPO,
+                           env=env(), capture_output=True, text=True, timeout=120)
     assert again.returncode == 2 and "Traceback" not in again.stderr
     assert "--ckpt-step 7: no iter_0000007 under --load" in again.stderr and "complete steps there: 1" in again.stderr
