@@ -10,7 +10,6 @@ at DP = 1 runs the same save and load paths; the distributed optimizer's format 
 
 from __future__ import annotations
 
-import socket
 from pathlib import Path
 
 import pytest
@@ -18,19 +17,6 @@ import torch
 
 pytestmark = pytest.mark.slow
 STEPS, SAVED_AT = 4, 2
-
-
-@pytest.fixture()
-def process_group(monkeypatch):
-    from megarl.mcore import parallel
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        monkeypatch.setenv("MASTER_PORT", str(s.getsockname()[1]))
-    monkeypatch.setenv("MASTER_ADDR", "127.0.0.1")
-    parallel.init_distributed(tp=1, pp=1, timeout_s=120, seed=0)
-    yield
-    parallel.destroy()
 
 
 def test_lora_checkpoint_resumes_bitwise_and_holds_only_the_adapters(tiny_qwen2, tmp_path, process_group):

@@ -4,7 +4,6 @@ gradient or optimizer state for the frozen base, and no reference model."""
 
 from __future__ import annotations
 
-import socket
 from dataclasses import replace
 
 import pytest
@@ -43,19 +42,6 @@ def test_lora_memory_has_adapter_state_only_and_no_reference():
     assert lo["gradients (fp32)"] == 4 * adapters and f["gradients (fp32)"] == 4 * base
     assert lo["optimizer (fp32 main + Adam)"] == 12 * adapters / dp  # fp32 main, m and v, over DP
     assert lo["activations + logits"] == f["activations + logits"]
-
-
-@pytest.fixture()
-def process_group(monkeypatch):
-    from megarl.mcore import parallel
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        monkeypatch.setenv("MASTER_PORT", str(s.getsockname()[1]))
-    monkeypatch.setenv("MASTER_ADDR", "127.0.0.1")
-    parallel.init_distributed(tp=1, pp=1, timeout_s=60, seed=0)
-    yield
-    parallel.destroy()
 
 
 @pytest.mark.parametrize("targets", [RunSettings().lora_targets, SUBSET], ids=["all", "subset"])
