@@ -23,7 +23,7 @@ import pytest
 REPO = Path(__file__).resolve().parents[2]
 
 SCRIPT = textwrap.dedent("""
-    import json, sys
+    import json, os, sys
     root = sys.argv[1]
     from megarl.sandbox import Job
     from megarl.sandbox.local import LocalSandbox
@@ -35,11 +35,34 @@ SCRIPT = textwrap.dedent("""
     # the checkout's venv too when the checkout itself is under /tmp)
     listing = sorted({"w"} | {p.split("/")[2] for p in read_roots() if p.startswith("/tmp/")})
     out = {"listing": repr(listing)}
+    def mounts(sandbox):  # the most mounts the harness (a job uid) or its children (the spawner, root) see
+        status, counts = {}, [0]
+        for pid in filter(str.isdigit, os.listdir("/proc")):
+            try:
+                with open(f"/proc/{pid}/status") as f:
+                    fields = dict(line.split(":", 1) for line in f if ":" in line)
+                status[pid] = (int(fields["Uid"].split()[0]), fields["PPid"].strip())
+            except (OSError, KeyError, ValueError):
+                pass
+        harnesses = {pid for pid, (uid, _) in status.items() if uid in sandbox.uids()}
+        for pid, (_, ppid) in status.items():
+            if pid in harnesses or ppid in harnesses:
+                try:
+                    with open(f"/proc/{pid}/mountinfo") as f:
+                        counts.append(sum(1 for _ in f))
+                except OSError:
+                    pass
+        return max(counts)
     for persistent in (True, False):
         v = CodeVerifier(workers=1, persistent_harness=persistent)
         gold = {"inputs": [""], "outputs": ["seen " + repr(listing)]}
         r = v.verify(program, gold)
         out["persistent" if persistent else "job"] = [r.score, r.outcome, r.normalized]
+        if persistent and os.geteuid() == 0:  # case after case, the harness's mounts stay as many
+            before = mounts(v.sandbox)
+            for _ in range(6):
+                v.verify(program, gold)
+            out["mounts"] = [before, mounts(v.sandbox)]
     sandbox = LocalSandbox(workers=1)
     try:
         r = sandbox.run(Job(source=program))
@@ -57,13 +80,14 @@ def test_interpreter_files_under_tmp_stay_visible_and_read_only():
     base = Path(tempfile.mkdtemp(prefix="megarl-roots-", dir="/tmp"))
     try:
         root = base / "site-packages"
-        root.mkdir()
+        inner = root / "inner-packages"  # a read root inside another, as a virtualenv's _vendor is
+        inner.mkdir(parents=True)
         (root / "probe.txt").write_text("seen\n")
-        for p in (base, root):
+        for p in (base, root, inner):
             p.chmod(0o755)
         (root / "probe.txt").chmod(0o644)
         proc = subprocess.run([sys.executable, "-c", SCRIPT, str(root)], capture_output=True, text=True, cwd=REPO,
-                              timeout=300, env={**os.environ, "PYTHONPATH": f"{REPO}:{root}"})
+                              timeout=300, env={**os.environ, "PYTHONPATH": f"{REPO}:{root}:{inner}"})
         assert proc.returncode == 0, proc.stderr[-3000:]
         out = json.loads(proc.stdout.strip().splitlines()[-1])
         listing = out["listing"]
@@ -75,5 +99,7 @@ def test_interpreter_files_under_tmp_stay_visible_and_read_only():
         assert out["plain"][:2] == ["ok", f"seen {listing}"], out
         assert out["write"][0] == "nonzero_exit" and "Read-only file system" in out["write"][1][0], out
         assert (root / "probe.txt").read_text() == "seen\n"
+        if "mounts" in out:  # nested roots were bound recursively each case: the mounts grew case after case
+            assert out["mounts"][0] == out["mounts"][1] > 0, out["mounts"]
     finally:
         shutil.rmtree(base, ignore_errors=True)

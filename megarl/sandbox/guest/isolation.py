@@ -106,14 +106,15 @@ def beneath(mount_point: str, paths: list[str]) -> list[str]:
     return [p for p in paths if p.startswith(mount_point.rstrip("/") + "/")]
 
 
-def bind_readonly(source: str, dest: str, is_dir: bool = True) -> None:
-    """Bind `source` at `dest` (created: a directory, or an empty file), read-only, nosuid, nodev."""
+def bind_readonly(source: str, dest: str, is_dir: bool = True, recursive: bool = True) -> None:
+    """Bind `source` at `dest` (created: a directory, or an empty file), read-only, nosuid, nodev; with the mounts
+    beneath `source` too unless not `recursive`."""
     if is_dir:
         os.makedirs(dest, 0o755, exist_ok=True)
     else:
         os.makedirs(os.path.dirname(dest), 0o755, exist_ok=True)
         open(dest, "w").close()
-    mount(source, dest, None, _MS_BIND | MS_REC)
+    mount(source, dest, None, _MS_BIND | (MS_REC if recursive else 0))
     mount(None, dest, None, _MS_BIND | _MS_REMOUNT | _MS_RDONLY | MS_NOSUID | MS_NODEV)
 
 
