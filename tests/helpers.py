@@ -12,6 +12,19 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 
 
+def fixed_batch(vocab: int, seed: int) -> dict:
+    """A fixed training batch of 8 sequences of 12 tokens (loss on the last 9) with random advantages, for the
+    resume tests' updates."""
+    import torch
+
+    g = torch.Generator().manual_seed(seed)
+    tokens = torch.randint(0, vocab, (8, 12), generator=g)
+    mask = torch.zeros(8, 11)
+    mask[:, 2:] = 1.0
+    return {"tokens": tokens, "loss_mask": mask, "rollout_logp": torch.zeros(8, 11),
+            "advantages": torch.randn(8, generator=g)}
+
+
 def make_tiny_hf_model(out: Path, family: str = "qwen2", tie: bool = False, seed: int = 0, layers: int = 2,
                        vocab: int = 96, with_tokenizer: bool = False, rope: dict | None = None, **config) -> Path:
     """A random Llama/Qwen2/Qwen3/Qwen3-MoE created with `transformers` (no hub) and saved as an HF checkpoint

@@ -18,10 +18,11 @@ pytestmark = pytest.mark.slow
 
 
 def test_distributed_optimizer_checkpoint_resumes_bitwise(tiny_qwen2, tmp_path):
-    from helpers import _free_port, env
+    from helpers import REPO, _free_port, env
 
     subprocess.run([sys.executable, __file__, str(tiny_qwen2), str(tmp_path / "ckpt"), str(tmp_path)], check=True,
-                   env={**env(), "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(_free_port())}, timeout=300)
+                   env={**env(), "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(_free_port()),
+                        "PYTHONPATH": f"{REPO}{os.pathsep}{REPO / 'tests'}"}, timeout=300)
     r = torch.load(tmp_path / "result.pt")
     moved = max((r["continued"][k] - r["saved"][k]).abs().max().item() for k in r["saved"])
     assert moved > 1e-4, "the third update must change the weights, or the comparison says nothing"
@@ -30,17 +31,9 @@ def test_distributed_optimizer_checkpoint_resumes_bitwise(tiny_qwen2, tmp_path):
         assert torch.equal(r["continued"][k], r["resumed"][k]), k
 
 
-def _batch(vocab: int, seed: int) -> dict[str, torch.Tensor]:
-    """A fixed batch of 8 sequences with random advantages."""
-    g = torch.Generator().manual_seed(seed)
-    tokens = torch.randint(0, vocab, (8, 12), generator=g)
-    mask = torch.zeros(8, 11)
-    mask[:, 2:] = 1.0
-    return {"tokens": tokens, "loss_mask": mask, "rollout_logp": torch.zeros(8, 11),
-            "advantages": torch.randn(8, generator=g)}
-
-
 def main(hf: str, ckpt: str, out: str) -> None:
+    from helpers import fixed_batch  # (the test puts tests/ on this script's PYTHONPATH)
+
     from megarl.config import build_config
     from megarl.mcore import checkpoint, parallel
     from megarl.mcore.actor import MegatronPolicy, OptimConfig
@@ -58,7 +51,7 @@ def main(hf: str, ckpt: str, out: str) -> None:
         return MegatronPolicy(shape, tp=1, pp=1, trainable=True, optim=optim)
 
     def update(actor, seed):
-        actor.train_step(_batch(shape.vocab_size, seed), loss_fn, micro_batch_size=2)
+        actor.train_step(fixed_batch(shape.vocab_size, seed), loss_fn, micro_batch_size=2)
         return {k: v.clone() for k, v in actor.export_hf()}
 
     actor = build()

@@ -39,20 +39,12 @@ def test_lora_checkpoint_resumes_bitwise_and_holds_only_the_adapters(tiny_qwen2,
     assert "holds LoRA adapters only" in r["errors"]["no adapters"]
 
 
-def _batch(vocab: int, seed: int) -> dict[str, torch.Tensor]:
-    """A fixed batch of 8 sequences with random advantages."""
-    g = torch.Generator().manual_seed(seed)
-    tokens = torch.randint(0, vocab, (8, 12), generator=g)
-    mask = torch.zeros(8, 11)
-    mask[:, 2:] = 1.0
-    return {"tokens": tokens, "loss_mask": mask, "rollout_logp": torch.zeros(8, 11),
-            "advantages": torch.randn(8, generator=g)}
-
-
 def run(hf: str, out: str) -> dict:
     import shutil
 
     from safetensors.torch import load_file, save_file
+
+    from helpers import fixed_batch
 
     from megarl.config import ConfigError, build_config
     from megarl.mcore import checkpoint, lora
@@ -73,7 +65,7 @@ def run(hf: str, out: str) -> dict:
         return actor
 
     def steps(actor, first: int, last: int) -> list[dict]:
-        return [{"step": s, **actor.train_step(_batch(shape.vocab_size, s), loss_fn, micro_batch_size=2)}
+        return [{"step": s, **actor.train_step(fixed_batch(shape.vocab_size, s), loss_fn, micro_batch_size=2)}
                 for s in range(first, last + 1)]
 
     result = {}

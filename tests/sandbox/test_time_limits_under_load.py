@@ -30,7 +30,7 @@ try:
     test = {"test": "def check(candidate):\n" + "    assert candidate(3) == 4\n" * 3, "entry_point": "f"}
     busy = "def f(x):\n    n = 0\n    for i in range({n}):\n        n += i & 1\n    return x + 1\n"
     programs = {
-        "starved": busy.format(n=N),                # ~0.15 s of CPU per call on a quiet core
+        "starved": busy.format(n=int(sys.argv[1])),  # ~0.15 s of CPU per call on a quiet core
         "sleeps": "import time\ndef f(x):\n    time.sleep(30)\n    return x + 1\n",
         "loops": "def f(x):\n    while True:\n        pass\n",
     }
@@ -66,8 +66,8 @@ def _loop_count_for(seconds: float) -> int:
 @pytest.mark.skipif(not hasattr(os, "sched_setaffinity"), reason="needs sched_setaffinity (Linux)")
 def test_a_starved_program_passes_and_a_sleeping_one_still_times_out():
     n = _loop_count_for(0.15)
-    proc = subprocess.run([sys.executable, "-c", _DRIVER.replace("N)", f"{n})", 1)], capture_output=True,
-                          text=True, timeout=240, cwd=REPO, env={**os.environ, "PYTHONPATH": str(REPO)})
+    proc = subprocess.run([sys.executable, "-c", _DRIVER, str(n)], capture_output=True, text=True, timeout=240,
+                          cwd=REPO, env={**os.environ, "PYTHONPATH": str(REPO)})
     assert proc.returncode == 0, proc.stderr[-2000:]
     out = json.loads(proc.stdout.strip().splitlines()[-1])
     if "skip" in out:
