@@ -21,6 +21,16 @@ import os
 _V1_ROOT = "/sys/fs/cgroup/memory"
 
 
+def container_memory_cgroup() -> dict | None:
+    """Inside a container: its own memory cgroup where it is mounted at /sys/fs/cgroup (Docker mounts the
+    container's own directory there, read only), to count the kernel's OOM kills in it; None where there is none to
+    read. Nothing is written there."""
+    for path, version, name in ((_V1_ROOT, 1, "memory.oom_control"), ("/sys/fs/cgroup", 2, "memory.events")):
+        if os.access(os.path.join(path, name), os.R_OK):
+            return {"path": path, "version": version}
+    return None
+
+
 class MemoryCgroup:
     """One memory cgroup (a directory); created by `MemoryRoot.child`, removed by `remove`. Its files are reached
     through a directory fd opened at construction, so it keeps working where /sys is out of sight (the

@@ -437,9 +437,11 @@ def serve(cfg):
     if cfg.get("harness_cgroup"):
         with open(os.path.join(cfg["harness_cgroup"], "cgroup.procs"), "w") as f:
             f.write("0")
+    cgroups = _load("cgroups") if cfg.get("case_cgroup") or not local else None
     spawner = _spawner.Spawner({"fresh": True, "isolation": {k: v for k, v in iso.__dict__.items() if k != "warnings"},
-                                "read_roots": read_roots, "cgroup": cfg.get("case_cgroup"),
-                                "cgroups_module": _load("cgroups") if cfg.get("case_cgroup") else None,
+                                "read_roots": read_roots, "cgroup": cfg.get("case_cgroup"), "cgroups_module": cgroups,
+                                # a container's own, to tell a program the OOM killer took from another SIGKILL
+                                "oom_cgroup": None if local else cgroups.container_memory_cgroup(),
                                 "memory_accounted": cfg.get("memory_accounted", False),
                                 "memory_mb": cfg.get("memory_mb", 512)}, MODES, iso_mod)
     read_fds = [(os.open(p, os.O_PATH | os.O_CLOEXEC), os.path.isdir(p)) for p in read_roots]

@@ -326,7 +326,10 @@ class FreshSetup(PlainSetup):
         super().__init__(cfg, iso_mod)
         self.iso = iso_mod.HostIsolation(**cfg["isolation"])
         self.pid_ns_fd: int | None = None
-        self.cgroup = None
+        self.cgroup = None  # the case's memory cgroup (the local backend)
+        self.oom_counter = None  # else a container's own memory cgroup, read only: its OOM kills (Docker)
+        self.adj_fd: int | None = None  # our own oom_score_adj, raised around each program fork (`fork_raw`)
+        self.adj_own = b"0"
         self.cgroup_fd: int | None = None
         self.cgroup_mb = 0
         self.memory_mb = cfg.get("memory_mb", 512)
@@ -342,6 +345,10 @@ class FreshSetup(PlainSetup):
             where = self.cfg["cgroup"]
             self.cgroup = self.cfg["cgroups_module"].MemoryCgroup(where["path"], where["version"])
             self.cgroup_fd = self.cgroup.procs_fd()
+            self.next_case()
+        elif self.cfg.get("oom_cgroup"):
+            where = self.cfg["oom_cgroup"]
+            self.oom_counter = self.cfg["cgroups_module"].MemoryCgroup(where["path"], where["version"])
             self.next_case()
         try:
             self._namespaces()
@@ -367,11 +374,7 @@ class FreshSetup(PlainSetup):
         iso.prctl(36, 1)  # PR_SET_CHILD_SUBREAPER: orphans of programs come to us, not to the harness
         pid_ns = os.open("/proc/self/ns/pid", os.O_RDONLY | os.O_CLOEXEC)  # (no /proc in the minimal root)
         memfd_why = iso.memfds_not_executable()
-        try:  # inherited by every program process (it cannot write it: no /proc in the minimal root)
-            with open("/proc/self/oom_score_adj", "w") as f:
-                f.write("1000")
-        except OSError:
-            pass
+        self._oom_scores()
         iso.make_mounts_private()
         try:
             iso.minimal_root(_TMP, self.cfg["read_roots"])
@@ -387,6 +390,26 @@ class FreshSetup(PlainSetup):
             self.pid_ns_fd = pid_ns
         else:
             self.missing.append("no pid namespace per program process")
+
+    def _oom_scores(self) -> None:
+        """Program processes first for the OOM killer, whatever their size: they fork with an `oom_score_adj` of
+        1000, which they cannot change (no /proc in the minimal root). We keep our own lower (the harness's): in a
+        Docker container, whose memory cgroup holds the harness, us and the programs, an even score let the
+        kernel pick us over the program that had filled memfds (not in its RSS), and that killed the container.
+        The fd stays open for `fork_raw` to raise our score around each fork; where lowering it again is refused
+        (an `oom_score_adj_min` above it), we stay at 1000 as the programs do."""
+        try:
+            fd = os.open("/proc/self/oom_score_adj", os.O_RDWR | os.O_CLOEXEC)
+        except OSError:
+            return
+        try:
+            own = os.pread(fd, 16, 0).strip() or b"0"
+            os.pwrite(fd, b"1000", 0)
+            os.pwrite(fd, own, 0)
+        except OSError:
+            os.close(fd)
+            return
+        self.adj_fd, self.adj_own = fd, own
 
     def _become_pid1_of_own_namespace(self) -> None:
         """Z's pid namespace belongs to a user namespace Z has no capability in, so it could not return to it
@@ -407,13 +430,21 @@ class FreshSetup(PlainSetup):
     def fork_raw(self) -> int:
         """fork(), the child (which gets 0) being pid 1 of a fresh pid namespace where that is possible; -1 if
         it could not be forked."""
-        if self.pid_ns_fd is None:
-            return super().fork_raw()
-        self.iso_mod.unshare(self.iso_mod.CLONE_NEWPID)
-        pid = super().fork_raw()
-        if pid != 0:
-            self.iso_mod.setns(self.pid_ns_fd, self.iso_mod.CLONE_NEWPID)  # our next child: in our own again
-        return pid
+        if self.adj_fd is not None:
+            os.pwrite(self.adj_fd, b"1000", 0)  # the child's score (see `_oom_scores`)
+        pid = -1
+        try:
+            if self.pid_ns_fd is None:
+                pid = super().fork_raw()
+            else:
+                self.iso_mod.unshare(self.iso_mod.CLONE_NEWPID)
+                pid = super().fork_raw()
+                if pid != 0:
+                    self.iso_mod.setns(self.pid_ns_fd, self.iso_mod.CLONE_NEWPID)  # our next child: in our own again
+            return pid
+        finally:
+            if self.adj_fd is not None and pid != 0:  # (the child keeps 1000)
+                os.pwrite(self.adj_fd, self.adj_own, 0)
 
     def confine_program(self, rlimits: list, kept: tuple[int, ...]) -> None:
         if not self.mounted:  # nothing private to give: the harness still confines (Landlock, seccomp) below
@@ -439,8 +470,9 @@ class FreshSetup(PlainSetup):
             self.cgroup_mb = memory_mb
 
     def next_case(self) -> None:
-        if self.cgroup is not None:
-            self.oom_base = self.cgroup.oom_kills()
+        counter = self.cgroup or self.oom_counter
+        if counter is not None:
+            self.oom_base = counter.oom_kills()
 
     def kill_rest(self) -> None:
         """Without a pid namespace per program: kill(-1), which spares only this process and the namespace's
@@ -463,7 +495,8 @@ class FreshSetup(PlainSetup):
         return cpu
 
     def oom_kills(self) -> int:
-        return self.cgroup.oom_kills() - self.oom_base if self.cgroup is not None else 0
+        counter = self.cgroup or self.oom_counter
+        return counter.oom_kills() - self.oom_base if counter is not None else 0
 
     def fresh_state(self) -> None:
         """New, empty tmpfs mounts for /tmp (the work directory /tmp/w in it) and /dev/shm; files count
