@@ -8,8 +8,9 @@ verdict payload line out, every program forked from a zygote made before any cas
 The pool talks to each container over `docker run -i`'s stdin/stdout, one JSON line per job each way (never
 pickle: a container is untrusted). A container is replaced after a job that timed out, ran out of memory, was
 killed or broke the runner, and after `jobs_per_container` jobs. A container that dies under a job (its memory
-cgroup's OOM killer took the harness, its spawner or the runner; its pipe broke; `docker update` failed) is replaced
-too: the jobs queued behind that job go to the fresh one, the job itself is rerun once, and a job that kills a
+cgroup's OOM killer took the harness or the runner, with nothing of the job's left to take: in a harness container
+the programs always go first, their spawner keeping a lower OOM score; its pipe broke; `docker update` failed) is
+replaced too: the jobs queued behind that job go to the fresh one, the job itself is rerun once, and a job that kills a
 second container gets a `memory_limit` verdict (see `_drive_all`). Containers carry the label `megarl.sandbox` and
 are started with `--rm`; `close()` (also run at exit) removes every container the pool started.
 Build the default image with `tools/build_sandbox_image.py`, or pass `image=` (any image with `python3`).
