@@ -9,8 +9,10 @@ path, same seeds, same CPU arithmetic. A change that is meant to alter them re-r
 
     python tests/e2e/test_golden_losses.py --record
 
-and says why in its commit. Floating-point results depend on the kernels torch picks for the CPU (and the test
-starter, built on the same machine, with them), so the curves are kept per CPU capability
+and says why in its commit. The KL + clipping variant with the chunked log-prob head (`--logprob-chunk-tokens`)
+must give the same samples and curves within float rounding of the recording. Floating-point results depend on the
+kernels torch picks for the CPU (and the test starter, built on the same machine, with them), so the curves are kept
+per CPU capability
 (`torch.backends.cpu.get_cpu_capability()`: `tests/assets/losses/avx512/`, `avx2/`); on a CPU with none recorded
 the test skips and says so. The avx512 curves were recorded before the rollout-stage refactor, the avx2 ones at the
 commit before the reward-package refactor (both from the code as it then stood).
@@ -74,6 +76,38 @@ def test_first_steps_equal_the_recorded_ones(starter, tmp_path, name):
     for r, g in zip(rows, golden):
         for key in COMPARED:
             assert r[key] == g[key], f"step {r['step']} {key}: {r[key]!r} != recorded {g[key]!r}"
+
+
+# The chunked log-prob head (--logprob-chunk-tokens, chunks far shorter than a micro-batch's tokens so that every
+# sequence spans several) against the full head's recording: equal within float rounding, not bitwise (the chunked
+# head sums its soft-max terms in another order). The samples must be the same (reward, accuracy, lengths, clipped
+# share, exactly); each continuous curve within 2e-5 of its own scale (its largest value over the run: a GRPO loss
+# near 0 is a sum of terms of that size; measured at most 4.1e-6, the loss).
+CHUNKED = {"tiny_cpu_kl_clip": ["--logprob-chunk-tokens", "8"]}
+EXACT = ("reward_mean", "clip_frac", "accuracy", "lr", "response_len")
+SCALE_TOL = 2e-5
+
+
+@pytest.mark.parametrize("name", sorted(CHUNKED))
+def test_chunked_logprobs_give_the_recorded_steps_within_rounding(starter, tmp_path, name):
+    recorded = assets() / f"{name}.jsonl"
+    if not recorded.is_file():
+        pytest.skip(f"no golden curves recorded on this CPU ({recorded.parent.name})")
+    golden = [json.loads(line) for line in recorded.read_text().splitlines()]
+    rows = run(starter, tmp_path, RUNS[name] + CHUNKED[name])
+    assert [r["step"] for r in rows] == list(range(1, STEPS + 1))
+    assert any(g["kl"] > 0 for g in golden), "nothing to compare"
+    worst, bad = {}, []
+    for key in COMPARED:
+        scale = max(abs(g[key]) for g in golden)
+        for r, g in zip(rows, golden):
+            off = abs(r[key] - g[key]) / scale if scale else abs(r[key] - g[key])
+            worst[key] = max(worst.get(key, 0.0), off)
+            if (r[key] != g[key]) if key in EXACT else off > SCALE_TOL:
+                bad.append(f"step {r['step']} {key}: {r[key]!r} vs {g[key]!r} (scale {scale:.3g})")
+    print(f"chunked vs recorded full head, {STEPS} steps of {name}, largest difference over each curve's scale: "
+          + ", ".join(f"{k} {v:.1e}" for k, v in worst.items()))
+    assert not bad, bad
 
 
 if __name__ == "__main__":
