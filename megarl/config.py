@@ -630,6 +630,13 @@ class Config:
             raise ConfigError(f"--lora-weight-sync adapter with --lora-target-modules {','.join(experts)}: SGLang "
                               "0.5.23 loads PEFT target_modules, not the target_parameters that hold expert adapters; "
                               "use --lora-weight-sync merged")
+        qkv = {"q_proj", "k_proj", "v_proj"} & set(m.lora_targets)
+        if (qkv and not {"q_proj", "v_proj"} <= qkv) or ("up_proj" in m.lora_targets
+                                                        and "gate_proj" not in m.lora_targets):
+            raise ConfigError(f"--lora-weight-sync adapter with --lora-target-modules {m.lora_target_modules}: "
+                              "SGLang 0.5.23 stacks the q, k, v adapters into one (and gate, up) and needs q_proj "
+                              "with v_proj, and gate_proj with up_proj (k_proj or up_proj may be left out); add "
+                              "them or use --lora-weight-sync merged")
         if self.training.async_staleness:
             raise ConfigError(f"--lora-weight-sync adapter with --async-staleness {self.training.async_staleness}: "
                               "a new adapter replaces the old one while other leaders' queued batches may still "

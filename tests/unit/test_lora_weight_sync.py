@@ -220,6 +220,9 @@ def test_the_adapters_and_config_sent_are_peft_s_own(tiny_qwen2, process_group):
     ({"lora_weight_sync": "adapter", "rollout_backend": "sglang"}, "--lora-weight-sync adapter needs --lora-rank > 0"),
     ({**ADAPTER, "lora_target_modules": "q_proj,experts"}, "SGLang 0.5.23 loads PEFT target_modules"),
     ({**ADAPTER, "rollout_servers": "h:1", "async_staleness": 1}, "--lora-weight-sync adapter with --async-staleness"),
+    ({**ADAPTER, "lora_target_modules": "q_proj,o_proj"}, "needs q_proj with v_proj, and gate_proj with up_proj"),
+    ({**ADAPTER, "lora_target_modules": "k_proj,v_proj"}, "needs q_proj with v_proj, and gate_proj with up_proj"),
+    ({**ADAPTER, "lora_target_modules": "up_proj"}, "needs q_proj with v_proj, and gate_proj with up_proj"),
 ])
 def test_config_errors_name_the_flag(flags, error):
     with pytest.raises(ConfigError, match=re.escape(error)):
@@ -228,6 +231,8 @@ def test_config_errors_name_the_flag(flags, error):
 
 def test_the_flag_parses_and_defaults_to_merged():
     assert build_config({}).rollout.lora_weight_sync == "merged"
+    for targets in ("q_proj,v_proj", "attention", "q_proj,v_proj,gate_proj", "o_proj,down_proj"):
+        build_config({**ADAPTER, "lora_target_modules": targets})  # what SGLang 0.5.23 stacks without a gap
     cfg = parse_config(["--rollout-backend", "sglang", "--lora-rank", "8", "--lora-weight-sync", "adapter"])
     assert cfg.rollout.lora_weight_sync == "adapter"
     with pytest.raises(ConfigError, match="--lora-weight-sync 'both' is not valid; choose one of: merged, adapter"):
