@@ -82,7 +82,7 @@ class ModelConfig:
 
     lora_rank: int = _f(0, "LoRA: rank of the adapters trained on the actor's linear layers, the base weights frozen "
                         "(the reference is the actor with its adapters off; engines get merged weights W + (alpha / "
-                        "rank) B A); 0 = full fine-tuning")
+                        "rank) B A, or SGLang the adapters: --lora-weight-sync); 0 = full fine-tuning")
     lora_alpha: float = _f(0.0, "LoRA: the adapters' output is scaled by alpha / rank (PEFT's lora_alpha); 0 = the "
                            "rank (scale 1)")
     lora_dropout: float = _f(0.0, "LoRA: dropout on the adapters' input while training (PEFT's lora_dropout)")
@@ -202,6 +202,11 @@ class RolloutConfig:
 
     rollout_threads: int = _f(1, "--async-staleness >= 1 with the built-in engine: torch threads of the engine's "
                               "own process (the trainer keeps --threads-per-rank)")
+    lora_weight_sync: Literal["merged", "adapter"] = _f(
+        "merged", "with --lora-rank: what the engine gets at each weight sync. merged: the whole model, W + (alpha / "
+        "rank) B A (every engine). adapter (--rollout-backend sglang): the base weights once, then only the "
+        "adapters, loaded through SGLang's LoRA API as megarl-v<version> and named by every request. Which is "
+        "faster has not been measured (it needs a GPU: tools/gpu_check.sh times both), hence the default")
 
     def __post_init__(self):
         _positive(self, "n_samples_per_prompt", "max_response_len", "sync_bucket_mb", "rollout_threads",
@@ -214,6 +219,13 @@ class RolloutConfig:
             raise ConfigError("--sglang-tp-size and --weight-sync-port must be >= 0 and --verify-sync-tolerance > 0")
         if self.rollout_servers and self.rollout_backend != "sglang":
             raise ConfigError(f"--rollout-servers needs --rollout-backend sglang, got {self.rollout_backend}")
+        if self.lora_weight_sync not in ("merged", "adapter"):
+            raise ConfigError(f"--lora-weight-sync {self.lora_weight_sync!r} is not valid; choose one of: merged, "
+                              "adapter")
+        if self.lora_weight_sync == "adapter" and self.rollout_backend != "sglang":
+            raise ConfigError(f"--lora-weight-sync adapter needs --rollout-backend sglang (SGLang's LoRA API); "
+                              f"--rollout-backend {self.rollout_backend} gets merged weights: use --lora-weight-sync "
+                              "merged")
         if self.rollout_temperature <= 0:
             raise ConfigError(f"--rollout-temperature must be > 0 for RL sampling, got {self.rollout_temperature}")
         if not 0 < self.rollout_top_p <= 1:
@@ -602,9 +614,33 @@ class Config:
                 raise ConfigError("--routing-replay works without --recompute-granularity full and with "
                                   "--context-parallel-size 1 (the replayed experts follow one forward per micro-batch)")
 
+        if self.rollout.lora_weight_sync == "adapter":
+            self._check_adapter_sync()
         if self.checkpoint.save_peft and not self.model.lora_rank:
             raise ConfigError(f"--save-peft {self.checkpoint.save_peft} needs --lora-rank > 0 (it writes the LoRA "
                               "adapters; without them use --save-hf)")
+
+    def _check_adapter_sync(self):
+        """--lora-weight-sync adapter: SGLang gets the adapters in PEFT form (`megarl.mcore.lora.peft_tensors`)."""
+        m = self.model
+        if not m.lora_rank:
+            raise ConfigError("--lora-weight-sync adapter needs --lora-rank > 0 (without adapters every engine gets "
+                              "the whole model: --lora-weight-sync merged)")
+        if experts := [t for t in m.lora_targets if t.startswith("experts.")]:
+            raise ConfigError(f"--lora-weight-sync adapter with --lora-target-modules {','.join(experts)}: SGLang "
+                              "0.5.23 loads PEFT target_modules, not the target_parameters that hold expert adapters; "
+                              "use --lora-weight-sync merged")
+        qkv = {"q_proj", "k_proj", "v_proj"} & set(m.lora_targets)
+        if (qkv and not {"q_proj", "v_proj"} <= qkv) or ("up_proj" in m.lora_targets
+                                                        and "gate_proj" not in m.lora_targets):
+            raise ConfigError(f"--lora-weight-sync adapter with --lora-target-modules {m.lora_target_modules}: "
+                              "SGLang 0.5.23 stacks the q, k, v adapters into one (and gate, up) and needs q_proj "
+                              "with v_proj, and gate_proj with up_proj (k_proj or up_proj may be left out); add "
+                              "them or use --lora-weight-sync merged")
+        if self.training.async_staleness:
+            raise ConfigError(f"--lora-weight-sync adapter with --async-staleness {self.training.async_staleness}: "
+                              "a new adapter replaces the old one while other leaders' queued batches may still "
+                              "name it; use --lora-weight-sync merged")
 
     def _check_async(self):
         r, t, k = self.rollout, self.training, self.training.async_staleness

@@ -11,6 +11,11 @@ reported as ran / skipped (with why) / failed (with the error):
   te        the 0.5b part with the Transformer Engine layer spec (only when `transformer_engine` imports)
   sglang    the SGLang colocated cycle: release, train, resume weights, push buckets over CUDA IPC, resume KV
             cache, flush, verify (only when `sglang` imports and a checkpoint can be written with safetensors)
+  sglang-lora  --lora-weight-sync merged against adapter on SGLang, timed: a 0.5B-shaped LoRA actor (rank 16, every
+            projection), a fresh engine per mode (adapter: launched with LoRA), an initial sync and two GRPO steps
+            each, every sync verified (only when `sglang` imports; not in the default parts, since two cold SGLang
+            starts need more than their budget: `GPU_CHECK_SINGLE_SECONDS=420 GPU_CHECK_TP2_STAGES=none
+            tools/gpu_check.sh --parts sglang-lora`)
   dynamic   Megatron's dynamic inference engine as the rollout backend (`--rollout-backend megatron`, only when it
             can run: CUDA and flash-attn): greedy outputs against the built-in engine on the same bf16 weights, then
             a few GRPO steps generating with the actor's own model (each sync only stamps a version)
@@ -141,12 +146,15 @@ def grpo_part(args, hf_config: dict, *, bf16: bool, offload: bool, use_te: bool 
         torch.cuda.empty_cache()
         torch.cuda.reset_peak_memory_stats()
         _PEAK[0] = 0
+    from megarl.mcore.lora import LoRAOptions
+
     shape = ModelShape.from_hf_config(hf_config)
     cfg = _config(args, bf16=bf16, offload_optimizer=offload, offload_params=offload,
                   verify_sync_tolerance=0.05 if bf16 else 1e-3, **flags)
     t0 = time.perf_counter()
+    lora = LoRAOptions.from_config(cfg.model) if cfg.model.lora_rank else None
     actor = MegatronPolicy(shape, tp=1, pp=1, trainable=True, bf16=bf16, optim=optim_config(cfg.training),
-                           use_transformer_engine=use_te)
+                           use_transformer_engine=use_te, **({"lora": lora} if lora else {}))
     if engine_factory is not None:
         engine = engine_factory(actor)
     if engine is None:
@@ -198,6 +206,8 @@ def grpo_part(args, hf_config: dict, *, bf16: bool, offload: bool, use_te: bool 
     if engine.shares_actor_weights:
         expected = 0  # the engine generates with the actor's own parameters: a sync moves nothing
     out["sync_bytes_equal_parameter_bytes"] = all(r["sync_bytes"] == expected for r in out["steps"])
+    if cfg.rollout.lora_weight_sync == "adapter":  # the steps move the adapters only: no whole-model count
+        out["sync_bytes_equal_parameter_bytes"] = None
     out["parameter_bytes"] = expected
     out["engine"] = engine
     del actor
@@ -241,6 +251,49 @@ def sglang_part(args, budget: Budget, workdir: Path) -> dict:
         return out
     finally:
         engine.shutdown()
+
+
+LORA_RANK = 16
+
+
+def sglang_lora_part(args, budget: Budget, workdir: Path) -> dict:
+    """`--lora-weight-sync` merged against adapter on SGLang: the same LoRA actor and steps, a fresh engine per mode.
+    Reports per mode the mean sync seconds (the export and push; adapter: the adapters alone after the first sync),
+    rollout tokens/s (SGLang's LoRA kernels run in every adapter-mode forward) and step seconds."""
+    from megarl.mcore.lora import TARGETS
+    from megarl.rollout.sglang_engine import SGLangEngine, sglang_available
+
+    ok, why = sglang_available()
+    if not ok:
+        return {"status": "skipped", "why": why}
+    if not torch.cuda.is_available():
+        return {"status": "skipped", "why": "SGLang runs models on CUDA only"}
+    try:
+        from safetensors.torch import save_file
+    except ImportError:
+        return {"status": "skipped", "why": "safetensors is not importable: SGLang needs a checkpoint on disk"}
+    ckpt = write_random_checkpoint(workdir / "qwen2_05b_random_lora", QWEN25_05B, save_file)
+    out: dict = {"comparison": {}}
+    for mode in ("merged", "adapter"):
+        if budget.left() < SGLANG_PART_NEEDS_S:
+            out["comparison"][mode] = {"skipped": f"only {budget.left():.0f} s left of the time budget"}
+            continue
+        lora = {"lora_rank": LORA_RANK, "lora_targets": TARGETS} if mode == "adapter" else {}
+        engine = SGLangEngine.launch(str(ckpt), tp_size=1, base_gpu_id=torch.cuda.current_device(),
+                                     mem_fraction=args.sglang_mem_fraction, dtype="bfloat16", seed=0, **lora)
+        engine.release_memory()
+        try:
+            res = grpo_part(args, QWEN25_05B, bf16=True, offload=True, use_te=None, engine=engine, steps_count=2,
+                            rollout_backend="sglang", lora_rank=LORA_RANK, lora_weight_sync=mode)
+        finally:
+            engine.shutdown()
+        out["comparison"][mode] = {**summarize(res["steps"]), "initial_sync_seconds":
+                                   res["initial_sync"]["sync_seconds"], "sync_bytes": res["steps"][-1]["sync_bytes"],
+                                   "probe_absdiff_max": max(r["sync_probe_absdiff_max"] for r in res["steps"])}
+        log(f"    {mode}: " + ", ".join(f"{k} {v:.4g}" for k, v in out["comparison"][mode].items()))
+    if not any("skipped" not in r for r in out["comparison"].values()):
+        return {"status": "skipped", "why": out["comparison"]["merged"]["skipped"]}
+    return out
 
 
 def write_random_checkpoint(ckpt: Path, hf_config: dict, save_file) -> Path:
@@ -330,6 +383,10 @@ def part_verdict(name: str, out: dict) -> tuple[str, str]:
                      f"{out['summary']['sync_seconds']:.3f} s")
     if out.get("peak_gpu_mib"):
         figures += f", peak GPU {out['peak_gpu_mib']:.0f} MiB"
+    for mode, r in out.get("comparison", {}).items():
+        figures += (f"; {mode}: skipped ({r['skipped']})" if "skipped" in r else
+                    f"; {mode}: sync {r['sync_seconds']:.3f} s, rollout {r['rollout_tokens_per_s']:.0f} tok/s, "
+                    f"step {r['step_seconds']:.2f} s")
     return "ran", figures
 
 
@@ -379,9 +436,9 @@ def main(argv=None) -> int:
     p.add_argument("--parts", default="tiny,0.5b,te,sglang,dynamic", help="comma-separated subset of the parts")
     args = p.parse_args(argv)
     parts = set(args.parts.split(","))
-    unknown = parts - {"tiny", "0.5b", "te", "sglang", "dynamic"}
+    unknown = parts - {"tiny", "0.5b", "te", "sglang", "sglang-lora", "dynamic"}
     if unknown:
-        p.error(f"--parts: unknown {sorted(unknown)}; choose from tiny, 0.5b, te, sglang, dynamic")
+        p.error(f"--parts: unknown {sorted(unknown)}; choose from tiny, 0.5b, te, sglang, sglang-lora, dynamic")
     budget = Budget(args.budget_seconds)
     if args.cpu_smoke:
         args.steps, args.prompts, args.samples, args.response_len, args.micro_batch = 2, 2, 4, 8, 8
@@ -428,6 +485,9 @@ def main(argv=None) -> int:
             skip(results, "te", "Transformer Engine layer spec", "transformer_engine is not importable (or no CUDA)")
     if "sglang" in parts:
         run_part("sglang", "SGLang colocated cycle", lambda: sglang_part(args, budget, workdir), results, budget, 0)
+    if "sglang-lora" in parts:
+        run_part("sglang-lora", "--lora-weight-sync merged against adapter on SGLang",
+                 lambda: sglang_lora_part(args, budget, workdir), results, budget, 0)
     if "dynamic" in parts:
         run_part("dynamic", "Megatron dynamic inference engine (--rollout-backend megatron)",
                  lambda: dynamic_part(args), results, budget, 45)
@@ -440,6 +500,11 @@ def main(argv=None) -> int:
             continue
         if r.get("status") != "ran":
             log(f"  {name:<7} {r.get('status')}: {r.get('why') or r.get('error')}")
+            continue
+        if "comparison" in r:
+            for mode, c in r["comparison"].items():
+                log(f"  {name:<7} {mode}: " + (f"skipped ({c['skipped']})" if "skipped" in c else
+                                                ", ".join(f"{k} {v:.4g}" for k, v in c.items())))
             continue
         s = r.get("summary", {})
         log(f"  {name:<7} params {r['parameters'] / 1e6:.1f} M | rollout {s['rollout_tokens_per_s']:.0f} tok/s "

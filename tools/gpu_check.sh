@@ -2,7 +2,10 @@
 # megarl's GPU path, with figures: rollout tokens/s, weight-sync seconds, step time, peak GPU memory, and a verdict
 # line per stage (`PASS stage NAME: ...`, `FAIL stage NAME: reason`, `SKIP stage NAME: reason`), collected at the end.
 #
-#   tools/gpu_check.sh [--cpu-smoke] [--parts tiny,0.5b,te,sglang,dynamic] [--out DIR]
+#   tools/gpu_check.sh [--cpu-smoke] [--parts tiny,0.5b,te,sglang,dynamic,sglang-lora] [--out DIR]
+#
+# `--parts sglang-lora` times --lora-weight-sync merged against adapter on SGLang (not a default part: give it
+# GPU_CHECK_SINGLE_SECONDS=420 and GPU_CHECK_TP2_STAGES=none, two cold SGLang starts need that much).
 #
 # Two steps under one time budget, GPU_CHECK_TIMEOUT seconds in all (default 540: a lent device gives 15 minutes,
 # its start included, and one cold SGLang start takes one to two of them; stages that would not fit are skipped

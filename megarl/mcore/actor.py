@@ -206,10 +206,18 @@ class MegatronPolicy(MegatronModel):
         """Full HF-named weights on the model-parallel leader, [] elsewhere."""
         return convert.export_hf_weights(self.model, self.shape)
 
-    def iter_hf(self, every_tp_rank: bool = False):
+    def iter_hf(self, every_tp_rank: bool = False, merge_adapters: bool = True):
         """`export_hf` one tensor at a time; every model-parallel rank must exhaust it (it runs collectives).
-        `every_tp_rank`: every TP rank of the first stage gets the full tensors, not only the leader."""
-        return convert.iter_hf_weights(self.model, self.shape, every_tp_rank)
+        `every_tp_rank`: every TP rank of the first stage gets the full tensors, not only the leader.
+        `merge_adapters` False: the frozen base weights, without the LoRA adapters merged in."""
+        return convert.iter_hf_weights(self.model, self.shape, every_tp_rank, merge_adapters)
+
+    def peft_adapters(self) -> tuple[dict[str, torch.Tensor], dict]:
+        """The LoRA adapters, whole, on the CPU and named as PEFT names them, with their `adapter_config.json`
+        dict, on every model-parallel rank, which all call it (`--lora-weight-sync adapter`)."""
+        if self.lora is None:
+            raise ValueError("--lora-weight-sync adapter: the actor has no LoRA adapters (--lora-rank 0)")
+        return lora.all_peft_tensors(self.model), lora.peft_config(self.lora, base="")
 
     def save_peft(self, base: str, out_dir: str) -> None:
         """The LoRA adapters as a PEFT adapter directory (`lora.save_peft`); every rank calls it."""

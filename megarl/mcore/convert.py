@@ -352,8 +352,8 @@ def export_hf_weights(model: torch.nn.Module, shape: ModelShape) -> list[tuple[s
     return list(iter_hf_weights(model, shape))
 
 
-def iter_hf_weights(model: torch.nn.Module, shape: ModelShape,
-                    every_tp_rank: bool = False) -> Iterator[tuple[str, torch.Tensor]]:
+def iter_hf_weights(model: torch.nn.Module, shape: ModelShape, every_tp_rank: bool = False,
+                    merge_adapters: bool = True) -> Iterator[tuple[str, torch.Tensor]]:
     """`export_hf_weights` as a stream: the leader receives one full HF tensor at a time, so a consumer that
     writes each away (a shard file, a sync bucket) never holds the whole model twice.
 
@@ -363,7 +363,9 @@ def iter_hf_weights(model: torch.nn.Module, shape: ModelShape,
     the bucket from their own GPU: `megarl.rollout.sglang_ipc`). The TP all-gather leaves every TP rank the full
     tensor anyway; what it adds is the PP hand-over of the later stages on every TP rank's pipeline group, not on
     TP rank 0's only (each TP rank's bytes travel in parallel, on their own link). A layer with a LoRA adapter is
-    exported merged, `W + (alpha / rank) B A` (`_merged`), its adapter tensors not at all.
+    exported merged, `W + (alpha / rank) B A` (`_merged`), its adapter tensors not at all; without
+    `merge_adapters`, as the frozen base alone (an engine that applies the adapters itself:
+    `--lora-weight-sync adapter`).
     """
     from megatron.core import parallel_state as ps
 
@@ -386,7 +388,8 @@ def iter_hf_weights(model: torch.nn.Module, shape: ModelShape,
             param = params[local_name]
             _, size, group = _tp_of(global_name)
             owner, _, attr = local_name.rpartition(".")
-            local = _merged(model.get_submodule(owner), param.detach()) if attr == "weight" else param.detach()
+            local = (_merged(model.get_submodule(owner), param.detach()) if attr == "weight" and merge_adapters
+                     else param.detach())
             full = gather_tp(rule, local, param, group, size)
             for e, tensor in _gather_ep(full, expert, shape):
                 if yields:

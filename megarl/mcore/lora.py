@@ -392,6 +392,20 @@ def peft_config(opts: LoRAOptions, base: str) -> dict:
             "bias": "none", "use_rslora": False, "fan_in_fan_out": False, "inference_mode": True}
 
 
+def all_peft_tensors(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """Every pipeline stage's adapters (`peft_tensors`), whole and on the CPU, on every rank of the model-parallel
+    group, which all call it: what a PEFT directory or SGLang's LoRA API (`--lora-weight-sync adapter`) takes."""
+    import torch.distributed as dist
+    from megatron.core import parallel_state as ps
+
+    tensors = {k: v.cpu() for k, v in peft_tensors(model).items()}
+    if ps.get_pipeline_model_parallel_world_size() > 1:
+        stages = [None] * ps.get_pipeline_model_parallel_world_size()
+        dist.all_gather_object(stages, tensors, group=ps.get_pipeline_model_parallel_group())
+        tensors = {k: v for stage in stages for k, v in stage.items()}
+    return tensors
+
+
 def save_peft(model: torch.nn.Module, opts: LoRAOptions, base: str, out_dir: str) -> None:
     """`--save-peft`: the adapters as a PEFT adapter directory (`adapter_config.json`, `adapter_model.safetensors`)
     that `peft.PeftModel.from_pretrained(<HF model at base>, out_dir)` loads. Every rank calls it: TP shards are
@@ -400,14 +414,9 @@ def save_peft(model: torch.nn.Module, opts: LoRAOptions, base: str, out_dir: str
     from pathlib import Path
 
     import torch.distributed as dist
-    from megatron.core import parallel_state as ps
     from safetensors.torch import save_file
 
-    tensors = {k: v.float().cpu() for k, v in peft_tensors(model).items()}
-    if ps.get_pipeline_model_parallel_world_size() > 1:
-        stages = [None] * ps.get_pipeline_model_parallel_world_size()
-        dist.all_gather_object(stages, tensors, group=ps.get_pipeline_model_parallel_group())
-        tensors = {k: v for stage in stages for k, v in stage.items()}
+    tensors = {k: v.float() for k, v in all_peft_tensors(model).items()}
     if dist.get_rank() == 0:
         out = Path(out_dir)
         out.mkdir(parents=True, exist_ok=True)

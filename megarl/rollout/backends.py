@@ -136,9 +136,12 @@ def build_sglang(cfg: Config, actor: MegatronPolicy | None = None) -> RolloutEng
         # Multi-turn rollout functions may end turns at stop strings, which SGLang matches on text: it then needs
         # its tokenizer (single_turn stops at token ids only, and skips loading it). Seeded, the engine runs with
         # deterministic inference, without which SGLang ignores the requests' sampling_seed (`launch`).
+        # --lora-weight-sync adapter: SGLang's LoRA support, sized for the actor's adapters.
+        lora = ({"lora_rank": cfg.model.lora_rank, "lora_targets": cfg.model.lora_targets}
+                if r.lora_weight_sync == "adapter" else {})
         return SGLangEngine.launch(cfg.model.hf_checkpoint, tp_size=tp, base_gpu_id=torch.cuda.current_device(),
                                    mem_fraction=r.sglang_mem_fraction, dtype="bfloat16" if cfg.model.bf16 else "auto",
-                                   seed=cfg.training.seed, tokenizer=r.rollout_function != "single_turn")
+                                   seed=cfg.training.seed, tokenizer=r.rollout_function != "single_turn", **lora)
     from megarl.mcore.parallel import parallel_info
 
     pusher = dist.get_rank() == 0  # every DP leader generates; one rank pushes weights for all

@@ -29,6 +29,14 @@ refuses `/flush_cache` (400) while any request runs or waits, so the flush is re
 data-parallel leader pushes; all of them then meet at a barrier (`LeaderBarrier`), so no leader generates before
 every server holds the new weights.
 
+LoRA (`--lora-weight-sync adapter`): the engine is launched with SGLang's LoRA support (`enable_lora`,
+`max_lora_rank`, `lora_target_modules`); the first sync pushes the base weights in buckets, each sync then loads
+the version's adapters, PEFT-named CPU tensors with their adapter_config.json dict, as `megarl-v<version>`
+(`load_lora_adapter_from_tensors`, in process; `/load_lora_adapter_from_tensors` over HTTP, the tensors pickled by
+value since a server elsewhere cannot open shared memory) and unloads the previous version's; every generate and
+score request then names the adapter (`lora_path`). A colocated engine keeps its base weights on the GPU while
+the actor trains from then on: SGLang keeps no copy of released weights, and the base is not sent again.
+
 Log-probs: SGLang reports log softmax(logits / temperature) of the sampled token, before top-k / top-p, which is
 `Completion.logprobs`' definition (leave SGLANG_RETURN_ORIGINAL_LOGPROB unset). The engine knows nothing of
 Megatron; `sglang` itself is imported only when an engine is launched or a bucket serialized.
@@ -36,7 +44,9 @@ Megatron; `sglang` itself is imported only when an engine is launched or a bucke
 
 from __future__ import annotations
 
+import base64
 import json
+import pickle
 import threading
 import time
 import urllib.error
@@ -48,7 +58,8 @@ import torch
 
 from megarl.rollout.base import Completion, SamplingParams
 from megarl.rollout.sglang_ipc import IpcGather, release_ipc, serialize_bucket
-from megarl.rollout.weight_sync import DEFAULT_BUCKET_BYTES, WeightBucket, WeightSyncError, pack_buckets
+from megarl.rollout.weight_sync import (DEFAULT_BUCKET_BYTES, WeightBucket, WeightSyncError, adapter_name,
+                                        pack_buckets)
 
 KV_CACHE, WEIGHTS, CUDA_GRAPH = "kv_cache", "weights", "cuda_graph"
 # Every region torch_memory_saver manages in SGLang 0.5.23; the captured CUDA graphs' memory is one of them.
@@ -176,9 +187,12 @@ def input_top_logprobs(output: dict, seq_len: int, prompt_len: int) -> tuple[tor
 
 
 def _check(result, what: str) -> None:
-    """SGLang's control calls answer (success, message) or {"success": ..., "message": ...}."""
+    """SGLang's control calls answer (success, message), {"success": ..., "message": ...}, or (the LoRA ones) an
+    object or dict with `success` and `error_message`."""
+    if not isinstance(result, (dict, tuple, list)) and hasattr(result, "success"):
+        result = (result.success, getattr(result, "error_message", None) or "")
     if isinstance(result, dict):
-        result = (result.get("success", True), result.get("message", ""))
+        result = (result.get("success", True), result.get("message") or result.get("error_message") or "")
     if isinstance(result, (tuple, list)) and result and result[0] is False:
         raise WeightSyncError(f"SGLang {what} failed: {result[1] if len(result) > 1 else ''}")
 
@@ -210,12 +224,16 @@ class SGLangEngine:
         self.weight_version = 0
         self.aborted = 0  # requests SGLang aborted so far (`count_aborted`)
         self._released: set[str] = set()
+        self.adapter: str | None = None  # the LoRA adapter every request names (`load_lora_adapter`)
 
     @classmethod
     def launch(cls, hf_dir: str, *, tp_size: int = 1, base_gpu_id: int = 0, mem_fraction: float = 0.5,
                dtype: str = "bfloat16", seed: int | None = 0, colocated: bool = True, tokenizer: bool = False,
-               ipc: IpcGather | None = None, **server_args) -> SGLangEngine:
+               ipc: IpcGather | None = None, lora_rank: int = 0, lora_targets: Sequence[str] = (),
+               **server_args) -> SGLangEngine:
         """`tokenizer`: load SGLang's tokenizer and detokenizer, which matching `SamplingParams.stop` needs.
+        `lora_rank` > 0: SGLang's LoRA support on, for adapters of that rank on `lora_targets` (HF projection
+        names), loaded at each sync (`load_lora_adapter`, --lora-weight-sync adapter).
 
         `seed`: SGLang's `random_seed`; a seeded engine is also launched with `enable_deterministic_inference`,
         without which SGLang 0.5.23 ignores the per-request `sampling_seed` megarl sends (same seed, different
@@ -228,6 +246,8 @@ class SGLangEngine:
         import sglang
 
         server_args.setdefault("enable_deterministic_inference", seed is not None)
+        if lora_rank:
+            server_args.update(enable_lora=True, max_lora_rank=lora_rank, lora_target_modules=list(lora_targets))
         engine = sglang.Engine(model_path=str(hf_dir), tp_size=tp_size, base_gpu_id=base_gpu_id,
                                mem_fraction_static=mem_fraction, dtype=dtype,
                                random_seed=0 if seed is None else seed,
@@ -265,6 +285,10 @@ class SGLangEngine:
 
     # -- rollout ---------------------------------------------------------------------------------------------
 
+    def _lora(self, n: int) -> dict:
+        """The `generate` keyword that applies the loaded adapter to each of `n` requests ({} without one)."""
+        return {"lora_path": [self.adapter] * n} if self.adapter is not None else {}
+
     def generate(self, prompts: Sequence[Sequence[int]], params: SamplingParams) -> list[list[Completion]]:
         if not prompts:
             return []
@@ -272,7 +296,8 @@ class SGLangEngine:
             raise ValueError("SamplingParams.stop: this SGLang engine was launched without its tokenizer "
                              "(skip_tokenizer_init), so it cannot match stop strings; launch it with tokenizer=True")
         ids, sampling = expand_requests(prompts, params)
-        outputs = self.engine.generate(input_ids=ids, sampling_params=sampling, return_logprob=True)
+        outputs = self.engine.generate(input_ids=ids, sampling_params=sampling, return_logprob=True,
+                                       **self._lora(len(ids)))
         self.aborted += count_aborted(outputs)
         return group([to_completion(o, self.weight_version) for o in outputs], params.n)
 
@@ -282,7 +307,7 @@ class SGLangEngine:
         check_score_temperature(temperature)
         outputs = self.engine.generate(input_ids=[list(s) for s in sequences],
                                        sampling_params={"max_new_tokens": 1, "temperature": temperature},
-                                       return_logprob=True, logprob_start_len=0)
+                                       return_logprob=True, logprob_start_len=0, **self._lora(len(sequences)))
         return [input_logprobs(o, len(s), p) for o, s, p in zip(outputs, sequences, prompt_lens)]
 
     def score_topk(self, sequences: list[list[int]], prompt_lens: list[int],
@@ -291,7 +316,8 @@ class SGLangEngine:
         1: per sequence (ids, log-probs) [len(seq) - prompt_len, k] (`megarl.rollout.mismatch.topk_mismatch`)."""
         outputs = self.engine.generate(input_ids=[list(s) for s in sequences],
                                        sampling_params={"max_new_tokens": 1, "temperature": 1.0},
-                                       return_logprob=True, logprob_start_len=0, top_logprobs_num=k)
+                                       return_logprob=True, logprob_start_len=0, top_logprobs_num=k,
+                                       **self._lora(len(sequences)))
         return [input_top_logprobs(o, len(s), p) for o, s, p in zip(outputs, sequences, prompt_lens)]
 
     # -- the colocation cycle --------------------------------------------------------------------------------
@@ -301,8 +327,10 @@ class SGLangEngine:
         and the captured CUDA graphs' memory, which would otherwise stay reserved while the actor trains.
         `keep_weights` (no push follows: an evaluation between steps): the weights stay. SGLang keeps no copy of
         released weights unless `enable_weights_cpu_backup` is on, so weights released with no push after them
-        come back as uninitialised memory."""
+        come back as uninitialised memory. Once a LoRA adapter is loaded the weights always stay: they are the base
+        the adapters apply to, sent once (--lora-weight-sync adapter)."""
         if self.colocated:
+            keep_weights = keep_weights or self.adapter is not None
             tags = [t for t in MEMORY_TAGS if not (keep_weights and t == WEIGHTS)]
             _check(self.engine.release_memory_occupation(tags=tags), "release_memory_occupation")
             self._released = set(tags)
@@ -339,6 +367,25 @@ class SGLangEngine:
             raise
         if self.ipc is not None:
             self.ipc.close()
+        self.weight_version = version
+
+    def load_lora_adapter(self, tensors: dict[str, torch.Tensor], config: dict, version: int) -> None:
+        """Load the adapters of `version` (PEFT-named, whole: SGLang shards them over its TP ranks itself) as
+        `megarl-v<version>`, unload the previous version's, and name the new one in every request from now on.
+        The base weights must be in place (the first sync pushes them, and they are never released after)."""
+        if WEIGHTS in self._released:
+            raise WeightSyncError("SGLang's weights are released: push the base weights (load_weight_buckets) before "
+                                  "loading LoRA adapters onto them")
+        name = adapter_name(version)
+        if self.adapter == name:  # the same version again: SGLang refuses a name already loaded
+            _check(self.engine.unload_lora_adapter(lora_name=name), f"unload_lora_adapter({name})")
+            self.adapter = None
+        tensors = {k: v.detach().cpu().contiguous() for k, v in tensors.items()}
+        _check(self.engine.load_lora_adapter_from_tensors(lora_name=name, tensors=tensors, config_dict=config),
+               f"load_lora_adapter_from_tensors({name})")
+        old, self.adapter = self.adapter, name
+        if old is not None:
+            _check(self.engine.unload_lora_adapter(lora_name=old), f"unload_lora_adapter({old})")
         self.weight_version = version
 
     def resume_memory(self) -> None:
@@ -384,7 +431,8 @@ def _error_message(e: urllib.error.HTTPError) -> str:
         return text or str(e.reason)
     if isinstance(data, dict):
         error = data.get("error")
-        message = data.get("message") or (error.get("message") if isinstance(error, dict) else error)
+        message = (data.get("message") or data.get("error_message")
+                   or (error.get("message") if isinstance(error, dict) else error))
         return str(message) if message else text
     return text
 
@@ -572,6 +620,11 @@ class SGLangServers:
         self.group = None
         self.group_name = "megarl_weights"
         self._seed_checked = False
+        self.adapter: str | None = None  # the LoRA adapter every request names (`load_lora_adapter`)
+
+    def _lora(self) -> dict:
+        """The `/generate` key that applies the loaded adapter to every request of a body ({} without one)."""
+        return {"lora_path": self.adapter} if self.adapter is not None else {}
 
     def _post(self, url: str, path: str, payload: dict | None = None, timeout: float | None = None):
         return _post(url, path, payload, timeout=self.timeout_s if timeout is None else timeout)
@@ -602,7 +655,7 @@ class SGLangServers:
         blocks = [(u, ids[i : i + per], sampling[i : i + per]) for u, i in zip(self.urls, range(0, len(ids), per))]
         answers = _join(_in_threads([
             lambda u=u, x=x, s=s: self._post(u, "/generate", {"input_ids": x, "sampling_params": s,
-                                                              "return_logprob": True})
+                                                              "return_logprob": True, **self._lora()})
             for u, x, s in blocks]))
         outputs = [o for answer in answers for o in (answer if isinstance(answer, list) else [answer])]
         self.aborted += count_aborted(outputs)
@@ -631,7 +684,7 @@ class SGLangServers:
         check_score_temperature(temperature)
         answer = self._post(self.urls[0], "/generate", {
             "input_ids": [list(s) for s in sequences], "return_logprob": True, "logprob_start_len": 0,
-            "sampling_params": {"max_new_tokens": 1, "temperature": temperature}})
+            "sampling_params": {"max_new_tokens": 1, "temperature": temperature}, **self._lora()})
         answer = answer if isinstance(answer, list) else [answer]
         return [input_logprobs(o, len(s), p) for o, s, p in zip(answer, sequences, prompt_lens)]
 
@@ -681,6 +734,38 @@ class SGLangServers:
         if self.barrier is not None:
             self.barrier.arrive(version)
         self.weight_version = version
+
+    def load_lora_adapter(self, tensors: dict[str, torch.Tensor], config: dict, version: int) -> None:
+        """The pusher loads the adapters of `version` on every server as `megarl-v<version>` and unloads the
+        previous version's; every data-parallel leader then waits at `barrier` and names the new adapter in its
+        requests from then on. Over HTTP the tensors travel pickled by value (CPU tensors; SGLang's `SafeUnpickler`
+        admits them), one copy per server TP rank, as SGLang's route takes them."""
+        name = adapter_name(version)
+        if self.push:
+            try:
+                self._load_adapter(name, tensors, config)
+            except BaseException as e:
+                if self.barrier is not None:
+                    self.barrier.fail(version, f"{type(e).__name__}: {e}")
+                raise
+        if self.barrier is not None:
+            self.barrier.arrive(version)
+        self.adapter, self.weight_version = name, version
+
+    def _load_adapter(self, name: str, tensors: dict[str, torch.Tensor], config: dict) -> None:
+        if self.tp_sizes is None:
+            self.tp_sizes = [server_tp_size(u) for u in self.urls]
+        payload = base64.b64encode(pickle.dumps({k: v.detach().cpu().contiguous() for k, v in tensors.items()}))
+        payload = payload.decode()
+        if self.adapter == name:  # the same version again: SGLang refuses a name already loaded
+            self._all("/unload_lora_adapter", {"lora_name": name}, f"unload_lora_adapter({name})")
+            self.adapter = None
+        _join(_in_threads([lambda u=u, tp=tp: self._control(
+            u, "/load_lora_adapter_from_tensors",
+            {"lora_name": name, "config_dict": config, "serialized_named_tensors": [payload] * tp},
+            f"load_lora_adapter_from_tensors({name})") for u, tp in zip(self.urls, self.tp_sizes)]))
+        if self.adapter is not None:  # no flush: SGLang keys cached prefixes by the adapter too (`Req.extra_key`)
+            self._all("/unload_lora_adapter", {"lora_name": self.adapter}, f"unload_lora_adapter({self.adapter})")
 
     def _push(self, buckets: Iterable[WeightBucket]) -> None:
         if self.group is None:

@@ -18,6 +18,9 @@ engine:
 Every `RolloutEngine` takes buckets (`load_weight_buckets`): SGLang passes them on as they are, the built-in engine
 copies each bucket's tensors (views into the bucket, no copy on the way) into its own weights. An engine that
 generates with the actor's own parameters (`shares_actor_weights`) gets no buckets, only a version (`stamp`).
+A LoRA actor's engine gets merged weights, or (`--lora-weight-sync adapter`, an `AdapterTaker`: SGLang) the base
+weights once in buckets and then, at every sync, only the adapters in PEFT form (`push_adapter`), which it loads
+under a name of their version (`adapter_name`) and applies to every request after.
 Nothing here knows Megatron.
 """
 
@@ -84,6 +87,22 @@ class BucketTaker(Protocol):
     def update_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]], version: int | None = None) -> None: ...
 
 
+class AdapterTaker(Protocol):
+    """An engine that applies LoRA adapters itself (`--lora-weight-sync adapter`): it holds the base weights and
+    takes each version's adapters whole, PEFT-named (`base_model.model.model.layers.L.self_attn.q_proj.lora_A.weight`),
+    with their `adapter_config.json` dict, in place of the previous version's."""
+
+    weight_version: int
+
+    def load_lora_adapter(self, tensors: dict[str, torch.Tensor], config: dict, version: int) -> None: ...
+
+
+def adapter_name(version: int) -> str:
+    """The name the adapters of weight version `version` are loaded under, and which every request then names:
+    one per version, so a request can never be served by an adapter other than the one it names."""
+    return f"megarl-v{version}"
+
+
 def pack_buckets(named_tensors: Iterable[tuple[str, torch.Tensor]], bucket_bytes: int = DEFAULT_BUCKET_BYTES,
                  dtype: torch.dtype | None = None) -> Iterator[WeightBucket]:
     """Group tensors into buckets of at most `bucket_bytes` (a larger tensor gets a bucket of its own), one per
@@ -131,6 +150,12 @@ class SyncStats:
     peak_gpu_bytes: int = 0  # CUDA peak allocated during the sync; 0 on CPU
     names: list[str] = field(default_factory=list, repr=False)
 
+    def plus(self, other: SyncStats) -> SyncStats:
+        """Two parts of one sync as one (the base weights, then the adapters)."""
+        return SyncStats(self.version, self.tensors + other.tensors, self.buckets + other.buckets,
+                         self.bytes + other.bytes, self.seconds + other.seconds,
+                         max(self.peak_gpu_bytes, other.peak_gpu_bytes), self.names + other.names)
+
     def metrics(self) -> dict[str, float]:
         return {"weight_version": self.version, "sync_bytes": self.bytes, "sync_buckets": self.buckets,
                 "sync_seconds": self.seconds, "sync_gb_per_s": self.bytes / max(self.seconds, 1e-9) / 1e9,
@@ -154,6 +179,20 @@ def push(engine: BucketTaker, named_tensors: Iterable[tuple[str, torch.Tensor]],
     if cuda:
         torch.cuda.synchronize()
         stats.peak_gpu_bytes = torch.cuda.max_memory_allocated()
+    stats.seconds = time.perf_counter() - start
+    return stats
+
+
+def push_adapter(engine: AdapterTaker, tensors: dict[str, torch.Tensor], config: dict, version: int) -> SyncStats:
+    """Hand the LoRA adapters of `version` (whole, PEFT-named, `config` their adapter_config.json) to an engine that
+    applies them itself and already holds the base weights; returns what moved (the adapters, in their dtype)."""
+    stats = SyncStats(version=version, tensors=len(tensors), names=sorted(tensors),
+                      bytes=sum(t.numel() * t.element_size() for t in tensors.values()))
+    start = time.perf_counter()
+    engine.load_lora_adapter(tensors, config, version)
+    if engine.weight_version != version:
+        raise WeightSyncError(f"after the adapter sync the engine reports weight version {engine.weight_version}, "
+                              f"expected {version}")
     stats.seconds = time.perf_counter() - start
     return stats
 

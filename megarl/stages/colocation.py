@@ -76,7 +76,12 @@ class WeightSync:
     actor holds the GPU (the forward is collective); the engine scores the probe at the next `enter_rollout`,
     after the actor's optimizer (and weights) have left the GPU and the engine has taken back its KV cache. The
     check so runs before the engine generates anything with the synced weights, never with the optimizer state
-    and the KV cache on the GPU at once."""
+    and the KV cache on the GPU at once.
+
+    --lora-weight-sync adapter (SGLang): the first sync sends the frozen base weights in buckets (not merged: the
+    adapters may be trained already, on a resumed run), then every sync the adapters alone, gathered whole and in
+    PEFT form on every rank (`MegatronPolicy.peft_adapters`) and loaded by the leader's engine as the version's
+    adapter (`weight_sync.push_adapter`); the probe is then scored by the engine with that adapter applied."""
 
     def __init__(self, actor: MegatronPolicy, engine: RolloutEngine | None, r: RolloutConfig, info: ParallelInfo,
                  timeout_s: float = 600.0):
@@ -98,6 +103,8 @@ class WeightSync:
             if engine is not None:
                 engine.use_ipc(self.ipc)
         self.pending_mismatch: mismatch.ActorSide | None = None  # --mismatch-check-interval's actor side
+        self.adapters = r.lora_weight_sync == "adapter" and not self.shares_actor_weights
+        self.base_sent = False  # --lora-weight-sync adapter: the engine holds the base weights
 
     def __call__(self, version: int, rows: PackedSamples | None = None) -> dict[str, float]:
         """Sync the actor's weights as `version` (with --verify-weight-sync: and take the actor's side of the
@@ -105,8 +112,11 @@ class WeightSync:
         the step's batch). Returns the sync's metrics on the leader ({} elsewhere)."""
         if self.shares_actor_weights:
             metrics = weight_sync.stamp(self.engine, version).metrics() if self.engine is not None else {}
+        elif self.adapters:
+            metrics = self._push_adapters(version)
         else:
-            metrics = self._push(version)
+            stats = self._push(version)
+            metrics = stats.metrics() if stats is not None else {}
         if self.r.verify_weight_sync:
             self.pending = actor_probe(self.actor, version, gather=self.info.replica_size > 1)
         if rows is not None and (n := self.r.mismatch_check_interval) and version % n == 0:
@@ -114,18 +124,21 @@ class WeightSync:
                                                         gather=self.info.replica_size > 1)
         return metrics
 
-    def _push(self, version: int) -> dict[str, float]:
+    def _push(self, version: int, merge_adapters: bool = True) -> weight_sync.SyncStats | None:
+        """The whole model in buckets; what moved on the leader (None elsewhere). `merge_adapters` False: the frozen
+        base weights, for an engine that applies the adapters itself."""
         # gathers TP/PP shards on the leader (for an engine at TP > 1 on the first stage's TP ranks too), one
         # tensor at a time; collective
         # every TP rank alike, on every stage: the later stages' TP rank r sends to the first stage's over their
         # own PP group
-        named = self.actor.iter_hf(every_tp_rank=True) if self.ipc_tp > 1 else self.actor.iter_hf()
+        kw = {"every_tp_rank": True} if self.ipc_tp > 1 else {}
+        named = self.actor.iter_hf(**kw) if merge_adapters else self.actor.iter_hf(**kw, merge_adapters=False)
         try:
             if self.engine is None:
                 if self.ipc is not None:  # this rank's own copy of each bucket, for the TP rank on its GPU
                     self.ipc.serve(weight_sync.pack_buckets(named, self.r.sync_bucket_mb << 20, self.dtype))
-                return {}
-            return weight_sync.push(self.engine, named, version, self.r.sync_bucket_mb << 20).metrics()
+                return None
+            return weight_sync.push(self.engine, named, version, self.r.sync_bucket_mb << 20)
         finally:
             # Every model-parallel rank runs the export to its end in step with the others: ranks without an
             # engine, an engine that takes no buckets, and a push that failed part way (its error is then raised
@@ -133,6 +146,19 @@ class WeightSync:
             # generator is finished and this is a no-op.
             for _ in named:
                 pass
+
+    def _push_adapters(self, version: int) -> dict[str, float]:
+        """--lora-weight-sync adapter: the base weights at the first sync, then the adapters of `version` (every
+        rank of the replica calls it: both exports are collective)."""
+        base = None
+        if not self.base_sent:
+            base = self._push(version, merge_adapters=False)
+            self.base_sent = True
+        tensors, config = self.actor.peft_adapters()
+        if self.engine is None:
+            return {}
+        stats = weight_sync.push_adapter(self.engine, tensors, config, version)
+        return (stats if base is None else base.plus(stats)).metrics()
 
     def check_probe(self) -> dict[str, float]:
         """The engine scores the last sync's probe (at most once); raises `WeightSyncError` on a mismatch. The

@@ -296,6 +296,33 @@ def declared_type(annotation: str):
     return eval(annotation, {k: getattr(typing, k) for k in typing.__all__}, {})
 
 
+# -- LoRA adapters from tensors: how SGLang reads them ------------------------------------------------------------
+
+
+@functools.lru_cache(maxsize=1)
+def lora() -> types.SimpleNamespace:
+    """SGLang's reading of an adapter loaded from tensors (`LoRAAdapter.initialize_weights_from_tensors`), as its
+    code run here: `LoRAConfig` (`lora/lora_config.py`, whole: it imports huggingface_hub only), `get_layer_id`
+    (`layers/utils/common.py`), the adapter's `normalize_qkv_proj` / `normalize_gate_up_proj` (which stack PEFT's
+    q/k/v and gate/up tensors into SGLang's fused buffers), and `SUPPORTED_LORA_TARGET_MODULES`, the choices of
+    `--lora-target-modules` (`utils/common.py`)."""
+    config = _module(f"{_PRIVATE}.lora_config", source("srt/lora/lora_config.py"), "sglang/srt/lora/lora_config.py")
+    layer_utils = _defs("srt/layers/utils/common.py", {"get_layer_id"})
+    layers = _module(f"{_PRIVATE}.layer_utils", _pieces("srt/layers/utils/common.py",
+                                                         [layer_utils["get_layer_id"]], "import re\n"),
+                     "sglang/srt/layers/utils/common.py")
+    adapter = _module(f"{_PRIVATE}.lora_adapter", _methods("srt/lora/lora.py", "LoRAAdapter",
+                                                           {"normalize_qkv_proj", "normalize_gate_up_proj"}),
+                      "sglang/srt/lora/lora.py", {"torch": __import__("torch"), "List": typing.List,
+                                                  "Dict": typing.Dict})
+    supported = next(ast.literal_eval(n.value) for n in ast.parse(source("srt/utils/common.py")).body
+                     if isinstance(n, ast.Assign) and any(isinstance(t, ast.Name) and
+                                                          t.id == "SUPPORTED_LORA_TARGET_MODULES" for t in n.targets))
+    return types.SimpleNamespace(LoRAConfig=config.LoRAConfig, get_layer_id=layers.get_layer_id,
+                                 normalize_qkv_proj=adapter.normalize_qkv_proj,
+                                 normalize_gate_up_proj=adapter.normalize_gate_up_proj, supported_targets=supported)
+
+
 # -- weight sync: the wheel's code, run here ----------------------------------------------------------------------
 
 

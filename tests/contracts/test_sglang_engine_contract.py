@@ -12,6 +12,11 @@ What is checked, each against the 0.5.23 wheel's own text or code (`sglang_upstr
   SGLang's code run here: the payload normaliser, `deserialize_own_rank` (its `SafeUnpickler` allows only listed
   globals), `_update_weights_from_flattened_bucket` and `FlattenedTensorBucket.reconstruct_tensors`, and comes out
   as the tensors the actor exported, at SGLang TP 1.
+- --lora-weight-sync adapter: the launch's LoRA keywords (`enable_lora`, `max_lora_rank`, `lora_target_modules`,
+  its targets among SGLang's choices), `load_lora_adapter_from_tensors` / `unload_lora_adapter` / `generate`'s
+  `lora_path` as declared, and the adapters as SGLang reads them: serialised per TP rank and deserialised by its
+  own code, the config through its `LoRAConfig`, each layer's tensors stacked by its own `normalize_qkv_proj` /
+  `normalize_gate_up_proj` into the fused buffers.
 
 Not checked here: `ServerArgs(**kwargs)` itself (test_sglang_runtime_contract.py builds it, with SGLang imported
 for real in a subprocess) and the engine module's import (its chain needs a torchvision that loads under this torch
@@ -30,6 +35,7 @@ import pytest
 import sglang_upstream as upstream
 import torch
 
+from megarl.mcore import lora
 from megarl.rollout import sglang_engine
 from megarl.rollout.base import SamplingParams
 from megarl.rollout.sglang_engine import SGLangEngine
@@ -42,7 +48,7 @@ class Engine:
 
     def __init__(self, **kwargs):
         upstream.engine_signatures()["__init__"].bind(self, **kwargs)
-        self.server_args, self.calls, self.loaded = kwargs, [], {}
+        self.server_args, self.calls, self.loaded, self.adapters = kwargs, [], {}, {}
 
     def __getattr__(self, name):
         if name.startswith("_") or name not in upstream.engine_signatures():
@@ -86,6 +92,30 @@ class Engine:
             if not ok:
                 return ok, message
         return True, "Success"
+
+
+    def _answer_load_lora_adapter_from_tensors(self, lora_name, tensors, config_dict, load_format=None):
+        """What 0.5.23 does with adapters from tensors, each step SGLang's own code: `_serialize_tensors_per_rank`
+        (no load_format: one `MultiprocessingSerializer` payload per TP rank), each rank's `deserialize_own_rank`,
+        `LoRAConfig.from_dict`, and `LoRAAdapter.initialize_weights_from_tensors`' reading: tensors grouped by
+        `get_layer_id`, then q/k/v and gate/up stacked (`normalize_qkv_proj`, `normalize_gate_up_proj`).
+        Answers as `LoRAUpdateOutput` does: an object with `success` and `error_message`."""
+        assert load_format is None, load_format
+        read = upstream.lora()
+        payloads = [self.ws.utils.MultiprocessingSerializer.serialize(tensors)
+                    for _ in range(self.server_args["tp_size"])]
+        for rank in range(self.server_args["tp_size"]):
+            self.ws.tp_rank = rank
+            data = self.ws.deserialize_own_rank(None, payloads)
+        config = read.LoRAConfig.from_dict(config_dict, None, base_vocab_size=11)
+        layers: dict[int, dict] = {}
+        for name, tensor in data.items():
+            layers.setdefault(read.get_layer_id(name), {})[name] = tensor.cpu()
+        for weights in layers.values():
+            read.normalize_qkv_proj(None, list(weights), weights)
+            read.normalize_gate_up_proj(None, list(weights), weights)
+        self.adapters[lora_name] = types.SimpleNamespace(tensors=data, config=config, layers=layers)
+        return types.SimpleNamespace(success=True, error_message=None)
 
 
 @pytest.fixture
@@ -174,3 +204,70 @@ def test_the_judges_refuse_what_sglang_refuses(launched):
     payload = engine.ws.utils.MultiprocessingSerializer.serialize({"metadata": [SamplingParams()]}, output_str=True)
     with pytest.raises(RuntimeError, match="Blocked unsafe global"):
         engine.ws.deserialize_own_rank(None, [payload])
+
+
+def _peft_adapters(targets, rank, seed, layers=2, hidden=6, q=6, kv=2, ffn=10) -> dict[str, torch.Tensor]:
+    """Whole adapters as `megarl.mcore.lora.peft_tensors` names them, A [rank, in] and B [out, rank]."""
+    g = torch.Generator().manual_seed(seed)
+    shapes = {"q_proj": (hidden, q), "k_proj": (hidden, kv), "v_proj": (hidden, kv), "o_proj": (q, hidden),
+              "gate_proj": (hidden, ffn), "up_proj": (hidden, ffn), "down_proj": (ffn, hidden)}
+    out = {}
+    for layer in range(layers):
+        for t in targets:
+            prefix = f"base_model.model.model.layers.{layer}.{lora.HF_MODULE[t]}"
+            out[f"{prefix}.lora_A.weight"] = torch.randn(rank, shapes[t][0], generator=g)
+            out[f"{prefix}.lora_B.weight"] = torch.randn(shapes[t][1], rank, generator=g)
+    return out
+
+
+def test_lora_adapters_go_through_sglangs_own_calls_and_readers(launched):
+    """--lora-weight-sync adapter, colocated: the launch keywords, the calls, and what SGLang makes of the adapters
+    megarl sends (its PEFT names and its `adapter_config.json` dict, `lora.peft_config`)."""
+    targets, rank = lora.TARGETS, 4
+    engine = launched(tp_size=1, seed=0, lora_rank=rank, lora_targets=targets)
+    fields, server_args = upstream.server_args_fields(), engine.engine.server_args
+    for name, value in (("enable_lora", True), ("max_lora_rank", rank)):
+        assert server_args[name] == value
+        msgspec.convert(value, upstream.declared_type(fields[name]), strict=True)
+    assert "lora_target_modules" in fields  # Optional[Union[set[str], List[str]]], with choices:
+    assert server_args["lora_target_modules"] == list(targets)
+    assert set(targets) <= set(upstream.lora().supported_targets)
+    engine.release_memory()
+    engine.update_weights([("model.norm.weight", torch.ones(6))], version=1)  # the base, once
+    opts = lora.LoRAOptions(rank=rank, alpha=8.0, targets=targets)
+    sent = {v: _peft_adapters(targets, rank, seed=v) for v in (1, 2)}
+    for version, tensors in sent.items():
+        engine.load_lora_adapter(tensors, lora.peft_config(opts, base=""), version)
+    engine.resume_memory()
+    engine.generate([[1, 4, 5], [1, 6]], SamplingParams(n=2, max_new_tokens=2))
+    engine.score([[1, 4, 5, 6]], [2])
+
+    calls = engine.engine.calls
+    assert [a["lora_name"] for n, a in calls if n == "load_lora_adapter_from_tensors"] == ["megarl-v1", "megarl-v2"]
+    assert [a for n, a in calls if n == "unload_lora_adapter"] == [{"lora_name": "megarl-v1"}]
+    generates = [a for n, a in calls if n == "generate"]
+    assert len(generates) == 2 and all(a["lora_path"] == ["megarl-v2"] * len(a["input_ids"]) for a in generates)
+    read = engine.engine.adapters["megarl-v2"]
+    assert read.tensors.keys() == sent[2].keys()
+    assert all(torch.equal(read.tensors[n], t) for n, t in sent[2].items())
+    assert (read.config.r, read.config.target_modules) == (rank, list(targets))
+    assert read.config.lora_alpha / read.config.r == opts.scale  # SGLang's scaling, the actor's
+    for layer, weights in read.layers.items():  # every part found its place in SGLang's fused buffers
+        assert sorted(weights) == sorted(f"base_model.model.model.layers.{layer}.{m}.lora_{w}.weight"
+                                         for m in ("self_attn.qkv_proj", "self_attn.o_proj", "mlp.gate_up_proj",
+                                                   "mlp.down_proj") for w in "AB")
+        qkv_b = weights[f"base_model.model.model.layers.{layer}.self_attn.qkv_proj.lora_B.weight"]
+        parts = [sent[2][f"base_model.model.model.layers.{layer}.self_attn.{p}_proj.lora_B.weight"] for p in "qkv"]
+        assert torch.equal(qkv_b, torch.cat(parts))
+
+
+def test_sglang_cannot_stack_a_q_adapter_without_v():
+    """Why --lora-weight-sync adapter refuses q_proj without v_proj (megarl.config): SGLang's own stacking of
+    q, k, v fails on it; with v_proj (and no k_proj) it fills k with zeros."""
+    read = upstream.lora()
+    alone = _peft_adapters(("q_proj",), 4, seed=0, layers=1)
+    with pytest.raises(KeyError, match="v_proj"):
+        read.normalize_qkv_proj(None, list(alone), alone)
+    pair = _peft_adapters(("q_proj", "v_proj"), 4, seed=0, layers=1)
+    read.normalize_qkv_proj(None, list(pair), pair)
+    assert [tuple(t.shape) for t in pair.values()] == [(12, 6), (10, 4)]

@@ -11,6 +11,9 @@ taken from the 0.5.23 wheel (`sglang_upstream` says how):
 The bucket megarl broadcasts for `/update_weights_from_distributed` is received by SGLang's own
 `_receive_bucketed_weights_from_distributed` (its `FlattenedTensorBucket.empty` from the body's names, dtypes and
 shapes) and must come back as the tensors megarl packed.
+--lora-weight-sync adapter: `/load_lora_adapter_from_tensors` and `/unload_lora_adapter` are judged the same way,
+`/generate` with its `lora_path`, and the adapter payloads are read back by SGLang's own normaliser and
+`deserialize_own_rank` (its `SafeUnpickler`), one per server TP rank.
 
 Not checked here: the NCCL group itself (tests/distributed/test_weights_update_group.py rendezvous over gloo), and
 the server's behaviour beyond parsing (tests/unit/test_sglang_contract_fixes.py's stub servers).
@@ -30,6 +33,7 @@ import pytest
 import sglang_upstream as upstream
 import torch
 
+from megarl.mcore import lora
 from megarl.rollout import sglang_engine
 from megarl.rollout.base import SamplingParams
 from megarl.rollout.sglang_engine import SGLangServers
@@ -246,6 +250,36 @@ def test_the_broadcast_bucket_is_what_sglang_receives(driven, monkeypatch):
     for name, tensor in driven.weights:
         want = tensor.to(torch.bfloat16) if tensor.is_floating_point() else tensor
         assert received[name].dtype == want.dtype and torch.equal(received[name], want), name
+
+
+def test_lora_adapter_bodies_are_admitted_and_sglang_reads_the_tensors_back(stub, monkeypatch):
+    ws = upstream.weight_sync(monkeypatch)
+    start = len(stub.posts)
+    g = torch.Generator().manual_seed(3)
+    prefix = "base_model.model.model.layers.0.self_attn"
+    tensors = {f"{prefix}.q_proj.lora_A.weight": torch.randn(4, 6, generator=g),
+               f"{prefix}.v_proj.lora_B.weight": torch.randn(2, 4, generator=g).to(torch.bfloat16)}
+    config = lora.peft_config(lora.LoRAOptions(rank=4, alpha=8.0, targets=("q_proj", "v_proj")), base="")
+    servers = SGLangServers([stub.url])  # its TP size from /server_info
+    for version in (1, 2):
+        servers.load_lora_adapter(tensors, config, version=version)
+    servers.generate([[1, 5, 6]], SamplingParams(max_new_tokens=2))
+    servers.score([[1, 5, 6, 7]], [2])
+    posts = stub.posts[start:]
+    assert [p for p, _ in posts] == ["/load_lora_adapter_from_tensors"] * 2 + ["/unload_lora_adapter"] + \
+        ["/generate"] * 2
+    for path, body in posts:
+        check(path, body)
+    assert posts[2][1] == {"lora_name": "megarl-v1"}
+    assert all(body["lora_path"] == "megarl-v2" for path, body in posts if path == "/generate")
+    body = posts[1][1]
+    payloads = ws.utils.normalize_serialized_named_tensor_payloads(body["serialized_named_tensors"])
+    assert body["lora_name"] == "megarl-v2" and len(payloads) == TP
+    for rank in range(TP):
+        ws.tp_rank = rank
+        data = ws.deserialize_own_rank(None, payloads)
+        assert data.keys() == tensors.keys()
+        assert all(data[n].dtype == t.dtype and torch.equal(data[n], t) for n, t in tensors.items())
 
 
 @pytest.mark.parametrize("path, mutate, error", [

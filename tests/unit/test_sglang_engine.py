@@ -254,6 +254,38 @@ def test_servers_weight_calls(servers):
     assert passive.weight_version == 6
 
 
+def test_servers_load_each_adapter_unload_the_last_and_name_it_in_requests(servers):
+    """--lora-weight-sync adapter over HTTP: one payload per server TP rank, the tensors by value (a server elsewhere
+    cannot open shared memory); the previous version unloaded after the new one loads; every request names it."""
+    import base64
+    import pickle
+
+    client = SGLangServers([s.url for s in servers], tp_sizes=[2, 1])
+    name = "base_model.model.model.layers.0.self_attn.q_proj.lora_A.weight"
+    config = {"r": 4, "lora_alpha": 8, "target_modules": ["q_proj"]}
+    adapters = {v: {name: torch.randn(4, 6)} for v in (1, 2)}
+    for version, tensors in adapters.items():
+        client.load_lora_adapter(tensors, config, version=version)
+    client.generate([[1, 2], [3]], SamplingParams(max_new_tokens=1))
+    client.score([[1, 2, 3]], [1])
+    assert client.weight_version == 2 and client.adapter == "megarl-v2"
+    for server, tp in zip(servers, (2, 1)):
+        calls = [(p, b) for p, b in server.calls]
+        assert [p for p, _ in calls[:3]] == ["/load_lora_adapter_from_tensors"] * 2 + ["/unload_lora_adapter"]
+        assert calls[2][1] == {"lora_name": "megarl-v1"}
+        for (_, body), version in zip(calls[:2], (1, 2)):
+            assert body["lora_name"] == f"megarl-v{version}" and body["config_dict"] == config
+            assert len(body["serialized_named_tensors"]) == tp
+            sent = pickle.loads(base64.b64decode(body["serialized_named_tensors"][-1]))
+            assert torch.equal(sent[name], adapters[version][name])
+        assert all(b["lora_path"] == "megarl-v2" for p, b in calls if p == "/generate")
+    assert sum(p == "/generate" for p, _ in servers[0].calls) == 2, "a generate block and the score"
+    passive = SGLangServers([s.url for s in servers], push=False)  # another data-parallel leader: posts nothing
+    before = [len(s.calls) for s in servers]
+    passive.load_lora_adapter(adapters[2], config, version=2)
+    assert [len(s.calls) for s in servers] == before and passive.adapter == "megarl-v2"
+
+
 # -- SGLang's own classes -----------------------------------------------------------------------------------------
 
 _SGLANG, _WHY = sglang_available()
