@@ -241,6 +241,19 @@ def attach(model: torch.nn.Module, shape, opts: LoRAOptions) -> list[LoRAAdapter
                              f"--expert-tensor-parallel-size 1 (got {ps.get_expert_tensor_parallel_world_size()}): "
                              "Megatron's experts leave fc2's TP reduction to the token dispatcher, so a replicated "
                              "B would get a partial gradient")
+    if set(opts.targets) & set(EXPERT_TARGETS):  # else the grouped experts would be left out in silence
+        grouped = [type(m).__name__ for n, m in model.named_modules()
+                   if n.endswith("mlp.experts") and not hasattr(m, "local_experts")]
+        if grouped:
+            raise ValueError(f"--lora-target-modules {','.join(opts.targets)}: expert adapters need Megatron's "
+                             f"SequentialMLP experts (the local spec); this model's experts are {grouped[0]} "
+                             "(Transformer Engine's spec, grouped GEMM), which megarl does not adapt: drop the "
+                             "experts.* targets, or build the actor with the local spec")
+    for name, module in model.named_modules():
+        if hasattr(module, "layer_norm_weight") and getattr(module.config, "normalization", "RMSNorm") != "RMSNorm":
+            raise ValueError(f"LoRA on {name}: Transformer Engine fuses a {module.config.normalization} into this "
+                             "layer, and the adapter's input is normalised as RMSNorm (the norm of every model "
+                             "family megarl reads)")
     for p in model.parameters():
         p.requires_grad_(False)
     names = global_param_names(model)
