@@ -49,12 +49,13 @@ def _over_stages(local):
     return found[0]
 
 
-def megatron_side(hf: str, *, tp: int, targets: tuple[str, ...], pp: int = 1, ep: int = 1,
+def megatron_side(hf: str, *, tp: int, targets: tuple[str, ...], pp: int = 1, ep: int = 1, etp: int = 0,
                   sequence_parallel: bool = False, peft_dir: str = "") -> dict:
-    """Run inside initialised process groups (`parallel.init_distributed(tp=tp, pp=pp, ep=ep)`); every rank gets the
-    whole result (pipeline stages' parts gathered), but `merged` on the model-parallel leader only. `peft_dir`: also
-    save the trained adapters there (`--save-peft`) and return the logits after the update. With data-parallel
-    ranks (EP 2 on two processes is DP 2) every rank runs the same batch: the gradients are those of one."""
+    """Run inside initialised process groups (`parallel.init_distributed(tp=tp, pp=pp, ep=ep, etp=etp)`); every
+    rank gets the whole result (pipeline stages' parts gathered), but `merged` on the model-parallel leader only.
+    `peft_dir`: also save the trained adapters there (`--save-peft`) and return the logits after the update. With
+    data-parallel ranks (EP 2 on two processes is DP 2) every rank runs the same batch: the gradients are those of
+    one."""
     from megatron.core.tensor_parallel.mappings import gather_from_tensor_model_parallel_region
 
     from megarl.mcore import convert, lora
@@ -64,7 +65,7 @@ def megatron_side(hf: str, *, tp: int, targets: tuple[str, ...], pp: int = 1, ep
 
     shape = ModelShape.from_pretrained(hf)
     opts = lora.LoRAOptions(rank=RANK, alpha=ALPHA, targets=targets, seed=5)
-    moe = MoEOptions(ep=ep, dispatcher="alltoall") if shape.is_moe else None
+    moe = MoEOptions(ep=ep, etp=etp, dispatcher="alltoall") if shape.is_moe else None
     actor = MegatronPolicy(shape, tp=tp, pp=pp, trainable=True, lora=opts, sequence_parallel=sequence_parallel,
                            moe=moe)
     actor.load_hf(hf)

@@ -1,7 +1,8 @@
 """tests/distributed/test_lora_tp.py's torchrun worker: `lora_checks.megatron_side` in each of `--layouts` (Qwen2 at
-TP 2 without and with sequence parallelism and at PP 2, Qwen3-MoE with expert adapters at EP 2), one after another
-on new process groups over the same two processes; rank 0 saves the results for the test to hold against `peft`.
-The test puts tests/ on its PYTHONPATH (for tests/lora_checks.py)."""
+TP 2 without and with sequence parallelism and at PP 2, Qwen3-MoE with expert adapters at EP 2; on four processes
+TP 2 x PP 2, Qwen3-MoE also at EP 2), one after another on new process groups over the same processes; rank 0
+saves the results for the test to hold against `peft`. The test puts tests/ on its PYTHONPATH (for
+tests/lora_checks.py)."""
 
 from __future__ import annotations
 
@@ -32,9 +33,10 @@ def main() -> None:
         model, split = layout.split(":")
         tp, pp, ep, sp = (int(x) for x in split.split(","))
         parallel_state.destroy_model_parallel()
-        parallel.init_distributed(tp=tp, pp=pp, ep=ep, timeout_s=120, seed=0)
-        results[layout] = megatron_side(models[model], tp=tp, pp=pp, ep=ep, targets=MOE if model == "moe" else ALL,
-                                        sequence_parallel=bool(sp))
+        etp = 1 if model == "moe" else 0  # expert adapters need expert-TP 1 (at TP 2 too)
+        parallel.init_distributed(tp=tp, pp=pp, ep=ep, etp=etp, timeout_s=120, seed=0)
+        results[layout] = megatron_side(models[model], tp=tp, pp=pp, ep=ep, etp=etp,
+                                        targets=MOE if model == "moe" else ALL, sequence_parallel=bool(sp))
     if info.rank == 0:
         torch.save(results, args.out)
     parallel.destroy()
