@@ -57,10 +57,11 @@ def check_resumed(r: dict) -> None:
     for distributed in (False, True):
         straight, resumed = r[distributed]["straight"], r[distributed]["resumed"]
         assert [m["step"] for m in resumed["metrics"]] == list(range(1, STEPS + 1))
-        assert resumed["metrics"] == straight["metrics"], distributed  # loss, grad norm, ... bitwise
+        assert resumed["metrics"] == straight["metrics"], (  # loss, grad norm, ... bitwise
+            f"use_distributed_optimizer={distributed}: the resumed run's metrics differ from the straight run's")
         assert straight["adapters"].keys() == resumed["adapters"].keys() and straight["adapters"]
         for name, t in straight["adapters"].items():
-            assert torch.equal(t, resumed["adapters"][name]), (distributed, name)
+            assert torch.equal(t, resumed["adapters"][name]), f"use_distributed_optimizer={distributed}: {name}"
         moved = max((t - r[distributed]["at_save"][n]).abs().max().item() for n, t in straight["adapters"].items())
         assert moved > 1e-4, "the updates after the save must move the adapters, or the comparison says nothing"
         # The checkpoint: adapters and their Adam states, no base weight and no state for one.
