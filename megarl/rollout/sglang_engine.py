@@ -724,15 +724,7 @@ class SGLangServers:
         if not self.push:
             for _ in buckets:  # the pushing rank sends them; keep the bucket iterator's accounting honest
                 pass
-        else:
-            try:
-                self._push(buckets)
-            except BaseException as e:
-                if self.barrier is not None:
-                    self.barrier.fail(version, f"{type(e).__name__}: {e}")
-                raise
-        if self.barrier is not None:
-            self.barrier.arrive(version)
+        self._pushed(version, lambda: self._push(buckets))
         self.weight_version = version
 
     def load_lora_adapter(self, tensors: dict[str, torch.Tensor], config: dict, version: int) -> None:
@@ -741,16 +733,21 @@ class SGLangServers:
         requests from then on. Over HTTP the tensors travel pickled by value (CPU tensors; SGLang's `SafeUnpickler`
         admits them), one copy per server TP rank, as SGLang's route takes them."""
         name = adapter_name(version)
+        self._pushed(version, lambda: self._load_adapter(name, tensors, config))
+        self.adapter, self.weight_version = name, version
+
+    def _pushed(self, version: int, push: Callable[[], None]) -> None:
+        """`push` on the pushing rank (a failure reaches the other leaders through `barrier`), then every
+        data-parallel leader waits at `barrier` until the push of `version` is over."""
         if self.push:
             try:
-                self._load_adapter(name, tensors, config)
+                push()
             except BaseException as e:
                 if self.barrier is not None:
                     self.barrier.fail(version, f"{type(e).__name__}: {e}")
                 raise
         if self.barrier is not None:
             self.barrier.arrive(version)
-        self.adapter, self.weight_version = name, version
 
     def _load_adapter(self, name: str, tensors: dict[str, torch.Tensor], config: dict) -> None:
         if self.tp_sizes is None:
