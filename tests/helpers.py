@@ -81,20 +81,23 @@ def _build_test_starter(out: Path) -> None:
             raise AssertionError(f"building the test starter failed:\n{proc.stderr[-3000:]}")
 
 
-def env() -> dict:
+def env(root: Path = REPO) -> dict:
+    """The environment tests give their subprocesses: `root`'s megarl first on the path, one OpenMP thread."""
     e = dict(os.environ)
-    e["PYTHONPATH"] = str(REPO) + os.pathsep + e.get("PYTHONPATH", "")
+    e["PYTHONPATH"] = str(root) + os.pathsep + e.get("PYTHONPATH", "")
     e.setdefault("OMP_NUM_THREADS", "1")
     e["PYTHONWARNINGS"] = "ignore"
     return e
 
 
 def torchrun(nproc: int, script: str, *args: str, timeout: float = 300, check: bool = True,
-             port: int | None = None, extra_env: dict | None = None) -> subprocess.CompletedProcess:
-    """Run `script` under torchrun on `nproc` CPU processes; a hang fails after `timeout` seconds."""
+             port: int | None = None, extra_env: dict | None = None,
+             root: Path = REPO) -> subprocess.CompletedProcess:
+    """Run `script` under torchrun on `nproc` CPU processes; a hang fails after `timeout` seconds. `root`: the
+    checkout it runs in (cwd and the first entry of PYTHONPATH), this one unless a test runs another commit."""
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(nproc),
            "--master-port", str(port or _free_port()), script, *map(str, args)]
-    proc = subprocess.run(cmd, cwd=REPO, env={**env(), **(extra_env or {})}, capture_output=True, text=True,
+    proc = subprocess.run(cmd, cwd=root, env={**env(root), **(extra_env or {})}, capture_output=True, text=True,
                           timeout=timeout)
     if check and proc.returncode != 0:
         raise AssertionError(f"{' '.join(cmd)} failed with {proc.returncode}:\n{proc.stdout[-3000:]}\n"
