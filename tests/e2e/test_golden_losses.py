@@ -141,8 +141,9 @@ def reference_checkout() -> Path:
         tar = subprocess.run(["git", "archive", "--format=tar", REFERENCE], cwd=REPO, capture_output=True,
                              timeout=120, check=True).stdout
     except (OSError, subprocess.CalledProcessError) as e:
+        why = e.stderr.decode().strip() if isinstance(e, subprocess.CalledProcessError) else str(e)
         pytest.skip(f"no curves recorded for this machine's numerics and no git history holding the reference "
-                    f"commit {REFERENCE[:12]} to run here ({e}): use a full clone (`git fetch --unshallow`)")
+                    f"commit {REFERENCE[:12]} to run here ({why}): use a full clone (`git fetch --unshallow`)")
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{REFERENCE}-", dir=out.parent))
     tmp.chmod(0o755)
