@@ -1,10 +1,14 @@
 """Run untrusted Python programs (model-written code) under limits, fast enough for RL rewards.
 
-A `Sandbox` runs a `Job` (source, stdin, files, `Limits`) and returns a `RunResult` whose status is one of
-`ok`, `nonzero_exit`, `timeout`, `memory_limit`, `output_limit`, `killed`, `sandbox_error`. The code verifier's
-cases (`Job.harness`) go to a persistent trusted harness instead (`guest/harness.py`, `guest/rpc.py`,
-`guest/spawner.py`). The threat model, and what each backend does and does not protect, is SECURITY.md at the
-repository's root; in short:
+A `Sandbox` (`base.py`, the whole interface) runs a `Job` (source, stdin, files, `Limits`) and returns a
+`RunResult` whose status is one of `ok`, `nonzero_exit`, `timeout`, `memory_limit`, `output_limit`, `killed`,
+`sandbox_error`; `run_tests` runs the code verifier's `CodeCase`s through the trusted harness and returns what it
+proved (`CaseResult`, a `TestResult` per test). The harness's protocol, host side, is `harness.py`, shared by every
+backend: a backend that inherits its `HarnessBackend` writes only `run`, `run_many`, `describe` and `close`, and
+declares its capabilities (`harness_server`: a persistent harness of its own, `guest/harness.py`'s `serve`).
+`guest_code.py` holds what the backends ship into the guest. Backends register by name (`register_sandbox`).
+The threat model, and what each backend does and does not protect, is SECURITY.md at the repository's root; in
+short:
 
 local (the default, `LocalSandbox`): pre-forked workers, each in a network namespace of its own (with a user
   namespace first when not root). What the host allows is detected at start; `describe()` says what is in force
@@ -40,19 +44,14 @@ docker (production, `DockerSandbox`): a pool of warm containers (`--network none
 Neither backend trusts the program's exit code for grading: see `megarl/sandbox/guest/harness.py`.
 """
 
-from megarl.sandbox.base import STATUSES, Job, Limits, RunResult, Sandbox, Status
+from megarl.sandbox.base import (SANDBOXES, STATUSES, CaseResult, CodeCase, Job, Limits, RunResult, Sandbox, Status,
+                                 TestResult, register_sandbox)
 
-__all__ = ["STATUSES", "Job", "Limits", "RunResult", "Sandbox", "Status", "make_sandbox"]
+__all__ = ["SANDBOXES", "STATUSES", "CaseResult", "CodeCase", "Job", "Limits", "RunResult", "Sandbox", "Status",
+           "TestResult", "make_sandbox", "register_sandbox"]
 
 
 def make_sandbox(backend: str = "local", **kwargs) -> Sandbox:
-    """A sandbox by backend name (`local` or `docker`); keyword arguments go to its constructor."""
-    if backend == "local":
-        from megarl.sandbox.local import LocalSandbox
-
-        return LocalSandbox(**kwargs)
-    if backend == "docker":
-        from megarl.sandbox.docker import DockerSandbox
-
-        return DockerSandbox(**kwargs)
-    raise ValueError(f"unknown sandbox backend {backend!r}; valid names: docker, local")
+    """A sandbox by backend name (`local`, `docker`, or one a plugin registered with `register_sandbox`); keyword
+    arguments go to its constructor."""
+    return SANDBOXES.build(backend, **kwargs)

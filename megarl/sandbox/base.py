@@ -1,4 +1,11 @@
-"""The sandbox boundary: a program, its input and its limits in; a structured result out."""
+"""The sandbox boundary: a program, its input and its limits in; a structured result out.
+
+This module is the whole interface: what a caller (the `code` verifier, the `python` tool) may use and what a
+backend must provide. A backend is a `Sandbox`: plain jobs through `run` / `run_many`, the code verifier's tests
+through `run_tests` (which a backend usually inherits from `megarl.sandbox.harness.HarnessBackend`: the trusted
+harness run as a job over `run_many`, or through the backend's own persistent harness where it declares one). It
+registers under a name with `@register_sandbox(name)`, and `make_sandbox(name)` builds it.
+"""
 
 from __future__ import annotations
 
@@ -7,7 +14,9 @@ import os
 import select
 import time
 from dataclasses import dataclass, field
-from typing import Callable, Literal, Protocol, Sequence, runtime_checkable
+from typing import Any, Callable, Literal, Protocol, Sequence, runtime_checkable
+
+from megarl.registry import Registry
 
 Status = Literal["ok", "nonzero_exit", "timeout", "memory_limit", "output_limit", "killed", "sandbox_error"]
 STATUSES: tuple[str, ...] = ("ok", "nonzero_exit", "timeout", "memory_limit", "output_limit", "killed",
@@ -43,8 +52,9 @@ class Job:
     stdin: str = ""
     files: dict[str, str] = field(default_factory=dict)  # relative path -> text content
     limits: Limits | None = None  # None: the sandbox's defaults
-    # The code verifier's fast path on backends with `harness_server`: {"code": program, "spec": tests} run by
-    # the worker's persistent trusted harness instead of `source`; `stdin` is then the run's secret.
+    # A case for the backend's persistent trusted harness instead of `source`: {"code": program, "spec": tests},
+    # `stdin` then the run's secret. Only `run_tests` makes such jobs, and only for a backend whose
+    # `harness_server` is True; a backend without a server never sees one.
     harness: dict | None = None
 
     def to_wire(self, default: Limits) -> dict:
@@ -81,20 +91,85 @@ class RunResult:
         return cls(status="sandbox_error", detail=detail)
 
 
+@dataclass
+class CodeCase:
+    """One program and the tests it must pass (`Sandbox.run_tests`). `spec` is the trusted harness's test spec,
+    as `megarl.verifiers.code.parse_gold` makes it (`mode` function / io / call, the tests, `time_s`,
+    `early_stop`); `guest/harness.py` runs it. The case's wall-clock limit is `limits.wall_s`."""
+
+    code: str
+    spec: dict[str, Any]
+    limits: Limits | None = None  # None: the sandbox's defaults
+
+
+@dataclass
+class TestResult:
+    """One test, as the trusted harness saw it."""
+
+    __test__ = False  # (not a pytest class)
+    ok: bool
+    why: str | None = None  # a failure's kind: wrong_answer, runtime_error, timeout, memory_limit, skipped, ...
+    detail: Any = ""
+
+    @classmethod
+    def from_wire(cls, d: dict) -> "TestResult":
+        return cls(ok=bool(d.get("ok")), why=d.get("why"), detail=d.get("detail", ""))
+
+
+@dataclass
+class CaseResult:
+    """What `run_tests` established about one `CodeCase`.
+
+    Only what the trusted harness proved counts: `proved` is False when no line with this run's secret came back
+    (the harness never finished a test, or something forged its output), and then nothing else but `run` holds.
+    `tests` are the tests the harness ran or started, in order; a run that ended early (`complete` False: its
+    wall-clock limit, a harness or container that died) ends with a failed test for what stopped it. A program
+    that does not compile has `compile_error` and no verdict on its tests."""
+
+    run: RunResult  # the sandbox's run of the harness: its status, detail and timings
+    proved: bool = False
+    tests: list[TestResult] = field(default_factory=list)
+    complete: bool = False  # the harness's final verdict came back
+    compile_error: str | None = None
+    cpu_s: float | None = None  # what checking cost: the harness's count of CPU seconds, else the sandbox's
+
+    @property
+    def tests_run(self) -> int:
+        """Tests the harness ran or started: every result but those skipped by early stop."""
+        return sum(t.why != "skipped" for t in self.tests)
+
+
 @runtime_checkable
 class Sandbox(Protocol):
-    """Runs untrusted Python programs. Thread-safe: `run` may be called from several threads at once."""
+    """Runs untrusted Python programs. Thread-safe: `run` may be called from several threads at once.
+
+    Capabilities are declared, never probed: every backend sets each field below (inheriting
+    `megarl.sandbox.harness.HarnessBackend` gives the documented defaults)."""
 
     name: str
     limits: Limits  # the defaults for jobs without their own
+    # Capability, default False: the backend keeps a persistent trusted harness that runs `Job.harness` cases
+    # (and adds the run's secret to its verdict itself), so `run_tests` may send cases to it instead of running
+    # the harness as a job. The local backend declares it where the host gives it a pid namespace, Docker always.
+    harness_server: bool
 
     def run(self, job: Job) -> RunResult: ...
 
-    def run_many(self, jobs: Sequence[Job]) -> list[RunResult]: ...
+    def run_many(self, jobs: Sequence[Job]) -> list[RunResult]: ...  # in order; as many at once as it has workers
+
+    def run_tests(self, cases: Sequence[CodeCase], persistent: bool = True) -> list[CaseResult]:
+        """Each program against its tests, with the verdict of the trusted harness (one `CaseResult` per case, in
+        order). `persistent=False` runs the harness as a job even where the backend has a harness server."""
+        ...
 
     def describe(self) -> str: ...  # the isolation in force, one line
 
     def close(self) -> None: ...
+
+
+SANDBOXES: Registry[Callable[..., Sandbox]] = Registry(
+    "sandbox backend", builtins=("megarl.sandbox.local", "megarl.sandbox.docker"))
+register_sandbox = SANDBOXES.register  # @register_sandbox("mine"): a backend class (or builder) by name
 
 
 class LineReader:

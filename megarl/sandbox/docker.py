@@ -30,18 +30,15 @@ import uuid
 import warnings
 from collections import deque
 from concurrent.futures import ThreadPoolExecutor
-from pathlib import Path
 from typing import Sequence
 
-from megarl.sandbox.base import Job, LineReader, Limits, RunResult
+from megarl.sandbox.base import Job, LineReader, Limits, RunResult, register_sandbox
 from megarl.sandbox.guest import isolation
-from megarl.sandbox.guest.harness import verdict_line
-from megarl.sandbox.local import HARNESS_FILES, HARNESS_PREIMPORTS, PREIMPORTS
+from megarl.sandbox.guest_code import HARNESS_FILES, HARNESS_PREIMPORTS, PREIMPORTS, RUNNER_FILES
+from megarl.sandbox.harness import HarnessBackend, server_verdict
 
 DEFAULT_IMAGE = "megarl-sandbox:latest"
 LABEL = "megarl.sandbox"
-_RUNNER_FILES = {"jobexec.py": (Path(__file__).parent / "guest" / "jobexec.py").read_text(),
-                 **{name: HARNESS_FILES[name] for name in ("isolation.py", "spawner.py", "cgroups.py")}}
 _RECYCLE_AFTER = {"timeout", "memory_limit", "killed", "sandbox_error"}
 # A dead container's replacement is retried once a second this many times (an engine hiccup), then the run fails
 # with a message: an engine that is gone must not hold the reward worker forever.
@@ -109,8 +106,13 @@ def docker_status(image: str = DEFAULT_IMAGE, docker: str = "docker") -> str | N
     return None
 
 
-class DockerSandbox:
+@register_sandbox("docker")
+class DockerSandbox(HarnessBackend):
     name = "docker"
+    # The `Sandbox` capability: jobs may carry `harness` (the code verifier's fast path). They go to containers
+    # whose pid 1 is a persistent trusted harness, which runs case after case, each program in fresh children of
+    # a zygote made before any case, and kills every other process of the container after each case.
+    harness_server = True
 
     def __init__(self, workers: int = 2, limits: Limits | None = None, image: str = DEFAULT_IMAGE,
                  python: str = "python3", jobs_per_container: int = 1000, docker: str = "docker",
@@ -186,7 +188,7 @@ class DockerSandbox:
             code = _bundle("harness.py", HARNESS_FILES)
             command = [self.python, "-I", "-c", _BOOT, "--serve", json.dumps(cfg)]
         else:
-            code = _bundle("jobexec.py", _RUNNER_FILES)
+            code = _bundle("jobexec.py", RUNNER_FILES)
             command = [self.python, "-I", "-c", _BOOT, json.dumps({"preimports": self.preimports})]
         container = (_HarnessContainer if harness else _Container)(
             name, self._run_args(harness) + ["--name", name, self.image] + command, self.docker, code,
@@ -195,13 +197,6 @@ class DockerSandbox:
             self._live.add(container)
             self.started += 1
         return container
-
-    @property
-    def harness_server(self) -> bool:
-        """Jobs may carry `harness` (the code verifier's fast path): they go to containers whose pid 1 is a
-        persistent trusted harness, which runs case after case, each program in fresh children of a zygote made
-        before any case, and kills every other process of the container after each case."""
-        return True
 
     def _harness_pool(self) -> "queue.Queue[_Container]":
         self.start()
@@ -507,11 +502,9 @@ class _HarnessContainer(_Container):
 
     @staticmethod
     def _result(wire: dict, final: dict, results: list, status: str, detail: str, start: float) -> RunResult:
-        payload = {k: v for k, v in final.items() if k not in ("done", "oom_kills", "cpu_s")}  # (cpu_s: RunResult)
-        payload["results"] = results
         return RunResult(status=status, exit_code=0 if status == "ok" else None, detail=detail,
                          wall_s=round(time.monotonic() - start, 4), cpu_s=final.get("cpu_s", 0.0),
-                         stdout=verdict_line(wire["stdin"].strip(), json.dumps(payload)))
+                         stdout=server_verdict(wire["stdin"].strip(), final, results))
 
     def died(self, wire: dict, error: _Died, kills: int) -> RunResult:
         """The case's verdict: the tests that passed before the container died, then a `memory_limit` failure (see

@@ -27,26 +27,18 @@ from dataclasses import asdict
 from pathlib import Path
 from typing import Sequence
 
-from megarl.sandbox.base import Job, LineReader, Limits, RunResult
+from megarl.sandbox.base import Job, LineReader, Limits, RunResult, register_sandbox
 from megarl.sandbox.guest import cgroups
 from megarl.sandbox.guest import isolation as iso_mod
-from megarl.sandbox.guest.harness import verdict_line
 from megarl.sandbox.guest.jobexec import address_space_base, compiled, remove_tree, run_program, write_all, write_files
 from megarl.sandbox.guest.spawner import forked_ok, unshare_fork_setns
+# (HARNESS_FILES and PREIMPORTS were defined here until they moved to guest_code.py; the names stay importable from
+# this module until megarl 0.3)
+from megarl.sandbox.guest_code import HARNESS_FILES, HARNESS_PATH, HARNESS_PREIMPORTS, PREIMPORTS  # noqa: F401
+from megarl.sandbox.harness import HarnessBackend, server_verdict
 
 log = logging.getLogger(__name__)
 
-PREIMPORTS = ("abc ast array bisect cmath collections contextlib copy ctypes dataclasses datetime decimal enum "
-              "fractions functools hashlib heapq io itertools json math numbers operator pickle queue random re select "
-              "signal statistics string struct textwrap time traceback typing unicodedata")
-# What the persistent code harness imports for the programs it runs: few, since a fork costs ~0.07 ms per MB the
-# forking process maps on the VMs measured (a bare interpreter forks in ~0.45 ms, the worker's PREIMPORTS in ~1.2).
-HARNESS_PREIMPORTS = "bisect collections functools heapq itertools math re string typing"
-HARNESS_PATH = str(Path(__file__).resolve().parent / "guest" / "harness.py")
-# What the code verifier's harness is made of (read once: the code verifier's job files, the Docker containers'
-# bundle): the harness and its sibling modules, by file name.
-HARNESS_FILES = {name: Path(HARNESS_PATH).with_name(name).read_text()
-                 for name in ("harness.py", "rpc.py", "spawner.py", "isolation.py", "cgroups.py")}
 HARNESS_MB = 1024  # the persistent harness and its spawner: their memory cgroup holds twice this
 _TMP, _SHM, _WORK = "/tmp", "/dev/shm", "/tmp/w"  # a job's (and a case's) own tmpfs mounts, and its cwd
 _TMPFS_INODES = 16384
@@ -56,7 +48,8 @@ _WARNED: set[str] = set()
 _UID_SLOTS = itertools.count()
 
 
-class LocalSandbox:
+@register_sandbox("local")
+class LocalSandbox(HarnessBackend):
     """`workers` pre-forked workers; jobs beyond that queue. Starts lazily; `close()` (or exit) stops it."""
 
     name = "local"
@@ -143,7 +136,7 @@ class LocalSandbox:
         return result
 
     @property
-    def harness_server(self) -> bool:
+    def harness_server(self) -> bool:  # the `Sandbox` capability
         """Whether jobs may carry `harness` (the code verifier's fast path): each worker then keeps one trusted
         harness process, pid 1 of its own pid namespace, that runs case after case, each program in fresh forked
         children, and kills everything a case left behind. Needs a pid namespace; without one the verifier sends
@@ -339,12 +332,10 @@ class _WorkerSide:
             self.drop_harness()
             final, status = {"incomplete": "sandbox_error", "error": f"code harness: {type(e).__name__}: {e}"}, \
                 "sandbox_error"
-        payload = {k: v for k, v in final.items() if k not in ("done", "oom_kills", "cpu_s")}  # (cpu_s: RunResult)
-        payload["results"] = results
         detail = f"wall-clock limit of {lim['wall_s']} s" if status == "timeout" else final.get("error", "")
         return {"status": status, "exit_code": 0 if status == "ok" else None, "detail": detail,
                 "wall_s": round(time.monotonic() - start, 4), "cpu_s": final.get("cpu_s", 0.0),
-                "stdout": verdict_line(job["stdin"].strip(), json.dumps(payload))}
+                "stdout": server_verdict(job["stdin"].strip(), final, results)}
 
     def drop_harness(self) -> None:
         if self.harness is not None:

@@ -28,13 +28,15 @@ Reward (`reward`): `all` (default) 1.0 only if every test passed; `fraction` the
 `parse_error` (the program does not compile), `timeout` (the first failure was a time limit, or the run as a
 whole timed out).
 
-Reward hacking: the verdict comes only from a line carrying a per-run secret, written by the trusted harness
-(`megarl/sandbox/guest/harness.py`) after the last test, on a channel the program has no access to; the program
-runs in other processes and only plain data crosses back. Exit codes are never read. On a sandbox with
-`harness_server` (the local backend where it has a pid namespace; the Docker backend) the harness is a persistent
-process per worker or container, and the backend, not the harness, adds the secret to the verdict; elsewhere the
-harness is the job itself, exec'd as a fresh interpreter. Either way the programs cannot read the tests: they are
-forked from a zygote made before the harness read any, and the job's files are gone before the first one runs.
+Reward hacking: the verdict is what the sandbox's trusted harness proved (`Sandbox.run_tests`, a `CaseResult`):
+only lines carrying a per-run secret, written after each test on a channel the program has no access to, count
+(`megarl/sandbox/harness.py`, `megarl/sandbox/guest/harness.py`); the program runs in other processes and only
+plain data crosses back. Exit codes are never read. On a sandbox that declares `harness_server` (the local
+backend where it has a pid namespace; the Docker backend) the harness is a persistent process per worker or
+container, and the backend, not the harness, adds the secret to the verdict; elsewhere the harness is the job
+itself, exec'd as a fresh interpreter. Either way the programs cannot read the tests: they are forked from a
+zygote made before the harness read any, and the job's files are gone before the first one runs. This module
+uses the sandbox through its interface only (`megarl.sandbox`), so any registered backend can check code.
 
 Settings are the constructor's arguments; the trainer and `megarl-verify` pass the run's `--code-*` and
 `--sandbox*` flags (`CodeOptions`), in every reward worker too. The sandbox is started lazily,
@@ -47,7 +49,6 @@ import functools
 import json
 import os
 import re
-import secrets
 import threading
 import time
 from dataclasses import dataclass
@@ -56,14 +57,9 @@ from typing import Any, Literal, Sequence
 from megarl.errors import ConfigError
 from megarl.registry import option
 
-from megarl.sandbox import Job, Limits, Sandbox, make_sandbox
-from megarl.sandbox.guest.harness import DONE, JOB_FILES, PART
-from megarl.sandbox.local import HARNESS_FILES
+from megarl.sandbox import CaseResult, CodeCase, Limits, Sandbox, make_sandbox
 from megarl.verifiers.base import VerifyResult, register_verifier
 
-# The job's program when the harness is a job: a fresh interpreter for it, since the process a job starts as is a
-# fork of the backend's worker or runner and holds the job (tests included) in its memory and stack frames.
-_EXEC_HARNESS = "import os, sys\nos.execv(sys.executable, [sys.executable, '-I', 'harness.py'])\n"
 _FENCE = re.compile(r"```([\w+-]*)[ \t]*\n(.*?)```", re.S)
 _SANDBOXES: dict[tuple, Sandbox] = {}
 _SANDBOXES_LOCK = threading.Lock()
@@ -135,11 +131,11 @@ class CodeVerifier:
         """Verify several responses at once, using every sandbox worker."""
         start = time.perf_counter()
         prepared = [self._prepare(response, gold) for response, gold in pairs]
-        jobs = [p[0] for p in prepared if isinstance(p, tuple)]
-        runs = iter(self.sandbox.run_many(jobs) if jobs else [])
+        cases = [p[0] for p in prepared if isinstance(p, tuple)]
+        checked = iter(self.sandbox.run_tests(cases, persistent=self.persistent_harness) if cases else [])
         results = []
         for p in prepared:
-            result = self._judge(p, next(runs)) if isinstance(p, tuple) else p
+            result = self._judge(p, next(checked)) if isinstance(p, tuple) else p
             result.seconds = time.perf_counter() - start
             results.append(result)
         return results
@@ -152,54 +148,39 @@ class CodeVerifier:
             spec, n_tests = parse_gold(gold, self.time_s, self.early_stop)
         except (ValueError, TypeError, SyntaxError) as e:  # a malformed row scores 0; the batch goes on
             return VerifyResult(score=0.0, outcome="parse_error", extracted=code, normalized=f"bad ground truth: {e}")
-        secret = secrets.token_hex(16)
         wall = min(600.0, 5.0 + spec["time_s"] * (2 if spec["mode"] == "function" else 1) * max(1, n_tests))
-        spec["wall_s"] = wall  # (the harness ends its program waits before the case's end: rpc.begin_case)
         limits = self.sandbox.limits.replace(wall_s=wall, cpu_s=wall,
                                              memory_mb=int(spec.pop("memory_mb", self.memory_mb)))
-        if self.persistent_harness and getattr(self.sandbox, "harness_server", False):
-            job = Job(source="", stdin=secret, limits=limits, harness={"code": code, "spec": spec})
-        else:
-            files = {name: HARNESS_FILES[name] for name in JOB_FILES}
-            job = Job(source=_EXEC_HARNESS, stdin=secret, limits=limits,
-                      files={**files, "solution.py": code, "spec.json": json.dumps(spec)})
-        return job, secret, code, n_tests
+        return CodeCase(code, spec, limits), n_tests
 
-    def _judge(self, prepared, run) -> VerifyResult:
+    def _judge(self, prepared: tuple[CodeCase, int], case: CaseResult) -> VerifyResult:
         """The verdict, with what the check cost: `tests_run` (the tests the harness ran or started: every
         result but those skipped by early stop) and `sandbox_cpu_seconds` (the harness's count, see
         `guest/harness.py`; else the sandbox's CPU time for the run; None where neither was measured, e.g. a
         persistent harness killed at its wall-clock limit)."""
-        secret = prepared[1]
-        verdict = parse_verdict(run.stdout, secret)
-        result = self._score(prepared, run, verdict)
-        results = [] if verdict is None else verdict.get("results", [])  # (with the test that stopped a run)
-        result.tests_run = sum(r.get("why") != "skipped" for r in results if isinstance(r, dict))
-        cpu = verdict.get("cpu_s") if verdict is not None else None
-        result.sandbox_cpu_seconds = float(cpu) if isinstance(cpu, (int, float)) else (run.cpu_s or None)
+        result = self._score(prepared, case)
+        result.tests_run = case.tests_run
+        result.sandbox_cpu_seconds = case.cpu_s
         return result
 
-    def _score(self, prepared, run, verdict: dict | None) -> VerifyResult:
-        _, _, code, n_tests = prepared
-        if verdict is None:
+    def _score(self, prepared: tuple[CodeCase, int], case: CaseResult) -> VerifyResult:
+        code, n_tests, run = prepared[0].code, prepared[1], case.run
+        if not case.proved:
             outcome = "timeout" if run.status == "timeout" else "incorrect"
             return VerifyResult(0.0, outcome, extracted=code,
                                 normalized=f"no completion proof (sandbox: {run.status} {run.detail})".strip())
-        if "compile_error" in verdict:
-            return VerifyResult(0.0, "parse_error", extracted=code, normalized=verdict["compile_error"])
-        results = verdict["results"] = list(verdict["results"])
-        if "incomplete" in verdict or "error" in verdict:  # the run ended early: the next test is what stopped it
-            why = verdict.get("incomplete") or ("timeout" if run.status == "timeout" else "sandbox_error")
-            results.append({"ok": False, "why": why, "detail": verdict.get("error", run.detail)})
-        passed = sum(bool(r.get("ok")) for r in results)
+        if case.compile_error is not None:
+            return VerifyResult(0.0, "parse_error", extracted=code, normalized=case.compile_error)
+        results = case.tests  # (a run that ended early ends with the test that stopped it)
+        passed = sum(t.ok for t in results)
         total = max(n_tests if n_tests else len(results), len(results), 1)
         score = passed / total if self.reward == "fraction" else float(passed == total)
-        failures = [r for r in results if not r.get("ok")]
-        outcome = "correct" if passed == total else "timeout" if failures and failures[0].get("why") == "timeout" \
+        failures = [t for t in results if not t.ok]
+        outcome = "correct" if passed == total else "timeout" if failures and failures[0].why == "timeout" \
             else "incorrect"
         summary = f"{passed}/{total} tests passed"
         if failures:
-            summary += f"; first failure: {failures[0].get('why')} {failures[0].get('detail', '')}".rstrip()
+            summary += f"; first failure: {failures[0].why} {failures[0].detail}".rstrip()
         return VerifyResult(score, outcome, extracted=code, normalized=summary)
 
 
@@ -279,24 +260,3 @@ def runnable_prompt(prompt: Any) -> str:
     except (SyntaxError, ValueError) as e:
         raise ValueError(f"code verifier: the row's `prompt` is not Python code ({e})") from None
     return prompt
-
-
-def parse_verdict(stdout: str, secret: str) -> dict | None:
-    """The harness's verdict: the last line that starts with the marker and this run's secret; without one, the
-    results of the tests the run finished (lines of the part marker and the secret), marked incomplete; None
-    when there is neither."""
-    prefix, part = f"{DONE} {secret} ", f"{PART} {secret} "
-    results = []
-    for line in stdout.splitlines():
-        if line.startswith(part):
-            try:
-                results.append(json.loads(line[len(part):]))
-            except json.JSONDecodeError:
-                return None
-    for line in reversed(stdout.splitlines()):
-        if line.startswith(prefix):
-            try:
-                return json.loads(line[len(prefix):])
-            except json.JSONDecodeError:
-                return None
-    return {"results": results, "incomplete": ""} if results else None
