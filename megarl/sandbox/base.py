@@ -169,7 +169,9 @@ class Sandbox(Protocol):
 
 SANDBOXES: Registry[Callable[..., Sandbox]] = Registry(
     "sandbox backend", builtins=("megarl.sandbox.local", "megarl.sandbox.docker"))
-register_sandbox = SANDBOXES.register  # @register_sandbox("mine"): a backend class (or builder) by name
+# @register_sandbox("mine") on a backend class (or builder). Callers build it as `make_sandbox("mine", workers=N,
+# limits=Limits(...))` (the code verifier, the python tool), plus keyword arguments of its own (docker: `image`).
+register_sandbox = SANDBOXES.register
 
 
 class LineReader:
