@@ -18,7 +18,7 @@ from typing import Sequence
 import pytest
 
 from helpers import REPO
-from megarl.sandbox import Job, Limits, RunResult, Sandbox, make_sandbox, register_sandbox
+from megarl.sandbox import SANDBOXES, Job, Limits, RunResult, Sandbox, make_sandbox, register_sandbox
 from megarl.sandbox.harness import HarnessBackend
 from megarl.verifiers.code import CodeVerifier
 
@@ -97,6 +97,18 @@ def test_a_backend_written_against_the_interface_is_a_sandbox():
     r = sb.run(Job("import sys\nprint(open('f.txt').read() + sys.stdin.read())", stdin="!", files={"f.txt": "hi"}))
     assert (r.status, r.stdout) == ("ok", "hi!\n")
     assert sb.run(Job("while True: pass", limits=Limits(wall_s=0.5))).status == "timeout"
+
+
+def test_every_registered_backend_declares_the_interface():
+    """The built-ins and this one: each method of `Sandbox`, and the capability declared on the class (a value or
+    a property), so that no caller has to ask an instance whether it happens to have it."""
+    names = SANDBOXES.names()
+    assert {"local", "docker", "test-subprocess"} <= set(names)
+    for name in names:
+        cls = SANDBOXES.get(name)
+        missing = [m for m in ("run", "run_many", "run_tests", "describe", "close", "harness_server", "name")
+                   if not hasattr(cls, m)]
+        assert missing == [], (name, missing)
 
 
 @pytest.mark.slow
