@@ -2,7 +2,7 @@
 
 This module is the whole interface: what a caller (the `code` verifier, the `python` tool) may use and what a
 backend must provide. A backend is a `Sandbox`: plain jobs through `run` / `run_many`, the code verifier's tests
-through `run_tests` (which a backend usually inherits from `megarl.sandbox.harness.HarnessBackend`: the trusted
+through `run_tests` (which a backend usually inherits from `megarl.sandbox.harness_protocol.HarnessBackend`: the trusted
 harness run as a job over `run_many`, or through the backend's own persistent harness where it declares one). It
 registers under a name with `@register_sandbox(name)`, and `make_sandbox(name)` builds it.
 """
@@ -144,7 +144,7 @@ class Sandbox(Protocol):
     """Runs untrusted Python programs. Thread-safe: `run` may be called from several threads at once.
 
     Capabilities are declared, never probed: every backend sets each field below (inheriting
-    `megarl.sandbox.harness.HarnessBackend` gives the documented defaults)."""
+    `megarl.sandbox.harness_protocol.HarnessBackend` gives the documented defaults)."""
 
     name: str
     limits: Limits  # the defaults for jobs without their own

@@ -35,7 +35,7 @@ from typing import Sequence
 from megarl.sandbox.base import Job, LineReader, Limits, RunResult, register_sandbox
 from megarl.sandbox.guest import isolation
 from megarl.sandbox.guest_code import HARNESS_FILES, HARNESS_PREIMPORTS, PREIMPORTS, RUNNER_FILES
-from megarl.sandbox.harness import HarnessBackend, server_verdict
+from megarl.sandbox.harness_protocol import HarnessBackend, server_verdict
 
 DEFAULT_IMAGE = "megarl-sandbox:latest"
 LABEL = "megarl.sandbox"

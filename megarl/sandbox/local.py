@@ -35,7 +35,7 @@ from megarl.sandbox.guest.spawner import forked_ok, unshare_fork_setns
 # (HARNESS_FILES and PREIMPORTS were defined here until they moved to guest_code.py; the names stay importable from
 # this module until megarl 0.3)
 from megarl.sandbox.guest_code import HARNESS_FILES, HARNESS_PATH, HARNESS_PREIMPORTS, PREIMPORTS  # noqa: F401
-from megarl.sandbox.harness import HarnessBackend, server_verdict
+from megarl.sandbox.harness_protocol import HarnessBackend, server_verdict
 
 log = logging.getLogger(__name__)
 

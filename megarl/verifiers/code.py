@@ -30,7 +30,7 @@ whole timed out).
 
 Reward hacking: the verdict is what the sandbox's trusted harness proved (`Sandbox.run_tests`, a `CaseResult`):
 only lines carrying a per-run secret, written after each test on a channel the program has no access to, count
-(`megarl/sandbox/harness.py`, `megarl/sandbox/guest/harness.py`); the program runs in other processes and only
+(`megarl/sandbox/harness_protocol.py`, `megarl/sandbox/guest/harness.py`); the program runs in other processes and only
 plain data crosses back. Exit codes are never read. On a sandbox that declares `harness_server` (the local
 backend where it has a pid namespace; the Docker backend) the harness is a persistent process per worker or
 container, and the backend, not the harness, adds the secret to the verdict; elsewhere the harness is the job
@@ -260,3 +260,17 @@ def runnable_prompt(prompt: Any) -> str:
     except (SyntaxError, ValueError) as e:
         raise ValueError(f"code verifier: the row's `prompt` is not Python code ({e})") from None
     return prompt
+
+
+def __getattr__(name: str):
+    """`parse_verdict` lived here before the sandbox interface; it is the harness protocol's now.
+    The old import keeps working, with a warning, until megarl 0.3."""
+    if name == "parse_verdict":
+        import importlib
+        import warnings
+
+        warnings.warn("megarl.verifiers.code.parse_verdict moved to megarl.sandbox.harness_protocol.parse_verdict; "
+                      "the old path goes in megarl 0.3", DeprecationWarning, stacklevel=2)
+        # by name: the verifier itself talks to the sandbox only through its interface (tests/sandbox)
+        return importlib.import_module("megarl.sandbox.harness_protocol").parse_verdict
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

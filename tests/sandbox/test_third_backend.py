@@ -1,5 +1,5 @@
 """The sandbox interface is enough to write a backend: a third one, written here against `megarl.sandbox` and the
-shared harness protocol (`megarl.sandbox.harness`) only, runs the `code` verifier with the local backend's verdicts.
+shared harness protocol (`megarl.sandbox.harness_protocol`) only, runs the `code` verifier with the local backend's verdicts.
 And the layout that keeps it so: no backend imports another, and the verifiers reach the sandbox only through its
 interface."""
 
@@ -19,7 +19,7 @@ import pytest
 
 from helpers import REPO
 from megarl.sandbox import SANDBOXES, Job, Limits, RunResult, Sandbox, make_sandbox, register_sandbox
-from megarl.sandbox.harness import HarnessBackend
+from megarl.sandbox.harness_protocol import HarnessBackend
 from megarl.verifiers.code import CodeVerifier
 
 SANDBOX = REPO / "megarl" / "sandbox"
@@ -140,7 +140,7 @@ def _reaches(path: Path, *modules: str) -> list[str]:
 def test_no_backend_imports_another():
     assert _reaches(SANDBOX / "docker.py", "megarl.sandbox.local") == []
     assert _reaches(SANDBOX / "local.py", "megarl.sandbox.docker") == []
-    for shared in ("base.py", "harness.py", "guest_code.py", "__init__.py"):  # what every backend builds on
+    for shared in ("base.py", "harness_protocol.py", "guest_code.py", "__init__.py"):  # what every backend builds on
         assert _reaches(SANDBOX / shared, "megarl.sandbox.local", "megarl.sandbox.docker") == [], shared
 
 
@@ -148,7 +148,7 @@ def test_verifiers_use_only_the_sandbox_interface():
     verifiers = sorted((REPO / "megarl" / "verifiers").rglob("*.py"))
     assert len(verifiers) > 5, "the scan must see the verifiers"
     offenders = {str(p.relative_to(REPO)): _reaches(p, "megarl.sandbox.local", "megarl.sandbox.docker",
-                                                    "megarl.sandbox.guest", "megarl.sandbox.harness",
+                                                    "megarl.sandbox.guest", "megarl.sandbox.harness_protocol",
                                                     "megarl.sandbox.guest_code")
                  for p in verifiers}
     assert {k: v for k, v in offenders.items() if v} == {}

@@ -5,7 +5,7 @@ import time
 
 import pytest
 
-from megarl.sandbox.harness import parse_verdict
+from megarl.sandbox.harness_protocol import parse_verdict
 from megarl.verifiers import VERIFIERS
 from megarl.verifiers.code import CodeVerifier, extract_code, parse_gold
 from sandbox_cases import (KEY_HUNT_FUNCTION, KEY_HUNT_IO, SECRET_ADD, SECRET_IO, humaneval_hacks,
