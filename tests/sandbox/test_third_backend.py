@@ -1,5 +1,6 @@
 """The sandbox interface is enough to write a backend: a third one, written here against `megarl.sandbox` and the
-shared harness protocol (`megarl.sandbox.harness_protocol`) only, runs the `code` verifier with the local backend's verdicts.
+shared harness protocol (`megarl.sandbox.harness_protocol`) only, runs the `code` verifier with the local backend's
+verdicts.
 And the layout that keeps it so: no backend imports another, and the verifiers reach the sandbox only through its
 interface."""
 
