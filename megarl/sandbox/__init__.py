@@ -4,8 +4,9 @@ A `Sandbox` (`base.py`, the whole interface) runs a `Job` (source, stdin, files,
 `RunResult` whose status is one of `ok`, `nonzero_exit`, `timeout`, `memory_limit`, `output_limit`, `killed`,
 `sandbox_error`; `run_tests` runs the code verifier's `CodeCase`s through the trusted harness and returns what it
 proved (`CaseResult`, a `TestResult` per test). The harness's protocol, host side, is `harness_protocol.py`,
-shared by every backend: a backend that inherits its `HarnessBackend` writes only `run`, `run_many`, `describe` and `close`, and
-declares its capabilities (`harness_server`: a persistent harness of its own, `guest/harness.py`'s `serve`).
+shared by every backend: a backend that inherits its `HarnessBackend` writes only `run`, `run_many`, `describe`
+and `close`, and declares its capabilities (`harness_server`: a persistent harness of its own, `guest/harness.py`'s
+`serve`).
 `guest_code.py` holds what the backends ship into the guest. Backends register by name (`register_sandbox`).
 The threat model, and what each backend does and does not protect, is SECURITY.md at the repository's root; in
 short:
