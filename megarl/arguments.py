@@ -5,14 +5,20 @@
 Steps, each failing with a `ConfigError` that names the flag and where it came from:
 1. `--plugins` (from the recipe, the command line or a saved config.json) are imported first, so what they
    register, and the options their entries declare, exist before any flag is read;
-2. the flags are parsed against megarl's sections (`megarl.config`) and the components' options: each verifier's,
-   reward model's and tool's options dataclass (`Registry.register(name, options=...)`) adds its fields as flags;
+2. the flags are parsed against megarl's sections (`megarl.config`) and the components' options: the options
+   dataclass of every registered entry that declares one (`Registry.register(name, options=...)`, or
+   `Registry.declare` for the built-ins of `megarl.algorithms.slots` and `megarl.rollout.slots`) adds its fields as
+   flags, in the section named after the entry ("off_policy_correction.tis"); each section checks its own values,
+   and its `resolve(cfg)` its rules against the rest of the run (`megarl.config.Config`);
 3. every flag that names a registry entry is checked against the registry, and the rules registry entries declare
    (a backend's requirements, an estimator's needs) run (`check_names`).
 
-`Registry.kwargs(cfg)` then gives each component the keyword arguments it is built with, the one way these
-settings reach verifiers and reward models (in the trainer, in every reward worker, in `megarl-verify`) and tools
-(`megarl.reward.reward_options`, `megarl.tool_calls.tool_options`).
+`Registry.kwargs_of(cfg, name)` then gives each component the keyword arguments it is built with, the one way these
+settings reach estimators, losses, corrections, rollout functions and backends (`Registry.settings`), verifiers and
+reward models (in the trainer, in every reward worker, in `megarl-verify`) and tools.
+
+The registries and the built-ins' options are pure Python: without `check_registries` (the launch scripts' check on
+a batch host) nothing here imports torch.
 """
 
 from __future__ import annotations
@@ -26,12 +32,15 @@ from megarl.registry import Registry, load_plugins
 
 
 def component_registries() -> tuple[Registry, ...]:
-    """The registries whose entries may declare options: verifiers, reward models, tools."""
+    """The registries whose entries may declare options, in the order `--help` lists them."""
+    from megarl.algorithms.slots import ADVANTAGES, KL_ESTIMATORS, OFF_POLICY_CORRECTIONS, POLICY_LOSSES
     from megarl.reward.models import REWARD_MODELS
-    from megarl.tool_calls import TOOLS
+    from megarl.rollout.slots import BACKENDS, ROLLOUTS
+    from megarl.tool_calls import TOOL_PARSERS, TOOLS
     from megarl.verifiers.base import VERIFIERS
 
-    return VERIFIERS, REWARD_MODELS, TOOLS
+    return (BACKENDS, ROLLOUTS, TOOL_PARSERS, TOOLS, VERIFIERS, REWARD_MODELS, ADVANTAGES, POLICY_LOSSES,
+            KL_ESTIMATORS, OFF_POLICY_CORRECTIONS)
 
 
 def components(registries: tuple[Registry, ...] | None = None) -> dict[str, type]:
@@ -91,7 +100,6 @@ def check_names(cfg: Config, origins: dict[str, str] | None = None) -> None:
     from megarl.algorithms.advantages import ADVANTAGES
     from megarl.reward.compose import parse
     from megarl.rollout.backends import BACKENDS
-    from megarl.tool_calls import TOOLS
 
     origins = origins or {}
     sections = cfg.sections()
@@ -99,7 +107,7 @@ def check_names(cfg: Config, origins: dict[str, str] | None = None) -> None:
         value = getattr(sections[spec.section], spec.name)
         if not spec.names or value == "":
             continue
-        names = [value]
+        names = [n.strip() for n in value.split(",") if n.strip()] if spec.many else [value]
         if spec.name == "default_verifier":  # a verifier, a reward model or a composition of them
             try:
                 names = [p.name for p in parse(value).parts]
@@ -110,10 +118,6 @@ def check_names(cfg: Config, origins: dict[str, str] | None = None) -> None:
             raise ConfigError(f"{origins.get(spec.name, 'default')}: {spec.flag} {unknown[0]!r} is not registered; "
                               f"choose one of: {', '.join(valid)} (--plugins imports modules that register more)")
     BACKENDS.get(cfg.rollout.rollout_backend).check(cfg)
-    for name in (t.strip() for t in cfg.tools.tools.split(",")):
-        if name and name not in TOOLS:
-            raise ConfigError(f"{origins.get('tools', 'default')}: --tools {name!r} is not registered; choose from: "
-                              f"{', '.join(TOOLS.names())} (--plugins imports modules that register more)")
     if ADVANTAGES.get(cfg.algorithm.advantage_estimator).needs.critic and cfg.model.context_parallel_size > 1:
         raise ConfigError(f"--context-parallel-size > 1 is not supported with --advantage-estimator "
                           f"{cfg.algorithm.advantage_estimator}: its critic is built without context parallelism")

@@ -166,20 +166,15 @@ class RolloutConfig:
     rollout_backend: str = _name(
         "builtin", "rollout engine: megarl's built-in PyTorch engine, SGLang (GPU), or Megatron's dynamic inference "
         "engine over the actor's own model (GPU with flash-attn; TP = PP = CP = 1; no weight copies)",
-        "megarl.rollout.backends:BACKENDS")
+        "megarl.rollout.slots:BACKENDS")
     rollout_function: str = _name(
         "single_turn", "how prompts become scored trajectories: a function registered with "
-        "megarl.rollout.register_rollout (single_turn: one completion per sample)", "megarl.rollout.functions:ROLLOUTS")
+        "megarl.rollout.register_rollout (single_turn: one completion per sample)", "megarl.rollout.slots:ROLLOUTS")
     n_samples_per_prompt: int = _f(8, "completions sampled per prompt (the GRPO group size)")
     rollout_temperature: float = _f(1.0, "sampling temperature; the actor's log-probs use the same temperature")
     rollout_top_p: float = _f(1.0, "nucleus sampling mass, 1 = off")
     rollout_top_k: int = _f(-1, "top-k sampling, -1 = off")
     max_response_len: int = _f(64, "maximum new tokens per completion")
-    rollout_device: Literal["auto", "cpu", "cuda"] = _f("auto", "where the built-in engine runs")
-    sglang_mem_fraction: float = _f(0.5, "share of each GPU SGLang takes for weights and KV cache "
-                                    "(mem_fraction_static); the rest stays with the colocated actor")
-    sglang_tp_size: int = _f(0, "SGLang's tensor-parallel size; 0 = the actor's TP size (colocated) or what each "
-                             "server reports (--rollout-servers)")
     sync_bucket_mb: int = _f(512, "weight sync: the actor's weights go to the engine in flat buckets of at most "
                              "this many MiB")
     verify_weight_sync: bool = _f(False, "after each weight sync, compare the engine's and the actor's log-probs on a "
@@ -197,11 +192,6 @@ class RolloutConfig:
                                   "(SGLang): how many per position")
     rollout_servers: str = _f("", "disaggregated mode: comma-separated host:port of SGLang servers on other nodes "
                               "(launch/slurm/disaggregated.sbatch fills it); empty = the colocated engine")
-    weight_sync_port: int = _f(0, "disaggregated mode: the port of the weight-update group's rendezvous on rank 0's "
-                               "host; 0 = MASTER_PORT + 17")
-
-    rollout_threads: int = _f(1, "--async-staleness >= 1 with the built-in engine: torch threads of the engine's "
-                              "own process (the trainer keeps --threads-per-rank)")
     lora_weight_sync: Literal["merged", "adapter"] = _f(
         "merged", "with --lora-rank: what the engine gets at each weight sync. merged: the whole model, W + (alpha / "
         "rank) B A (every engine). adapter (--rollout-backend sglang): the base weights once, then only the "
@@ -209,14 +199,12 @@ class RolloutConfig:
         "faster has not been measured (it needs a GPU: tools/gpu_check.sh times both), hence the default")
 
     def __post_init__(self):
-        _positive(self, "n_samples_per_prompt", "max_response_len", "sync_bucket_mb", "rollout_threads",
+        _positive(self, "n_samples_per_prompt", "max_response_len", "sync_bucket_mb",
                   "mismatch_check_rows", "mismatch_check_topk")
         if self.mismatch_check_interval < 0:
             raise ConfigError(f"--mismatch-check-interval must be >= 0 (0 = off), got {self.mismatch_check_interval}")
-        if not 0 < self.sglang_mem_fraction < 1:
-            raise ConfigError(f"--sglang-mem-fraction must be in (0, 1), got {self.sglang_mem_fraction}")
-        if self.sglang_tp_size < 0 or self.verify_sync_tolerance <= 0 or self.weight_sync_port < 0:
-            raise ConfigError("--sglang-tp-size and --weight-sync-port must be >= 0 and --verify-sync-tolerance > 0")
+        if self.verify_sync_tolerance <= 0:
+            raise ConfigError(f"--verify-sync-tolerance must be > 0, got {self.verify_sync_tolerance}")
         if self.rollout_servers and self.rollout_backend != "sglang":
             raise ConfigError(f"--rollout-servers needs --rollout-backend sglang, got {self.rollout_backend}")
         if self.lora_weight_sync not in ("merged", "adapter"):
@@ -290,46 +278,6 @@ class SandboxConfig:
 
 
 @dataclass
-class ToolConfig:
-    tool_parser: str = _name("hermes", "--rollout-function tool_use: how a turn's tool calls are read (hermes: "
-                             "<tool_call>{json}</tool_call>; python: a fenced python block calls the python tool)",
-                             "megarl.tool_calls:TOOL_PARSERS")
-    tools: str = _f("python", "--rollout-function tool_use: comma-separated tools the model may call (registered "
-                    "with megarl.tool_calls.register_tool)")
-    max_turns: int = _f(4, "tool_use: most model turns per trajectory (a turn ends at a tool call or the end)")
-    max_tool_calls: int = _f(4, "tool_use: most tool calls per trajectory; a turn that calls beyond them ends it, "
-                             "those calls unrun")
-    max_tool_output_tokens: int = _f(256, "tool_use: a call's output is cut to this many tokens, with a marker "
-                                     "saying how many were cut (the whole trajectory stays within "
-                                     "--max-response-len tokens, policy and tools together)")
-    tool_response_format: Literal["auto", "chat", "text"] = _f(
-        "auto", "tool_use: tool output as the chat template's tool turn (chat; turns end at the end-of-turn "
-        "token) or in the parser's text wrapper right after the call (text; turns end at the call's closing "
-        "tag); auto = chat when the tokenizer has a chat template")
-    tool_timeout: float = _f(5.0, "seconds of wall-clock (and CPU) time per tool call")
-    tool_memory_mb: int = _f(256, "memory a tool call may use")
-    tool_output_bytes: int = _f(16384, "stdout (and stderr) bytes a tool call may print; more is cut and said so")
-    tool_workers: int = _f(2, "sandbox workers running tool calls: the calls of a batch run this many at a time "
-                           "(the sandbox is --sandbox)")
-    tool_call_cost: float = _f(0.0, "tool_use: subtracted from a trajectory's reward per tool call; 0 = off")
-    tool_format_bonus: float = _f(0.0, "tool_use: added to the reward of a trajectory that called a tool and whose "
-                                  "every call was well formed and ran without error; 0 = off")
-    tool_calls_fail: bool = _f(False, "tool_use control runs: every tool call gets an error observation and nothing "
-                               "runs (what the tool is worth)")
-
-    def __post_init__(self):
-        _positive(self, "max_turns", "max_tool_calls", "max_tool_output_tokens", "tool_memory_mb",
-                  "tool_output_bytes", "tool_workers")
-        if self.tool_timeout <= 0:
-            raise ConfigError(f"--tool-timeout must be > 0 seconds, got {self.tool_timeout}")
-        if self.tool_call_cost < 0 or self.tool_format_bonus < 0:
-            raise ConfigError(f"--tool-call-cost and --tool-format-bonus must be >= 0, got {self.tool_call_cost} "
-                              f"and {self.tool_format_bonus}")
-        if not [t for t in self.tools.split(",") if t.strip()]:
-            raise ConfigError("--tools must name at least one tool, e.g. --tools python")
-
-
-@dataclass
 class PluginConfig:
     plugins: str = _f("", "comma-separated Python modules (or .py files) imported before anything else, in the "
                       "trainer and in every reward worker: what they register (verifiers, rollout functions, "
@@ -339,43 +287,24 @@ class PluginConfig:
 @dataclass
 class AlgorithmConfig:
     advantage_estimator: str = _name("grpo", "advantage estimator (gae: PPO with a critic, trained colocated with "
-                                     "the actor)", "megarl.algorithms.advantages:ADVANTAGES")
-    policy_loss: str = _name("clip", "policy loss", "megarl.algorithms.losses:POLICY_LOSSES")
+                                     "the actor)", "megarl.algorithms.slots:ADVANTAGES")
+    policy_loss: str = _name("clip", "policy loss", "megarl.algorithms.slots:POLICY_LOSSES")
     eps_clip: float = _f(0.2, "PPO clip range, lower side")
     eps_clip_high: float = _f(0.2, "PPO clip range, upper side (DAPO clip-higher when larger)")
-    clip_ratio_c: float = _f(3.0, "dual-clip cap: a negative-advantage token's loss is at most -c * A (c > 1)")
-    off_policy_correction: Literal["none", "tis", "decoupled", "seq_tis", "mis", "geo_rs", "icepop"] = _f(
+    off_policy_correction: str = _name(
         "none", "off-policy correction against the rollout engine's (behaviour) log-probs, per token or sequence "
-        "(megarl.algorithms.corrections): tis (truncated importance weight, cap --tis-cap; with the clip against the "
-        "actor before the update, this is also AReaL's decoupled PPO), seq_tis (the sequence's weight truncated, "
-        "--seq-tis-cap), mis (masked IS: a token or sequence whose ratio leaves [--mis-low, --mis-high] is dropped, "
-        "--mis-level), geo_rs (a sequence whose geometric-mean ratio leaves [--geo-rs-low, --geo-rs-high] is "
-        "dropped), icepop (a token whose ratio leaves [--icepop-low, --icepop-high] is dropped), none; decoupled is "
-        "the former name of tis, its cap --decoupled-is-cap")
-    tis_cap: float = _f(0.0, "truncated importance sampling against the rollout engine's log-probs: weight cap "
-                        "(e.g. 2.0); 0 = off. A cap alone turns on --off-policy-correction tis (the older spelling)")
-    decoupled_is_cap: float = _f(5.0, "the cap of --off-policy-correction decoupled, the former name of tis: "
-                                 "becomes --tis-cap (5.0, as AReaL's recipes set behav_imp_weight_cap)")
-    seq_tis_cap: float = _f(2.0, "--off-policy-correction seq_tis: cap of a sequence's importance weight, the "
-                            "product of its token ratios (2.0, verl's seq_is preset)")
-    mis_level: Literal["token", "sequence"] = _f("sequence", "--off-policy-correction mis: drop single tokens or "
-                                                 "whole sequences (sequence: TRL's default sequence_mask)")
-    mis_low: float = _f(0.0, "--off-policy-correction mis: a ratio below this is dropped (0: only the upper side, "
-                        "TRL's default; verl's decoupled_seq_is_rs preset drops below 0.5 too)")
-    mis_high: float = _f(2.0, "--off-policy-correction mis: a ratio above this is dropped")
-    geo_rs_low: float = _f(0.999, "--off-policy-correction geo_rs: a sequence whose geometric-mean ratio is below "
-                           "this is dropped (verl's decoupled_geo_rs preset: 0.999)")
-    geo_rs_high: float = _f(1.001, "--off-policy-correction geo_rs: a sequence whose geometric-mean ratio is above "
-                            "this is dropped (verl's decoupled_geo_rs preset: 1.001)")
-    icepop_low: float = _f(0.5, "--off-policy-correction icepop: a token whose ratio is below this is dropped "
-                           "(IcePop's alpha, 0.5)")
-    icepop_high: float = _f(5.0, "--off-policy-correction icepop: a token whose ratio is above this is dropped "
-                            "(IcePop's beta, 5)")
+        "(megarl.algorithms.corrections; each one's settings are its own flags): tis (truncated importance weight, "
+        "cap --tis-cap; with the clip against the actor before the update, this is also AReaL's decoupled PPO), "
+        "seq_tis (the sequence's weight truncated, --seq-tis-cap), mis (masked IS: a token or sequence whose ratio "
+        "leaves [--mis-low, --mis-high] is dropped, --mis-level), geo_rs (a sequence whose geometric-mean ratio "
+        "leaves [--geo-rs-low, --geo-rs-high] is dropped), icepop (a token whose ratio leaves [--icepop-low, "
+        "--icepop-high] is dropped), none; decoupled is the former name of tis, its cap --decoupled-is-cap",
+        "megarl.algorithms.slots:OFF_POLICY_CORRECTIONS")
     routing_replay: bool = _f(False, "mixture of experts: the actor's routers take the experts the rollout engine "
                               "chose for each token (rollout routing replay) instead of their own top-k, so "
                               "log-probs are computed under the routing that produced the sample (built-in engine)")
     kl_coef: float = _f(0.0, "weight of the KL(actor || reference) penalty; 0 runs no reference model")
-    kl_estimator: str = _name("k3", "KL estimator", "megarl.algorithms.losses:KL_ESTIMATORS")
+    kl_estimator: str = _name("k3", "KL estimator", "megarl.algorithms.slots:KL_ESTIMATORS")
     kl_in_reward: bool = _f(False, "fold the KL penalty into the reward (kl_coef * summed per-token KL of each "
                             "response) instead of adding it to the loss")
     entropy_coef: float = _f(0.0, "entropy bonus weight (0 = off; entropy is reported either way)")
@@ -383,11 +312,6 @@ class AlgorithmConfig:
                               "seq-mean-token-sum-norm"] = _f(
         "token-mean", "how per-token losses are averaged (seq-mean-token-sum-norm: Dr. GRPO's constant normaliser)")
     advantage_eps: float = _f(1e-6, "added to the group std before dividing")
-    gae_gamma: float = _f(1.0, "GAE discount over response tokens (--advantage-estimator gae)")
-    gae_lambda: float = _f(1.0, "GAE lambda: 1 = reward-to-go minus value, 0 = one-step TD (--advantage-estimator gae)")
-    gae_whiten: bool = _f(True, "whiten GAE advantages over the global batch's response tokens")
-    value_clip: float = _f(0.2, "PPO value clip: the critic's loss uses max of the plain and the clipped error, the "
-                           "clipped value staying within this of the rollout-time value")
     dynamic_sampling: bool = _f(False, "DAPO dynamic sampling: drop groups whose verifier outcomes are all equal "
                                 "and draw more prompts to refill the batch")
     max_sampling_rounds: int = _f(4, "dynamic sampling: generation rounds per step before accepting equal groups")
@@ -401,60 +325,9 @@ class AlgorithmConfig:
             raise ConfigError(f"--kl-coef must be >= 0, got {self.kl_coef}")
         if self.eps_clip <= 0 or self.eps_clip_high <= 0:
             raise ConfigError("--eps-clip and --eps-clip-high must be > 0")
-        if self.clip_ratio_c <= 1:
-            raise ConfigError(f"--clip-ratio-c must be > 1, got {self.clip_ratio_c}")
-        if self.tis_cap < 0 or self.entropy_coef < 0 or self.overlong_buffer_len < 0 or self.overlong_penalty < 0:
-            raise ConfigError("--tis-cap, --entropy-coef, --overlong-buffer-len and --overlong-penalty must be >= 0")
-        self._check_off_policy_correction()
+        if self.entropy_coef < 0 or self.overlong_buffer_len < 0 or self.overlong_penalty < 0:
+            raise ConfigError("--entropy-coef, --overlong-buffer-len and --overlong-penalty must be >= 0")
         _positive(self, "max_sampling_rounds")
-        if not (0 <= self.gae_gamma <= 1 and 0 <= self.gae_lambda <= 1):
-            raise ConfigError(f"--gae-gamma and --gae-lambda must be in [0, 1], got {self.gae_gamma}, "
-                              f"{self.gae_lambda}")
-        if self.value_clip <= 0:
-            raise ConfigError(f"--value-clip must be > 0, got {self.value_clip}")
-
-    def _check_off_policy_correction(self):
-        choices = typing.get_args(typing.get_type_hints(AlgorithmConfig)["off_policy_correction"])
-        if self.off_policy_correction not in choices:
-            raise ConfigError(f"--off-policy-correction {self.off_policy_correction!r} is not valid; choose one of: "
-                              f"{', '.join(choices)}")
-        if self.decoupled_is_cap <= 0:
-            raise ConfigError(f"--decoupled-is-cap must be > 0, got {self.decoupled_is_cap}")
-        # The older spellings, resolved here and nowhere else: the loss only ever sees "none" or "tis".
-        if self.off_policy_correction == "none" and self.tis_cap > 0:
-            self.off_policy_correction = "tis"  # --tis-cap C alone
-        if self.off_policy_correction == "decoupled":  # the same per-token loss as tis (`grpo_token_loss`)
-            if self.tis_cap > 0:
-                raise ConfigError(f"--tis-cap {self.tis_cap} is the cap of --off-policy-correction tis; decoupled "
-                                  "takes --decoupled-is-cap")
-            print(f"megarl: note: --off-policy-correction decoupled is now spelled --off-policy-correction tis "
-                  f"--tis-cap {self.decoupled_is_cap:g} (the same loss)", file=sys.stderr, flush=True)
-            self.off_policy_correction, self.tis_cap = "tis", self.decoupled_is_cap
-        if self.off_policy_correction == "tis" and self.tis_cap == 0:
-            raise ConfigError("--off-policy-correction tis needs --tis-cap > 0, its weight cap (e.g. 2.0)")
-        if self.seq_tis_cap <= 0:
-            raise ConfigError(f"--seq-tis-cap must be > 0, got {self.seq_tis_cap}")
-        for flag in ("mis", "geo_rs", "icepop"):
-            low, high = getattr(self, f"{flag}_low"), getattr(self, f"{flag}_high")
-            if not 0 <= low < high:
-                name = flag.replace("_", "-")
-                raise ConfigError(f"--{name}-low and --{name}-high must satisfy 0 <= low < high, got {low} and {high}")
-
-    @property
-    def off_policy_cap(self) -> float:
-        """The weight cap of the chosen `--off-policy-correction` (0 for none)."""
-        return self.tis_cap if self.off_policy_correction == "tis" else 0.0
-
-    @property
-    def off_policy_options(self) -> dict:
-        """The keyword arguments of the chosen `--off-policy-correction` (`megarl.algorithms.corrections`)."""
-        c = self.off_policy_correction
-        if c in ("tis", "seq_tis"):
-            return {"cap": self.tis_cap if c == "tis" else self.seq_tis_cap}
-        if c in ("mis", "geo_rs", "icepop"):
-            band = {"low": getattr(self, f"{c}_low"), "high": getattr(self, f"{c}_high")}
-            return {"level": self.mis_level, **band} if c == "mis" else band
-        return {}
 
 
 @dataclass
@@ -561,7 +434,6 @@ class Config:
     data: DataConfig
     reward: RewardConfig
     sandbox: SandboxConfig
-    tools: ToolConfig
     algorithm: AlgorithmConfig
     training: TrainingConfig
     checkpoint: CheckpointConfig
@@ -601,11 +473,6 @@ class Config:
                               f"exchange fixed-shape micro-batches), got {self.model.pipeline_model_parallel_size}")
         if self.training.async_staleness:
             self._check_async()
-        r, tp = self.rollout, self.model.tensor_model_parallel_size
-        if r.rollout_backend == "sglang" and not r.rollout_servers and r.sglang_tp_size > tp:
-            raise ConfigError(f"--sglang-tp-size {r.sglang_tp_size}: a colocated SGLang engine runs on the GPUs of "
-                              "its model replica's first-stage TP ranks, which each hand it the weights from their "
-                              f"own GPU, so at most --tensor-model-parallel-size {tp} (0 = the same)")
         if self.algorithm.routing_replay:
             if self.rollout.rollout_backend != "builtin":
                 raise ConfigError(f"--routing-replay needs --rollout-backend builtin (the engine that records each "
@@ -619,6 +486,10 @@ class Config:
         if self.checkpoint.save_peft and not self.model.lora_rank:
             raise ConfigError(f"--save-peft {self.checkpoint.save_peft} needs --lora-rank > 0 (it writes the LoRA "
                               "adapters; without them use --save-hf)")
+        for values in self.components.values():  # each component's rules against the rest (`megarl.registry`)
+            resolve = getattr(values, "resolve", None)
+            if callable(resolve):
+                resolve(self)
 
     def _check_adapter_sync(self):
         """--lora-weight-sync adapter: SGLang gets the adapters in PEFT form (`megarl.mcore.lora.peft_tensors`)."""
@@ -657,7 +528,7 @@ class Config:
 
 SECTIONS: dict[str, type] = {
     "model": ModelConfig, "rollout": RolloutConfig, "data": DataConfig, "reward": RewardConfig,
-    "sandbox": SandboxConfig, "tools": ToolConfig, "algorithm": AlgorithmConfig, "training": TrainingConfig,
+    "sandbox": SandboxConfig, "algorithm": AlgorithmConfig, "training": TrainingConfig,
     "checkpoint": CheckpointConfig, "logging": LoggingConfig, "plugins": PluginConfig,
 }
 
@@ -680,6 +551,7 @@ class FlagSpec:
     help: str
     names: str = ""  # for a field naming a registry entry: the `module:attribute` listing the valid names
     default: Any = None
+    many: bool = False  # a comma-separated list of such names
 
     @property
     def flag(self) -> str:
@@ -694,7 +566,7 @@ def flag_specs(components: dict[str, type] | None = None) -> dict[str, FlagSpec]
         hints = typing.get_type_hints(cls)
         for f in dataclasses.fields(cls):
             spec = FlagSpec(section, f.name, hints[f.name], f.metadata.get("help", ""), f.metadata.get("names", ""),
-                            f.default)
+                            f.default, f.metadata.get("many", False))
             if spec.flag in out:
                 raise ConfigError(f"{spec.flag} is declared twice: by {out[spec.flag].section} and by {section} "
                                   "(each option needs a name of its own)")
@@ -897,12 +769,6 @@ def saved_values(saved: dict[str, Any], path: str | os.PathLike, specs: dict[str
     return values
 
 
-def read_saved_config(path: str | os.PathLike, origins: dict[str, str] | None = None,
-                      components: dict[str, type] | None = None) -> dict[str, Any]:
-    """The settings of a saved `config.json` as flag values, each checked as a flag is; `origins` records them."""
-    return saved_values(_load_saved(path), path, flag_specs(components), origins)
-
-
 def help_text(components: dict[str, type] | None = None, valid_names=None) -> str:
     """Every flag by section, with its type, default and help; `valid_names(spec)` lists a registry flag's
     choices (`megarl.arguments` passes the registries' names)."""
@@ -919,3 +785,14 @@ def help_text(components: dict[str, type] | None = None, valid_names=None) -> st
                     kind = "|".join(valid_names(spec))
                 lines.append(f"  {spec.flag} <{kind}> (default {spec.default!r}): {spec.help}")
     return "\n".join(lines)
+
+
+def __getattr__(name: str):
+    """`ToolConfig`, the section of the `--tool-*` flags until megarl 0.2, is now the options of the `tool_use`
+    rollout function, `megarl.rollout.slots.ToolUseOptions` (the same fields); this name goes in megarl 0.3. Loaded
+    by name, on use: this module imports nothing of megarl but its errors."""
+    if name == "ToolConfig":
+        import importlib
+
+        return importlib.import_module("megarl.rollout.slots").ToolUseOptions
+    raise AttributeError(f"module 'megarl.config' has no attribute {name!r}")

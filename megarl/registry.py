@@ -14,9 +14,18 @@ registry is enough to find a built-in entry, and a built-in module may import th
 
 An entry may declare its own options: a dataclass whose fields are made with `option(default, help)`. Each field
 is a flag of the trainer (`--field-name`), parsed, checked, saved in a run's config.json and printed by `--help`
-like megarl's own (`megarl.arguments`); a plugin's options work the same with no edit to megarl. The dataclass
-may define `kwargs(self, cfg) -> dict`, the keyword arguments its entry is built with given the whole run config
-(to read shared sections such as `cfg.sandbox`); without it the entry gets the fields themselves.
+under the entry's section (`Registry.section`) like megarl's own (`megarl.arguments`); a plugin's options work the
+same with no edit to megarl. The dataclass checks its own values in `__post_init__` (raise `ConfigError` naming the
+flag) and may define
+- `kwargs(self, cfg) -> dict`: the keyword arguments its entry is built with given the whole run config (to read
+  shared sections such as `cfg.sandbox`, or to rename fields); without it the entry gets the fields themselves;
+- `resolve(self, cfg) -> None`: rules between its values and the rest of the run's config, run once the config is
+  built (`megarl.config.Config.__post_init__`), for every declared entry, chosen or not.
+
+Entries whose code imports torch (estimators, losses, corrections, rollout backends) are registered into a registry
+that lives, with the built-ins' options, in a pure-Python module (`megarl.algorithms.slots`,
+`megarl.rollout.slots`): those declare their options with `declare(name, options)` before the entry exists, so the
+command line parses without importing torch (the launch scripts' check on a batch host).
 
 Pure Python, so that light modules (verifiers, `megarl-verify`) can use it without importing torch.
 """
@@ -33,15 +42,21 @@ from typing import Any, Callable, Generic, Sequence, TypeVar
 T = TypeVar("T")
 
 
-def option(default: Any, help: str) -> Any:
-    """A field of an entry's options dataclass: a flag `--field-name` with this default and help text."""
-    return dataclasses.field(default=default, metadata={"help": help})
+def option(default: Any, help: str, names: str = "", many: bool = False) -> Any:
+    """A field of an entry's options dataclass: a flag `--field-name` with this default and help text. `names`:
+    for a field whose value names a registry entry, the `module:attribute` of that registry (checked once
+    `--plugins` are imported); `many`: the value is a comma-separated list of such names."""
+    metadata = {"help": help, **({"names": names} if names else {}), **({"many": True} if many else {})}
+    return dataclasses.field(default=default, metadata=metadata)
 
 
 class Registry(Generic[T]):
-    def __init__(self, kind: str, builtins: Sequence[str] = ()):
+    def __init__(self, kind: str, builtins: Sequence[str] = (), options_declared_here: bool = False):
+        """`options_declared_here`: the built-ins' options are declared (`declare`) in the module that makes the
+        registry, so listing options imports none of `builtins`."""
         self.kind = kind
         self.builtins = tuple(builtins)  # modules whose import registers the built-in entries
+        self._declared_here = options_declared_here
         self._items: dict[str, T] = {}
         self._options: dict[str, type] = {}
         self._loaded = not self.builtins
@@ -60,11 +75,19 @@ class Registry(Generic[T]):
         """Register `item` itself under `name` (what a slot-specific decorator that wraps its function calls)."""
         if name in self._items:
             raise ValueError(f"{self.kind} {name!r} is already registered")
-        if options is not None and not dataclasses.is_dataclass(options):
-            raise TypeError(f"{self.kind} {name!r}: options must be a dataclass of option() fields, got {options!r}")
-        self._items[name] = item
         if options is not None:
-            self._options[name] = options
+            self.declare(name, options)
+        self._items[name] = item
+
+    def declare(self, name: str, options: type) -> type:
+        """Declare the options of entry `name`, registered now or later (a built-in whose code imports torch is
+        registered by its own module; its options are declared beside the registry, in pure Python)."""
+        if not dataclasses.is_dataclass(options):
+            raise TypeError(f"{self.kind} {name!r}: options must be a dataclass of option() fields, got {options!r}")
+        if self._options.get(name, options) is not options:
+            raise ValueError(f"{self.kind} {name!r} already declares options: {self._options[name].__name__}")
+        self._options[name] = options
+        return options
 
     def get(self, name: str) -> T:
         """The item registered as `name`; an unknown name raises ValueError listing the valid ones."""
@@ -87,24 +110,39 @@ class Registry(Generic[T]):
         return name in self._items
 
     def options(self) -> dict[str, type]:
-        """Each entry's options dataclass, by name, for the entries that declare one."""
-        self._load_builtins()
+        """Each entry's options dataclass, by name, for the entries that declare one (built-ins whose options are
+        declared beside the registry are listed without importing their code)."""
+        if not self._declared_here:
+            self._load_builtins()
         return dict(sorted(self._options.items()))
 
     def section(self, name: str) -> str:
-        """The config section of entry `name`'s options: "verifier.code", "reward_model.hf_rm", "tool.python"."""
-        return f"{self.kind.replace(' ', '_')}.{name}"
+        """The config section of entry `name`'s options: "verifier.code", "reward_model.hf_rm", "tool.python",
+        "off_policy_correction.tis"."""
+        return f"{self.kind.replace(' ', '_').replace('-', '_')}.{name}"
+
+    def settings(self, cfg: Any, name: str) -> Any:
+        """Entry `name`'s options as the run set them (`cfg.components`), or their defaults (a config built
+        without components, or `cfg` None); None for an entry that declares none."""
+        cls = self.options().get(name)
+        if cls is None:
+            return None
+        return (cfg.components.get(self.section(name)) if cfg is not None else None) or cls()
+
+    def kwargs_of(self, cfg: Any, name: str) -> dict[str, Any]:
+        """The keyword arguments entry `name` is built (or called) with, from a run's config
+        (`megarl.config.Config`): its options' `kwargs(cfg)` when it defines one, else its fields; {} for an entry
+        that declares no options."""
+        values = self.settings(cfg, name)
+        if values is None:
+            return {}
+        kwargs = getattr(values, "kwargs", None)
+        return kwargs(cfg) if callable(kwargs) else dataclasses.asdict(values)
 
     def kwargs(self, cfg: Any) -> dict[str, dict[str, Any]]:
-        """The keyword arguments each entry that declares options is built with, by name, from a run's config
-        (`megarl.config.Config`): its options' `kwargs(cfg)` when it defines one, else its fields. A section absent
-        from `cfg.components` (a config built without components) takes its defaults."""
-        out = {}
-        for name, cls in self.options().items():
-            values = cfg.components.get(self.section(name)) or cls()
-            kwargs = getattr(values, "kwargs", None)
-            out[name] = kwargs(cfg) if callable(kwargs) else dataclasses.asdict(values)
-        return out
+        """`kwargs_of` for every entry that declares options, by name. A section absent from `cfg.components` (a
+        config built without components) takes its defaults."""
+        return {name: self.kwargs_of(cfg, name) for name in self.options()}
 
     def _load_builtins(self) -> None:
         if self._loaded:

@@ -86,7 +86,7 @@ def run(cfg: Config, checked) -> int:
         timer.add(t_reward=rollout.reward_seconds, t_reward_exposed=rollout.reward_exposed_seconds)
         batch, algorithm_metrics = run.algorithm.train_batch(rollout, packed, logp)  # rewards, advantages
         with timer("t_update"):
-            update_metrics = update(actor, batch, cfg.algorithm, t, cfg.rollout)
+            update_metrics = update(actor, batch, cfg)
         with timer("t_sync"):
             if run.pending is not None and cfg.rollout.rollout_servers and info.dp_size > 1:
                 run.pending.settle()  # servers shared by the DP leaders: their queued batches first

@@ -74,11 +74,13 @@ def environment() -> dict:
 
 
 def _config(args, **flags):
+    from megarl.arguments import components
     from megarl.config import build_config
 
     return build_config({"n_samples_per_prompt": args.samples, "max_response_len": args.response_len,
                          "rollout_batch_size": args.prompts, "micro_batch_size": args.micro_batch, "lr": 1e-5,
-                         "weight_decay": 0.01, "verify_weight_sync": True, "sync_bucket_mb": args.bucket_mb, **flags})
+                         "weight_decay": 0.01, "verify_weight_sync": True, "sync_bucket_mb": args.bucket_mb, **flags},
+                        components())
 
 
 def _prompts(vocab: int, count: int, step: int):

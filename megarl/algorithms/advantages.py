@@ -12,7 +12,11 @@ rewards, and the trainer provides exactly that (`megarl.stages.advantages`):
 - `reference`: the frozen reference model's per-token log-probs, as `inputs["ref_logp"]` (a reference is run for
   it even without a KL penalty);
 - `token_level`: the result is per token, [num_completions, T], aligned with `inputs["mask"]` (the response
-  tokens); such estimators also get the discounting `gamma` and `lam` (`--gae-gamma`, `--gae-lambda`).
+  tokens).
+
+An estimator's own settings are its options (`register_advantage(name, options=...)`, `megarl.registry`), passed to
+it as keyword arguments: `gae`'s `gamma` and `lam` (`--gae-gamma`, `--gae-lambda`, declared in
+`megarl.algorithms.slots`). No estimator gets another's.
 
 Row `g` of `rewards` holds the rewards of the completions sampled for prompt `g`.
 
@@ -27,6 +31,7 @@ from typing import Callable, Protocol
 import torch
 from torch import Tensor
 
+from megarl.algorithms import slots
 from megarl.registry import Registry
 
 
@@ -50,18 +55,21 @@ class AdvantageEstimator:
     needs: Needs
 
 
-# The estimators below, and GAE (PPO with a critic) in its own module, imported on first lookup.
-ADVANTAGES: Registry[AdvantageEstimator] = Registry("advantage estimator", builtins=("megarl.algorithms.gae",))
+# The estimators below, and GAE (PPO with a critic) in its own module, imported on first lookup; the registry and
+# the built-ins' options live in `megarl.algorithms.slots` (pure Python, for the command line).
+ADVANTAGES: Registry[AdvantageEstimator] = slots.ADVANTAGES
 
 
-def register_advantage(name: str, needs: Needs = Needs()) -> Callable[[AdvantageFn], AdvantageFn]:
+def register_advantage(name: str, needs: Needs = Needs(),
+                       options: type | None = None) -> Callable[[AdvantageFn], AdvantageFn]:
     """Register an advantage estimator under `name`, with what it needs (a second registration of a name is an
-    error)."""
+    error) and its options dataclass (`megarl.registry`): its fields' values are passed to the estimator as
+    keyword arguments (or what the dataclass's `kwargs(cfg)` returns)."""
     if needs.critic and not needs.token_level:
         raise ValueError(f"advantage estimator {name!r}: a critic gives per-token values; declare token_level=True")
 
     def decorate(fn: AdvantageFn) -> AdvantageFn:
-        ADVANTAGES.add(name, AdvantageEstimator(name, fn, needs))
+        ADVANTAGES.add(name, AdvantageEstimator(name, fn, needs), options=options)
         return fn
 
     return decorate

@@ -35,6 +35,7 @@ from typing import Protocol
 import torch
 from torch import Tensor
 
+from megarl.algorithms import slots
 from megarl.registry import Registry
 
 
@@ -43,7 +44,9 @@ class CorrectionFn(Protocol):
                  **options) -> tuple[Tensor, dict[str, float]]: ...
 
 
-OFF_POLICY_CORRECTIONS: Registry[CorrectionFn] = Registry("off-policy correction")
+# The registry, and the built-ins' options (`--tis-cap`, `--mis-low`, ...: each correction's keyword arguments), live
+# in `megarl.algorithms.slots`; `register_correction(name, options=...)` declares a plugin's.
+OFF_POLICY_CORRECTIONS: Registry[CorrectionFn] = slots.OFF_POLICY_CORRECTIONS
 register_correction = OFF_POLICY_CORRECTIONS.register
 
 

@@ -19,6 +19,7 @@ from typing import Callable, Literal, Protocol
 import torch
 from torch import Tensor
 
+from megarl.algorithms import slots
 from megarl.algorithms.corrections import OFF_POLICY_CORRECTIONS
 from megarl.registry import Registry
 
@@ -28,7 +29,8 @@ AGGREGATION_MODES: tuple[str, ...] = ("token-mean", "seq-mean-token-mean", "seq-
 
 
 class PolicyLossFn(Protocol):
-    """`options` carries loss-specific settings (e.g. `clip_ratio_c` of dual-clip); a loss ignores the others."""
+    """`options` carries the loss's own settings, the fields of the options it declares (`dual_clip`'s
+    `clip_ratio_c`); a loss ignores any other."""
 
     def __call__(
         self, logp: Tensor, old_logp: Tensor, advantages: Tensor, mask: Tensor, clip_low: float, clip_high: float,
@@ -38,8 +40,9 @@ class PolicyLossFn(Protocol):
 
 KLFn = Callable[[Tensor, Tensor], Tensor]
 
-POLICY_LOSSES: Registry[PolicyLossFn] = Registry("policy loss")
-KL_ESTIMATORS: Registry[KLFn] = Registry("KL estimator")  # `fn(logp, ref_logp) -> Tensor`, per token
+# The registries, and the built-ins' options (`dual_clip`'s `--clip-ratio-c`), live in `megarl.algorithms.slots`.
+POLICY_LOSSES: Registry[PolicyLossFn] = slots.POLICY_LOSSES
+KL_ESTIMATORS: Registry[KLFn] = slots.KL_ESTIMATORS  # `fn(logp, ref_logp) -> Tensor`, per token
 
 register_policy_loss = POLICY_LOSSES.register
 register_kl = KL_ESTIMATORS.register
@@ -257,21 +260,21 @@ def grpo_token_loss(
     """The per-token loss of GRPO-style training: `l_t = w_t * pg_t + kl_coef * kl_t - entropy_coef * H_t`, 0 at
     masked positions.
 
-    `pg_t` is the registered policy loss `policy_loss` (PPO clip by default; `options` go to it, e.g.
-    `clip_ratio_c`), `kl_t` the registered KL estimator `kl_type` of KL(actor || reference). As in TRL (without
+    `pg_t` is the registered policy loss `policy_loss` (PPO clip by default; `options` go to it: its own options,
+    `POLICY_LOSSES.kwargs_of(cfg, name)`, e.g. `clip_ratio_c`), `kl_t` the registered KL estimator `kl_type` of KL(actor || reference). As in TRL (without
     its `use_bias_correction_kl`), the KL term is added per token before aggregation, so it is normalised exactly
     like the policy term. `ref_logp` may be None only when `kl_coef == 0` (no reference model is run then).
     `w_t` is the registered off-policy correction `off_policy_correction` (`megarl.algorithms.corrections`; "none"
     gives w_t = 1), computed against `rollout_logp`, the behaviour policy's log-probs (required unless "none"), with
-    `correction_options` its keyword arguments (`AlgorithmConfig.off_policy_options`); without them, `is_cap` is the
-    cap of "tis":
+    `correction_options` its keyword arguments (`OFF_POLICY_CORRECTIONS.kwargs_of(cfg, name)`); without them,
+    `is_cap` is the cap of "tis":
 
         l_t = min(exp(old_t - behav_t), is_cap) * pg_t(ratio = exp(logp_t - old_t)).
 
     `old_logp` being the actor before the update (the proximal policy), not the engine's log-probs, this is also
     AReaL's decoupled PPO objective (Fu et al. 2025, eq. 5). (AReaL's code drops a token whose weight exceeds the
     cap; "tis" truncates it, "mis" at level token drops it.) The older spellings (`--tis-cap C` alone,
-    `--off-policy-correction decoupled`) are resolved by `megarl.config.AlgorithmConfig`, once; this function takes
+    `--off-policy-correction decoupled`) are resolved by tis's options (`megarl.algorithms.slots`), once; this function takes
     the correction by name only.
     `entropy` [B, T] is the actor's per-token entropy (differentiable); with `entropy_coef > 0` it is a bonus
     (subtracted from the loss); it is reported whenever given.

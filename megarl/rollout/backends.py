@@ -24,6 +24,7 @@ from typing import TYPE_CHECKING, Callable
 import torch
 
 from megarl.registry import Registry
+from megarl.rollout import slots
 from megarl.rollout.base import RolloutEngine
 
 if TYPE_CHECKING:
@@ -52,16 +53,19 @@ class Backend:
     launch_first: Callable[[Config], bool] = _after_the_actor
 
 
-BACKENDS: Registry[Backend] = Registry("rollout backend")  # the built-in backends are registered below
+# The built-in backends are registered below; the registry, and the built-ins' options (`sglang`'s), live in
+# `megarl.rollout.slots` (pure Python, for the command line).
+BACKENDS: Registry[Backend] = slots.BACKENDS
 
 
 def register_backend(name: str, *, check: Callable[[Config], None] = _no_rule,
                      available: Callable[[Config], tuple[bool, str]] = _runs_anywhere,
-                     launch_first: Callable[[Config], bool] = _after_the_actor):
-    """Decorator on a backend's `build(cfg, actor) -> RolloutEngine` (see the module docstring)."""
+                     launch_first: Callable[[Config], bool] = _after_the_actor, options: type | None = None):
+    """Decorator on a backend's `build(cfg, actor) -> RolloutEngine` (see the module docstring); `options`: its
+    options dataclass (`megarl.registry`), read in `build` with `BACKENDS.settings(cfg, name)`."""
 
     def decorate(build):
-        BACKENDS.add(name, Backend(name, build, check, available, launch_first))
+        BACKENDS.add(name, Backend(name, build, check, available, launch_first), options=options)
         return build
 
     return decorate
@@ -76,7 +80,7 @@ def build_engine(cfg: Config, actor: MegatronPolicy | None = None) -> RolloutEng
 
 
 def _builtin_available(cfg: Config) -> tuple[bool, str]:
-    if cfg.rollout.rollout_device == "cuda" and not torch.cuda.is_available():
+    if BACKENDS.settings(cfg, "builtin").rollout_device == "cuda" and not torch.cuda.is_available():
         return False, "--rollout-device cuda: this machine has no CUDA GPU; allowed here: auto, cpu"
     return True, ""
 
@@ -87,7 +91,8 @@ def build_builtin(cfg: Config, actor: MegatronPolicy | None = None) -> RolloutEn
     --async-staleness it runs in a process of its own (`megarl.rollout.engine_process`)."""
     from megarl.rollout.builtin import BuiltinEngine, CheckpointTokenizer
 
-    device = cfg.rollout.rollout_device
+    own = BACKENDS.settings(cfg, "builtin")  # `megarl.rollout.slots.BuiltinOptions`
+    device = own.rollout_device
     if device == "auto":
         device = "cuda" if torch.cuda.is_available() else "cpu"
     dtype = torch.bfloat16 if cfg.model.bf16 else torch.float32  # CPUs with bf16 units too
@@ -96,7 +101,7 @@ def build_builtin(cfg: Config, actor: MegatronPolicy | None = None) -> RolloutEn
         from megarl.rollout.engine_process import EngineProcess
 
         return EngineProcess(config, cfg.model.hf_checkpoint, device=device, dtype=dtype,
-                             threads=cfg.rollout.rollout_threads, timeout_s=cfg.training.distributed_timeout_seconds)
+                             threads=own.rollout_threads, timeout_s=cfg.training.distributed_timeout_seconds)
     return BuiltinEngine(config, device=device, dtype=dtype, tokenizer=CheckpointTokenizer(cfg.model.hf_checkpoint))
 
 
@@ -130,9 +135,9 @@ def build_sglang(cfg: Config, actor: MegatronPolicy | None = None) -> RolloutEng
 
     from megarl.rollout.sglang_engine import LeaderBarrier, SGLangEngine, SGLangServers
 
-    r = cfg.rollout
+    r, own = cfg.rollout, BACKENDS.settings(cfg, "sglang")  # own: `megarl.rollout.slots.SGLangOptions`
     if not r.rollout_servers:
-        tp = r.sglang_tp_size or cfg.model.tensor_model_parallel_size
+        tp = own.sglang_tp_size or cfg.model.tensor_model_parallel_size
         # Multi-turn rollout functions may end turns at stop strings, which SGLang matches on text: it then needs
         # its tokenizer (single_turn stops at token ids only, and skips loading it). Seeded, the engine runs with
         # deterministic inference, without which SGLang ignores the requests' sampling_seed (`launch`).
@@ -140,7 +145,7 @@ def build_sglang(cfg: Config, actor: MegatronPolicy | None = None) -> RolloutEng
         lora = ({"lora_rank": cfg.model.lora_rank, "lora_targets": cfg.model.lora_targets}
                 if r.lora_weight_sync == "adapter" else {})
         return SGLangEngine.launch(cfg.model.hf_checkpoint, tp_size=tp, base_gpu_id=torch.cuda.current_device(),
-                                   mem_fraction=r.sglang_mem_fraction, dtype="bfloat16" if cfg.model.bf16 else "auto",
+                                   mem_fraction=own.sglang_mem_fraction, dtype="bfloat16" if cfg.model.bf16 else "auto",
                                    seed=cfg.training.seed, tokenizer=r.rollout_function != "single_turn", **lora)
     from megarl.mcore.parallel import parallel_info
 
@@ -151,12 +156,12 @@ def build_sglang(cfg: Config, actor: MegatronPolicy | None = None) -> RolloutEng
     barrier = (LeaderBarrier.over_default_store(info.dp_rank, info.dp_size, cfg.training.distributed_timeout_seconds)
                if info.dp_size > 1 else None)
     # The servers' TP size sizes the weight-update group: one trainer rank plus every server's TP ranks.
-    servers = SGLangServers(urls, tp_sizes=[r.sglang_tp_size] * len(urls) if r.sglang_tp_size else None, push=pusher,
+    servers = SGLangServers(urls, tp_sizes=[own.sglang_tp_size] * len(urls) if own.sglang_tp_size else None, push=pusher,
                             barrier=barrier)
     if pusher:
         from megarl.mcore.parallel import default_backend
 
-        port = r.weight_sync_port or int(os.environ.get("MASTER_PORT", 29500)) + 17
+        port = own.weight_sync_port or int(os.environ.get("MASTER_PORT", 29500)) + 17
         servers.connect(os.environ.get("MASTER_ADDR", "127.0.0.1"), port, backend=default_backend())
     return servers
 

@@ -25,6 +25,7 @@ from typing import Protocol, Sequence
 
 from megarl.data import PromptRecord
 from megarl.registry import Registry
+from megarl.rollout import slots
 from megarl.reward import RewardFn, RewardMeter, Scores
 from megarl.rollout.base import Completion, RolloutEngine, SamplingParams
 from megarl.samples import Sample, SampleStatus
@@ -37,7 +38,8 @@ class RolloutFn(Protocol):
 
 
 # `single_turn` is defined below; `tool_use` (multi-turn with tool calls) in its own module, imported on first lookup.
-ROLLOUTS: Registry[RolloutFn] = Registry("rollout function", builtins=("megarl.rollout.tool_use",))
+# The registry, and the built-ins' options (`tool_use`'s), live in `megarl.rollout.slots` (pure Python).
+ROLLOUTS: Registry[RolloutFn] = slots.ROLLOUTS
 
 # Register a rollout function under `name` (a second registration of a name is an error).
 register_rollout = ROLLOUTS.register

@@ -34,11 +34,12 @@ import statistics
 from dataclasses import dataclass, field, replace
 from typing import Sequence
 
-from megarl.config import SandboxConfig, ToolConfig
+from megarl.config import SandboxConfig
 from megarl.data import PromptRecord
 from megarl.reward import RewardFn, RewardMeter, Scores
 from megarl.rollout.base import Completion, RolloutEngine, SamplingParams
 from megarl.rollout.functions import register_rollout
+from megarl.rollout.slots import ROLLOUTS, ToolUseOptions
 from megarl.tool_calls import TOOL_PARSERS, TOOLS, Observation, ParseError, ToolCall, build_tool, tool_settings
 from megarl.samples import Sample, SampleStatus
 from megarl.verifiers import VerifyResult
@@ -80,9 +81,10 @@ class _Trajectory:
 
 
 class ToolUse:
-    """The `tool_use` rollout function with its settings (`ToolConfig`) and tools; see the module docstring."""
+    """The `tool_use` rollout function with its options (`megarl.rollout.slots.ToolUseOptions`) and tools; see the
+    module docstring."""
 
-    def __init__(self, tc: ToolConfig, sb: SandboxConfig, tools: dict | None = None,
+    def __init__(self, tc: ToolUseOptions, sb: SandboxConfig, tools: dict | None = None,
                  options: dict[str, dict] | None = None):
         """`tools`: name -> tool, instead of building the `--tools` (tests pass scripted ones); `options`: name ->
         the keyword arguments of a tool that declares options (`TOOLS.kwargs(cfg)`)."""
@@ -249,11 +251,11 @@ def chat_tool_turn(tokenizer, contents: Sequence[str]) -> str:
 def tool_use(engine: RolloutEngine, prompts: Sequence[PromptRecord], params: SamplingParams, reward: RewardFn,
              tokenizer) -> list[Sample]:
     """Multi-turn tool use with the default settings; the trainer builds it from the run's flags (`configure`)."""
-    rollout = ToolUse(ToolConfig(), SandboxConfig())
+    rollout = ToolUse(ToolUseOptions(), SandboxConfig())
     try:
         return rollout(engine, prompts, params, reward, tokenizer)
     finally:
         rollout.close()
 
 
-tool_use.configure = lambda cfg: ToolUse(cfg.tools, cfg.sandbox, options=TOOLS.kwargs(cfg))
+tool_use.configure = lambda cfg: ToolUse(ROLLOUTS.settings(cfg, "tool_use"), cfg.sandbox, options=TOOLS.kwargs(cfg))

@@ -70,6 +70,7 @@ class Algorithm:
     def __init__(self, cfg: Config, info: ParallelInfo, reference: MegatronPolicy | None, critic: Critic | None):
         self.cfg, self.info, self.reference, self.critic = cfg, info, reference, critic
         self.estimator = ADVANTAGES.get(cfg.algorithm.advantage_estimator)
+        self.options = ADVANTAGES.kwargs_of(cfg, cfg.algorithm.advantage_estimator)  # the estimator's own
 
     @staticmethod
     def needs_reference(cfg: Config) -> bool:
@@ -122,9 +123,9 @@ class Algorithm:
                    group_size: int) -> tuple[torch.Tensor, dict[str, float]]:
         """[B] float32 (outcome estimators), or [B, S - 1] (token-level ones), from the registered estimator."""
         a, needs = self.cfg.algorithm, self.estimator.needs
-        inputs: dict = {}
+        inputs: dict = dict(self.options)
         if needs.token_level:
-            inputs.update(mask=packed.loss_mask, gamma=a.gae_gamma, lam=a.gae_lambda)
+            inputs["mask"] = packed.loss_mask
         if needs.reference:
             inputs["ref_logp"] = ref
             if ref is None and self.critic is None:  # not the last pipeline stage: its advantages are never read

@@ -24,7 +24,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from megarl.algorithms import AdvantageFn
+from megarl.algorithms import ADVANTAGES, AdvantageFn
 from megarl.algorithms.gae import gae_returns, masked_moments, mean_var, value_loss_clipped, whiten
 from megarl.config import Config, ConfigError
 from megarl.mcore import checkpoint, parallel
@@ -49,6 +49,8 @@ class Critic:
         """`resumed_from`: the actor's checkpoint (`<save>/iter_N`) the run resumes from; None = a fresh start."""
         m, t = cfg.model, cfg.training
         self.cfg, self.info = cfg, info
+        # PPO's critic: it whitens and clips as the `gae` estimator's options say (`--gae-whiten`, `--value-clip`).
+        self.options = ADVANTAGES.settings(cfg, "gae")
         # Same schedule shape as the actor's, scaled to the critic's learning rate.
         optim = replace(actor_optim, lr=t.critic_lr, min_lr=t.critic_lr * t.min_lr / t.lr)
         self.model = MegatronCritic(shape, tp=info.tp_size, pp=info.pp_size, optim=optim, bf16=m.bf16,
@@ -87,7 +89,7 @@ class Critic:
             values = torch.where(mask.bool(), values, torch.zeros_like(values))
             advantages = estimator(rewards, a.advantage_eps, values=values, **inputs)
             returns = gae_returns(advantages, values, mask)
-        if a.gae_whiten:
+        if self.options.gae_whiten:
             # Over the global batch: each DP rank's tokens are counted once per TP rank of the last stage, the same
             # factor for every sample, so mean and variance are those of the global batch.
             moments = masked_moments(advantages, mask) if info.is_last_stage else torch.zeros(3, dtype=torch.float64)
@@ -107,7 +109,7 @@ class Critic:
         totals: dict[str, float] = {}
         for i in range(k):
             mini = {key: v[i * size : (i + 1) * size] for key, v in batch.items()}
-            out = self.model.train_step(mini, value_loss_fn(self.cfg.algorithm.value_clip), **budget)
+            out = self.model.train_step(mini, value_loss_fn(self.options.value_clip), **budget)
             for key, v in out.items():
                 totals[key] = totals.get(key, 0.0) + v
         return {**totals, "grad_norm": totals.get("grad_norm", float("nan")) / k, "lr": out["lr"]}

@@ -4,17 +4,20 @@ from __future__ import annotations
 
 import torch
 
-from megarl.algorithms import aggregate, grpo_token_loss
-from megarl.config import AlgorithmConfig, RolloutConfig, TrainingConfig
+from megarl.algorithms import OFF_POLICY_CORRECTIONS, POLICY_LOSSES, aggregate, grpo_token_loss
+from megarl.config import AlgorithmConfig, Config
 from megarl.mcore.actor import MegatronPolicy
 from megarl.samples import TrainBatch
 
 
-def make_loss_fn(a: AlgorithmConfig, max_response_len: int):
+def make_loss_fn(a: AlgorithmConfig, max_response_len: int, cfg: Config | None = None):
     """The actor's `loss_fn(logp, micro_batch)` for `MegatronPolicy.train_step`: the registered policy loss,
     KL and entropy terms per token (`grpo_token_loss`), aggregated as `--loss-aggregation` says, with the step's
-    metrics as sums (divided once all ranks are summed, `megarl.stages.report`)."""
+    metrics as sums (divided once all ranks are summed, `megarl.stages.report`). The policy loss and the
+    off-policy correction each get their own options from `cfg` (their defaults without it)."""
     kl_coef = 0.0 if a.kl_in_reward else a.kl_coef  # folded into the reward instead (`megarl.stages.algorithm`)
+    loss_options = POLICY_LOSSES.kwargs_of(cfg, a.policy_loss)
+    correction_options = OFF_POLICY_CORRECTIONS.kwargs_of(cfg, a.off_policy_correction)
 
     def loss_fn(logp: torch.Tensor, mb: dict):
         n = mb["_real_rows"]
@@ -26,8 +29,7 @@ def make_loss_fn(a: AlgorithmConfig, max_response_len: int):
         per_token, m = grpo_token_loss(
             logp, old, ref, mb["advantages"][:n], mask, a.eps_clip, a.eps_clip_high, kl_coef, a.kl_estimator,
             a.policy_loss, rollout_logp=rollout_logp, off_policy_correction=a.off_policy_correction,
-            correction_options=a.off_policy_options, entropy=entropy, entropy_coef=a.entropy_coef,
-            clip_ratio_c=a.clip_ratio_c,
+            correction_options=correction_options, entropy=entropy, entropy_coef=a.entropy_coef, **loss_options,
         )
         num, den = aggregate(per_token, mask, a.loss_aggregation, max_len=max_response_len)
         tokens = mask.sum()
@@ -66,16 +68,16 @@ def mismatch_metrics(actor_logp: torch.Tensor, rollout_logp: torch.Tensor, mask:
     }
 
 
-def update(actor: MegatronPolicy, batch: TrainBatch, a: AlgorithmConfig, t: TrainingConfig,
-           r: RolloutConfig) -> dict[str, float]:
+def update(actor: MegatronPolicy, batch: TrainBatch, cfg: Config) -> dict[str, float]:
     """`--updates-per-rollout` optimizer steps over consecutive slices of this rank's batch."""
+    a, t, r = cfg.algorithm, cfg.training, cfg.rollout
     tensors, k = batch.tensors(), t.updates_per_rollout
     rows = batch.tokens.shape[0]
     if rows % k:
         raise ValueError(f"{rows} samples per rank cannot be split into --updates-per-rollout {k} mini-batches")
     size = rows // k
     totals: dict[str, float] = {}
-    loss_fn = make_loss_fn(a, r.max_response_len)
+    loss_fn = make_loss_fn(a, r.max_response_len, cfg)
     for i in range(k):
         mini = {key: v[i * size : (i + 1) * size] for key, v in tensors.items()}
         out = actor.train_step(mini, loss_fn, micro_batch_size=t.micro_batch_size, temperature=r.rollout_temperature,

@@ -94,8 +94,8 @@ register_tool = TOOLS.register
 
 
 def tool_settings(tc, sb) -> ToolSettings:
-    """The per-call limits and sandbox the tools of `--rollout-function tool_use` are built with, from a run's
-    `ToolConfig` and `SandboxConfig` (`--tool-*`, `--sandbox*`)."""
+    """The per-call limits and sandbox the tools of `--rollout-function tool_use` are built with, from its options
+    (`megarl.rollout.slots.ToolUseOptions`, `--tool-*`) and the run's `SandboxConfig` (`--sandbox*`)."""
     return ToolSettings(timeout_s=tc.tool_timeout, memory_mb=tc.tool_memory_mb, output_bytes=tc.tool_output_bytes,
                         sandbox=sb.sandbox, workers=tc.tool_workers, image=sb.sandbox_image or None)
 

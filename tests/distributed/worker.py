@@ -149,6 +149,7 @@ def scenario_train_layouts(args, info):
     weights. The first layout also syncs the built-in engine and scores the probe tokens with both, and with
     `--ckpt` saves a checkpoint, which every later layout loads first (its log-probs then, and the weights after
     a second update on another batch, which the first layout also makes after saving: Adam's state matters)."""
+    from megarl.arguments import components
     from megarl.config import build_config
     from megarl.mcore import checkpoint
     from megarl.mcore.actor import MegatronPolicy, OptimConfig
@@ -195,7 +196,7 @@ def scenario_train_layouts(args, info):
             if args.ckpt:
                 checkpoint.save(args.ckpt, 1, actor, {"sampler": {"epoch": 0, "position": 0}})
                 r["saved_logprobs"] = actor.logprobs(tokens, micro_batch_size=2)
-            cfg = build_config({"hf_checkpoint": layout["hf"], "rollout_device": "cpu"})
+            cfg = build_config({"hf_checkpoint": layout["hf"], "rollout_device": "cpu"}, components())
             engine = build_engine(cfg) if info.is_mp_leader else None
             WeightSync(actor, engine, cfg.rollout, info)(version=1)
             r["actor_logprobs"] = actor.logprobs(tokens, micro_batch_size=2, temperature=0.7)
@@ -248,12 +249,13 @@ def scenario_routing_replay(args, info):
 
 def scenario_sync(args, info):
     """After an update and a weight sync, the built-in engine's log-probs equal the actor's."""
+    from megarl.arguments import components
     from megarl.config import build_config
     from megarl.rollout.backends import build_engine
     from megarl.stages.colocation import WeightSync
 
     actor, shape, _ = _trained_actor(args, info)
-    cfg = build_config({"hf_checkpoint": args.hf, "rollout_device": "cpu"})
+    cfg = build_config({"hf_checkpoint": args.hf, "rollout_device": "cpu"}, components())
     engine = build_engine(cfg) if info.is_mp_leader else None
     WeightSync(actor, engine, cfg.rollout, info)(version=1)
     tokens = _fixed_tokens(shape.vocab_size).to(parallel_device())

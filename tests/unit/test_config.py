@@ -411,7 +411,8 @@ def test_tiny_cpu_ppo_rm_recipe(clean_env, monkeypatch, tmp_path):
     rm = make_tiny_reward_model(tmp_path / "rm", seed=0)
     monkeypatch.setenv("REWARD_MODEL_DIR", str(rm))
     cfg = parse_args([str(REPO / "recipes/tiny_cpu_ppo_rm.sh")])
-    assert (cfg.algorithm.advantage_estimator, cfg.algorithm.gae_gamma, cfg.algorithm.gae_lambda) == ("gae", 1.0, 1.0)
+    gae = cfg.components["advantage_estimator.gae"]
+    assert (cfg.algorithm.advantage_estimator, gae.gae_gamma, gae.gae_lambda) == ("gae", 1.0, 1.0)
     assert (cfg.data.default_verifier, cfg.data.verifier_key) == ("hf_rm + 0*arithmetic", "reward_spec")
     hf_rm = cfg.components["reward_model.hf_rm"]
     assert hf_rm.reward_model == str(rm) and hf_rm.reward_model_normalize is True
@@ -537,10 +538,10 @@ def test_tool_flags_are_checked_and_reach_the_tools():
     cfg = parse_args(["--rollout-function", "tool_use", "--tool-parser", "python", "--tool-timeout", "1.5",
                       "--tool-memory-mb", "64", "--tool-output-bytes", "100", "--tool-workers", "3", "--sandbox",
                       "docker", "--sandbox-image", "img:2"])
-    s = tool_settings(cfg.tools, cfg.sandbox)
+    s = tool_settings(cfg.components["rollout_function.tool_use"], cfg.sandbox)
     assert (s.timeout_s, s.memory_mb, s.output_bytes, s.workers, s.sandbox, s.image) == (1.5, 64, 100, 3, "docker",
                                                                                          "img:2")
-    with pytest.raises(ConfigError, match=r"--tools 'nope' is not registered; choose from: .*python"):
+    with pytest.raises(ConfigError, match=r"--tools 'nope' is not registered; choose one of: .*python"):
         parse_args(["--tools", "python,nope"])
     with pytest.raises(ConfigError, match=r"--tool-parser 'json' is not registered; choose one of: hermes, python"):
         parse_args(["--tool-parser", "json"])
@@ -552,16 +553,23 @@ def test_tool_flags_are_checked_and_reach_the_tools():
         parse_args(["--tools", ","])
 
 
+def _correction(cfg) -> tuple[str, dict]:
+    """The run's off-policy correction and the keyword arguments it is called with."""
+    from megarl.algorithms.slots import OFF_POLICY_CORRECTIONS
+
+    name = cfg.algorithm.off_policy_correction
+    return name, OFF_POLICY_CORRECTIONS.kwargs_of(cfg, name)
+
+
 def test_off_policy_correction_flags(capsys):
-    assert parse_args([]).algorithm.off_policy_correction == "none"
-    a = parse_args(["--tis-cap", "2"]).algorithm  # the older spelling turns tis on
-    assert (a.off_policy_correction, a.tis_cap, a.off_policy_cap) == ("tis", 2.0, 2.0)
+    assert _correction(parse_args([])) == ("none", {})
+    assert _correction(parse_args(["--tis-cap", "2"])) == ("tis", {"cap": 2.0})  # the older spelling turns tis on
     assert capsys.readouterr().err == ""
     # decoupled, the former name of tis (the same loss), becomes tis at its own cap, and says the new spelling once
-    a = parse_args(["--off-policy-correction", "decoupled"]).algorithm
-    assert (a.off_policy_correction, a.tis_cap, a.off_policy_cap) == ("tis", 5.0, 5.0)
-    a = parse_args(["--off-policy-correction", "decoupled", "--decoupled-is-cap", "3"]).algorithm
-    assert (a.off_policy_correction, a.off_policy_cap) == ("tis", 3.0)
+    cfg = parse_args(["--off-policy-correction", "decoupled"])
+    assert (_correction(cfg), cfg.components["off_policy_correction.tis"].tis_cap) == (("tis", {"cap": 5.0}), 5.0)
+    assert _correction(parse_args(["--off-policy-correction", "decoupled", "--decoupled-is-cap", "3"])) == \
+        ("tis", {"cap": 3.0})
     assert capsys.readouterr().err.splitlines() == [
         "megarl: note: --off-policy-correction decoupled is now spelled --off-policy-correction tis --tis-cap 5 "
         "(the same loss)",
@@ -572,16 +580,17 @@ def test_off_policy_correction_flags(capsys):
 def test_older_spellings_are_resolved_once_so_the_resolved_config_reads_back_unchanged(tmp_path, capsys):
     import json
 
-    from megarl.config import AlgorithmConfig, saved_config
+    from megarl.arguments import components
+    from megarl.config import build_config, saved_config
 
     # A config.json saved by a run that said decoupled (before the rename) still loads, as tis at its cap.
     old = tmp_path / "old" / "config.json"
     old.parent.mkdir()
     saved = saved_config(parse_args([]))
-    saved["config"]["algorithm"].update(off_policy_correction="decoupled", decoupled_is_cap=4.0)
+    saved["config"]["algorithm"]["off_policy_correction"] = "decoupled"
+    saved["config"]["off_policy_correction.tis"]["decoupled_is_cap"] = 4.0
     old.write_text(json.dumps(saved))
-    a = parse_args([str(old)]).algorithm
-    assert (a.off_policy_correction, a.tis_cap) == ("tis", 4.0)
+    assert _correction(parse_args([str(old)])) == ("tis", {"cap": 4.0})
     assert "decoupled is now spelled --off-policy-correction tis --tis-cap 4" in capsys.readouterr().err
     # What a run saves is the resolved spelling: it reads back as the same settings, with no note.
     for argv in (["--tis-cap", "2"], ["--off-policy-correction", "decoupled", "--decoupled-is-cap", "3"]):
@@ -590,17 +599,17 @@ def test_older_spellings_are_resolved_once_so_the_resolved_config_reads_back_unc
         path = tmp_path / "config.json"
         path.write_text(json.dumps(saved_config(cfg)))
         again = parse_args([str(path)])
-        assert again.algorithm == cfg.algorithm and capsys.readouterr().err == ""
+        assert again == cfg and capsys.readouterr().err == ""
         assert dataclasses.replace(cfg.algorithm) == cfg.algorithm
-    assert AlgorithmConfig(tis_cap=2.0).off_policy_correction == "tis"
+    assert build_config({"tis_cap": 2.0}, components()).algorithm.off_policy_correction == "tis"
 
 
 @pytest.mark.parametrize(
     "argv, pattern",
     [
         (["--off-policy-correction", "async"],
-         r"command line: --off-policy-correction 'async' is not valid; choose one of: none, tis, decoupled, "
-         r"seq_tis, mis, geo_rs, icepop"),
+         r"command line: --off-policy-correction 'async' is not registered; choose one of: geo_rs, icepop, mis, "
+         r"none, seq_tis, tis \(--plugins"),
         (["--off-policy-correction", "tis"], r"--off-policy-correction tis needs --tis-cap > 0"),
         (["--off-policy-correction", "decoupled", "--tis-cap", "2"],
          r"--tis-cap 2.0 is the cap of --off-policy-correction tis; decoupled takes --decoupled-is-cap"),
@@ -612,9 +621,49 @@ def test_off_policy_correction_errors_name_the_flag(argv, pattern):
         parse_args(argv)
 
 
-def test_off_policy_correction_checked_when_built_directly():
-    from megarl.config import AlgorithmConfig
+def test_every_moved_flag_keeps_its_spelling_and_lives_in_its_component_section():
+    """The flags that belonged to one registered component each are that component's options now; `--help` lists
+    them under its name."""
+    from megarl.arguments import components
+    from megarl.config import flag_specs
 
-    with pytest.raises(ConfigError, match=r"--off-policy-correction 'aysnc' is not valid; choose one of: none, tis, "
-                                          r"decoupled, seq_tis"):
-        AlgorithmConfig(off_policy_correction="aysnc")
+    specs = flag_specs(components())
+    moved = {
+        "rollout_function.tool_use": ["tool-parser", "tools", "max-turns", "max-tool-calls", "max-tool-output-tokens",
+                                      "tool-response-format", "tool-timeout", "tool-memory-mb", "tool-output-bytes",
+                                      "tool-workers", "tool-call-cost", "tool-format-bonus", "tool-calls-fail"],
+        "off_policy_correction.tis": ["tis-cap", "decoupled-is-cap"],
+        "off_policy_correction.seq_tis": ["seq-tis-cap"],
+        "off_policy_correction.mis": ["mis-level", "mis-low", "mis-high"],
+        "off_policy_correction.geo_rs": ["geo-rs-low", "geo-rs-high"],
+        "off_policy_correction.icepop": ["icepop-low", "icepop-high"],
+        "advantage_estimator.gae": ["gae-gamma", "gae-lambda", "gae-whiten", "value-clip"],
+        "policy_loss.dual_clip": ["clip-ratio-c"],
+        "rollout_backend.builtin": ["rollout-device", "rollout-threads"],
+        "rollout_backend.sglang": ["sglang-mem-fraction", "sglang-tp-size", "weight-sync-port"],
+    }
+    assert {section: [s.flag[2:] for s in specs.values() if s.section == section] for section in moved} == moved
+    assert sum(map(len, moved.values())) == 33
+    text = help_text()
+    for section, flags in moved.items():
+        lines = text.split(f"\n{section}:\n", 1)[1].splitlines()
+        block = lines[:next(i for i, line in enumerate(lines + ["end"]) if not line.startswith("  "))]
+        assert [line.split()[0] for line in block] == [f"--{f}" for f in flags], section
+
+
+@pytest.mark.parametrize("run", ["tool_use", "ppo"])
+def test_a_config_json_saved_before_the_options_moved_loads_with_every_value(run):
+    """tests/assets/saved_configs/*.json were written by 7eee737, when these flags were megarl's own sections
+    (`tools`, `algorithm`, `rollout`): each setting reads back by its name, in whatever section owns it now."""
+    import json
+
+    path = REPO / "tests/assets/saved_configs" / f"{run}.json"
+    saved = json.loads(path.read_text())["config"]
+    cfg = parse_args([str(path)], check_registries=False)
+    now = {name: value for section in cfg.to_dict().values() for name, value in section.items()}
+    then = {name: value for section in saved.values() for name, value in section.items()}
+    assert {name: now.get(name, "absent") for name in then} == then
+    assert set(now) == set(then)  # and nothing new appeared
+    assert "tools" in saved and "tools" not in cfg.to_dict()
+    checked = parse_args([str(path)])
+    assert checked == cfg

@@ -121,9 +121,11 @@ def test_kl_estimator_contract(name):
 
 def _correction_options(name: str) -> dict:
     """A correction's keyword arguments as a run's config gives them (its defaults; tis needs a cap)."""
-    from megarl.config import AlgorithmConfig
+    from megarl.arguments import components
+    from megarl.config import build_config
 
-    return AlgorithmConfig(off_policy_correction=name, tis_cap=2.0 if name == "tis" else 0.0).off_policy_options
+    cfg = build_config({"off_policy_correction": name, "tis_cap": 2.0 if name == "tis" else 0.0}, components())
+    return OFF_POLICY_CORRECTIONS.kwargs_of(cfg, name)
 
 
 @pytest.mark.parametrize("correction", OFF_POLICY_CORRECTIONS.names())
@@ -213,7 +215,10 @@ def test_rollout_engine_backend_contract(name, tiny_qwen2):
     from megarl.rollout.backends import BACKENDS
     from megarl.rollout.weight_sync import pack_buckets
 
-    cfg = build_config({"hf_checkpoint": str(tiny_qwen2), "rollout_backend": name, "rollout_device": "cpu"})
+    from megarl.arguments import components
+
+    cfg = build_config({"hf_checkpoint": str(tiny_qwen2), "rollout_backend": name, "rollout_device": "cpu"},
+                       components())
     ok, why = BACKENDS.get(name).available(cfg)
     if not ok:
         pytest.skip(f"backend {name} cannot run here: {why}")

@@ -103,7 +103,7 @@ def test_disaggregated_splits_training_and_server_nodes(tmp_path):
     assert world_of(torchrun) == 16  # the training nodes only
     cfg = parse_args(recipe_argv_of(torchrun))
     assert cfg.rollout.rollout_servers == ",".join(f"node003:{30000 + i}" for i in range(4))
-    assert cfg.rollout.sglang_tp_size == 2
+    assert cfg.components["rollout_backend.sglang"].sglang_tp_size == 2
     assert render.check_parallel(cfg, 16).dp == 8
 
 

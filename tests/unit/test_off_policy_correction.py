@@ -15,7 +15,8 @@ import pytest
 import torch
 
 from megarl.algorithms import OFF_POLICY_CORRECTIONS, aggregate, grpo_token_loss, policy_loss_clip
-from megarl.config import AlgorithmConfig
+from megarl.arguments import components
+from megarl.config import Config, build_config
 
 F64 = torch.float64
 EPS_LOW, EPS_HIGH, CAP = 0.2, 0.28, 5.0
@@ -163,12 +164,20 @@ def test_tis_is_plain_ppo_clip_when_behaviour_is_proximal():
     assert m["clip_frac"] == plain_m["clip_frac"] > 0, "a comparison where something is clipped"
 
 
-def _actor_loss_and_grad(a: AlgorithmConfig, logp, old, behav, adv, mask):
-    """The per-token loss and gradient the trainer's actor loss (`megarl.stages.update`) computes under `a`."""
+def _config(**values) -> Config:
+    """A run's config from flag values, with every component's options (their rules resolved)."""
+    return build_config(values, components())
+
+
+def _actor_loss_and_grad(cfg: Config, logp, old, behav, adv, mask):
+    """The per-token loss and gradient the trainer's actor loss (`megarl.stages.update`) computes under `cfg`: the
+    correction it names, called with its own options."""
+    a = cfg.algorithm
     lp = logp.clone().requires_grad_()
     per_token, m = grpo_token_loss(lp, old, None, adv, mask, a.eps_clip, a.eps_clip_high, rollout_logp=behav,
-                                   off_policy_correction=a.off_policy_correction, is_cap=a.off_policy_cap)
-    num, den = aggregate(per_token, mask, a.loss_aggregation)
+                                   off_policy_correction=a.off_policy_correction,
+                                   correction_options=OFF_POLICY_CORRECTIONS.kwargs_of(cfg, a.off_policy_correction))
+    num, den = aggregate(per_token, mask, cfg.algorithm.loss_aggregation)
     (num / den).backward()
     return per_token.detach(), lp.grad, m
 
@@ -180,9 +189,10 @@ def test_decoupled_is_tis_at_its_cap_loss_and_gradient(updates_per_rollout):
     # decoupled objective and TIS were one loss; `decoupled` is now a spelling of tis at --decoupled-is-cap.
     logp, prox, behav, adv, mask = _random_batch(4)
     old = prox if updates_per_rollout > 1 else logp
-    decoupled = AlgorithmConfig(off_policy_correction="decoupled", decoupled_is_cap=2.0, eps_clip_high=0.28)
-    tis = AlgorithmConfig(off_policy_correction="tis", tis_cap=2.0, eps_clip_high=0.28)
-    assert (decoupled.off_policy_correction, decoupled.off_policy_cap) == ("tis", 2.0)
+    decoupled = _config(off_policy_correction="decoupled", decoupled_is_cap=2.0, eps_clip_high=0.28)
+    tis = _config(off_policy_correction="tis", tis_cap=2.0, eps_clip_high=0.28)
+    assert (decoupled.algorithm.off_policy_correction, OFF_POLICY_CORRECTIONS.kwargs_of(decoupled, "tis")) == \
+        ("tis", {"cap": 2.0})
     d_loss, d_grad, dm = _actor_loss_and_grad(decoupled, logp, old, behav, adv, mask)
     t_loss, t_grad, tm = _actor_loss_and_grad(tis, logp, old, behav, adv, mask)
     assert torch.equal(d_loss, t_loss) and torch.equal(d_grad, t_grad)
@@ -194,12 +204,12 @@ def test_decoupled_is_tis_at_its_cap_loss_and_gradient(updates_per_rollout):
 
 
 def test_tis_cap_alone_is_resolved_by_the_config_not_the_loss():
-    # `--tis-cap C` alone means tis: AlgorithmConfig says so, once; the loss takes the correction by name only, and
-    # refuses the old keyword instead of passing it on to the policy loss, which would ignore it.
+    # `--tis-cap C` alone means tis: tis's options say so, once (`resolve`); the loss takes the correction by name
+    # only, and refuses the old keyword instead of passing it on to the policy loss, which would ignore it.
     logp, prox, behav, adv, mask = _random_batch(6)
-    a = AlgorithmConfig(tis_cap=2.0)
-    assert (a.off_policy_correction, a.off_policy_cap) == ("tis", 2.0)
-    got, _, _ = _actor_loss_and_grad(a, logp, prox, behav, adv, mask)
+    cfg = _config(tis_cap=2.0)
+    assert (cfg.algorithm.off_policy_correction, OFF_POLICY_CORRECTIONS.kwargs_of(cfg, "tis")) == ("tis", {"cap": 2.0})
+    got, _, _ = _actor_loss_and_grad(cfg, logp, prox, behav, adv, mask)
     want, _ = grpo_token_loss(logp, prox, None, adv, mask, rollout_logp=behav, off_policy_correction="tis", is_cap=2.0)
     assert torch.equal(got, want) and not torch.equal(want, grpo_token_loss(logp, prox, None, adv, mask)[0])
     with pytest.raises(TypeError, match="off_policy_correction='tis', is_cap=C, not tis_cap"):

@@ -9,13 +9,14 @@ from __future__ import annotations
 
 import math
 import random
-import typing
 
 import pytest
 import torch
 
 from megarl.algorithms import OFF_POLICY_CORRECTIONS, aggregate, grpo_token_loss
-from megarl.config import AlgorithmConfig
+from megarl.algorithms.slots import IcePopOptions, SeqTISOptions
+from megarl.arguments import components, parse_args
+from megarl.config import build_config
 from megarl.errors import ConfigError
 
 F64 = torch.float64
@@ -152,17 +153,20 @@ def test_cispo_loss_and_gradient_equal_the_published_formula(seed, clip_low, cli
         "unlike PPO's clip, no token loses its gradient"
 
 
-def test_config_names_every_registered_correction_and_checks_the_bands():
-    literal = typing.get_args(typing.get_type_hints(AlgorithmConfig)["off_policy_correction"])
-    assert sorted(set(literal) - {"decoupled"}) == OFF_POLICY_CORRECTIONS.names()
-    assert AlgorithmConfig(off_policy_correction="mis").off_policy_options == {"level": "sequence", "low": 0.0,
-                                                                                "high": 2.0}
-    assert AlgorithmConfig(off_policy_correction="icepop").off_policy_options == {"low": 0.5, "high": 5.0}
-    assert AlgorithmConfig(off_policy_correction="seq_tis", seq_tis_cap=3.0).off_policy_options == {"cap": 3.0}
+def test_each_correction_gets_its_own_options_and_checks_them():
+    # The choices are the registry's (no second list), and each correction is called with its own options only.
+    with pytest.raises(ConfigError, match="choose one of: " + ", ".join(OFF_POLICY_CORRECTIONS.names()) + r" \("):
+        parse_args(["--off-policy-correction", "icepo"])
+    cfg = build_config({"seq_tis_cap": 3.0}, components())
+    assert {name: OFF_POLICY_CORRECTIONS.kwargs_of(cfg, name) for name in OFF_POLICY_CORRECTIONS.names()} == {
+        "none": {}, "tis": {"cap": 0.0}, "seq_tis": {"cap": 3.0}, "mis": {"level": "sequence", "low": 0.0, "high": 2.0},
+        "geo_rs": {"low": 0.999, "high": 1.001}, "icepop": {"low": 0.5, "high": 5.0}}
     with pytest.raises(ConfigError, match="--icepop-low and --icepop-high must satisfy 0 <= low < high, got 5.0"):
-        AlgorithmConfig(off_policy_correction="icepop", icepop_low=5.0)
+        IcePopOptions(icepop_low=5.0)
     with pytest.raises(ConfigError, match="--seq-tis-cap must be > 0, got 0"):
-        AlgorithmConfig(seq_tis_cap=0.0)
+        SeqTISOptions(seq_tis_cap=0.0)
+    with pytest.raises(ConfigError, match="--mis-level 'row' is not valid; choose one of: token, sequence"):
+        parse_args(["--mis-level", "row"])
 
 
 # Per-token log(pi_old / pi_rollout) of four rows, chosen so that an asymmetric band read on the ratio or on its

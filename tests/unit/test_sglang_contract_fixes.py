@@ -257,7 +257,7 @@ def test_an_engine_off_its_leaders_first_stage_tp_ranks_is_refused(monkeypatch):
                                           "--tensor-model-parallel-size 1"):
         parse_args(["--rollout-backend", "sglang", "--sglang-tp-size", "2"])
     assert parse_args(["--rollout-backend", "sglang", "--sglang-tp-size", "2",
-                       "--tensor-model-parallel-size", "2"]).rollout.sglang_tp_size == 2
+                       "--tensor-model-parallel-size", "2"]).components["rollout_backend.sglang"].sglang_tp_size == 2
 
 
 # -- finding 13: Megatron's fused softmax only where its kernel imports --------------------------------------------

@@ -1,0 +1,115 @@
+"""The rollout slots' registries, and the options of the built-in entries that take any.
+
+    ROLLOUTS   rollout functions (`--rollout-function`)   `megarl.rollout.functions`, `.tool_use`
+    BACKENDS   rollout engines (`--rollout-backend`)      `megarl.rollout.backends`
+
+As in `megarl.algorithms.slots`: the entries register themselves when their module is imported (on the first
+lookup), and the built-ins' options are declared here, in pure Python, so that the command line lists their flags
+and each section checks its own values without importing torch. Sections: "rollout_function.tool_use",
+"rollout_backend.builtin", "rollout_backend.sglang".
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Literal
+
+from megarl.errors import ConfigError
+from megarl.registry import Registry, option
+
+ROLLOUTS = Registry("rollout function", builtins=("megarl.rollout.functions", "megarl.rollout.tool_use"),
+                    options_declared_here=True)
+BACKENDS = Registry("rollout backend", builtins=("megarl.rollout.backends",), options_declared_here=True)
+
+
+def _positive(obj, *names: str) -> None:
+    for n in names:
+        if getattr(obj, n) < 1:
+            raise ConfigError(f"--{n.replace('_', '-')} must be >= 1, got {getattr(obj, n)}")
+
+
+@dataclass
+class ToolUseOptions:
+    """`--rollout-function tool_use`: its parser, its tools, its limits, and the per-call limits it builds every
+    tool with (`megarl.tool_calls.ToolSettings`, with the run's `--sandbox*`); `megarl.rollout.tool_use`."""
+
+    tool_parser: str = option("hermes", "--rollout-function tool_use: how a turn's tool calls are read (hermes: "
+                              "<tool_call>{json}</tool_call>; python: a fenced python block calls the python tool)",
+                              names="megarl.tool_calls:TOOL_PARSERS")
+    tools: str = option("python", "--rollout-function tool_use: comma-separated tools the model may call (registered "
+                        "with megarl.tool_calls.register_tool)", names="megarl.tool_calls:TOOLS", many=True)
+    max_turns: int = option(4, "tool_use: most model turns per trajectory (a turn ends at a tool call or the end)")
+    max_tool_calls: int = option(4, "tool_use: most tool calls per trajectory; a turn that calls beyond them ends it, "
+                                 "those calls unrun")
+    max_tool_output_tokens: int = option(256, "tool_use: a call's output is cut to this many tokens, with a marker "
+                                         "saying how many were cut (the whole trajectory stays within "
+                                         "--max-response-len tokens, policy and tools together)")
+    tool_response_format: Literal["auto", "chat", "text"] = option(
+        "auto", "tool_use: tool output as the chat template's tool turn (chat; turns end at the end-of-turn "
+        "token) or in the parser's text wrapper right after the call (text; turns end at the call's closing "
+        "tag); auto = chat when the tokenizer has a chat template")
+    tool_timeout: float = option(5.0, "seconds of wall-clock (and CPU) time per tool call")
+    tool_memory_mb: int = option(256, "memory a tool call may use")
+    tool_output_bytes: int = option(16384, "stdout (and stderr) bytes a tool call may print; more is cut and said so")
+    tool_workers: int = option(2, "sandbox workers running tool calls: the calls of a batch run this many at a time "
+                               "(the sandbox is --sandbox)")
+    tool_call_cost: float = option(0.0, "tool_use: subtracted from a trajectory's reward per tool call; 0 = off")
+    tool_format_bonus: float = option(0.0, "tool_use: added to the reward of a trajectory that called a tool and "
+                                      "whose every call was well formed and ran without error; 0 = off")
+    tool_calls_fail: bool = option(False, "tool_use control runs: every tool call gets an error observation and "
+                                   "nothing runs (what the tool is worth)")
+
+    def __post_init__(self):
+        _positive(self, "max_turns", "max_tool_calls", "max_tool_output_tokens", "tool_memory_mb",
+                  "tool_output_bytes", "tool_workers")
+        if self.tool_timeout <= 0:
+            raise ConfigError(f"--tool-timeout must be > 0 seconds, got {self.tool_timeout}")
+        if self.tool_call_cost < 0 or self.tool_format_bonus < 0:
+            raise ConfigError(f"--tool-call-cost and --tool-format-bonus must be >= 0, got {self.tool_call_cost} "
+                              f"and {self.tool_format_bonus}")
+        if not [t for t in self.tools.split(",") if t.strip()]:
+            raise ConfigError("--tools must name at least one tool, e.g. --tools python")
+
+
+@dataclass
+class BuiltinOptions:
+    """`--rollout-backend builtin`: megarl's PyTorch engine (`megarl.rollout.backends`)."""
+
+    rollout_device: Literal["auto", "cpu", "cuda"] = option("auto", "where the built-in engine runs")
+    rollout_threads: int = option(1, "--async-staleness >= 1 with the built-in engine: torch threads of the engine's "
+                                  "own process (the trainer keeps --threads-per-rank)")
+
+    def __post_init__(self):
+        _positive(self, "rollout_threads")
+
+
+@dataclass
+class SGLangOptions:
+    """`--rollout-backend sglang`: the engine's share of the GPU, its TP size, and where the servers of
+    `--rollout-servers` meet the trainer for weight updates (`megarl.rollout.backends`)."""
+
+    sglang_mem_fraction: float = option(0.5, "share of each GPU SGLang takes for weights and KV cache "
+                                        "(mem_fraction_static); the rest stays with the colocated actor")
+    sglang_tp_size: int = option(0, "SGLang's tensor-parallel size; 0 = the actor's TP size (colocated) or what each "
+                                 "server reports (--rollout-servers)")
+    weight_sync_port: int = option(0, "disaggregated mode: the port of the weight-update group's rendezvous on rank "
+                                   "0's host; 0 = MASTER_PORT + 17")
+
+    def __post_init__(self):
+        if not 0 < self.sglang_mem_fraction < 1:
+            raise ConfigError(f"--sglang-mem-fraction must be in (0, 1), got {self.sglang_mem_fraction}")
+        if self.sglang_tp_size < 0 or self.weight_sync_port < 0:
+            raise ConfigError(f"--sglang-tp-size and --weight-sync-port must be >= 0, got {self.sglang_tp_size} and "
+                              f"{self.weight_sync_port}")
+
+    def resolve(self, cfg) -> None:
+        r, tp = cfg.rollout, cfg.model.tensor_model_parallel_size
+        if r.rollout_backend == "sglang" and not r.rollout_servers and self.sglang_tp_size > tp:
+            raise ConfigError(f"--sglang-tp-size {self.sglang_tp_size}: a colocated SGLang engine runs on the GPUs of "
+                              "its model replica's first-stage TP ranks, which each hand it the weights from their "
+                              f"own GPU, so at most --tensor-model-parallel-size {tp} (0 = the same)")
+
+
+ROLLOUTS.declare("tool_use", ToolUseOptions)
+BACKENDS.declare("builtin", BuiltinOptions)
+BACKENDS.declare("sglang", SGLangOptions)
