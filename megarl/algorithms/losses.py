@@ -261,9 +261,10 @@ def grpo_token_loss(
     masked positions.
 
     `pg_t` is the registered policy loss `policy_loss` (PPO clip by default; `options` go to it: its own options,
-    `POLICY_LOSSES.kwargs_of(cfg, name)`, e.g. `clip_ratio_c`), `kl_t` the registered KL estimator `kl_type` of KL(actor || reference). As in TRL (without
-    its `use_bias_correction_kl`), the KL term is added per token before aggregation, so it is normalised exactly
-    like the policy term. `ref_logp` may be None only when `kl_coef == 0` (no reference model is run then).
+    `POLICY_LOSSES.kwargs_of(cfg, name)`, e.g. `clip_ratio_c`), `kl_t` the registered KL estimator `kl_type` of
+    KL(actor || reference). As in TRL (without its `use_bias_correction_kl`), the KL term is added per token
+    before aggregation, so it is normalised exactly like the policy term. `ref_logp` may be None only when
+    `kl_coef == 0` (no reference model is run then).
     `w_t` is the registered off-policy correction `off_policy_correction` (`megarl.algorithms.corrections`; "none"
     gives w_t = 1), computed against `rollout_logp`, the behaviour policy's log-probs (required unless "none"), with
     `correction_options` its keyword arguments (`OFF_POLICY_CORRECTIONS.kwargs_of(cfg, name)`); without them,
@@ -274,8 +275,8 @@ def grpo_token_loss(
     `old_logp` being the actor before the update (the proximal policy), not the engine's log-probs, this is also
     AReaL's decoupled PPO objective (Fu et al. 2025, eq. 5). (AReaL's code drops a token whose weight exceeds the
     cap; "tis" truncates it, "mis" at level token drops it.) The older spellings (`--tis-cap C` alone,
-    `--off-policy-correction decoupled`) are resolved by tis's options (`megarl.algorithms.slots`), once; this function takes
-    the correction by name only.
+    `--off-policy-correction decoupled`) are resolved by tis's options (`megarl.algorithms.slots`), once; this
+    function takes the correction by name only.
     `entropy` [B, T] is the actor's per-token entropy (differentiable); with `entropy_coef > 0` it is a bonus
     (subtracted from the loss); it is reported whenever given.
 

@@ -156,8 +156,8 @@ def build_sglang(cfg: Config, actor: MegatronPolicy | None = None) -> RolloutEng
     barrier = (LeaderBarrier.over_default_store(info.dp_rank, info.dp_size, cfg.training.distributed_timeout_seconds)
                if info.dp_size > 1 else None)
     # The servers' TP size sizes the weight-update group: one trainer rank plus every server's TP ranks.
-    servers = SGLangServers(urls, tp_sizes=[own.sglang_tp_size] * len(urls) if own.sglang_tp_size else None, push=pusher,
-                            barrier=barrier)
+    servers = SGLangServers(urls, tp_sizes=[own.sglang_tp_size] * len(urls) if own.sglang_tp_size else None,
+                            push=pusher, barrier=barrier)
     if pusher:
         from megarl.mcore.parallel import default_backend
 

@@ -110,6 +110,30 @@ class SGLangOptions:
                               f"own GPU, so at most --tensor-model-parallel-size {tp} (0 = the same)")
 
 
+def check_adapter_sync(cfg) -> None:
+    """`--lora-weight-sync adapter`: SGLang gets the adapters in PEFT form (`megarl.mcore.lora.peft_tensors`),
+    through its LoRA API; what that takes (`megarl.config.Config` calls this when the flag says adapter)."""
+    m = cfg.model
+    if not m.lora_rank:
+        raise ConfigError("--lora-weight-sync adapter needs --lora-rank > 0 (without adapters every engine gets "
+                          "the whole model: --lora-weight-sync merged)")
+    if experts := [t for t in m.lora_targets if t.startswith("experts.")]:
+        raise ConfigError(f"--lora-weight-sync adapter with --lora-target-modules {','.join(experts)}: SGLang "
+                          "0.5.23 loads PEFT target_modules, not the target_parameters that hold expert adapters; "
+                          "use --lora-weight-sync merged")
+    qkv = {"q_proj", "k_proj", "v_proj"} & set(m.lora_targets)
+    if (qkv and not {"q_proj", "v_proj"} <= qkv) or ("up_proj" in m.lora_targets
+                                                    and "gate_proj" not in m.lora_targets):
+        raise ConfigError(f"--lora-weight-sync adapter with --lora-target-modules {m.lora_target_modules}: "
+                          "SGLang 0.5.23 stacks the q, k, v adapters into one (and gate, up) and needs q_proj "
+                          "with v_proj, and gate_proj with up_proj (k_proj or up_proj may be left out); add "
+                          "them or use --lora-weight-sync merged")
+    if cfg.training.async_staleness:
+        raise ConfigError(f"--lora-weight-sync adapter with --async-staleness {cfg.training.async_staleness}: "
+                          "a new adapter replaces the old one while other leaders' queued batches may still "
+                          "name it; use --lora-weight-sync merged")
+
+
 ROLLOUTS.declare("tool_use", ToolUseOptions)
 BACKENDS.declare("builtin", BuiltinOptions)
 BACKENDS.declare("sglang", SGLangOptions)

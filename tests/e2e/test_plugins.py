@@ -1,7 +1,9 @@
 """`--plugins`: a module outside the package registers a verifier (with an option of its own) and a rollout
 function; `train.py` trains with both (the verifier inside the reward pool's workers, built with the option the
 recipe sets; the rollout function in the trainer's ranks) and `megarl-verify` scores rows with the verifier (in its
-own workers, the option from its command line)."""
+own workers, the option from its command line). The same module registers an advantage estimator, an off-policy
+correction and a rollout backend, each with an option of its own: a recipe sets the three, `train.py` trains with
+them, and each component records the value it got; `--help` lists each option under its component."""
 
 from __future__ import annotations
 
@@ -84,3 +86,54 @@ def test_megarl_verify_scores_rows_with_a_plugin_verifier(tmp_path):
     unknown = subprocess.run([*cmd[:6], "--verifier", "starts_with_a_letter"], cwd=REPO, env=env(),
                              capture_output=True, text=True, timeout=120)
     assert unknown.returncode == 2 and "starts_with_digit" in unknown.stderr  # the registered names are listed
+
+
+def _help(*argv: str) -> str:
+    proc = subprocess.run([sys.executable, "megarl/train.py", *argv, "--help"], cwd=REPO, env=env(),
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    return proc.stdout
+
+
+def _section(text: str, section: str) -> list[str]:
+    """The flags `--help` lists under `section`."""
+    lines = text.split(f"\n{section}:\n", 1)[1].splitlines()
+    return [line.split()[0] for line in lines[:next(i for i, x in enumerate(lines + [""]) if not x.startswith("  "))]]
+
+
+PLUGIN_OPTIONS = {"advantage_estimator.scaled_grpo": ["--advantage-scale"],
+                  "off_policy_correction.capped_ratio": ["--ratio-cap"],
+                  "rollout_backend.traced_builtin": ["--engine-tag"]}
+
+
+def test_plugin_estimator_correction_and_backend_get_their_options_from_a_recipe(starter, tmp_path):
+    recipe = tmp_path / "with_plugin_algorithms.sh"
+    recipe.write_text(f"source {REPO}/recipes/tiny_cpu.sh\nPLUGIN_ARGS=(--plugins {PLUGIN})\n"
+                      "ALGORITHM_ARGS+=(--advantage-estimator scaled_grpo --advantage-scale 0.5\n"
+                      "                 --off-policy-correction capped_ratio --ratio-cap 1.5)\n"
+                      "ROLLOUT_ARGS+=(--rollout-backend traced_builtin --engine-tag blue)\n")
+    trace, out = tmp_path / "trace", tmp_path / "run"
+    trace.mkdir()
+    torchrun(1, "megarl/train.py", recipe, "--hf-checkpoint", starter, "--prompt-data", starter / "train.jsonl",
+             "--eval-data", "", "--max-train-minutes",
+             "0", "--num-steps", 2, "--rollout-batch-size", 4, "--n-samples-per-prompt", 4, "--micro-batch-size", 16,
+             "--output-dir", out, "--log-interval", 1, timeout=400, extra_env={"EXAMPLE_PLUGIN_TRACE": str(trace)})
+
+    metrics = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    assert [m["step"] for m in metrics] == [1, 2]
+    assert all(m["capped_ratio_weight_max"] <= 1.5 for m in metrics)  # the correction ran, at the recipe's cap
+    # each component got the recipe's value: the estimator and the correction every step, the backend once
+    pid = _traced(trace, "backend-blue")
+    assert len(pid) == 1 and _traced(trace, "advantage-0.5") == pid and _traced(trace, "correction-1.5") == pid
+    assert sorted(p.name.rsplit(".", 1)[0] for p in trace.iterdir()) == ["advantage-0.5", "backend-blue",
+                                                                    "correction-1.5"]
+    saved = json.loads((out / "config.json").read_text())["config"]
+    assert (saved["advantage_estimator.scaled_grpo"], saved["off_policy_correction.capped_ratio"],
+            saved["rollout_backend.traced_builtin"]) == ({"advantage_scale": 0.5}, {"ratio_cap": 1.5},
+                                                         {"engine_tag": "blue"})
+
+
+def test_help_lists_each_plugin_option_under_its_component():
+    text = _help("--plugins", PLUGIN)
+    assert {section: _section(text, section) for section in PLUGIN_OPTIONS} == PLUGIN_OPTIONS
+    assert "rollout_backend.traced_builtin:" not in _help()  # without the plugin, no such component

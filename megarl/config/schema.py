@@ -1,33 +1,25 @@
-"""Typed configuration, recipes, and the command line generated from them.
+"""The run's settings: one dataclass per concern, every field a flag (`--field-name`) documented by its `help`.
 
-One dataclass per concern; each field is a flag (`--field-name`), documented by its `help`. A recipe is a bash
-file that fills arrays named `*_ARGS` (`MODEL_ARGS`, `ROLLOUT_ARGS`, ...); bash itself sources it, so comments,
-variables and `source recipes/models/<m>.sh` work. Flags after the recipe on the command line override it.
-Every problem is reported before any work starts, naming the flag, where it came from, and the valid values.
+The sections here are what cuts across components (model and parallelism, rollout, data, reward, sandbox, the
+algorithm's shared knobs, training and the optimizer, checkpoints, logging, plugins). What belongs to one registered
+component (an estimator's discount, a correction's cap, a backend's memory share, a verifier's mode) is that
+component's options (`megarl.registry`), held in `Config.components` by section ("advantage_estimator.gae").
 
-Besides these sections, a run's config holds the options that registered components declare for themselves (a
-verifier's, a reward model's, a tool's: `megarl.registry`); `megarl.arguments` gathers them and passes them here as
-`components`, so this module names none of them. Flags whose values name a registry entry carry the registry's
-`module:attribute` in their metadata (`names`); `megarl.arguments` checks them once `--plugins` are imported.
-Rules that tie fields of different sections together live in `Config.__post_init__`.
-
-A leaf: imports nothing of megarl but `megarl.errors`, so every layer may import it.
+Each section checks its own fields in `__post_init__`; rules across sections live in `Config.__post_init__`, which
+also runs each component's `resolve(cfg)`. Rules that belong to a component are its own, in pure Python: the model's
+(LoRA targets, the MoE dispatcher, the layer spec) in `megarl.mcore.rules`, the LoRA adapter sync's with the
+`sglang` backend (`megarl.rollout.slots`). No torch is imported: the command line is parsed on hosts without it.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import difflib
-import json
-import os
-import subprocess
-import sys
-import typing
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any, Literal
 
 from megarl.errors import ConfigError
+from megarl.mcore import rules
+from megarl.rollout.slots import check_adapter_sync
 
 
 def _f(default, help: str, **kw):
@@ -100,23 +92,18 @@ class ModelConfig:
 
     @property
     def lora_targets(self) -> tuple[str, ...]:
-        """`--lora-target-modules` as a tuple of HF projection names."""
-        aliases = {"attention": ("q_proj", "k_proj", "v_proj", "o_proj"),
-                   "experts": ("experts.gate_up_proj", "experts.down_proj")}
-        names = [n.strip() for n in self.lora_target_modules.split(",") if n.strip()]
-        return tuple(t for n in names for t in aliases.get(n, (n,)))
+        """`--lora-target-modules` as a tuple of HF projection names (`megarl.mcore.rules.lora_targets`)."""
+        return rules.lora_targets(self.lora_target_modules)
 
     @property
     def token_dispatcher(self) -> str:
-        """`--moe-token-dispatcher-type` resolved: auto = alltoall, on CPU as on GPU. Megatron's allgather
-        dispatcher gathers equal shares from every EP rank (`all_gather_into_tensor`): RL micro-batches, each as wide
-        as its own longest sample, differ across ranks, and gloo stops with "Received data size doesn't match"."""
-        return "alltoall" if self.moe_token_dispatcher_type == "auto" else self.moe_token_dispatcher_type
+        """`--moe-token-dispatcher-type` resolved (`megarl.mcore.rules.token_dispatcher`)."""
+        return rules.token_dispatcher(self.moe_token_dispatcher_type)
 
     @property
     def use_transformer_engine(self) -> bool | None:
-        """`--transformer-impl` as the Megatron layer-spec choice: None = Transformer Engine when importable."""
-        return {"auto": None, "local": False, "transformer_engine": True}[self.transformer_impl]
+        """`--transformer-impl` as the Megatron layer-spec choice (`megarl.mcore.rules.use_transformer_engine`)."""
+        return rules.use_transformer_engine(self.transformer_impl)
 
     def __post_init__(self):
         _positive(self, "tensor_model_parallel_size", "pipeline_model_parallel_size", "context_parallel_size",
@@ -131,34 +118,10 @@ class ModelConfig:
             raise ConfigError(f"--sequence-parallel needs --tensor-model-parallel-size >= 2, got "
                               f"{self.tensor_model_parallel_size}: add --no-sequence-parallel (sequence parallelism "
                               "shards activations over TP ranks; with one there is nothing to shard)")
-        self._check_lora()
+        rules.check_lora(self)
         if self.context_parallel_size > 1 and self.transformer_impl == "local":
             raise ConfigError("--context-parallel-size > 1 needs Transformer Engine's attention: Megatron's local "
                               "attention does not split sequences; use --transformer-impl auto or transformer_engine")
-
-    def _check_lora(self):
-        valid = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj", "experts.gate_up_proj",
-                 "experts.down_proj")
-        if self.lora_rank < 0 or self.lora_alpha < 0 or not 0 <= self.lora_dropout < 1:
-            raise ConfigError(f"--lora-rank and --lora-alpha must be >= 0 and --lora-dropout in [0, 1), got "
-                              f"{self.lora_rank}, {self.lora_alpha} and {self.lora_dropout}")
-        if unknown := [n for n in self.lora_targets if n not in valid]:
-            raise ConfigError(f"--lora-target-modules {unknown[0]!r} is not a projection; choose among "
-                              f"{', '.join(valid)} (comma-separated), or attention, experts")
-        if self.lora_rank and not self.lora_targets:
-            raise ConfigError("--lora-target-modules is empty: name at least one projection, e.g. q_proj,v_proj")
-        if self.lora_checkpoint and not self.lora_rank:
-            raise ConfigError(f"--lora-checkpoint {self.lora_checkpoint} needs --lora-rank > 0 (the rank the "
-                              "adapters were saved with)")
-        etp = self.expert_tensor_parallel_size or self.tensor_model_parallel_size
-        if self.lora_rank and etp > 1 and any(t.startswith("experts.") for t in self.lora_targets):
-            raise ConfigError(f"--lora-target-modules {self.lora_target_modules} adapts experts, which needs "
-                              f"--expert-tensor-parallel-size 1 (it is {etp}; 0 means the TP size): Megatron's "
-                              "experts leave fc2's TP reduction to the token dispatcher (megarl/mcore/lora.py)")
-        if self.lora_rank and self.ref_checkpoint:
-            raise ConfigError(f"--ref-checkpoint {self.ref_checkpoint} with --lora-rank {self.lora_rank}: with LoRA "
-                              "the reference is the actor with its adapters off (the --hf-checkpoint weights); drop "
-                              "--ref-checkpoint")
 
 
 @dataclass
@@ -482,7 +445,7 @@ class Config:
                                   "--context-parallel-size 1 (the replayed experts follow one forward per micro-batch)")
 
         if self.rollout.lora_weight_sync == "adapter":
-            self._check_adapter_sync()
+            check_adapter_sync(self)  # the sglang backend's rules (`megarl.rollout.slots`)
         if self.checkpoint.save_peft and not self.model.lora_rank:
             raise ConfigError(f"--save-peft {self.checkpoint.save_peft} needs --lora-rank > 0 (it writes the LoRA "
                               "adapters; without them use --save-hf)")
@@ -490,28 +453,6 @@ class Config:
             resolve = getattr(values, "resolve", None)
             if callable(resolve):
                 resolve(self)
-
-    def _check_adapter_sync(self):
-        """--lora-weight-sync adapter: SGLang gets the adapters in PEFT form (`megarl.mcore.lora.peft_tensors`)."""
-        m = self.model
-        if not m.lora_rank:
-            raise ConfigError("--lora-weight-sync adapter needs --lora-rank > 0 (without adapters every engine gets "
-                              "the whole model: --lora-weight-sync merged)")
-        if experts := [t for t in m.lora_targets if t.startswith("experts.")]:
-            raise ConfigError(f"--lora-weight-sync adapter with --lora-target-modules {','.join(experts)}: SGLang "
-                              "0.5.23 loads PEFT target_modules, not the target_parameters that hold expert adapters; "
-                              "use --lora-weight-sync merged")
-        qkv = {"q_proj", "k_proj", "v_proj"} & set(m.lora_targets)
-        if (qkv and not {"q_proj", "v_proj"} <= qkv) or ("up_proj" in m.lora_targets
-                                                        and "gate_proj" not in m.lora_targets):
-            raise ConfigError(f"--lora-weight-sync adapter with --lora-target-modules {m.lora_target_modules}: "
-                              "SGLang 0.5.23 stacks the q, k, v adapters into one (and gate, up) and needs q_proj "
-                              "with v_proj, and gate_proj with up_proj (k_proj or up_proj may be left out); add "
-                              "them or use --lora-weight-sync merged")
-        if self.training.async_staleness:
-            raise ConfigError(f"--lora-weight-sync adapter with --async-staleness {self.training.async_staleness}: "
-                              "a new adapter replaces the old one while other leaders' queued batches may still "
-                              "name it; use --lora-weight-sync merged")
 
     def _check_async(self):
         r, t, k = self.rollout, self.training, self.training.async_staleness
@@ -537,262 +478,3 @@ def _positive(obj, *names):
     for n in names:
         if getattr(obj, n) < 1:
             raise ConfigError(f"--{n.replace('_', '-')} must be >= 1, got {getattr(obj, n)}")
-
-
-# ---------------------------------------------------------------------------------------------------------
-# Flags.
-
-
-@dataclass(frozen=True)
-class FlagSpec:
-    section: str
-    name: str  # dataclass field
-    type: Any
-    help: str
-    names: str = ""  # for a field naming a registry entry: the `module:attribute` listing the valid names
-    default: Any = None
-    many: bool = False  # a comma-separated list of such names
-
-    @property
-    def flag(self) -> str:
-        return "--" + self.name.replace("_", "-")
-
-
-def flag_specs(components: dict[str, type] | None = None) -> dict[str, FlagSpec]:
-    """Every flag: megarl's sections', then the `components`' (section name -> options dataclass). A field name
-    declared twice is an error naming both sections."""
-    out: dict[str, FlagSpec] = {}
-    for section, cls in {**SECTIONS, **(components or {})}.items():
-        hints = typing.get_type_hints(cls)
-        for f in dataclasses.fields(cls):
-            spec = FlagSpec(section, f.name, hints[f.name], f.metadata.get("help", ""), f.metadata.get("names", ""),
-                            f.default, f.metadata.get("many", False))
-            if spec.flag in out:
-                raise ConfigError(f"{spec.flag} is declared twice: by {out[spec.flag].section} and by {section} "
-                                  "(each option needs a name of its own)")
-            out[spec.flag] = spec
-    return out
-
-
-def convert_value(spec: FlagSpec, raw: str, where: str):
-    """`raw`, the text of a flag's value, as the flag's type; ConfigError naming `where` and the flag otherwise."""
-    t = spec.type
-    if typing.get_origin(t) is Literal:
-        choices = typing.get_args(t)
-        if raw not in choices:
-            raise ConfigError(f"{where}: {spec.flag} {raw!r} is not valid; choose one of: {', '.join(choices)}")
-        return raw
-    if t is bool:
-        low = raw.lower()
-        if low in ("1", "true", "yes", "on"):
-            return True
-        if low in ("0", "false", "no", "off"):
-            return False
-        raise ConfigError(f"{where}: {spec.flag} expects true/false, got {raw!r}")
-    try:
-        return t(raw)
-    except ValueError:
-        raise ConfigError(f"{where}: {spec.flag} expects {t.__name__}, got {raw!r}") from None
-
-
-def parse_flags(tokens: list[str], where: str, values: dict[str, Any] | None = None,
-                origins: dict[str, str] | None = None, specs: dict[str, FlagSpec] | None = None) -> dict[str, Any]:
-    """Apply `--flag value` / `--flag=value` / `--bool-flag` / `--no-bool-flag` tokens onto `values`; `origins`
-    (when given) records where each value came from. `specs`: the flags known (default: megarl's own)."""
-    specs = specs if specs is not None else flag_specs()
-    values = dict(values or {})
-    origins = origins if origins is not None else {}
-    i = 0
-    while i < len(tokens):
-        tok = tokens[i]
-        if not tok.startswith("--"):
-            raise ConfigError(f"{where}: expected a --flag, got {tok!r}")
-        name, eq, inline = tok.partition("=")
-        positive = specs.get("--" + name[5:]) if name.startswith("--no-") and name not in specs else None
-        negated = positive is not None and positive.type is bool
-        spec = positive if negated else specs.get(name)
-        if negated and eq:
-            raise ConfigError(f"{where}: {name} takes no value (use --{name[5:]}={inline} instead)")
-        if spec is None:
-            close = difflib.get_close_matches(name, specs, n=3)
-            hint = f"; did you mean {', '.join(close)}?" if close else "; run with --help for the list"
-            raise ConfigError(f"{where}: unknown flag {name}{hint}")
-        if spec.type is bool and not eq:
-            nxt = tokens[i + 1] if i + 1 < len(tokens) else None
-            if nxt is not None and nxt.lower() in ("true", "false", "1", "0", "yes", "no", "on", "off") and not negated:
-                values[spec.name], origins[spec.name] = convert_value(spec, nxt, where), where
-                i += 2
-                continue
-            values[spec.name], origins[spec.name] = not negated, where
-            i += 1
-            continue
-        if eq:
-            raw = inline
-            i += 1
-        else:
-            if i + 1 >= len(tokens):
-                raise ConfigError(f"{where}: {name} needs a value")
-            raw = tokens[i + 1]
-            i += 2
-        values[spec.name], origins[spec.name] = convert_value(spec, raw, where), where
-    return values
-
-
-def build_config(values: dict[str, Any], components: dict[str, type] | None = None) -> Config:
-    """A Config from flag values by field name (the rest at their defaults); `components`: the options
-    dataclasses of registered components, by section."""
-    def make(cls):
-        names = {f.name for f in dataclasses.fields(cls)}
-        return cls(**{k: v for k, v in values.items() if k in names})
-
-    return Config(**{section: make(cls) for section, cls in SECTIONS.items()},
-                  components={section: make(cls) for section, cls in (components or {}).items()})
-
-
-# ---------------------------------------------------------------------------------------------------------
-# Recipes.
-
-ARRAY_ORDER = ("MODEL_ARGS", "ROLLOUT_ARGS", "TOOL_ARGS", "DATA_ARGS", "REWARD_ARGS", "ALGORITHM_ARGS", "TRAINING_ARGS",
-               "CHECKPOINT_ARGS", "LOGGING_ARGS", "EVAL_ARGS", "PLUGIN_ARGS")
-
-_DUMP = r"""
-set -e
-source "$1" >&2
-order=(%s)
-declare -A seen
-for a in "${order[@]}" $(compgen -A arrayvar | sort); do
-  [[ $a == *_ARGS ]] || continue
-  [[ -n ${seen[$a]:-} ]] && continue
-  seen[$a]=1
-  declare -n arr=$a
-  [[ $(declare -p $a 2>/dev/null) == "declare -a"* ]] || continue
-  for x in "${arr[@]}"; do printf '%%s\0' "$x"; done
-  unset -n arr
-done
-""" % " ".join(ARRAY_ORDER)
-
-
-def read_recipe(path: str | os.PathLike) -> list[str]:
-    """The flags a recipe defines, in array order. bash sources the file from the current directory; recipes
-    find their siblings through `${BASH_SOURCE[0]}`."""
-    p = Path(path)
-    if not p.is_file():
-        raise ConfigError(f"recipe {path}: no such file")
-    proc = subprocess.run(["bash", "-c", _DUMP, "megarl-recipe", str(p.resolve())], capture_output=True,
-                          text=True, timeout=30)
-    if proc.returncode != 0:
-        raise ConfigError(f"recipe {path}: bash failed (exit {proc.returncode}): {proc.stderr.strip()[-800:]}")
-    return [t for t in proc.stdout.split("\0") if t != ""]
-
-
-Sources = tuple[list[tuple[list[str], str]], "dict[str, Any] | None", str]
-
-
-def recipe_flags(argv: list[str]) -> Sources:
-    """The flag tokens of `[recipe.sh | config.json] [--flag value ...]`, as (tokens, where) in the order they
-    apply, and a saved config's sections when the first argument is one (with its path): the recipe is read (by
-    bash) once, here."""
-    rest = list(argv)
-    if rest and not rest[0].startswith("--"):
-        source = rest.pop(0)
-        if source.endswith(".json"):
-            return [(rest, "command line")], _load_saved(source), source
-        return [(read_recipe(source), f"recipe {source}"), (rest, "command line")], None, ""
-    return [(rest, "command line")], None, ""
-
-
-def parse_config(argv: list[str] | Sources, components: dict[str, type] | None = None) -> Config:
-    """`[recipe.sh | config.json] [--flag value ...]` -> Config, with the flags of megarl's sections and of
-    `components` (section -> options dataclass). The first argument may be a recipe or a run's saved
-    `config.json` (`saved_config`), which gives back that run's settings. Raises ConfigError naming the problem.
-    Registry names are not checked here: the trainer's command line is `megarl.arguments.parse_args`, which
-    imports `--plugins`, adds every component's options and checks the names. `argv` may be `recipe_flags(argv)`
-    already read."""
-    specs = flag_specs(components)
-    values: dict[str, Any] = {}
-    origins: dict[str, str] = {}
-    pieces, saved, saved_path = argv if isinstance(argv, tuple) else recipe_flags(argv)
-    if saved is not None:
-        values = saved_values(saved, saved_path, specs, origins)
-    for tokens, where in pieces:
-        values = parse_flags(tokens, where, values, origins, specs)
-    cfg = build_config(values, components)
-    cfg.origins = origins
-    return cfg
-
-
-# ---------------------------------------------------------------------------------------------------------
-# The resolved config, saved beside a run's metrics and in every checkpoint, and read back.
-
-SAVED_CONFIG = "config.json"
-
-
-def saved_config(cfg: Config, **facts: Any) -> dict[str, Any]:
-    """What `config.json` holds: every setting by section, where each non-default one came from, and `facts`
-    about the run (command line, world size, the padded vocabulary...)."""
-    from megarl import __version__
-
-    return {"megarl_version": __version__, **facts, "config": cfg.to_dict(), "origins": dict(cfg.origins)}
-
-
-def _load_saved(path: str | os.PathLike) -> dict[str, Any]:
-    where = f"config {path}"
-    try:
-        saved = json.loads(Path(path).read_text())
-    except FileNotFoundError:
-        raise ConfigError(f"{where}: no such file") from None
-    except (OSError, ValueError) as e:
-        raise ConfigError(f"{where}: not a readable JSON file ({e})") from None
-    if not isinstance(saved, dict) or not isinstance(saved.get("config"), dict):
-        raise ConfigError(f"{where}: no \"config\" object (a run's saved config.json has one)")
-    return saved
-
-
-def saved_values(saved: dict[str, Any], path: str | os.PathLike, specs: dict[str, FlagSpec],
-                 origins: dict[str, str] | None = None) -> dict[str, Any]:
-    """The settings of a loaded `config.json` as flag values, each checked as a flag is; `origins` records them.
-    A setting saved under another section than today's (a component's option that was one of megarl's reward
-    settings) is read by its name: its flag is the same."""
-    where = f"config {path}"
-    by_name = {s.name: s for s in specs.values()}
-    values: dict[str, Any] = {}
-    for section, fields in saved["config"].items():
-        for name, value in (fields.items() if isinstance(fields, dict) else ()):
-            spec = by_name.get(name)
-            if spec is None:
-                plugin = " or needs the --plugins that declared it" if "." in section else ""
-                raise ConfigError(f"{where}: unknown setting {section}.{name} (written by megarl "
-                                  f"{saved.get('megarl_version', '?')}; this is a different version{plugin})")
-            values[name] = convert_value(spec, value if isinstance(value, str) else json.dumps(value), where)
-            if origins is not None:
-                origins[name] = where
-    return values
-
-
-def help_text(components: dict[str, type] | None = None, valid_names=None) -> str:
-    """Every flag by section, with its type, default and help; `valid_names(spec)` lists a registry flag's
-    choices (`megarl.arguments` passes the registries' names)."""
-    lines = ["usage: torchrun --nproc-per-node N megarl/train.py [recipe.sh | run/config.json] [--flag value ...]",
-             ""]
-    specs = flag_specs(components)
-    for section in {**SECTIONS, **(components or {})}:
-        lines.append(f"{section}:")
-        for spec in specs.values():
-            if spec.section == section:
-                t = spec.type
-                kind = "|".join(typing.get_args(t)) if typing.get_origin(t) is Literal else t.__name__
-                if spec.names and valid_names is not None:
-                    kind = "|".join(valid_names(spec))
-                lines.append(f"  {spec.flag} <{kind}> (default {spec.default!r}): {spec.help}")
-    return "\n".join(lines)
-
-
-def __getattr__(name: str):
-    """`ToolConfig`, the section of the `--tool-*` flags until megarl 0.2, is now the options of the `tool_use`
-    rollout function, `megarl.rollout.slots.ToolUseOptions` (the same fields); this name goes in megarl 0.3. Loaded
-    by name, on use: this module imports nothing of megarl but its errors."""
-    if name == "ToolConfig":
-        import importlib
-
-        return importlib.import_module("megarl.rollout.slots").ToolUseOptions
-    raise AttributeError(f"module 'megarl.config' has no attribute {name!r}")
