@@ -118,11 +118,14 @@ class RunSettings:
     def from_config(cls, cfg, **planner) -> "RunSettings":
         """From a megarl Config; flags that this checkout's config lacks keep the defaults above."""
         t, r, m = cfg.training, cfg.rollout, cfg.model
-        sglang = cfg.components.get("rollout_backend.sglang")  # the sglang backend's options, when declared
+        # The sglang backend's options (`megarl.rollout.slots.SGLangOptions`); absent from a config built without
+        # components, which takes their defaults.
+        sglang = cfg.components.get("rollout_backend.sglang")
+        engine_tp, engine_mem = (sglang.sglang_tp_size, sglang.sglang_mem_fraction) if sglang else (0, 0.5)
         return cls(tp=m.tensor_model_parallel_size, pp=m.pipeline_model_parallel_size,
                    cp=getattr(m, "context_parallel_size", 1), ep=getattr(m, "expert_model_parallel_size", 1),
                    etp=getattr(m, "expert_tensor_parallel_size", 0),
-                   engine_tp=getattr(sglang, "sglang_tp_size", 0), rollout_batch_size=cfg.data.rollout_batch_size,
+                   engine_tp=engine_tp, rollout_batch_size=cfg.data.rollout_batch_size,
                    n_samples_per_prompt=r.n_samples_per_prompt, max_response_len=r.max_response_len,
                    micro_batch_size=t.micro_batch_size, updates_per_rollout=t.updates_per_rollout,
                    kl=cfg.algorithm.kl_coef > 0, distributed_optimizer=t.use_distributed_optimizer,
@@ -130,7 +133,7 @@ class RunSettings:
                    offload_params=getattr(t, "offload_params", False),
                    sequence_parallel=getattr(m, "sequence_parallel", False),
                    logprob_chunk_tokens=getattr(m, "logprob_chunk_tokens", 0),
-                   engine_mem_fraction=getattr(sglang, "sglang_mem_fraction", 0.5),
+                   engine_mem_fraction=engine_mem,
                    mode="disaggregated" if getattr(r, "rollout_servers", "") else "colocated",
                    async_staleness=getattr(t, "async_staleness", 0), lora_rank=getattr(m, "lora_rank", 0),
                    lora_targets=getattr(m, "lora_targets", LORA_TARGETS), **planner)

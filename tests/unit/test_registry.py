@@ -6,6 +6,7 @@ import dataclasses
 import sys
 
 from megarl.algorithms.advantages import ADVANTAGES
+from megarl.algorithms.corrections import OFF_POLICY_CORRECTIONS
 from megarl.algorithms.losses import KL_ESTIMATORS, POLICY_LOSSES
 from megarl.arguments import components, parse_args, valid_names
 from megarl.config import ConfigError, flag_specs
@@ -55,6 +56,46 @@ def test_an_entrys_options_are_a_dataclass_and_give_its_keyword_arguments():
         reg.register("v", options=int)(dict)
 
 
+def test_options_declared_beside_a_registry_are_listed_without_importing_its_entries(tmp_path, monkeypatch):
+    """The built-ins of a slot whose code imports torch declare their options where the registry lives
+    (`megarl.algorithms.slots`, `megarl.rollout.slots`): listing them imports no entry's module, and the entry
+    registered later keeps them."""
+    (tmp_path / "gadget_builtin_mod.py").write_text("from gadget_registry_mod import GADGETS\nGADGETS.add('g', 1)\n")
+    (tmp_path / "gadget_registry_mod.py").write_text(
+        "import dataclasses\nfrom megarl.registry import Registry, option\n"
+        "GADGETS = Registry('odd-gadget', builtins=('gadget_builtin_mod',), options_declared_here=True)\n"
+        "@dataclasses.dataclass\nclass G:\n    gadget_size: int = option(2, 'size')\n"
+        "    def kwargs(self, cfg):\n        return {'size': self.gadget_size}\n"
+        "GADGETS.declare('g', G)\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    from gadget_registry_mod import GADGETS, G
+
+    assert GADGETS.options() == {"g": G} and "gadget_builtin_mod" not in sys.modules
+    assert GADGETS.section("g") == "odd_gadget.g"
+    assert GADGETS.get("g") == 1 and GADGETS.options() == {"g": G}
+    cfg = type("Cfg", (), {"components": {"odd_gadget.g": G(gadget_size=5)}})()
+    assert GADGETS.settings(cfg, "g").gadget_size == 5 and GADGETS.kwargs_of(cfg, "g") == {"size": 5}
+    assert GADGETS.kwargs_of(None, "g") == {"size": 2} and GADGETS.settings(cfg, "nope") is None
+    with pytest.raises(ValueError, match="'g' already declares options: G"):
+        GADGETS.declare("g", dataclasses.make_dataclass("H", []))
+
+
+def test_the_command_line_lists_every_components_options_without_torch():
+    """The launch scripts parse recipes on a batch host's python: every built-in's options are known there."""
+    import subprocess
+
+    from helpers import REPO, env
+
+    code = ("import sys\nsys.modules['torch'] = None\nfrom megarl.arguments import components\n"
+            "print(' '.join(sorted(components())))")
+    proc = subprocess.run([sys.executable, "-c", code], cwd=REPO, env=env(), capture_output=True, text=True,
+                          timeout=60)
+    assert proc.returncode == 0, proc.stderr
+    assert {"advantage_estimator.gae", "policy_loss.dual_clip", "off_policy_correction.tis",
+            "off_policy_correction.icepop", "rollout_backend.sglang", "rollout_backend.builtin",
+            "rollout_function.tool_use"} <= set(proc.stdout.split())
+
+
 def test_the_builtin_components_declare_their_options_and_config_names_none_of_them():
     sections = components()
     assert {"verifier.code", "verifier.math", "reward_model.hf_rm", "reward_model.remote_rm",
@@ -72,6 +113,7 @@ def test_the_builtin_components_declare_their_options_and_config_names_none_of_t
     ("--rollout-backend", BACKENDS),
     ("--rollout-function", ROLLOUTS),
     ("--default-verifier", VERIFIERS),
+    ("--off-policy-correction", OFF_POLICY_CORRECTIONS),
 ])
 def test_flags_naming_registry_entries_take_exactly_the_registered_names(flag, registry, monkeypatch):
     spec = flag_specs()[flag]
