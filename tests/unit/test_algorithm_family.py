@@ -284,3 +284,51 @@ def test_dynamic_sampling_fills_with_dropped_groups_when_rounds_run_out(one_rank
     assert rewards.tolist() == [1.0] * 4
     advantages, _ = Algorithm(cfg, info, None, None).advantages(rewards, packed, None, rb.group_size)
     assert torch.equal(advantages, torch.zeros(4))
+
+
+def test_each_estimator_and_policy_loss_gets_its_own_options_only(monkeypatch):
+    """The trainer calls the chosen estimator with its own options and no other's (GAE's gamma and lambda go to gae
+    alone), and the actor's loss gives the chosen policy loss its own (dual-clip's cap to dual_clip alone)."""
+    from dataclasses import dataclass
+
+    from megarl.algorithms import ADVANTAGES, POLICY_LOSSES, AdvantageEstimator, Needs
+    from megarl.arguments import components
+    from megarl.config import build_config
+    from megarl.registry import option
+    from megarl.stages.algorithm import Algorithm
+    from megarl.stages.update import make_loss_fn
+
+    @dataclass
+    class ProbeOptions:
+        probe_scale: float = option(2.0, "probe: a scale")
+
+    seen = []
+
+    def probe(rewards, eps=1e-6, **inputs):
+        seen.append(inputs)
+        return rewards - rewards.mean(dim=1, keepdim=True)
+
+    monkeypatch.setitem(ADVANTAGES._items, "probe", AdvantageEstimator("probe", probe, Needs()))
+    monkeypatch.setitem(ADVANTAGES._options, "probe", ProbeOptions)
+    rewards = torch.tensor([1.0, 0.0, 0.0, 1.0])
+    for values, want in (({"advantage_estimator": "probe", "probe_scale": 3.0, "gae_gamma": 0.5}, {"probe_scale": 3.0}),
+                         ({"advantage_estimator": "probe"}, {"probe_scale": 2.0})):
+        cfg = build_config(values, {**components(), "advantage_estimator.probe": ProbeOptions})
+        Algorithm(cfg, SimpleNamespace(pp_size=1), None, None).advantages(rewards, None, None, group_size=2)
+        assert seen.pop() == want
+    calls = []
+
+    def recording(loss):
+        def call(*args, **kw):
+            calls.append(kw)
+            return loss(*args, **kw)
+        return call
+
+    for name in ("clip", "dual_clip"):
+        monkeypatch.setitem(POLICY_LOSSES._items, name, recording(POLICY_LOSSES.get(name)))
+    for name in ("clip", "dual_clip"):
+        cfg = build_config({"policy_loss": name, "clip_ratio_c": 2.5}, components())
+        logp = torch.zeros(1, 3)
+        mb = {"_real_rows": 1, "loss_mask": torch.ones(1, 3), "advantages": torch.ones(1), "rollout_logp": logp}
+        make_loss_fn(cfg.algorithm, 3, cfg)(logp, mb)
+    assert calls == [{}, {"clip_ratio_c": 2.5}]
