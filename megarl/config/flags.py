@@ -117,6 +117,12 @@ def build_config(values: dict[str, Any], components: dict[str, type] | None = No
         names = {f.name for f in dataclasses.fields(cls)}
         return cls(**{k: v for k, v in values.items() if k in names})
 
+    known = {f.name for cls in {**SECTIONS, **(components or {})}.values() for f in dataclasses.fields(cls)}
+    if unknown := sorted(set(values) - known):
+        # a component's option given without its options dataclass would otherwise be dropped in silence
+        raise ConfigError(f"settings {', '.join(unknown)} belong to no section given: a registered component's "
+                          "option needs its options passed as `components` (megarl.arguments.components())")
+
     return Config(**{section: make(cls) for section, cls in SECTIONS.items()},
                   components={section: make(cls) for section, cls in (components or {}).items()})
 

@@ -17,6 +17,7 @@ import dataclasses
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
+from megarl.config.moved import moved as _moved
 from megarl.errors import ConfigError
 from megarl.mcore import rules
 from megarl.rollout.slots import check_adapter_sync
@@ -161,6 +162,9 @@ class RolloutConfig:
         "adapters, loaded through SGLang's LoRA API as megarl-v<version> and named by every request. Which is "
         "faster has not been measured (it needs a GPU: tools/gpu_check.sh times both), hence the default")
 
+    def __getattr__(self, name: str):  # called only for a name that is not a field
+        _moved("rollout", name)
+
     def __post_init__(self):
         _positive(self, "n_samples_per_prompt", "max_response_len", "sync_bucket_mb",
                   "mismatch_check_rows", "mismatch_check_topk")
@@ -230,9 +234,10 @@ class RewardConfig:
 
 @dataclass
 class SandboxConfig:
-    sandbox: Literal["local", "docker"] = _f("local", "where the code verifier runs programs: local (namespaces, "
-                                             "Landlock, seccomp; nothing to install) or docker (a pool of hardened "
-                                             "containers; make sandbox-image)")
+    sandbox: str = _name("local", "where the code verifier and the tools run programs: local (namespaces, Landlock, "
+                         "seccomp; nothing to install), docker (a pool of hardened containers; make sandbox-image), or "
+                         "a backend a plugin registered with megarl.sandbox.register_sandbox",
+                         "megarl.sandbox:SANDBOXES")
     sandbox_workers: int = _f(1, "sandbox workers per verifying process (each reward worker runs one job at a time)")
     sandbox_image: str = _f("", "--sandbox docker: the image; empty = the one tools/build_sandbox_image.py builds")
 
@@ -282,6 +287,9 @@ class AlgorithmConfig:
                                   "many tokens get a linearly growing penalty; 0 = off")
     overlong_penalty: float = _f(1.0, "DAPO overlong shaping: the penalty at max-response-len")
     mask_truncated: bool = _f(False, "leave responses cut at max-response-len out of the loss")
+
+    def __getattr__(self, name: str):  # called only for a name that is not a field
+        _moved("algorithm", name)
 
     def __post_init__(self):
         if self.kl_coef < 0:
@@ -408,6 +416,19 @@ class Config:
 
     # Where each non-default value came from (`parse_config`): a recipe, the command line, a saved config.
     origins: dict[str, str] = field(default_factory=dict, compare=False, repr=False)
+
+    def __getattr__(self, name: str):
+        """`cfg.tools`, the section of the --tool-* flags until they became the `tool_use` rollout function's
+        options: those options, with a warning; goes in megarl 0.3."""
+        if name != "tools":
+            raise AttributeError(f"Config has no section {name!r}")
+        import warnings
+
+        warnings.warn("cfg.tools is now cfg.components['rollout_function.tool_use'] (the tool_use rollout function's "
+                      "options, the same fields); cfg.tools goes in megarl 0.3", DeprecationWarning, stacklevel=2)
+        from megarl.rollout.slots import ToolUseOptions
+
+        return self.__dict__.get("components", {}).get("rollout_function.tool_use") or ToolUseOptions()
 
     def sections(self) -> dict[str, Any]:
         """Every section by name, megarl's own first, then the components'."""

@@ -667,3 +667,30 @@ def test_a_config_json_saved_before_the_options_moved_loads_with_every_value(run
     assert "tools" in saved and "tools" not in cfg.to_dict()
     checked = parse_args([str(path)])
     assert checked == cfg
+
+
+def test_a_moved_setting_read_from_its_old_section_names_its_new_home():
+    """Code written before the settings moved to their components (a plugin reading cfg.algorithm.gae_gamma) fails
+    naming where the setting is now; cfg.tools still gives the tool_use options, with a warning."""
+    import warnings
+
+    from megarl.arguments import parse_args
+
+    cfg = parse_args(["recipes/tiny_cpu_tool.sh", "--gae-gamma", "0.9", "--max-turns", "3"], check_registries=False)
+    with pytest.raises(AttributeError, match=r"cfg.components\['advantage_estimator.gae'\].gae_gamma .*--gae-gamma"):
+        cfg.algorithm.gae_gamma
+    with pytest.raises(AttributeError, match=r"rollout_backend.sglang"):
+        cfg.rollout.sglang_tp_size
+    assert cfg.components["advantage_estimator.gae"].gae_gamma == 0.9
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        assert cfg.tools.max_turns == 3
+    assert "rollout_function.tool_use" in str(caught[0].message)
+
+
+def test_build_config_refuses_a_setting_no_section_declares():
+    """A component's option given without the components' options dataclasses would be dropped in silence."""
+    from megarl.config import build_config
+
+    with pytest.raises(ConfigError, match="gae_gamma belong to no section"):
+        build_config({"gae_gamma": 0.5})

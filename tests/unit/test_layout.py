@@ -158,7 +158,8 @@ def test_config_and_the_registry_import_nothing_of_megarl_but_its_errors():
     assert outside <= {"megarl", "megarl.errors"} | rules, outside
     assert all(graph[m] <= {"megarl.errors", "megarl.registry"} for m in rules), {m: graph[m] for m in rules}
     assert graph["megarl.registry"] == set() and graph["megarl.errors"] == set()
-    words = set().union(*(_code_words(p) for p in (PACKAGE / "config").glob("*.py")))
+    # moved.py: the table of settings' old homes, for the message that names the new one (goes in megarl 0.3)
+    words = set().union(*(_code_words(p) for p in (PACKAGE / "config").glob("*.py") if p.name != "moved.py"))
     assert not words & {"code_reward", "math_strategy", "reward_model_batch_size", "judge_url", "remote_rm_url",
                         "verifier_options", "tool_settings", "tis_cap", "gae_gamma", "clip_ratio_c", "max_turns",
                         "sglang_mem_fraction", "rollout_device"}
