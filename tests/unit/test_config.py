@@ -678,9 +678,9 @@ def test_a_moved_setting_read_from_its_old_section_names_its_new_home():
 
     cfg = parse_args(["recipes/tiny_cpu_tool.sh", "--gae-gamma", "0.9", "--max-turns", "3"], check_registries=False)
     with pytest.raises(AttributeError, match=r"cfg.components\['advantage_estimator.gae'\].gae_gamma .*--gae-gamma"):
-        cfg.algorithm.gae_gamma
+        _ = cfg.algorithm.gae_gamma
     with pytest.raises(AttributeError, match=r"rollout_backend.sglang"):
-        cfg.rollout.sglang_tp_size
+        _ = cfg.rollout.sglang_tp_size
     assert cfg.components["advantage_estimator.gae"].gae_gamma == 0.9
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
