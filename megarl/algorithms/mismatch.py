@@ -1,6 +1,6 @@
 """Train-inference mismatch over the whole next-token distribution (`--mismatch-check-interval`).
 
-The per-step mismatch metrics (`megarl.stages.update.mismatch_metrics`) compare the engine's and the actor's
+The per-step mismatch metrics (`megarl.stages.mismatch.mismatch_metrics`) compare the engine's and the actor's
 log-probs of the *sampled* token only: one number per position out of a distribution over the vocabulary. Two
 distributions can agree on the sampled token and differ elsewhere (a bf16 engine reshuffling the tail), and that is
 what a sampler with top-p, a later step or an importance weight meets. Here, at the same positions, the two whole
