@@ -32,7 +32,8 @@ from megarl.rollout.functions import as_rollout
 from megarl.samples import RolloutBatch, Sample
 from megarl.stages.reward import RewardMeter, wait_for_rewards
 
-__all__ = ["Collect", "Collector", "DynamicSampling", "OverlongShaping", "wait_for_rewards"]  # the last: moved
+# `wait_for_rewards` moved to megarl.stages.reward; importable from here until megarl 0.3
+__all__ = ["Collect", "Collector", "DynamicSampling", "OverlongShaping", "wait_for_rewards"]
 
 
 class Collect(Protocol):

@@ -28,19 +28,19 @@ from megarl.mcore.model import MoEOptions
 from megarl.mcore.parallel import ParallelInfo
 from megarl.model_shape import ModelShape
 from megarl.preflight import Layout, check_run, padded_vocab_size, prompt_limit
+from megarl.registry import load_plugins
 from megarl.reward import RewardFn, build_reward, reward_options
 from megarl.rollout import RolloutEngine, build_rollout
-from megarl.rollout.functions import Rollout
 from megarl.rollout.backends import BACKENDS, build_engine
 from megarl.rollout.base import as_engine
-from megarl.stages.algorithm import AlgorithmStage
-from megarl.registry import load_plugins
+from megarl.rollout.functions import Rollout
 from megarl.rollout.pipeline import OrderedEngine, Pipeline
+from megarl.stages.algorithm import AlgorithmStage
 from megarl.stages.asynchronous import AsyncCollect
 from megarl.stages.collect import Collect, Collector, DynamicSampling, OverlongShaping
 from megarl.stages.colocation import WeightSync
-from megarl.trainer.checkpoints import resume
 from megarl.stages.critic_update import CriticStage
+from megarl.trainer.checkpoints import resume
 
 
 @dataclass(frozen=True)
