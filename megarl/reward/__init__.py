@@ -17,15 +17,15 @@ server and the reward-model tool load.
 from megarl.reward.functions import (InProcessReward, PoolReward, RewardFn, RewardFunction, RoutedReward, Scores,
                                      StreamingReward, build_reward, reward_options)
 
-__all__ = ["InProcessReward", "PoolReward", "RewardFn", "RewardFunction", "RewardMeter", "RoutedReward", "Scores",
-           "StreamingReward", "build_reward", "reward_options"]
+__all__ = ["InProcessReward", "PoolReward", "RewardFn", "RewardFunction", "RoutedReward", "Scores", "StreamingReward",
+           "build_reward", "reward_options"]
 
 
 def __getattr__(name: str):
     """`megarl.reward.RewardMeter`, for old imports: it is `megarl.stages.reward.RewardMeter` (the reward stage);
     this name is removed in megarl 0.3. Looked up on use, so that this package does not import the stages."""
     if name == "RewardMeter":
-        from megarl.stages.reward import RewardMeter
+        import importlib
 
-        return RewardMeter
+        return importlib.import_module("megarl.stages.reward").RewardMeter
     raise AttributeError(f"module 'megarl.reward' has no attribute {name!r}")

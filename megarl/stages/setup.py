@@ -1,11 +1,16 @@
 """Moved: a run's construction, checkpoints and end are `megarl.trainer` (`build`, `checkpoints`, `log`). This
-module re-exports the old names for old imports and is removed in megarl 0.3."""
+module keeps the old names importable for old imports and is removed in megarl 0.3. They are looked up on use, so
+that the stages do not import the trainer (which imports them)."""
 
-from megarl.trainer.build import (Checked, Models, TrainingRun, build_models, check_before_start, close,
-                                  launch_engine_first, optim_config, start)
-from megarl.trainer.checkpoints import resume as _resume
-from megarl.trainer.checkpoints import save
-from megarl.trainer.log import open_log
+_MOVED = {"Checked": "build", "Models": "build", "TrainingRun": "build", "build_models": "build",
+          "check_before_start": "build", "close": "build", "launch_engine_first": "build", "optim_config": "build",
+          "start": "build", "save": "checkpoints", "_resume": "checkpoints", "open_log": "log"}
 
-__all__ = ["Checked", "Models", "TrainingRun", "build_models", "check_before_start", "close", "launch_engine_first",
-           "open_log", "optim_config", "save", "start", "_resume"]
+
+def __getattr__(name: str):
+    if name in _MOVED:
+        import importlib
+
+        module = importlib.import_module(f"megarl.trainer.{_MOVED[name]}")
+        return getattr(module, "resume" if name == "_resume" else name)
+    raise AttributeError(f"module 'megarl.stages.setup' has no attribute {name!r}")
