@@ -7,8 +7,9 @@ asked; rows are scored as they finish, `--reward-overlap`) -> log-probs (the act
 reference's, as the loss needs them; the last rewards come in meanwhile) -> final rewards and advantages (the
 registered estimator, with whatever models it declares it needs) -> update -> sync weights -> log -> checkpoint.
 Data parallelism splits the prompts (a prompt's group stays on one rank); within a model replica (TP x CP x PP)
-the first rank runs the rollout engine and shares the samples with the others. The stages live in
-`megarl/stages/`; this file names no algorithm and no backend. With --async-staleness K the batch of step s was
+the first rank runs the rollout engine and shares the samples with the others. A step's stages live in
+`megarl/stages/`, the run's lifecycle around them (build, resume, checkpoints, evaluation, export, the log) in
+`megarl/trainer/`; this file names no algorithm and no backend. With --async-staleness K the batch of step s was
 generated with the weights of step s - K while the actor trained (`stages/asynchronous.py`).
 """
 
@@ -28,7 +29,7 @@ def main(argv: list[str]) -> int:
             print(help_text(argv))  # with the options of the --plugins it names
             return 0
         cfg = parse_args(argv)
-        from megarl.stages.setup import check_before_start
+        from megarl.trainer.build import check_before_start
 
         return run(cfg, check_before_start(cfg))
     except ConfigError as e:
@@ -48,21 +49,22 @@ def main(argv: list[str]) -> int:
 
 def run(cfg: Config, checked) -> int:
     from megarl.metrics import PhaseTimer, eta_seconds, format_step, rollout_sample_rows
-    from megarl.stages import report, setup
+    from megarl.stages import report
     from megarl.stages.algorithm import pack
     from megarl.stages.asynchronous import check_staleness, overlap_metrics
-    from megarl.stages.collect import wait_for_rewards
     from megarl.stages.colocation import enter_rollout, enter_training
+    from megarl.stages.reward import wait_for_rewards
     from megarl.stages.update import update
+    from megarl.trainer import build, checkpoints, evaluate, export, log as run_log
 
     t, c, lg = cfg.training, cfg.checkpoint, cfg.logging
-    run = setup.start(cfg, checked)  # process groups, data, actor (+ what the algorithm needs), engine, resume
+    run = build.start(cfg, checked)  # process groups, data, actor (+ what the algorithm needs), engine, resume
     actor, engine, info, say = run.actor, run.engine, run.info, run.say
-    log = setup.open_log(run)
+    log = run_log.open_log(run)
     eval_before = None
     if run.eval_prompts and run.start_step == 0:
         enter_rollout(actor, engine, t, run.sync)  # the engine takes the GPU (and checks the first sync's probe)
-        eval_before = report.evaluate(run)
+        eval_before = evaluate.evaluate(run)
     if eval_before:
         say(f"held-out before training: sampled {100 * eval_before['sampled']:.1f}%, "
             f"greedy {100 * eval_before['greedy']:.1f}%")
@@ -98,7 +100,7 @@ def run(cfg: Config, checked) -> int:
         row = {**report.step_metrics(step, rollout, batch, update_metrics, {**timer.seconds, **sync_metrics},
                                      seconds, info), **algorithm_metrics}
         if run.eval_prompts and lg.eval_interval and step % lg.eval_interval == 0 and step < t.num_steps:
-            row.update(report.evaluate_between_steps(run, step))  # the last step's evaluation follows the loop
+            row.update(evaluate.evaluate_between_steps(run, step))  # the last step's evaluation follows the loop
         log.write(row)
         if log.enabled and lg.log_samples_interval and step % lg.log_samples_interval == 0:
             rows = rollout_sample_rows(step, rollout.samples, run.prompts, lg.log_samples_count, batch,
@@ -111,7 +113,7 @@ def run(cfg: Config, checked) -> int:
                 flush=True)
         out_of_time = run.agree_any(t.max_train_minutes > 0 and elapsed > 60 * t.max_train_minutes)
         if c.save and (out_of_time or step == t.num_steps or (c.save_interval and step % c.save_interval == 0)):
-            setup.save(run, step)
+            checkpoints.save(run, step)
         if out_of_time:
             say(f"megarl: stopped by --max-train-minutes {t.max_train_minutes:g} after step {step} of {t.num_steps}: "
                 "the learning-rate schedule, set for all the steps, did not finish")
@@ -120,14 +122,11 @@ def run(cfg: Config, checked) -> int:
     if run.pending is not None:
         run.pending.cancel()  # batches made ahead for steps that will not run
 
-    if c.save_hf:
-        report.save_hf(actor, run.tokenizer, cfg.model.hf_checkpoint, c.save_hf, info)
-    if c.save_peft:
-        actor.save_peft(cfg.model.hf_checkpoint, c.save_peft)
+    export.export(run)  # --save-hf, --save-peft
     enter_rollout(actor, engine, t, run.sync)  # the last sync's probe is checked before the evaluation generates
-    eval_after = report.evaluate(run) if run.eval_prompts else None
-    report.finish(run, log, eval_before, eval_after, train_minutes, step)
-    setup.close(run)
+    eval_after = evaluate.evaluate(run) if run.eval_prompts else None
+    run_log.finish(run, log, eval_before, eval_after, train_minutes, step)
+    build.close(run)
     return 0
 
 

@@ -221,8 +221,9 @@ def score_rows(rows: list[dict], args, plugins: tuple[str, ...]) -> list:
 
         bar = tqdm(total=len(requests), unit="row", file=sys.stderr, desc="megarl-verify")
     results = []
-    rules = InProcessReward(options) if args.workers == 0 else PoolReward(
-        RewardPool(workers=max(args.workers, 0), timeout_s=args.timeout, preload=plugins, options=options))
+    pool = None if args.workers == 0 else RewardPool(workers=max(args.workers, 0), timeout_s=args.timeout,
+                                                     preload=plugins, options=options)
+    rules = InProcessReward(options) if pool is None else PoolReward(pool)
     scorer = RoutedReward(rules, options)
     try:
         for i in range(0, len(requests), chunk):
@@ -232,7 +233,7 @@ def score_rows(rows: list[dict], args, plugins: tuple[str, ...]) -> list:
     except (ValueError, RuntimeError) as e:  # a reward model that cannot start: a missing flag, a bad checkpoint
         raise InputError(str(e)) from None
     finally:
-        getattr(rules, "pool", rules).close()
+        (rules if pool is None else pool).close()
         for model in scorer.models.values():
             model.close()
         if bar is not None:

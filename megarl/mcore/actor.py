@@ -10,6 +10,7 @@ Its loss may also ask for the per-token entropy (`loss_fn.needs_entropy`), compu
 from __future__ import annotations
 
 from contextlib import contextmanager, nullcontext
+from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
@@ -18,8 +19,26 @@ from megarl.mcore import convert, lora
 from megarl.mcore.base_model import LossFn, MegatronModel, OptimConfig
 from megarl.mcore.chunked_logprobs import chunked_logprobs
 
-__all__ = ["AdaptersOff", "LossFn", "MegatronPolicy", "OptimConfig", "label_logprobs", "mask_vocab_padding",
-           "position_entropy", "token_entropy", "token_logprobs"]
+__all__ = ["ActorLoss", "AdaptersOff", "LossFn", "MegatronPolicy", "OptimConfig", "label_logprobs",
+           "mask_vocab_padding", "position_entropy", "token_entropy", "token_logprobs"]
+
+
+@dataclass(frozen=True)
+class ActorLoss:
+    """A `LossFn` for `MegatronPolicy.train_step` with what it asks of the forward declared: `needs_entropy`, the
+    per-token entropy in the micro-batch it is given (`mb["entropy"]`); `entropy_grad`, that entropy differentiated
+    (an entropy bonus) rather than detached (reported only). A plain `LossFn` asks for neither (`ActorLoss.of`)."""
+
+    fn: LossFn
+    needs_entropy: bool = False
+    entropy_grad: bool = True
+
+    def __call__(self, logp: torch.Tensor, mb: dict):
+        return self.fn(logp, mb)
+
+    @staticmethod
+    def of(loss_fn: LossFn) -> ActorLoss:
+        return loss_fn if isinstance(loss_fn, ActorLoss) else ActorLoss(loss_fn)
 
 
 def mask_vocab_padding(x: torch.Tensor, vocab_size: int) -> torch.Tensor:
@@ -156,13 +175,13 @@ class MegatronPolicy(MegatronModel):
 
         if labels is None:  # without CP: positions 0..S-2 predict tokens 1..S-1
             output, labels = output[:, :-1], mb["tokens"][:, 1:]
-        entropy = loss_fn is not None and getattr(loss_fn, "needs_entropy", False)
+        entropy = loss_fn is not None and ActorLoss.of(loss_fn).needs_entropy
         logp, ent = chunked_logprobs(output, self._output_weight(), labels, temperature=temperature,
                                      chunk_tokens=self.logprob_chunk_tokens, vocab_size=self._vocab_mask,
                                      with_entropy=entropy, group=parallel_state.get_tensor_model_parallel_group())
         if not entropy:
             return whole(logp), mb
-        if not (torch.is_grad_enabled() and getattr(loss_fn, "entropy_grad", True)):
+        if not (torch.is_grad_enabled() and ActorLoss.of(loss_fn).entropy_grad):
             ent = ent.detach()
         return whole(logp), {**mb, "entropy": whole(ent)}
 
@@ -180,9 +199,10 @@ class MegatronPolicy(MegatronModel):
     def _loss_inputs(self, output: torch.Tensor, mb: dict, loss_fn: LossFn, temperature: float, whole) -> dict:
         """Adds the per-token entropy [b, S - 1] when the loss asks for it (differentiated only when the loss
         says `entropy_grad`)."""
-        if not getattr(loss_fn, "needs_entropy", False):
+        loss = ActorLoss.of(loss_fn)
+        if not loss.needs_entropy:
             return mb
-        with torch.set_grad_enabled(torch.is_grad_enabled() and getattr(loss_fn, "entropy_grad", True)):
+        with torch.set_grad_enabled(torch.is_grad_enabled() and loss.entropy_grad):
             if self.config.context_parallel_size > 1:
                 return {**mb, "entropy": whole(position_entropy(output, temperature, self._vocab_mask))}
             return {**mb, "entropy": token_entropy(output, temperature, self._vocab_mask)}

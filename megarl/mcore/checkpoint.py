@@ -59,7 +59,7 @@ def _model_sharded_state_dict(policy) -> dict:
     """The model's checkpoint entries; with LoRA the adapters' only (the base is frozen and comes from its HF
     directory, and the optimizer, which holds the adapters only, finds its parameters among these)."""
     sd = unwrap(policy.model).sharded_state_dict()
-    if getattr(policy, "lora", None) is not None:
+    if policy.lora is not None:
         sd = {k: v for k, v in sd.items() if is_adapter_param(k)}
     return sd
 
@@ -94,7 +94,7 @@ def save(root: str | os.PathLike, step: int, policy, trainer_state: dict, keep_l
     optimizer states may be offloaded (their GPU storages resized to 0 bytes) for the engine."""
     from megatron.core import dist_checkpointing
 
-    offloader = getattr(policy, "_offloader", None)
+    offloader = policy._offloader  # `MegatronModel`'s: None until it first offloads
     if offloader is not None and offloader.offloaded_bytes:
         raise RuntimeError(f"checkpoint.save: {offloader.offloaded_bytes} bytes of the policy are offloaded for the "
                            "rollout engine (--offload-optimizer / --offload-params); onload it (steps.enter_training) "
@@ -117,7 +117,7 @@ def save(root: str | os.PathLike, step: int, policy, trainer_state: dict, keep_l
             pickle.dump({**trainer_state, "scheduler": policy.scheduler.state_dict(), "step": step}, fh)
         if config is not None:
             (tmp / SAVED_CONFIG).write_text(json.dumps(config, indent=1) + "\n")
-        if getattr(policy, "lora", None) is not None:
+        if policy.lora is not None:
             write_lora_base(tmp, policy)
     dist.barrier()
     if rank == 0:
@@ -167,7 +167,7 @@ def _restore_steps(optimizer) -> None:
 def _load_model_state(policy, state: dict) -> None:
     """Into the model; with LoRA the state holds every adapter (dist_checkpointing found each one) and no base."""
     model = unwrap(policy.model)
-    if getattr(policy, "lora", None) is None:
+    if policy.lora is None:
         model.load_state_dict(state)
         return
     params = dict(model.named_parameters())
@@ -297,7 +297,7 @@ def check_lora_base(path: Path, policy) -> None:
     fingerprints of `lora_base.json` and of the HF directory the policy loaded, compared on rank 0); else a
     ConfigError on every rank that names the difference."""
     record = path / LORA_BASE
-    lora_opts = getattr(policy, "lora", None)
+    lora_opts = policy.lora
     if lora_opts is None:
         if record.is_file():
             raise ConfigError(f"{path} holds LoRA adapters only (saved with --lora-rank): load it with the same "
@@ -329,7 +329,7 @@ def save_lora_adapters(root: str | os.PathLike, policy, config: dict) -> Path:
     `megarl-convert-checkpoint --from-peft` writes and `--lora-checkpoint` starts a run from (`load_weights`)."""
     from megatron.core import dist_checkpointing
 
-    if getattr(policy, "lora", None) is None:
+    if policy.lora is None:
         raise ValueError("save_lora_adapters needs a policy built with LoRA adapters")
     final = Path(root) / iter_name(0)
     if dist.get_rank() == 0:

@@ -38,7 +38,7 @@ from typing import Iterable, Sequence
 import torch
 
 from megarl.model_shape import ModelShape
-from megarl.rollout.base import Completion, SamplingParams
+from megarl.rollout.base import Completion, EngineCapabilities, SamplingParams
 from megarl.rollout.weight_sync import WeightBucket
 
 
@@ -112,7 +112,7 @@ class _IdsOnlyTokenizer:
         raise TypeError("megarl's Megatron engine takes token ids, not text")
 
 
-class MegatronEngine:
+class MegatronEngine(EngineCapabilities):
     """A `RolloutEngine` over Megatron's `DynamicInferenceEngine` and the actor's own model (module docstring)."""
 
     shares_actor_weights = True

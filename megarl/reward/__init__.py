@@ -1,7 +1,8 @@
 """Rewards: everything between a finished trajectory and its score.
 
-    stage.py      the reward function a rollout calls: in a worker pool or in process, routed to rule verifiers
-                  and reward models, metered for the step's metrics; `build_reward`, `reward_options`
+    functions.py  the reward function a rollout calls: in a worker pool or in process, routed to rule verifiers
+                  and reward models; `build_reward`, `reward_options` (metered for the step's metrics by the
+                  reward stage, `megarl.stages.reward`)
     pool.py       reward worker processes, each sample under a wall-clock limit
     compose.py    reward specs ("math > hf_rm", "0.7*math + 0.3*hf_rm") and how their parts combine
     models.py     reward models, batch sources that score in the trainer: `hf_rm` (served), `remote_rm` (HTTP)
@@ -13,8 +14,18 @@ The per-sample rules are `megarl.verifiers`. Nothing here imports torch but `hf_
 server and the reward-model tool load.
 """
 
-from megarl.reward.stage import (InProcessReward, PoolReward, RewardFn, RewardMeter, RoutedReward, Scores,
-                                 build_reward, reward_options)
+from megarl.reward.functions import (InProcessReward, PoolReward, RewardFn, RewardFunction, RoutedReward, Scores,
+                                     StreamingReward, build_reward, reward_options)
 
-__all__ = ["InProcessReward", "PoolReward", "RewardFn", "RewardMeter", "RoutedReward", "Scores", "build_reward",
-           "reward_options"]
+__all__ = ["InProcessReward", "PoolReward", "RewardFn", "RewardFunction", "RoutedReward", "Scores", "StreamingReward",
+           "build_reward", "reward_options"]
+
+
+def __getattr__(name: str):
+    """`megarl.reward.RewardMeter`, for old imports: it is `megarl.stages.reward.RewardMeter` (the reward stage);
+    this name is removed in megarl 0.3. Looked up on use, so that this package does not import the stages."""
+    if name == "RewardMeter":
+        import importlib
+
+        return importlib.import_module("megarl.stages.reward").RewardMeter
+    raise AttributeError(f"module 'megarl.reward' has no attribute {name!r}")

@@ -29,7 +29,7 @@ import time
 from typing import Any, Sequence
 
 from megarl.verifiers.budget import BudgetExceeded, Guard, HelperFailed
-from megarl.verifiers.base import OUTCOMES, VERIFIERS, VerifyResult
+from megarl.verifiers.base import OUTCOMES, VERIFIERS, VerifierCapabilities, VerifyResult
 
 Request = tuple[str, str, Any]  # (verifier name, response, ground truth)
 
@@ -101,7 +101,9 @@ class RewardPool:
         """`timeout_s`, or the verifier's own budget when smaller (its option, else its class's `budget_s`)."""
         if name not in self._limits:
             try:
-                budget = self.options.get(name, {}).get("budget_s", getattr(VERIFIERS.get(name), "budget_s", None))
+                builder = VERIFIERS.get(name)  # a class, or a builder (which declares nothing)
+                declared = isinstance(builder, type) and issubclass(builder, VerifierCapabilities)
+                budget = self.options.get(name, {}).get("budget_s", builder.budget_s if declared else None)
             except ValueError:  # not registered in this process: the worker says so
                 budget = None
             self._limits[name] = min(self.timeout_s, budget) if budget else self.timeout_s
@@ -160,7 +162,8 @@ def _verify_here(name: str, response: str, ground_truth: Any, options: dict | No
     verifier = _INSTANCES.get(key)
     if verifier is None:
         verifier = _INSTANCES[key] = VERIFIERS.build(name, **(options or {}))
-    r = getattr(verifier, "verify_unguarded", verifier.verify)(response, ground_truth)
+    verify = verifier.verify_unguarded if isinstance(verifier, VerifierCapabilities) else verifier.verify
+    r = verify(response, ground_truth)
     return float(r.score), r.outcome, r.extracted, r.normalized, r.seconds, r.tests_run, r.sandbox_cpu_seconds
 
 

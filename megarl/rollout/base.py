@@ -1,8 +1,13 @@
 """The rollout-engine boundary.
 
 A rollout engine turns prompt token ids into sampled completions with per-token log-probs, and takes the actor's
-weights after each update, as Hugging Face-named tensors in buckets (`megarl.rollout.weight_sync`). Everything
-the training loop and the weight sync use is declared on `RolloutEngine`; backends are registered by name in
+weights after each update, as Hugging Face-named tensors in buckets (`megarl.rollout.weight_sync`). What every
+engine must have is the protocol `RolloutEngine`; what only some engines can do (report rows as they finish,
+record MoE routing, take weights from several GPUs, score whole distributions) is declared on `EngineCapabilities`,
+a base class whose defaults say "cannot": an engine that can sets the field, and the trainer reads the field,
+never asks an object whether it happens to have an attribute. An engine that does not derive from it (a plugin's,
+written to the protocol alone) is wrapped in `ProtocolEngine` (`as_engine`) and has none of them. Backends are
+registered by name in
 `megarl.rollout.backends`: the built-in PyTorch engine (`builtin.py`), SGLang colocated or over HTTP
 (`sglang_engine.py`), and Megatron's own inference engine over the actor's model (`megarl/mcore/
 inference_engine.py`, the one engine that knows Megatron: it shares the actor's parameters instead of receiving
@@ -12,11 +17,12 @@ copies).
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Iterable, Literal, Protocol, Sequence, runtime_checkable
+from typing import TYPE_CHECKING, Callable, Iterable, Literal, Protocol, Sequence, runtime_checkable
 
 import torch
 
 if TYPE_CHECKING:
+    from megarl.rollout.sglang_ipc import IpcGather
     from megarl.rollout.weight_sync import WeightBucket
 
 # "abort": the engine stopped the request from outside before it finished (SGLang's `{"type": "abort"}`); the
@@ -114,3 +120,86 @@ class RolloutEngine(Protocol):
     def shutdown(self) -> None:
         """Stop whatever the engine started (processes, servers it owns)."""
         ...
+
+
+class EngineCapabilities:
+    """The optional abilities of a rollout engine, declared: derive from this class (besides implementing
+    `RolloutEngine`) and set what the engine can do; the defaults are what an engine that says nothing gets.
+
+    - `reports_finished_rows`: `generate(prompts, params, on_finish=fn)` calls `fn(row, completion)` as each row
+      stops, so a rollout function may score it while the others decode (`--reward-overlap`);
+    - `records_routing`: completions carry `routed_experts` (mixture-of-experts models; `--routing-replay`);
+    - `ipc_tp_size`: how many trainer ranks make their own payload of every weight bucket (a colocated engine at
+      TP > 1, whose GPUs are the trainer's); above 1 the weight sync hands it an `IpcGather` (`use_ipc`);
+    - `scores_distributions`: `score_distributions` gives the whole next-token distribution (the mismatch check,
+      exact), `scores_topk`: `score_topk` gives its top k (the mismatch check, bounds).
+    """
+
+    reports_finished_rows: bool = False
+    records_routing: bool = False
+    ipc_tp_size: int = 1
+    scores_distributions: bool = False
+    scores_topk: bool = False
+
+    def use_ipc(self, ipc: IpcGather) -> None:
+        """Take each bucket's payloads from the `ipc_tp_size` trainer ranks on the engine's GPUs."""
+        raise NotImplementedError(f"{type(self).__name__} declares ipc_tp_size {self.ipc_tp_size} but no use_ipc")
+
+    def score_distributions(self, sequences: list[list[int]], prompt_lens: list[int],
+                            temperature: float = 1.0) -> list[torch.Tensor]:
+        """Per sequence [len(seq) - prompt_len, vocab] log-probs of every next token (`scores_distributions`)."""
+        raise NotImplementedError(f"{type(self).__name__} does not score whole distributions")
+
+    def score_topk(self, sequences: list[list[int]], prompt_lens: list[int],
+                   k: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """Per sequence (ids, log-probs) [len(seq) - prompt_len, k] of the k likeliest tokens (`scores_topk`)."""
+        raise NotImplementedError(f"{type(self).__name__} does not score top-k distributions")
+
+
+class ProtocolEngine(EngineCapabilities):
+    """A `RolloutEngine` that declares no capability (a plugin's, written to the protocol alone), with the
+    defaults of `EngineCapabilities`: every call goes to `inner`."""
+
+    def __init__(self, inner: RolloutEngine):
+        self.inner = inner
+        self.shares_actor_weights = inner.shares_actor_weights
+        self.dtype = inner.dtype
+
+    @property
+    def weight_version(self) -> int:
+        return self.inner.weight_version
+
+    @weight_version.setter
+    def weight_version(self, version: int) -> None:
+        self.inner.weight_version = version
+
+    def generate(self, prompts: Sequence[Sequence[int]], params: SamplingParams,
+                 on_finish: Callable[[int, Completion], None] | None = None) -> list[list[Completion]]:
+        return self.inner.generate(prompts, params)
+
+    def score(self, sequences: list[list[int]], prompt_lens: list[int], temperature: float = 1.0) -> list[list[float]]:
+        return self.inner.score(sequences, prompt_lens, temperature)
+
+    def update_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]], version: int | None = None) -> None:
+        self.inner.update_weights(named_tensors, version)
+
+    def load_weight_buckets(self, buckets: Iterable[WeightBucket], version: int) -> None:
+        self.inner.load_weight_buckets(buckets, version)
+
+    def release_memory(self, keep_weights: bool = False) -> None:
+        if keep_weights:  # as the trainer calls an engine: the argument only when it is set
+            self.inner.release_memory(keep_weights=True)
+        else:
+            self.inner.release_memory()
+
+    def resume_memory(self) -> None:
+        self.inner.resume_memory()
+
+    def shutdown(self) -> None:
+        self.inner.shutdown()
+
+
+def as_engine(engine: RolloutEngine) -> EngineCapabilities:
+    """`engine` with its capabilities declared: itself when it derives from `EngineCapabilities` (every engine of
+    megarl's), else wrapped in `ProtocolEngine`."""
+    return engine if isinstance(engine, EngineCapabilities) else ProtocolEngine(engine)

@@ -35,7 +35,7 @@ import torch
 import torch.nn.functional as F
 
 from megarl.model_shape import ModelShape
-from megarl.rollout.base import Completion, SamplingParams
+from megarl.rollout.base import Completion, EngineCapabilities, SamplingParams
 from megarl.rollout.weight_sync import WeightBucket
 
 _COMPACT_FRACTION = 0.25  # drop ended rows once this share of the batch has ended: copying the cache is not free
@@ -106,10 +106,11 @@ class _Layer:
     router: torch.Tensor | None = None  # [experts, hidden]: a mixture-of-experts layer
 
 
-class BuiltinEngine:
+class BuiltinEngine(EngineCapabilities):
     """A `RolloutEngine` for Llama / Qwen2 in plain PyTorch (see the module docstring)."""
 
     shares_actor_weights = False
+    scores_distributions = True  # `score_distributions`: the whole vocabulary (the mismatch check)
 
     def __init__(self, hf_config: dict, device: str | torch.device = "cpu", dtype: torch.dtype = torch.float32,
                  tokenizer=None):

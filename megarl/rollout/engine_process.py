@@ -25,7 +25,7 @@ from typing import Iterable, Sequence
 import torch
 import torch.multiprocessing as mp
 
-from megarl.rollout.base import Completion, SamplingParams
+from megarl.rollout.base import Completion, EngineCapabilities, SamplingParams
 from megarl.rollout.weight_sync import TensorSlot, WeightBucket
 
 
@@ -33,7 +33,7 @@ class EngineProcessError(RuntimeError):
     """The engine process failed, died or did not answer in time."""
 
 
-class EngineProcess:
+class EngineProcess(EngineCapabilities):
     """A `RolloutEngine` whose `BuiltinEngine` runs in a spawned process (see the module docstring)."""
 
     shares_actor_weights = False

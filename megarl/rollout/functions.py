@@ -10,9 +10,12 @@ It returns `params.n` samples per prompt, group by group in prompt order, each w
 in `prompts`, scored by `reward`. `--rollout-function NAME` picks one; `ROLLOUTS.get(name)` returns a registered
 one, so a user's function can call the default and change what it returns.
 
-A rollout function with settings of its own (`tool_use`: its turns, tools and limits) has a `configure(cfg) ->
-RolloutFn` attribute, which the trainer calls once (`build_rollout`) with the run's `Config`; what it returns may
-have `step_metrics() -> dict` (numbers of its latest call, added to the step's metrics) and `close()`.
+What the trainer calls besides the function itself is declared on `Rollout`, the base class of a rollout
+function as an object: `configure(cfg) -> Rollout` (called once, `build_rollout`, with the run's `Config`: a
+function with settings of its own, `tool_use`, returns itself built from them), `step_metrics() -> dict` (numbers
+of its latest call, added to the step's metrics), `close()` and `defers_rewards`. A plain function registered as
+above is wrapped in `FunctionRollout` (`as_rollout`), whose defaults are: no settings, no metrics, nothing to
+close. `register_rollout(name, configure=...)` registers a plain function with a `configure` of its own.
 
 What wraps a rollout function, not what is inside one: the trainer broadcasts its result within a model-parallel
 group, and dynamic sampling and overlong shaping (`megarl.stages.collect`) apply to any rollout function.
@@ -21,13 +24,13 @@ group, and dynamic sampling and overlong shaping (`megarl.stages.collect`) apply
 from __future__ import annotations
 
 from dataclasses import replace
-from typing import Protocol, Sequence
+from typing import Any, Callable, Protocol, Sequence
 
 from megarl.data import PromptRecord
 from megarl.registry import Registry
 from megarl.rollout import slots
-from megarl.reward import RewardFn, RewardMeter, Scores
-from megarl.rollout.base import Completion, RolloutEngine, SamplingParams
+from megarl.reward import RewardFn, Scores, StreamingReward
+from megarl.rollout.base import Completion, RolloutEngine, SamplingParams, as_engine
 from megarl.samples import Sample, SampleStatus
 from megarl.verifiers import VerifyResult
 
@@ -37,19 +40,71 @@ class RolloutFn(Protocol):
                  reward: RewardFn, tokenizer) -> list[Sample]: ...
 
 
+class Rollout:
+    """A rollout function as an object: the call, and what the trainer asks of it besides (see the module
+    docstring). Derive from it for a rollout function with settings, metrics or resources of its own."""
+
+    # The samples it returns are the ones it submitted to the reward (`RewardMeter.submit`), unchanged and in order,
+    # so the trainer may take the batch before their last rewards are in (`megarl.stages.collect`).
+    defers_rewards: bool = False
+
+    def __call__(self, engine: RolloutEngine, prompts: Sequence[PromptRecord], params: SamplingParams,
+                 reward: RewardFn, tokenizer) -> list[Sample]:
+        raise NotImplementedError
+
+    def configure(self, cfg: Any) -> Rollout:
+        """The rollout function with the run's settings (`megarl.config.Config`); called once, by `build_rollout`."""
+        return self
+
+    def step_metrics(self) -> dict[str, float]:
+        """Numbers of its latest call, added to the step's metrics."""
+        return {}
+
+    def close(self) -> None:
+        """Release what it holds (a tool's sandbox); the run is over."""
+
+
+class FunctionRollout(Rollout):
+    """A plain rollout function as a `Rollout`: its call, and `configure` when it is given one."""
+
+    def __init__(self, fn: RolloutFn, configure: Callable[[Any], RolloutFn] | None = None):
+        self.fn, self._configure = fn, configure
+        self.__doc__ = fn.__doc__
+
+    def __call__(self, engine: RolloutEngine, prompts: Sequence[PromptRecord], params: SamplingParams,
+                 reward: RewardFn, tokenizer) -> list[Sample]:
+        return self.fn(engine, prompts, params, reward, tokenizer)
+
+    def configure(self, cfg: Any) -> Rollout:
+        return self if self._configure is None else as_rollout(self._configure(cfg))
+
+
+def as_rollout(fn: RolloutFn) -> Rollout:
+    """`fn` as a `Rollout`: itself when it is one, else a plain function wrapped in `FunctionRollout`."""
+    return fn if isinstance(fn, Rollout) else FunctionRollout(fn)
+
+
 # `single_turn` is defined below; `tool_use` (multi-turn with tool calls) in its own module, imported on first lookup.
 # The registry, and the built-ins' options (`tool_use`'s), live in `megarl.rollout.slots` (pure Python).
 ROLLOUTS: Registry[RolloutFn] = slots.ROLLOUTS
 
-# Register a rollout function under `name` (a second registration of a name is an error).
-register_rollout = ROLLOUTS.register
+
+def register_rollout(name: str, *, options: type | None = None,
+                     configure: Callable[[Any], RolloutFn] | None = None) -> Callable[[RolloutFn], RolloutFn]:
+    """Decorator: register a rollout function (a plain function or a `Rollout`) under `name`; a second registration
+    of a name is an error. `options`: its options dataclass (`megarl.registry`); `configure(cfg)`: for a plain
+    function, what the trainer runs instead, built from the run's settings (`Rollout.configure`)."""
+
+    def decorate(fn: RolloutFn) -> RolloutFn:
+        ROLLOUTS.add(name, fn if configure is None else FunctionRollout(fn, configure), options=options)
+        return fn
+
+    return decorate
 
 
-def build_rollout(cfg) -> RolloutFn:
-    """The run's rollout function (`--rollout-function`), configured with the run's settings when it takes any."""
-    fn = ROLLOUTS.get(cfg.rollout.rollout_function)
-    configure = getattr(fn, "configure", None)
-    return configure(cfg) if callable(configure) else fn
+def build_rollout(cfg) -> Rollout:
+    """The run's rollout function (`--rollout-function`), configured with the run's settings."""
+    return as_rollout(ROLLOUTS.get(cfg.rollout.rollout_function)).configure(cfg)
 
 
 # How an engine's finish reason ends a trajectory: an aborted request is neither finished nor cut at the limit.
@@ -66,15 +121,14 @@ def policy_sample(group: int, record: PromptRecord, completion: Completion, toke
                   response_text=tokenizer.decode(ids, skip_special_tokens=True))
 
 
-@register_rollout("single_turn")
-def single_turn(engine: RolloutEngine, prompts: Sequence[PromptRecord], params: SamplingParams, reward: RewardFn,
-                tokenizer) -> list[Sample]:
+def _single_turn(engine: RolloutEngine, prompts: Sequence[PromptRecord], params: SamplingParams, reward: RewardFn,
+                 tokenizer) -> list[Sample]:
     """One completion per trajectory: the engine samples `params.n` per prompt, the reward function scores them.
     Given the trainer's reward with --reward-overlap (`RewardMeter.overlaps`), each row is handed to it as it
     stops while the others decode (engines that report rows finishing: `reports_finished_rows`), the rest once the
     batch ends, and `RewardMeter.finish` says whether to wait for the scores here or let the trainer."""
     records = [p for p in prompts for _ in range(params.n)]
-    if not (isinstance(reward, RewardMeter) and reward.overlaps(records)):
+    if not (isinstance(reward, StreamingReward) and reward.overlaps(records)):
         groups = engine.generate([p.prompt_ids for p in prompts], params)
         samples = [policy_sample(g, record, c, tokenizer)
                    for g, (record, completions) in enumerate(zip(prompts, groups)) for c in completions]
@@ -85,7 +139,7 @@ def single_turn(engine: RolloutEngine, prompts: Sequence[PromptRecord], params: 
         early[row] = reward.submit([policy_sample(row // params.n, records[row], completion, tokenizer)],
                                    [records[row]])
 
-    streams = getattr(engine, "reports_finished_rows", False)
+    streams = as_engine(engine).reports_finished_rows
     groups = engine.generate([p.prompt_ids for p in prompts], params, **({"on_finish": finished} if streams else {}))
     samples = [policy_sample(g, record, c, tokenizer)
                for g, (record, completions) in enumerate(zip(prompts, groups)) for c in completions]
@@ -98,6 +152,16 @@ def single_turn(engine: RolloutEngine, prompts: Sequence[PromptRecord], params: 
         return [_scored(s, results[i]) for i, s in enumerate(samples)]
 
     return reward.finish(samples, scored)
+
+
+class SingleTurn(FunctionRollout):
+    """`single_turn` (`_single_turn`): it returns the samples it submitted, so the trainer may defer their rewards."""
+
+    defers_rewards = True
+
+
+single_turn = SingleTurn(_single_turn)
+register_rollout("single_turn")(single_turn)
 
 
 def _scored(sample: Sample, result: VerifyResult) -> Sample:

@@ -56,7 +56,7 @@ from typing import Callable, Iterable, Sequence
 
 import torch
 
-from megarl.rollout.base import Completion, SamplingParams
+from megarl.rollout.base import Completion, EngineCapabilities, SamplingParams
 from megarl.rollout.sglang_ipc import IpcGather, release_ipc, serialize_bucket
 from megarl.rollout.weight_sync import (DEFAULT_BUCKET_BYTES, WeightBucket, WeightSyncError, adapter_name,
                                         pack_buckets)
@@ -197,12 +197,13 @@ def _check(result, what: str) -> None:
         raise WeightSyncError(f"SGLang {what} failed: {result[1] if len(result) > 1 else ''}")
 
 
-class SGLangEngine:
+class SGLangEngine(EngineCapabilities):
     """A `RolloutEngine` over an in-process `sglang.Engine` colocated with the actor (see the module docstring).
 
     `engine` is an `sglang.Engine` or anything with its methods (the tests pass a recording fake)."""
 
     shares_actor_weights = False
+    scores_topk = True  # `score_topk` (the mismatch check's bounds)
 
     def __init__(self, engine, *, tp_size: int = 1, colocated: bool = True, dtype: torch.dtype | None = None,
                  serialize: Callable[[WeightBucket, int], list] | None = None, ipc: IpcGather | None = None,
@@ -593,7 +594,7 @@ class LeaderBarrier:
             time.sleep(self.poll_s)
 
 
-class SGLangServers:
+class SGLangServers(EngineCapabilities):
     """A `RolloutEngine` over SGLang HTTP servers (disaggregated mode; see the module docstring).
 
     `tp_sizes[i]` is server i's tensor-parallel size (asked from the server when not given): its TP ranks join

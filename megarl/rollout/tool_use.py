@@ -36,9 +36,9 @@ from typing import Sequence
 
 from megarl.config import SandboxConfig
 from megarl.data import PromptRecord
-from megarl.reward import RewardFn, RewardMeter, Scores
+from megarl.reward import RewardFn, Scores, StreamingReward
 from megarl.rollout.base import Completion, RolloutEngine, SamplingParams
-from megarl.rollout.functions import register_rollout
+from megarl.rollout.functions import Rollout, register_rollout
 from megarl.rollout.slots import ROLLOUTS, ToolUseOptions
 from megarl.tool_calls import TOOL_PARSERS, TOOLS, Observation, ParseError, ToolCall, build_tool, tool_settings
 from megarl.samples import Sample, SampleStatus
@@ -80,7 +80,7 @@ class _Trajectory:
                                 "tool_timeouts": float(self.timeouts), "tool_tokens": float(self.tool_tokens)})
 
 
-class ToolUse:
+class ToolUse(Rollout):
     """The `tool_use` rollout function with its options (`megarl.rollout.slots.ToolUseOptions`) and tools; see the
     module docstring."""
 
@@ -105,7 +105,7 @@ class ToolUse:
                  for _ in range(params.n)]
         completions = [c for group in engine.generate([p.prompt_ids for p in prompts], turn) for c in group]
         # --reward-overlap: trajectories are scored as they finish, while the others take more turns
-        scoring = _Scoring(reward, trajs) if isinstance(reward, RewardMeter) and reward.overlaps(prompts) else None
+        scoring = _Scoring(reward, trajs) if isinstance(reward, StreamingReward) and reward.overlaps(prompts) else None
         live, rounds = trajs, 0
         while live:
             calls = {id(t): self._take_turn(t, c, tokenizer) for t, c in zip(live, completions)}
@@ -215,7 +215,7 @@ class ToolUse:
 class _Scoring:
     """A batch's trajectories handed to the reward as they finish (`RewardMeter.submit`), and their results."""
 
-    def __init__(self, reward: RewardMeter, trajs: list[_Trajectory]):
+    def __init__(self, reward: StreamingReward, trajs: list[_Trajectory]):
         self.reward, self.trajs = reward, trajs
         self.submitted: dict[int, tuple[Scores, int]] = {}  # trajectory -> (its submission, its place in it)
 
@@ -247,7 +247,8 @@ def chat_tool_turn(tokenizer, contents: Sequence[str]) -> str:
     return tail + after[len(before) :]
 
 
-@register_rollout("tool_use")
+@register_rollout("tool_use", configure=lambda cfg: ToolUse(ROLLOUTS.settings(cfg, "tool_use"), cfg.sandbox,
+                                                            options=TOOLS.kwargs(cfg)))
 def tool_use(engine: RolloutEngine, prompts: Sequence[PromptRecord], params: SamplingParams, reward: RewardFn,
              tokenizer) -> list[Sample]:
     """Multi-turn tool use with the default settings; the trainer builds it from the run's flags (`configure`)."""
@@ -257,5 +258,3 @@ def tool_use(engine: RolloutEngine, prompts: Sequence[PromptRecord], params: Sam
     finally:
         rollout.close()
 
-
-tool_use.configure = lambda cfg: ToolUse(ROLLOUTS.settings(cfg, "tool_use"), cfg.sandbox, options=TOOLS.kwargs(cfg))

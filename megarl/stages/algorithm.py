@@ -7,7 +7,7 @@
     batch   = algorithm.train_batch(rollout, packed, logp)      rewards with --kl-in-reward folded in, then the
                                                                 registered estimator's advantages -> TrainBatch
 
-The estimator declares what it needs (`megarl.algorithms.Needs`) and `Algorithm` provides exactly that: a frozen
+The estimator declares what it needs (`megarl.algorithms.Needs`) and `AlgorithmStage` provides exactly that: a frozen
 reference, a critic (`megarl.stages.critic_update`, trained here, before the actor), per-token inputs. Nothing here
 knows an estimator by name.
 """
@@ -22,7 +22,7 @@ from megarl.algorithms import ADVANTAGES, KL_ESTIMATORS
 from megarl.config import Config
 from megarl.mcore.actor import MegatronPolicy
 from megarl.mcore.parallel import ParallelInfo, broadcast_from_last_stage
-from megarl.stages.critic_update import Critic
+from megarl.stages.critic_update import CriticStage
 from megarl.samples import PackedSamples, RolloutBatch, Sample, SampleStatus, TrainBatch
 
 
@@ -64,10 +64,11 @@ class LogProbs(NamedTuple):
     ref: torch.Tensor | None  # the frozen reference; None without one, and on pipeline stages other than the last
 
 
-class Algorithm:
-    """The models the algorithm needs besides the actor, and the batch it trains the actor on."""
+class AlgorithmStage:
+    """The models the algorithm needs besides the actor, and the batch it trains the actor on: the stage that runs
+    the registered algorithm (`megarl.algorithms`: its estimator, its KL)."""
 
-    def __init__(self, cfg: Config, info: ParallelInfo, reference: MegatronPolicy | None, critic: Critic | None):
+    def __init__(self, cfg: Config, info: ParallelInfo, reference: MegatronPolicy | None, critic: CriticStage | None):
         self.cfg, self.info, self.reference, self.critic = cfg, info, reference, critic
         self.estimator = ADVANTAGES.get(cfg.algorithm.advantage_estimator)
         self.options = ADVANTAGES.kwargs_of(cfg, cfg.algorithm.advantage_estimator)  # the estimator's own
@@ -142,3 +143,6 @@ class Algorithm:
         """Collective. The algorithm's own models' state (the critic's), saved before the actor's."""
         if self.critic is not None:
             self.critic.save(root, step, keep_last)
+
+
+Algorithm = AlgorithmStage  # the old name, beside the `megarl.algorithms` package it is not; removed in megarl 0.3

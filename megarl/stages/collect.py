@@ -25,10 +25,15 @@ from typing import Protocol, Sequence
 from megarl.config import RolloutConfig
 from megarl.data import PromptRecord, PromptSampler
 from megarl.mcore.parallel import ParallelInfo, agree_any, broadcast_in_mp_group
-from megarl.reward import RewardFn, RewardMeter
+from megarl.reward import RewardFn
 from megarl.reward.pool import SANDBOX_KEYS
-from megarl.rollout import RolloutEngine, RolloutFn, SamplingParams, single_turn
+from megarl.rollout import RolloutEngine, RolloutFn, SamplingParams
+from megarl.rollout.functions import as_rollout
 from megarl.samples import RolloutBatch, Sample
+from megarl.stages.reward import RewardMeter, wait_for_rewards
+
+# `wait_for_rewards` moved to megarl.stages.reward; importable from here until megarl 0.3
+__all__ = ["Collect", "Collector", "DynamicSampling", "OverlongShaping", "wait_for_rewards"]
 
 
 class Collect(Protocol):
@@ -72,19 +77,21 @@ def check_lengths(samples: Sequence[Sample], context: int, who: str) -> None:
 class Collector:
     """The step's prompts through the rollout function (see the module docstring)."""
 
+    staleness = 0  # synchronous: every batch is made with the current weights (`AsyncCollect.staleness`: K)
+
     def __init__(self, engine: RolloutEngine | None, rollout_fn: RolloutFn, reward: RewardFn, tokenizer,
                  prompts: list[PromptRecord], sampler: PromptSampler, rollout: RolloutConfig, global_batch: int,
                  seed: int, info: ParallelInfo, context: int = 0, reward_overlap: bool = False):
         """`context`: the model's positions; a trajectory longer than that stops the run (0 = unchecked).
         `reward_overlap`: score rows as they finish (see the module docstring)."""
-        self.engine, self.rollout_fn, self.reward, self.tokenizer = engine, rollout_fn, reward, tokenizer
+        self.engine, self.rollout_fn, self.reward, self.tokenizer = engine, as_rollout(rollout_fn), reward, tokenizer
         self.prompts, self.sampler, self.rollout, self.seed, self.info = prompts, sampler, rollout, seed, info
         self.global_batch, self.context, self.reward_overlap = global_batch, context, reward_overlap
         self.share = global_batch // info.dp_size  # prompts per data-parallel rank
-        # The batch may come back with rewards pending only from the default rollout function, whose samples are
-        # the ones it submitted, in order (a function of one's own may change them), and only where it is not
-        # broadcast.
-        self.defer = reward_overlap and rollout_fn is single_turn and info.replica_size == 1
+        # The batch may come back with rewards pending only from a rollout function whose samples are the ones it
+        # submitted, in order (`Rollout.defers_rewards`: the default one; a function of one's own may change them),
+        # and only where it is not broadcast.
+        self.defer = reward_overlap and self.rollout_fn.defers_rewards and info.replica_size == 1
 
     def draw(self) -> list[PromptRecord]:
         """Every rank draws the same global batch (keeping the sampler in step); each DP rank takes its slice."""
@@ -109,7 +116,7 @@ class Collector:
         seconds = time.perf_counter() - start
         check_groups(samples, len(prompts), params.n, self.rollout.rollout_function)
         check_lengths(samples, self.context, self.rollout.rollout_function)
-        own = getattr(self.rollout_fn, "step_metrics", dict)()  # a configured function's own metrics
+        own = self.rollout_fn.step_metrics()  # a configured function's own metrics
         rollout = RolloutBatch(samples, params.n, generate_seconds=seconds - meter.exposed)
         if meter.deferred is None:
             return _scored(rollout, meter, own)
@@ -146,11 +153,6 @@ def _scored(rollout: RolloutBatch, meter: RewardMeter, own: dict[str, float]) ->
                    pending=None)
 
 
-def wait_for_rewards(rollout: RolloutBatch) -> RolloutBatch:
-    """`rollout` with every reward in: waits for those still being scored (`RolloutBatch.pending`)."""
-    return rollout.pending() if rollout.pending is not None else rollout
-
-
 def _groups(rollout: RolloutBatch) -> list[list[Sample]]:
     n = rollout.group_size
     return [rollout.samples[i : i + n] for i in range(0, len(rollout.samples), n)]
@@ -174,7 +176,7 @@ class DynamicSampling:
 
     def __call__(self, step: int) -> RolloutBatch:
         c, share = self.collector, self.collector.share
-        bound = getattr(c, "staleness", 0)  # asynchronous: buffered groups past the bound are dropped
+        bound = c.staleness  # asynchronous: buffered groups past the bound are dropped
         if bound:
             self.buffer = drop_stale_groups(self.buffer, step, bound)
         kept = [self.buffer.pop(0) for _ in range(min(share, len(self.buffer)))]

@@ -20,6 +20,7 @@ from megarl.mcore import parallel
 from megarl.mcore.actor import MegatronPolicy
 from megarl.mcore.parallel import ParallelInfo
 from megarl.rollout import RolloutEngine, weight_sync
+from megarl.rollout.base import as_engine
 from megarl.samples import PackedSamples
 from megarl.stages import mismatch
 
@@ -90,7 +91,7 @@ class WeightSync:
         self.actor, self.engine, self.r, self.info = actor, engine, r, info
         mine = None
         if engine is not None:  # what the other ranks of the replica need to know of the leader's engine
-            mine = (engine.shares_actor_weights, getattr(engine, "ipc_tp_size", 1), getattr(engine, "dtype", None))
+            mine = (engine.shares_actor_weights, as_engine(engine).ipc_tp_size, engine.dtype)
         self.shares_actor_weights, self.ipc_tp, self.dtype = (
             parallel.broadcast_in_mp_group(mine) if info.replica_size > 1 else mine or (None, 1, None))
         self.pending: Probe | None = None  # the last sync's probe, not yet scored by the engine
@@ -167,7 +168,7 @@ class WeightSync:
         side, self.pending_mismatch = self.pending_mismatch, None
         if self.engine is None:
             return {}
-        metrics = {} if side is None else mismatch.engine_side(self.engine, side, self.r.mismatch_check_topk)
+        metrics = {} if side is None else mismatch.engine_side(as_engine(self.engine), side, self.r.mismatch_check_topk)
         if probe is None:
             return metrics
         return {**metrics, **engine_check(self.engine, probe, self.r.verify_sync_tolerance),

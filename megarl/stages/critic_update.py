@@ -40,9 +40,10 @@ CRITIC_DIR = "critic"
 _SUM_KEYS = ["value_loss_num", "value_tokens", "value_clipped", "n", "v_sum", "r_sum", "r_sq", "e_sum", "e_sq"]
 
 
-class Critic:
-    """The critic stage (see the module docstring): built from the actor's checkpoint, or from the critic's own
-    checkpoint when resuming; its state is saved under `<save>/critic/`."""
+class CriticStage:
+    """The critic stage (see the module docstring; the value model itself is `MegatronCritic`): built from the
+    actor's checkpoint, or from the critic's own checkpoint when resuming; its state is saved under
+    `<save>/critic/`."""
 
     def __init__(self, cfg: Config, shape: ModelShape, info: ParallelInfo, actor_optim: OptimConfig,
                  padded_vocab_size: int, resumed_from: Path | None = None):
@@ -134,6 +135,9 @@ class Critic:
             "explained_variance": 1.0 - var_e / var_r if var_r > 1e-12 else 0.0,
             "critic_grad_norm": totals["grad_norm"], "critic_lr": totals["lr"],
         }
+
+
+Critic = CriticStage  # the old name, beside `MegatronCritic` (the model); removed in megarl 0.3
 
 
 def value_loss_fn(clip: float):

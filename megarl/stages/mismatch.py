@@ -1,5 +1,10 @@
-"""`--mismatch-check-interval N`: every N steps, the engine's and the actor's whole next-token distributions at the
-sampled positions of a few rows of the step's batch (`megarl.rollout.mismatch` has the formulas).
+"""Train-inference mismatch, the stage's side (the formulas are `megarl.algorithms.mismatch`).
+
+Every step, on the sampled tokens (`mismatch_metrics`, inside the actor's loss): |actor - rollout| log-prob, the
+KL of the two and the importance weight, as sums over tokens.
+
+`--mismatch-check-interval N`: every N steps, the engine's and the actor's whole next-token distributions at the
+sampled positions of a few rows of the step's batch.
 
 Split like --verify-weight-sync's probe (`megarl.stages.colocation.WeightSync`): the actor's side is computed at the
 weight sync, while the actor holds the GPU (its forward is collective) and with the weights just sent to the engine;
@@ -17,8 +22,8 @@ import torch.distributed as dist
 
 from megarl.mcore import parallel
 from megarl.mcore.actor import MegatronPolicy
-from megarl.rollout import RolloutEngine
-from megarl.rollout.mismatch import full_mismatch, topk_mismatch
+from megarl.algorithms.mismatch import full_mismatch, topk_mismatch
+from megarl.rollout.base import EngineCapabilities
 from megarl.samples import PackedSamples
 
 
@@ -55,20 +60,37 @@ def actor_side(actor: MegatronPolicy, packed: PackedSamples, rows: int, gather: 
     return ActorSide(sequences, columns, local)
 
 
-def engine_side(engine: RolloutEngine, actor: ActorSide, topk: int) -> dict[str, float]:
+def engine_side(engine: EngineCapabilities, actor: ActorSide, topk: int) -> dict[str, float]:
     """The engine's distributions at the same positions against the actor's: the full vocabulary from an engine
-    with `score_distributions` (the built-in one), bounds from one with `score_topk` (SGLang); {} from others."""
+    that declares `scores_distributions` (the built-in one), bounds from one that declares `scores_topk` (SGLang);
+    {} from others."""
     n = len(actor.sequences)
     where = torch.cat([torch.stack([torch.full_like(c, i), c], dim=-1) for i, c in enumerate(actor.columns)])
     actor_logp = torch.cat(actor.actor_logp)
-    if hasattr(engine, "score_distributions"):
+    if engine.scores_distributions:
         # prompt length 1: rows j = columns j, the distribution of token j + 1
         got = engine.score_distributions(actor.sequences, [1] * n, temperature=1.0)
         engine_logp = torch.cat([g[c] for g, c in zip(got, actor.columns)])
         return {**full_mismatch(engine_logp, actor_logp, where), "mismatch_bounded": 0.0}
-    if hasattr(engine, "score_topk"):
+    if engine.scores_topk:
         got = engine.score_topk(actor.sequences, [1] * n, topk)
         ids = torch.cat([i[c] for (i, _), c in zip(got, actor.columns)])
         logp = torch.cat([lp[c] for (_, lp), c in zip(got, actor.columns)])
         return {**topk_mismatch(ids, logp, actor_logp, where), "mismatch_bounded": 1.0}
     return {}
+
+
+def mismatch_metrics(actor_logp: torch.Tensor, rollout_logp: torch.Tensor, mask: torch.Tensor) -> dict:
+    """Train/rollout mismatch on the sampled tokens, as sums over masked tokens (divided by the token count once
+    all ranks are summed): |actor - rollout| (mean and max), KL(rollout || actor) by the k3 estimator (samples come
+    from the rollout engine), and the importance weight exp(actor - rollout) (mean, max, min)."""
+    m = mask.bool()
+    if not m.any():
+        return {"mismatch_abs_sum": 0.0, "mismatch_abs_max": 0.0, "mismatch_kl_sum": 0.0, "is_weight_sum": 0.0}
+    d = (actor_logp - rollout_logp)[m]
+    w = torch.exp(d)
+    return {
+        "mismatch_abs_sum": d.abs().sum(), "mismatch_abs_max": d.abs().max(),
+        "mismatch_kl_sum": (w - d - 1).sum(), "is_weight_sum": w.sum(), "is_weight_max": w.max(),
+        "is_weight_negmin_max": (-w).max(),
+    }

@@ -1,26 +1,18 @@
-"""What a step and a run report: a step's metrics reduced over ranks, held-out evaluation, the final report and
-the HF export."""
+"""What a step reports: its metrics reduced over ranks, one `metrics.jsonl` row.
+
+Held-out evaluation, the final report and the HF export were here; they are the run's, not a step's:
+`megarl.trainer.evaluate`, `megarl.trainer.log`, `megarl.trainer.export`. Their old names here are looked up there
+(`__getattr__` below) until megarl 0.3."""
 
 from __future__ import annotations
 
-import json
-import resource
-from pathlib import Path
 
-import torch
 import torch.distributed as dist
 
 from megarl.algorithms import OFF_POLICY_CORRECTIONS
-from megarl.config import Config
-from megarl.mcore import parallel
-from megarl.mcore.actor import MegatronPolicy
 from megarl.mcore.parallel import ParallelInfo
 from megarl.reward.pool import SANDBOX_KEYS
-from megarl.metrics import MetricsLog, held_out_curve, plot_run, reduce_over_ranks, reward_throughput
-from megarl.stages.algorithm import Algorithm
-from megarl.stages.collect import sampling_params
-from megarl.stages.colocation import enter_rollout, enter_training
-from megarl.stages.setup import TrainingRun
+from megarl.metrics import reduce_over_ranks, reward_throughput
 from megarl.samples import RolloutBatch, SampleStatus, TrainBatch
 
 _SUM_KEYS = ["n_samples", "reward_sum", "correct", "response_tokens", "truncated", "aborted", "groups",
@@ -152,104 +144,15 @@ def _metadata_keys(samples) -> list[str]:
     return sorted({k for keys in everyone for k in keys})
 
 
-def evaluate(run: TrainingRun, quiet: bool = False) -> dict:
-    """Held-out accuracy, sampled (temperature, `--eval-samples-per-prompt` each) and greedy, through the run's
-    rollout function and reward function; DP ranks split the prompts, each model replica's leader runs its share.
-    The engine must hold the GPU (`enter_rollout`)."""
-    cfg, info = run.cfg, run.info
-    if not quiet:
-        run.say(f"megarl: evaluating on {len(run.eval_prompts)} held-out prompts "
-                f"({cfg.logging.eval_samples_per_prompt} samples each, and greedy)", flush=True)
-    mine = run.eval_prompts[info.dp_rank :: info.dp_size]
-    # sampled correct, sampled total, greedy correct, greedy total; sampled trajectories that called a tool
-    counts = torch.zeros(6, dtype=torch.float64)
-    if info.is_mp_leader and mine:
-        seed = cfg.training.seed + 17 + info.dp_rank
-        for slot, params in ((0, sampling_params(cfg.rollout, run.tokenizer, seed=seed,
-                                                 n=cfg.logging.eval_samples_per_prompt)),
-                             (2, sampling_params(cfg.rollout, run.tokenizer, seed=seed, n=1, greedy=True))):
-            samples = run.rollout_fn(run.engine, mine, params, run.reward, run.tokenizer)
-            counts[slot] += sum(s.outcome == "correct" for s in samples)
-            counts[slot + 1] += len(samples)
-            if slot == 0:
-                counts[4] += sum(s.metadata.get("tool_used", 0.0) for s in samples)
-                counts[5] += any("tool_used" in s.metadata for s in samples)
-    counts = parallel.all_reduce_host(counts)
-    out = {"sampled": float(counts[0] / counts[1].clamp(min=1)), "greedy": float(counts[2] / counts[3].clamp(min=1))}
-    if counts[5] > 0:  # a rollout function that calls tools (`tool_use`)
-        out["tool_call_rate"] = float(counts[4] / counts[1].clamp(min=1))
-    return out
+_MOVED = {"evaluate": "megarl.trainer.evaluate", "evaluate_between_steps": "megarl.trainer.evaluate",
+          "save_hf": "megarl.trainer.export", "finish": "megarl.trainer.log", "peak_rss_mib": "megarl.trainer.log",
+          "_report": "megarl.trainer.log"}
 
 
-def evaluate_between_steps(run: TrainingRun, step: int) -> dict:
-    """`--eval-interval`: held-out accuracy after `step`, as metrics.jsonl keys, the GPU handed to the engine for it
-    and back. The seeds are those of every evaluation, so the curve compares like with like."""
-    probe = enter_rollout(run.actor, run.engine, run.cfg.training, run.sync)  # the probe first (--verify-weight-sync)
-    result = evaluate(run, quiet=True)
-    enter_training(run.actor, run.engine, keep_weights=True)  # no sync before the next rollout: the weights stay
-    run.say(f"step {step}: held-out sampled {100 * result['sampled']:.1f}%, greedy {100 * result['greedy']:.1f}%")
-    return {"eval_sampled": result["sampled"], "eval_greedy": result["greedy"], **probe}
+def __getattr__(name: str):
+    """The run's reporting, moved to `megarl.trainer` (see the module docstring); these names go in megarl 0.3."""
+    if name in _MOVED:
+        import importlib
 
-
-def save_hf(actor: MegatronPolicy, tokenizer, src_dir: str, out_dir: str, info: ParallelInfo,
-            shard_bytes: int = 0) -> None:
-    """Export the actor as an ordinary HF checkpoint directory (config and tokenizer copied from the source).
-    Streamed: the weights arrive one tensor at a time and go out in safetensors shards (`write_hf_shards`), so
-    rank 0 never holds a second copy of the whole model."""
-    import shutil
-
-    from megarl.mcore.checkpoint import write_hf_shards
-
-    named = actor.iter_hf()
-    if info.rank == 0:
-        out = Path(out_dir)
-        write_hf_shards(named, out, **({"max_shard_bytes": shard_bytes} if shard_bytes else {}))
-        shutil.copy(Path(src_dir) / "config.json", out / "config.json")
-        tokenizer.save_pretrained(str(out))
-    else:
-        for _ in named:  # the gathers and pipeline broadcasts are collective
-            pass
-    dist.barrier()
-
-
-def finish(run: TrainingRun, log: MetricsLog, before: dict | None, after: dict | None, minutes: float,
-           steps: int) -> None:
-    """The end of a run on every rank: peak memory, the before/after table and figure (rank 0), the log closed."""
-    say = run.say
-    say(f"megarl: peak memory per process {peak_rss_mib():.0f} MiB (max over ranks)")
-    rows = log.all_rows()
-    if rows:  # rank 0
-        plot_run(rows, log.dir / "training.png", held_out_curve(rows, before, after, steps),
-                 kl=Algorithm.needs_reference(run.cfg))
-    if after:
-        _report(say, log, before, after, minutes, steps, len(run.eval_prompts), run.cfg)
-    elif rows:
-        say(f"training curves: {log.dir / 'training.png'}")
-    log.close()
-
-
-
-def peak_rss_mib() -> float:
-    return parallel.max_over_ranks(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024.0)
-
-
-def _report(say, log, before: dict | None, after: dict, minutes: float, steps: int, n_prompts: int,
-            cfg: Config) -> None:
-    result = {"after": after, "before": before, "train_minutes": minutes, "steps": steps, "eval_prompts": n_prompts}
-    say("")
-    metric = cfg.logging.eval_metric_name
-    say(f"held-out {metric} on {n_prompts} prompts never trained on ({steps} steps, {minutes:.1f} min of training):")
-    say(f"  {'':<30}{'before':>8}{'after':>8}")
-    sampled = f"sampled (temp {cfg.rollout.rollout_temperature:g}, {cfg.logging.eval_samples_per_prompt}/prompt)"
-    for key, label in (("sampled", sampled), ("greedy", "greedy")):
-        b = f"{100 * before[key]:7.1f}%" if before else "      -"
-        say(f"  {label:<30}{b}{100 * after[key]:7.1f}%")
-    if log.enabled:
-        (log.dir / "eval.json").write_text(json.dumps(result, indent=2))
-        say(f"training curves: {log.dir / 'training.png'}")
-    if before:
-        say(f"held-out {metric} (sampled): before {100 * before['sampled']:.1f}% "
-            f"-> after {100 * after['sampled']:.1f}%")
-        if "tool_call_rate" in before and "tool_call_rate" in after:
-            say(f"tool-call rate: before {100 * before['tool_call_rate']:.1f}% -> "
-                f"after {100 * after['tool_call_rate']:.1f}%")
+        return getattr(importlib.import_module(_MOVED[name]), name)
+    raise AttributeError(f"module 'megarl.stages.report' has no attribute {name!r}")

@@ -6,8 +6,9 @@ import torch
 
 from megarl.algorithms import OFF_POLICY_CORRECTIONS, POLICY_LOSSES, aggregate, grpo_token_loss
 from megarl.config import AlgorithmConfig, Config
-from megarl.mcore.actor import MegatronPolicy
+from megarl.mcore.actor import ActorLoss, MegatronPolicy
 from megarl.samples import TrainBatch
+from megarl.stages.mismatch import mismatch_metrics  # also importable from here, as before
 
 
 def make_loss_fn(a: AlgorithmConfig, max_response_len: int, cfg: Config | None = None):
@@ -47,25 +48,8 @@ def make_loss_fn(a: AlgorithmConfig, max_response_len: int, cfg: Config | None =
             metrics[f"{c}_masked_sum"] = m[f"{c}_masked_frac"] * tokens
         return num, den, metrics
 
-    loss_fn.needs_entropy = True  # reported every step; differentiated only when there is an entropy bonus
-    loss_fn.entropy_grad = a.entropy_coef != 0
-    return loss_fn
-
-
-def mismatch_metrics(actor_logp: torch.Tensor, rollout_logp: torch.Tensor, mask: torch.Tensor) -> dict:
-    """Train/rollout mismatch on the sampled tokens, as sums over masked tokens (divided by the token count once
-    all ranks are summed): |actor - rollout| (mean and max), KL(rollout || actor) by the k3 estimator (samples come
-    from the rollout engine), and the importance weight exp(actor - rollout) (mean, max, min)."""
-    m = mask.bool()
-    if not m.any():
-        return {"mismatch_abs_sum": 0.0, "mismatch_abs_max": 0.0, "mismatch_kl_sum": 0.0, "is_weight_sum": 0.0}
-    d = (actor_logp - rollout_logp)[m]
-    w = torch.exp(d)
-    return {
-        "mismatch_abs_sum": d.abs().sum(), "mismatch_abs_max": d.abs().max(),
-        "mismatch_kl_sum": (w - d - 1).sum(), "is_weight_sum": w.sum(), "is_weight_max": w.max(),
-        "is_weight_negmin_max": (-w).max(),
-    }
+    # the entropy is reported every step; differentiated only when there is an entropy bonus
+    return ActorLoss(loss_fn, needs_entropy=True, entropy_grad=a.entropy_coef != 0)
 
 
 def update(actor: MegatronPolicy, batch: TrainBatch, cfg: Config) -> dict[str, float]:

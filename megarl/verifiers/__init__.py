@@ -4,6 +4,7 @@ processes (`megarl.reward.pool`) or the trainer. Built in: `arithmetic`, `code` 
 control). Import neither torch nor megatron here: reward workers and `megarl-verify` stay light.
 """
 
-from megarl.verifiers.base import OUTCOMES, VERIFIERS, VerifyResult, Verifier, register_verifier
+from megarl.verifiers.base import (OUTCOMES, VERIFIERS, Verifier, VerifierCapabilities, VerifyResult,
+                                   register_verifier)
 
-__all__ = ["OUTCOMES", "VERIFIERS", "VerifyResult", "Verifier", "register_verifier"]
+__all__ = ["OUTCOMES", "VERIFIERS", "VerifyResult", "Verifier", "VerifierCapabilities", "register_verifier"]

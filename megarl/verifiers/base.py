@@ -38,6 +38,27 @@ class Verifier(Protocol):
     def verify(self, response: str, ground_truth: Any) -> VerifyResult: ...
 
 
+class VerifierCapabilities:
+    """A verifier's optional abilities, declared: derive from this class (besides implementing `Verifier`) and set
+    or override what applies; a verifier that does not derive from it has the defaults (`megarl.reward.pool`,
+    `megarl.reward.functions.InProcessReward` read these, never probe for them).
+
+    - `budget_s`: seconds one check may take, when the verifier enforces a budget of its own; a reward pool's
+      worker is held to the smaller of it and the pool's timeout (None: the pool's timeout alone);
+    - `verify_unguarded`: the same judgement without the verifier's own budget, for a caller that enforces one
+      (a reward pool's worker, which is killed when it overruns);
+    - `close`: release what the verifier holds (a helper process).
+    """
+
+    budget_s: float | None = None
+
+    def verify_unguarded(self, response: str, ground_truth: Any) -> VerifyResult:
+        return self.verify(response, ground_truth)  # type: ignore[attr-defined]
+
+    def close(self) -> None:
+        """Nothing to release."""
+
+
 VERIFIERS: Registry[Callable[..., Verifier]] = Registry(
     "verifier", builtins=("megarl.verifiers.arithmetic", "megarl.verifiers.code", "megarl.verifiers.exact_string",
                           "megarl.verifiers.math"))

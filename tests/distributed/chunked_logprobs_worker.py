@@ -80,7 +80,7 @@ def compare_cp(group) -> dict[str, float]:
     import torch.distributed as dist
 
     from megarl.mcore import context_parallel
-    from megarl.mcore.actor import MegatronPolicy
+    from megarl.mcore.actor import ActorLoss, MegatronPolicy
 
     cp, rank = dist.get_world_size(group), dist.get_rank(group)
     g = torch.Generator().manual_seed(11)
@@ -93,10 +93,10 @@ def compare_cp(group) -> dict[str, float]:
     a, b = torch.randn(rows, width - 1, generator=g), torch.randn(rows, width - 1, generator=g)
     mb = {"tokens": tokens[:, :width]}
 
-    def loss_fn(logp, inputs):
+    def loss(logp, inputs):
         return (logp * a).sum() + (inputs["entropy"] * b).sum(), torch.tensor(logp.numel()), {}
 
-    loss_fn.needs_entropy = True
+    loss_fn = ActorLoss(loss, needs_entropy=True)
 
     def whole(x):
         return context_parallel.gather_from_cp_ranks(x, group)[:, : width - 1]
@@ -145,17 +145,17 @@ def compare_policy(tp: int) -> dict[str, float]:
     with the same weights: log-probs, and one training step on a loss of log-probs and entropy, with
     --logprob-chunk-tokens 0 (today's path) against 7."""
     from megarl.mcore import convert
-    from megarl.mcore.actor import MegatronPolicy
+    from megarl.mcore.actor import ActorLoss, MegatronPolicy
     from megarl.mcore.base_model import OptimConfig
     from megarl.model_shape import ModelShape
 
     tokens = torch.randint(0, REAL, (4, 11), generator=torch.Generator().manual_seed(5))
 
-    def loss_fn(logp, mb):
+    def loss(logp, mb):
         ent = mb["entropy"]
         return (logp * 0.3 - ent * 0.1).sum(), torch.tensor(logp.numel()), {"entropy": ent.detach().sum()}
 
-    loss_fn.needs_entropy = True
+    loss_fn = ActorLoss(loss, needs_entropy=True)
     out = {}
     for tied in (True, False):
         shape = ModelShape(family="qwen2", num_layers=2, hidden_size=32, num_attention_heads=4, num_kv_heads=2,

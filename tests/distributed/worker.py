@@ -485,6 +485,7 @@ def scenario_mismatch(args, info):
     from megarl.model_shape import ModelShape
     from megarl.rollout.builtin import BuiltinEngine
     from megarl.samples import PackedSamples
+    from megarl.rollout.base import EngineCapabilities
     from megarl.stages.mismatch import ActorSide, actor_side, engine_side
 
     shape = ModelShape.from_pretrained(args.hf)
@@ -502,7 +503,9 @@ def scenario_mismatch(args, info):
     with torch.no_grad():
         ref = [torch.log_softmax(hf(torch.tensor([s])).logits[0, :-1].float(), -1) for s in side.sequences]
 
-    class Transformers:  # the reference as an engine: its distributions at the same positions
+    class Transformers(EngineCapabilities):  # the reference as an engine: its distributions at the same positions
+        scores_distributions = True
+
         def score_distributions(self, sequences, prompt_lens, temperature):
             return ref
 

@@ -81,7 +81,7 @@ def test_the_held_out_report_names_its_metric(metric):
     """`--eval-metric-name` only renames the report's lines; with the default they are the arithmetic demo's."""
     from types import SimpleNamespace
 
-    from megarl.stages.report import _report
+    from megarl.trainer.log import _report
 
     lines: list[str] = []
     cfg = SimpleNamespace(rollout=SimpleNamespace(rollout_temperature=1.0),

@@ -193,7 +193,7 @@ def _construction_order(monkeypatch, backend: str) -> list:
     import torch.distributed as dist
 
     from megarl.rollout import backends
-    from megarl.stages import setup
+    from megarl.trainer import build as trainer_build
 
     log = []
 
@@ -212,12 +212,13 @@ def _construction_order(monkeypatch, backend: str) -> list:
     for name in ("sglang", "builtin"):
         b = backends.BACKENDS.get(name)
         monkeypatch.setitem(backends.BACKENDS._items, name, dataclasses.replace(b, build=build))
-    monkeypatch.setattr(setup, "MegatronPolicy", Policy)
-    monkeypatch.setattr(setup, "_resume", lambda *a: (log.append("resume"), (0, {}))[1])
+    monkeypatch.setattr(trainer_build, "MegatronPolicy", Policy)
+    monkeypatch.setattr(trainer_build, "resume", lambda *a: (log.append("resume"), (0, {}))[1])
     monkeypatch.setattr(dist, "barrier", lambda *a, **k: log.append("barrier"))
     cfg = build_config({"rollout_backend": backend, "kl_coef": 0.1})
-    checked = setup.Checked(layout=None, shape=None, resume_from=None)
-    models = setup.build_models(cfg, checked, ONE_RANK, {"padded_vocab_size": 64}, sampler=None, say=lambda *a: None)
+    checked = trainer_build.Checked(layout=None, shape=None, resume_from=None)
+    models = trainer_build.build_models(cfg, checked, ONE_RANK, {"padded_vocab_size": 64}, sampler=None,
+                                        say=lambda *a: None)
     assert isinstance(models.engine, SGLangEngine) and models.reference is not None
     return log
 
@@ -253,7 +254,8 @@ def test_an_evaluation_between_steps_leaves_the_engine_its_weights(monkeypatch):
     the engine must keep its weights through it; its KV cache and CUDA graphs still go."""
     from types import SimpleNamespace
 
-    from megarl.stages import colocation, report
+    from megarl.stages import colocation
+    from megarl.trainer import evaluate as ev
 
     log = []
     fake = ForgetfulEngine(log)
@@ -264,14 +266,14 @@ def test_an_evaluation_between_steps_leaves_the_engine_its_weights(monkeypatch):
     def rollout():
         fake.generate([[1, 2]], {"max_new_tokens": 1})
 
-    monkeypatch.setattr(report, "evaluate", lambda run, quiet=False: (rollout(), {"sampled": 0.5, "greedy": 0.5})[1])
+    monkeypatch.setattr(ev, "evaluate", lambda run, quiet=False: (rollout(), {"sampled": 0.5, "greedy": 0.5})[1])
     run = SimpleNamespace(actor=actor, engine=engine, cfg=cfg, sync=sync, say=lambda *a, **k: None)
     for step in (1, 2):
         colocation.enter_rollout(actor, engine, cfg.training, sync)
         rollout()
         colocation.enter_training(actor, engine)
         sync(version=step)
-        assert report.evaluate_between_steps(run, step)["eval_sampled"] == 0.5
+        assert ev.evaluate_between_steps(run, step)["eval_sampled"] == 0.5
     released = [e[1] for e in log if e[0] == "release"]
     assert released[1] == ("kv_cache", "cuda_graph"), released  # after the first evaluation: the weights stay
 

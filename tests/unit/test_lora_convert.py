@@ -72,7 +72,7 @@ def test_peft_directory_to_megarl_checkpoint_and_back_is_bitwise(tiny_qwen2, tmp
     from megarl.mcore import checkpoint, lora, parallel
     from megarl.mcore.actor import MegatronPolicy
     from megarl.model_shape import ModelShape
-    from megarl.stages.setup import _resume
+    from megarl.trainer.checkpoints import resume as _resume
 
     cfg = build_config({"hf_checkpoint": str(tiny_qwen2), "lora_rank": 4, "lora_alpha": 8.0,
                         "lora_target_modules": ",".join(TARGETS), "lora_checkpoint": str(tmp_path / "ckpt")})

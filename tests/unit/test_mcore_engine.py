@@ -77,6 +77,7 @@ def test_what_the_megatron_backend_needs_is_named_before_any_work():
 
 
 class _SharingEngine:
+    dtype = None  # the protocol's: weights (were they sent) as the actor holds them
     shares_actor_weights = True
     weight_version = 0
 

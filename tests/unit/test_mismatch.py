@@ -9,7 +9,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from megarl.rollout.mismatch import full_mismatch, topk_mismatch
+from megarl.algorithms.mismatch import full_mismatch, topk_mismatch
+from megarl.rollout.base import EngineCapabilities
 
 
 def _two(seed: int, n: int = 7, v: int = 11, spread: float = 0.5):
@@ -132,8 +133,10 @@ def test_off_by_default_and_the_sync_takes_no_actor_side_when_off():
     assert sync(version=3, rows=rows) == {} and sync.pending_mismatch is None
 
 
-class _Recording:
+class _Recording(EngineCapabilities):
     """An engine that keeps what it sampled and the distributions it scored, for the bench test's own reference."""
+
+    scores_distributions = True
 
     def __init__(self, engine):
         self.engine, self.groups = engine, None

@@ -12,10 +12,12 @@ from dataclasses import replace
 import pytest
 
 from megarl.data import PromptRecord
-from megarl.reward import RewardMeter
+from megarl.reward import RewardFunction
 from megarl.reward.pool import batch_health, sandbox_throughput
 from megarl.rollout import Completion, SamplingParams, single_turn
+from megarl.rollout.base import EngineCapabilities
 from megarl.samples import Sample, SampleStatus
+from megarl.stages.reward import RewardMeter
 from megarl.verifiers import VerifyResult
 
 
@@ -28,7 +30,7 @@ def _record(i: int) -> PromptRecord:
     return PromptRecord(i, str(i), [1], str(i), "v")
 
 
-class _Reward:
+class _Reward(RewardFunction):
     """Scores 1 when the response's first word is even; records each call's texts and thread. With `gate`, the
     first call waits for it."""
 
@@ -98,7 +100,7 @@ def test_health_is_group_by_group_whatever_order_rows_finished_in():
     assert meter.health(2)["reward_uniform_group_frac"] == 1.0
 
 
-class _StreamingEngine:
+class _StreamingEngine(EngineCapabilities):
     """Prompt p, sample i: [p0 + i, 0] (stops, reported early for odd i) or [p0 + i] * max (the length limit)."""
 
     weight_version = 3

@@ -89,3 +89,90 @@ def test_a_rollout_function_must_return_n_samples_per_prompt_in_order():
     rollout = good(step=0)
     assert len(rollout.samples) == 4 and rollout.group_size == 2 and rollout.metrics["reward_n"] == 4
     assert rollout.generate_seconds >= 0 and rollout.reward_seconds > 0
+
+
+def test_a_plain_function_and_a_configured_one_become_rollouts_with_the_protocols_defaults(monkeypatch):
+    """What the trainer asks of a rollout function besides the call is declared on `Rollout`: a plain registered
+    function gets the defaults (no settings, no metrics, nothing to close); `register_rollout(configure=)` gives a
+    plain function the run's settings; a `Rollout` subclass is used as it is."""
+    from types import SimpleNamespace
+
+    from megarl.rollout.functions import FunctionRollout, Rollout, as_rollout, build_rollout
+
+    monkeypatch.setattr(ROLLOUTS, "_items", dict(ROLLOUTS._items))  # undone after the test
+    cfg = lambda name: SimpleNamespace(rollout=SimpleNamespace(rollout_function=name))
+
+    def plain(engine, prompts, params, reward, tokenizer):
+        return ["plain"]
+
+    class Counting(Rollout):
+        def __init__(self, calls=0):
+            self.calls = calls
+
+        def __call__(self, engine, prompts, params, reward, tokenizer):
+            self.calls += 1
+            return []
+
+        def step_metrics(self):
+            return {"calls": float(self.calls)}
+
+    register_rollout("plain")(plain)
+    register_rollout("configured", configure=lambda c: Counting(calls=10))(plain)
+    register_rollout("object")(Counting())
+    built = build_rollout(cfg("plain"))
+    assert isinstance(built, FunctionRollout) and built(None, [], None, None, None) == ["plain"]
+    assert built.step_metrics() == {} and built.close() is None and not built.defers_rewards
+    assert ROLLOUTS.get("plain") is plain  # the registry keeps what was registered: callable as before
+    configured = build_rollout(cfg("configured"))
+    assert isinstance(configured, Counting) and configured.calls == 10
+    assert build_rollout(cfg("object")) is ROLLOUTS.get("object") and as_rollout(configured) is configured
+    assert ROLLOUTS.get("single_turn").defers_rewards  # the one whose batch may come back with rewards pending
+
+
+def test_an_engine_written_to_the_protocol_alone_gets_the_declared_defaults():
+    from megarl.rollout.base import EngineCapabilities, ProtocolEngine, as_engine
+
+    class Plain:
+        weight_version, dtype, shares_actor_weights = 0, None, False
+
+        def generate(self, prompts, params):
+            return [["ok"] for _ in prompts]
+
+    engine = as_engine(Plain())
+    assert isinstance(engine, ProtocolEngine) and engine.generate([[1]], None, on_finish=print) == [["ok"]]
+    assert not (engine.reports_finished_rows or engine.records_routing or engine.scores_distributions
+                or engine.scores_topk) and engine.ipc_tp_size == 1
+    engine.weight_version = 3
+    assert engine.inner.weight_version == 3
+
+    class Declared(Plain, EngineCapabilities):
+        records_routing = True
+
+    declared = Declared()
+    assert as_engine(declared) is declared and declared.records_routing
+
+
+def test_old_import_paths_still_work_until_they_go():
+    from megarl.reward import RewardMeter
+    from megarl.reward.stage import RewardMeter as StageRewardMeter
+    from megarl.rollout.mismatch import full_mismatch
+    from megarl.stages import report, setup
+    from megarl.stages.algorithm import Algorithm, AlgorithmStage
+    from megarl.stages.asynchronous import OrderedEngine, Pipeline
+    from megarl.stages.collect import wait_for_rewards
+    from megarl.stages.critic_update import Critic, CriticStage
+
+    import megarl.algorithms.mismatch as algorithms_mismatch
+    import megarl.rollout.pipeline as pipeline
+    import megarl.stages.reward as stage
+    import megarl.trainer.build as build
+    import megarl.trainer.evaluate as evaluate
+    import megarl.trainer.export as export
+    import megarl.trainer.log as log
+
+    assert RewardMeter is StageRewardMeter is stage.RewardMeter and wait_for_rewards is stage.wait_for_rewards
+    assert full_mismatch is algorithms_mismatch.full_mismatch
+    assert Algorithm is AlgorithmStage and Critic is CriticStage
+    assert (OrderedEngine, Pipeline) == (pipeline.OrderedEngine, pipeline.Pipeline)
+    assert setup.start is build.start and setup.check_before_start is build.check_before_start
+    assert report.evaluate is evaluate.evaluate and report.save_hf is export.save_hf and report.finish is log.finish

@@ -39,7 +39,7 @@ from dataclasses import dataclass
 from typing import Any, Literal
 
 from megarl.registry import option
-from megarl.verifiers.base import VerifyResult, register_verifier
+from megarl.verifiers.base import VerifierCapabilities, VerifyResult, register_verifier
 
 DEFAULT_BUDGET_S = 5.0
 _JUDGE = "megarl.verifiers.math:judge"
@@ -55,7 +55,7 @@ class MathOptions:
 
 
 @register_verifier("math", options=MathOptions)
-class MathVerifier:
+class MathVerifier(VerifierCapabilities):
     name = "math"
     budget_s = DEFAULT_BUDGET_S  # seconds a check may take; a reward pool's worker is held to it too
 

@@ -1,0 +1,45 @@
+"""A run's checkpoints: where a run starts (a checkpoint, or the HF weights) and what a save holds. The format of
+a model's own checkpoint is `megarl.mcore.checkpoint`'s."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+from megarl.config import Config
+from megarl.data import PromptSampler
+from megarl.mcore import checkpoint
+from megarl.mcore.actor import MegatronPolicy
+
+if TYPE_CHECKING:
+    from megarl.trainer.build import TrainingRun
+
+
+def resume(cfg: Config, path: Path | None, actor: MegatronPolicy, sampler: PromptSampler, say) -> tuple[int, dict]:
+    """Load `path` (the actor, its optimizer and RNG states, the data position), or the HF weights when None;
+    returns the step to start from and this rank's saved rollout state. With LoRA the base weights always come from
+    --hf-checkpoint (a checkpoint holds the adapters only, and checks that this is the base they were trained on)."""
+    if path is None:
+        if cfg.checkpoint.load:
+            say(f"megarl: --load {cfg.checkpoint.load} holds no checkpoint yet: starting afresh from --hf-checkpoint")
+        actor.load_hf(cfg.model.hf_checkpoint)
+        if cfg.model.lora_checkpoint:
+            adapters = checkpoint.find_latest(cfg.model.lora_checkpoint, flag="--lora-checkpoint")
+            checkpoint.load_weights(adapters, actor)
+            say(f"megarl: LoRA adapters from {adapters}")
+        return 0, {}
+    if actor.lora is not None:
+        actor.load_hf(cfg.model.hf_checkpoint)
+    state = checkpoint.load(path, actor)
+    sampler.load_state_dict(state["sampler"])
+    say(f"megarl: resumed from {path} at step {state['step']}")
+    return state["step"], state["rank_state"]
+
+
+def save(run: TrainingRun, step: int) -> None:
+    """Collective. The algorithm's own models first (a critic), then the actor, the data position, this rank's
+    rollout state and the resolved config, so the actor's `latest` step always has everything next to it."""
+    c = run.cfg.checkpoint
+    run.algorithm.save(c.save, step, c.keep_last)
+    checkpoint.save(c.save, step, run.actor, {"sampler": run.sampler.state_dict()}, keep_last=c.keep_last,
+                    rank_state=run.collect.rank_state(), config=run.record)
