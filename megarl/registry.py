@@ -176,3 +176,21 @@ def load_plugins(spec: str | Sequence[str]) -> tuple[str, ...]:
             raise ValueError(f"--plugins {item}: importing {name!r} failed: {type(e).__name__}: {e}") from None
         names.append(name)
     return tuple(names)
+
+
+def refuse_bare_capabilities(obj: Any, capabilities: type, what: str, forwarded: Sequence[str] = (),
+                             hint: str = "") -> None:
+    """Optional abilities are declared by deriving from a seam's capabilities class (`EngineCapabilities`,
+    `Rollout`, `RewardFunction`, `VerifierCapabilities`) and read as its fields. Before those classes existed (megarl
+    0.1.0 and earlier) megarl probed components for the same names as bare attributes; a plugin written that way
+    would now lose those abilities in silence, so it is refused, naming the base class to add. `obj`: the component,
+    or its class; `forwarded`: names of the seam's protocol that its wrapper reads from the component itself (a
+    reward function's `restarts`); `hint`: another way to declare them, for the message."""
+    if isinstance(obj, capabilities) or (isinstance(obj, type) and issubclass(obj, capabilities)):
+        return
+    bare = [name for name in vars(capabilities)
+            if not name.startswith("_") and name not in forwarded and name in dir(obj)]
+    if bare:
+        raise TypeError(f"{what} {getattr(obj, '__qualname__', type(obj).__qualname__)} defines {', '.join(bare)}, "
+                        f"which megarl reads only from a class deriving from {capabilities.__module__}."
+                        f"{capabilities.__qualname__}: add that class to its bases{hint}")

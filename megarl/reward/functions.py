@@ -29,6 +29,7 @@ from megarl.data import PromptRecord
 from megarl.reward import compose
 from megarl.reward.models import REWARD_MODELS
 from megarl.reward.pool import RewardPool, shared_pool
+from megarl.registry import refuse_bare_capabilities
 from megarl.samples import Sample
 from megarl.verifiers import VERIFIERS, VerifierCapabilities, VerifyResult
 
@@ -79,7 +80,10 @@ class PlainReward(RewardFunction):
 
 def as_reward_function(reward: RewardFn) -> RewardFunction:
     """`reward` itself when it is a `RewardFunction` (megarl's are), else wrapped in `PlainReward`."""
-    return reward if isinstance(reward, RewardFunction) else PlainReward(reward)
+    if isinstance(reward, RewardFunction):
+        return reward
+    refuse_bare_capabilities(reward, RewardFunction, "reward function", forwarded=("restarts",))
+    return PlainReward(reward)
 
 
 def _requests(samples: Sequence[Sample], records: Sequence[PromptRecord]) -> list[tuple[str, str, Any]]:

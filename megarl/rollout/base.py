@@ -21,6 +21,8 @@ from typing import TYPE_CHECKING, Callable, Iterable, Literal, Protocol, Sequenc
 
 import torch
 
+from megarl.registry import refuse_bare_capabilities
+
 if TYPE_CHECKING:
     from megarl.rollout.sglang_ipc import IpcGather
     from megarl.rollout.weight_sync import WeightBucket
@@ -202,4 +204,7 @@ class ProtocolEngine(EngineCapabilities):
 def as_engine(engine: RolloutEngine) -> EngineCapabilities:
     """`engine` with its capabilities declared: itself when it derives from `EngineCapabilities` (every engine of
     megarl's), else wrapped in `ProtocolEngine`."""
-    return engine if isinstance(engine, EngineCapabilities) else ProtocolEngine(engine)
+    if isinstance(engine, EngineCapabilities):
+        return engine
+    refuse_bare_capabilities(engine, EngineCapabilities, "rollout engine")
+    return ProtocolEngine(engine)

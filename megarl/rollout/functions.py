@@ -27,7 +27,7 @@ from dataclasses import replace
 from typing import Any, Callable, Protocol, Sequence
 
 from megarl.data import PromptRecord
-from megarl.registry import Registry
+from megarl.registry import Registry, refuse_bare_capabilities
 from megarl.rollout import slots
 from megarl.reward import RewardFn, Scores, StreamingReward
 from megarl.rollout.base import Completion, RolloutEngine, SamplingParams, as_engine
@@ -79,9 +79,15 @@ class FunctionRollout(Rollout):
         return self if self._configure is None else as_rollout(self._configure(cfg))
 
 
+_HINT = " (a plain function: register it with register_rollout(name, configure=...))"
+
+
 def as_rollout(fn: RolloutFn) -> Rollout:
     """`fn` as a `Rollout`: itself when it is one, else a plain function wrapped in `FunctionRollout`."""
-    return fn if isinstance(fn, Rollout) else FunctionRollout(fn)
+    if isinstance(fn, Rollout):
+        return fn
+    refuse_bare_capabilities(fn, Rollout, "rollout function", hint=_HINT)
+    return FunctionRollout(fn)
 
 
 # `single_turn` is defined below; `tool_use` (multi-turn with tool calls) in its own module, imported on first lookup.
@@ -96,6 +102,7 @@ def register_rollout(name: str, *, options: type | None = None,
     function, what the trainer runs instead, built from the run's settings (`Rollout.configure`)."""
 
     def decorate(fn: RolloutFn) -> RolloutFn:
+        refuse_bare_capabilities(fn, Rollout, f"rollout function {name!r}:", hint=_HINT)
         ROLLOUTS.add(name, fn if configure is None else FunctionRollout(fn, configure), options=options)
         return fn
 

@@ -10,7 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Callable, Literal, Protocol, get_args, runtime_checkable
 
-from megarl.registry import Registry
+from megarl.registry import Registry, refuse_bare_capabilities
 
 Outcome = Literal["correct", "incorrect", "no_answer", "parse_error", "timeout"]
 OUTCOMES: tuple[str, ...] = get_args(Outcome)
@@ -67,4 +67,14 @@ VERIFIERS: Registry[Callable[..., Verifier]] = Registry(
 # verifier with flags of its own (`megarl.registry`). The class is built with the run's options for it as keyword
 # arguments (none for most verifiers), in the trainer, in every reward worker and in `megarl-verify`, so every
 # argument needs a default.
-register_verifier = VERIFIERS.register
+
+
+def register_verifier(name: str, *, options: type | None = None) -> Callable[[Any], Any]:
+    """`VERIFIERS.register`, refusing a verifier class that sets a capability without deriving from
+    `VerifierCapabilities` (it would lose it in silence: `megarl.registry.refuse_bare_capabilities`)."""
+
+    def decorate(cls: Any) -> Any:
+        refuse_bare_capabilities(cls, VerifierCapabilities, f"verifier {name!r}:")
+        return VERIFIERS.register(name, options=options)(cls)
+
+    return decorate
