@@ -46,7 +46,9 @@ from __future__ import annotations
 
 import base64
 import json
+import os
 import pickle
+import sys
 import threading
 import time
 import urllib.error
@@ -197,6 +199,46 @@ def _check(result, what: str) -> None:
         raise WeightSyncError(f"SGLang {what} failed: {result[1] if len(result) > 1 else ''}")
 
 
+def _note(message: str) -> None:
+    """A line in the run's log (stderr, as megarl's other warnings) that is not worth a Python warning."""
+    print(f"megarl: sglang: {message}", file=sys.stderr, flush=True)
+
+
+def _refuse_colocated_on_cpu(colocated: bool | None) -> bool:
+    """SGLang's CPU engine runs beside the actor, never colocated: releasing its memory needs torch_memory_saver,
+    which needs CUDA (without it `release_memory_occupation` releases nothing; with it the scheduler dies on
+    libcuda.so.1). Refuses `colocated=True` before anything starts, instead of an engine that holds on to its
+    memory or dies at the first release."""
+    if colocated:
+        raise ValueError("SGLang on CPU cannot run colocated: releasing its memory between rollouts "
+                         "(release_memory_occupation) needs torch_memory_saver, which needs a CUDA GPU; launch it "
+                         "with colocated=False (it keeps its weights and KV cache while the actor trains)")
+    _note("CPU engine, not colocated: it keeps its weights and KV cache while the actor trains (memory release "
+          "needs a CUDA GPU)")
+    return False
+
+
+# What SGLang 0.5.23 needs to run on CPU: its CPU path (`SGLANG_USE_CPU_ENGINE=1`, read when sglang is imported),
+# torch attention, no CUDA graphs, and a KV pool bounded in tokens (on CPU `mem_fraction_static` is a share of the
+# machine's memory).
+CPU_ENGINE_ARGS = {"device": "cpu", "attention_backend": "torch_native", "disable_cuda_graph": True,
+                   "max_total_tokens": 16384}
+
+
+def cpu_engine_args(server_args: dict, seed: int | None) -> dict:
+    """`server_args` with SGLang's CPU settings (`CPU_ENGINE_ARGS`) where not given. Seeded sampling is not
+    reproducible there: SGLang honours a request's `sampling_seed` only with deterministic inference, which it
+    refuses for the torch attention backend; greedy decoding is reproducible."""
+    os.environ.setdefault("SGLANG_USE_CPU_ENGINE", "1")
+    out = {**CPU_ENGINE_ARGS, **server_args}
+    if seed is not None and not out.get("enable_deterministic_inference"):
+        _note(f"CPU engine: seeded sampling is not reproducible (seed {seed}): SGLang ignores the requests' "
+              "sampling_seed without deterministic inference, which it does not offer for its CPU attention "
+              "(torch_native); greedy decoding is reproducible")
+    out.setdefault("enable_deterministic_inference", False)
+    return out
+
+
 class SGLangEngine:
     """A `RolloutEngine` over an in-process `sglang.Engine` colocated with the actor (see the module docstring).
 
@@ -228,9 +270,9 @@ class SGLangEngine:
 
     @classmethod
     def launch(cls, hf_dir: str, *, tp_size: int = 1, base_gpu_id: int = 0, mem_fraction: float = 0.5,
-               dtype: str = "bfloat16", seed: int | None = 0, colocated: bool = True, tokenizer: bool = False,
+               dtype: str = "bfloat16", seed: int | None = 0, colocated: bool | None = None, tokenizer: bool = False,
                ipc: IpcGather | None = None, lora_rank: int = 0, lora_targets: Sequence[str] = (),
-               **server_args) -> SGLangEngine:
+               device: str | None = None, **server_args) -> SGLangEngine:
         """`tokenizer`: load SGLang's tokenizer and detokenizer, which matching `SamplingParams.stop` needs.
         `lora_rank` > 0: SGLang's LoRA support on, for adapters of that rank on `lora_targets` (HF projection
         names), loaded at each sync (`load_lora_adapter`, --lora-weight-sync adapter).
@@ -238,7 +280,15 @@ class SGLangEngine:
         `seed`: SGLang's `random_seed`; a seeded engine is also launched with `enable_deterministic_inference`,
         without which SGLang 0.5.23 ignores the per-request `sampling_seed` megarl sends (same seed, different
         samples). Deterministic inference uses batch-invariant kernels (slower; SGLang picks an attention backend
-        that supports it); pass `enable_deterministic_inference=False` to trade the reproducibility for speed."""
+        that supports it); pass `enable_deterministic_inference=False` to trade the reproducibility for speed.
+
+        `device`: "cuda", or "cpu" (SGLang's CPU engine, `cpu_engine_args`); None: "cuda" where torch sees a GPU.
+        `colocated` (None: on a GPU only) launches with SGLang's memory saver, for the release/resume cycle."""
+        device = device or ("cuda" if torch.cuda.is_available() else "cpu")
+        if device == "cpu":
+            colocated = _refuse_colocated_on_cpu(colocated)
+            server_args = cpu_engine_args(server_args, seed)
+        colocated = True if colocated is None else colocated
         ok, why = sglang_available()
         if not ok:
             raise RuntimeError(f"--rollout-backend sglang: {why}; install SGLang on the GPU machine "
