@@ -45,6 +45,7 @@ Megatron; `sglang` itself is imported only when an engine is launched or a bucke
 from __future__ import annotations
 
 import base64
+import contextlib
 import json
 import os
 import pickle
@@ -69,7 +70,10 @@ MEMORY_TAGS = (KV_CACHE, WEIGHTS, CUDA_GRAPH)
 
 
 def sglang_available() -> tuple[bool, str]:
-    """(importable, why not) without raising: `sglang` needs CUDA kernels to run a model, not to import."""
+    """(importable, why not) without raising: `sglang` needs CUDA kernels to run a model, not to import. Without a
+    GPU, SGLang's CPU path is selected first: SGLang reads `SGLANG_USE_CPU_ENGINE` once, when it is imported."""
+    if not torch.cuda.is_available():
+        os.environ.setdefault("SGLANG_USE_CPU_ENGINE", "1")
     try:
         import sglang  # noqa: F401 - only to see it imports
     except Exception as e:  # noqa: BLE001 - ImportError, or a kernel wheel that fails to load in any way
@@ -199,6 +203,29 @@ def _check(result, what: str) -> None:
         raise WeightSyncError(f"SGLang {what} failed: {result[1] if len(result) > 1 else ''}")
 
 
+@contextlib.contextmanager
+def _engine_environment():
+    """The trainer's environment as SGLang's processes need it, and as the trainer needs it back afterwards.
+
+    - Without TORCHELASTIC_USE_AGENT_STORE, which torchrun sets and SGLang's spawned schedulers inherit: under it
+      torch <= 2.13 makes every rank of SGLang's own process group a client of a TCP store nobody hosts (the
+      scheduler waits in `_create_c10d_store` until its timeout; seen on CPU, torch 2.13). torch 2.14.1 applies it
+      only at MASTER_ADDR:MASTER_PORT, which SGLang does not use.
+    - SGLang writes NCCL settings (NCCL_ALGO, NCCL_*_NCHANNELS, NCCL_CUMEM_ENABLE, NCCL_NVLS_ENABLE) into the
+      process that launches it, which is the trainer: they are put back as they were once its processes are
+      spawned, so the trainer's communicators created later do not differ from those of ranks without an engine.
+    """
+    saved = {k: v for k, v in os.environ.items() if k.startswith("NCCL_") or k == "TORCHELASTIC_USE_AGENT_STORE"}
+    os.environ.pop("TORCHELASTIC_USE_AGENT_STORE", None)
+    try:
+        yield
+    finally:
+        for key in [k for k in os.environ if k.startswith("NCCL_")]:
+            if key not in saved:
+                del os.environ[key]
+        os.environ.update(saved)
+
+
 def _note(message: str) -> None:
     """A line in the run's log (stderr, as megarl's other warnings) that is not worth a Python warning."""
     print(f"megarl: sglang: {message}", file=sys.stderr, flush=True)
@@ -298,11 +325,12 @@ class SGLangEngine:
         server_args.setdefault("enable_deterministic_inference", seed is not None)
         if lora_rank:
             server_args.update(enable_lora=True, max_lora_rank=lora_rank, lora_target_modules=list(lora_targets))
-        engine = sglang.Engine(model_path=str(hf_dir), tp_size=tp_size, base_gpu_id=base_gpu_id,
-                               mem_fraction_static=mem_fraction, dtype=dtype,
-                               random_seed=0 if seed is None else seed,
-                               enable_memory_saver=colocated, skip_tokenizer_init=not tokenizer, log_level="error",
-                               **server_args)
+        with _engine_environment():
+            engine = sglang.Engine(model_path=str(hf_dir), tp_size=tp_size, base_gpu_id=base_gpu_id,
+                                   mem_fraction_static=mem_fraction, dtype=dtype,
+                                   random_seed=0 if seed is None else seed,
+                                   enable_memory_saver=colocated, skip_tokenizer_init=not tokenizer,
+                                   log_level="error", **server_args)
         return cls(engine, tp_size=tp_size, colocated=colocated, tokenizer=tokenizer, ipc=ipc,
                    dtype=getattr(torch, dtype) if dtype in ("bfloat16", "float16", "float32") else None)
 

@@ -193,8 +193,8 @@ def check_flush() -> dict:
 
 
 def check_abort() -> dict:
-    """Requests SGLang aborts mid-generation (`abort_request(abort_all=True)` while they run) come back as finish reason "abort",
-    token and log-prob counts equal, counted in `aborted`; the engine generates normally afterwards."""
+    """Requests SGLang aborts mid-generation (`abort_request(abort_all=True)` while they run) come back as finish
+    reason "abort", token and log-prob counts equal, counted in `aborted`; the engine generates normally after."""
     engine = STATE["engine"]
     long = SamplingParams(n=4, temperature=1.0, max_new_tokens=48)
     result: dict = {}

@@ -151,9 +151,10 @@ def worker_for(sglang_python, standin_log, tmp_path_factory):
 
 
 def pytest_collection_modifyitems(config, items):
-    """Every test here needs the environment: marked `sglang_cpu` and `slow` (make test-fast leaves them out)."""
+    """The tests here that need the environment (the `sglang_python` fixture) are marked `sglang_cpu` and `slow`
+    (make test-fast leaves them out); the others are plain unit tests of the adapter's CPU rules."""
     for item in items:
-        if HERE in Path(str(item.fspath)).parents:
+        if HERE in Path(str(item.fspath)).parents and "sglang_python" in getattr(item, "fixturenames", ()):
             item.add_marker(pytest.mark.sglang_cpu)
             item.add_marker(pytest.mark.slow)
 

@@ -6,13 +6,13 @@ import pytest
 
 
 @pytest.fixture(scope="module")
-def engine(worker_for, starter):
+def engine(worker_for, starter, sglang_python):
     w = worker_for("checks_engine", timeout_s=300)
     w.launched = w.call("launch", model_dir=str(starter))
     return w
 
 
-def test_colocated_refused_on_cpu(worker_for, starter):
+def test_colocated_refused_on_cpu(worker_for, starter, sglang_python):
     message = worker_for("checks_engine").call("colocated_refused", model_dir=str(starter))
     assert "cannot run colocated" in message and "torch_memory_saver" in message
 
