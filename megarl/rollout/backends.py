@@ -142,8 +142,9 @@ def build_sglang(cfg: Config, actor: MegatronPolicy | None = None) -> RolloutEng
         # --lora-weight-sync adapter: SGLang's LoRA support, sized for the actor's adapters.
         lora = ({"lora_rank": cfg.model.lora_rank, "lora_targets": cfg.model.lora_targets}
                 if r.lora_weight_sync == "adapter" else {})
-        gpu = torch.cuda.current_device() if torch.cuda.is_available() else 0
-        return SGLangEngine.launch(cfg.model.hf_checkpoint, tp_size=tp, base_gpu_id=gpu,
+        gpu = torch.cuda.is_available()  # without one: SGLang's CPU engine, not colocated
+        return SGLangEngine.launch(cfg.model.hf_checkpoint, tp_size=tp, device="cuda" if gpu else "cpu",
+                                   base_gpu_id=torch.cuda.current_device() if gpu else 0,
                                    mem_fraction=own.sglang_mem_fraction, dtype="bfloat16" if cfg.model.bf16 else "auto",
                                    seed=cfg.training.seed, tokenizer=r.rollout_function != "single_turn", **lora)
     from megarl.mcore.parallel import parallel_info

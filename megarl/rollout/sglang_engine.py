@@ -299,7 +299,7 @@ class SGLangEngine:
     def launch(cls, hf_dir: str, *, tp_size: int = 1, base_gpu_id: int = 0, mem_fraction: float = 0.5,
                dtype: str = "bfloat16", seed: int | None = 0, colocated: bool | None = None, tokenizer: bool = False,
                ipc: IpcGather | None = None, lora_rank: int = 0, lora_targets: Sequence[str] = (),
-               device: str | None = None, **server_args) -> SGLangEngine:
+               device: str = "cuda", **server_args) -> SGLangEngine:
         """`tokenizer`: load SGLang's tokenizer and detokenizer, which matching `SamplingParams.stop` needs.
         `lora_rank` > 0: SGLang's LoRA support on, for adapters of that rank on `lora_targets` (HF projection
         names), loaded at each sync (`load_lora_adapter`, --lora-weight-sync adapter).
@@ -309,9 +309,8 @@ class SGLangEngine:
         samples). Deterministic inference uses batch-invariant kernels (slower; SGLang picks an attention backend
         that supports it); pass `enable_deterministic_inference=False` to trade the reproducibility for speed.
 
-        `device`: "cuda", or "cpu" (SGLang's CPU engine, `cpu_engine_args`); None: "cuda" where torch sees a GPU.
+        `device`: "cuda", or "cpu" (SGLang's CPU engine, `cpu_engine_args`, never colocated).
         `colocated` (None: on a GPU only) launches with SGLang's memory saver, for the release/resume cycle."""
-        device = device or ("cuda" if torch.cuda.is_available() else "cpu")
         if device == "cpu":
             colocated = _refuse_colocated_on_cpu(colocated)
             server_args = cpu_engine_args(server_args, seed)

@@ -55,7 +55,7 @@ def check_launch(model_dir: str) -> dict:
     log = io.StringIO()
     start = time.perf_counter()
     with contextlib.redirect_stderr(log):
-        engine = SGLangEngine.launch(model_dir, dtype="float32", seed=1234, mem_fraction=0.05,
+        engine = SGLangEngine.launch(model_dir, device="cpu", dtype="float32", seed=1234, mem_fraction=0.05,
                                      max_running_requests=16)
     STATE["engine"] = engine
     return {"log": log.getvalue(), "colocated": engine.colocated, "seconds": time.perf_counter() - start}
