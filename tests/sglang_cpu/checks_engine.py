@@ -56,7 +56,7 @@ def check_launch(model_dir: str) -> dict:
     start = time.perf_counter()
     with contextlib.redirect_stderr(log):
         engine = SGLangEngine.launch(model_dir, device="cpu", dtype="float32", seed=1234, mem_fraction=0.05,
-                                     max_running_requests=16)
+                                     max_running_requests=16, tokenizer=True)  # stop strings: multi-turn
     STATE["engine"] = engine
     return {"log": log.getvalue(), "colocated": engine.colocated, "seconds": time.perf_counter() - start}
 
@@ -221,6 +221,28 @@ def check_abort() -> dict:
     after = engine.generate(_prompts()[:1], SamplingParams(max_new_tokens=4))
     assert after[0][0].finish_reason in ("stop", "length")
     return {"reasons": reasons, "aborted": engine.aborted - before}
+
+
+def check_stop_strings() -> dict:
+    """`SamplingParams.stop` (what multi-turn rollouts end a turn at, a tool call's closing tag), matched by SGLang
+    on text: the completion ends with the token that completed the string, finish reason "stop", one log-prob per
+    token; then a second turn from the prompt, that turn and some appended tokens (a tool's output) generates."""
+    from tokenizers import Tokenizer
+
+    engine = STATE["engine"]
+    tok = Tokenizer.from_file(str(Path(STATE["model_dir"]) / "tokenizer.json"))
+    prompt = _prompts()[0]
+    free = engine.generate([prompt], SamplingParams(temperature=0.0, max_new_tokens=8))[0][0]
+    text = tok.decode(free.token_ids)
+    assert text, "the starter answered nothing to stop at"
+    stop = text[0]
+    cut = engine.generate([prompt], SamplingParams(temperature=0.0, max_new_tokens=8, stop=(stop,)))[0][0]
+    assert cut.finish_reason == "stop" and stop in tok.decode(cut.token_ids), (cut, stop)
+    assert cut.token_ids == free.token_ids[: len(cut.token_ids)] and len(cut.logprobs) == len(cut.token_ids)
+    second = prompt + cut.token_ids + tok.encode("\n").ids
+    more = engine.generate([second], SamplingParams(temperature=0.0, max_new_tokens=4))[0][0]
+    assert len(more.token_ids) == len(more.logprobs) > 0
+    return {"stop": stop, "first_turn": cut.token_ids, "second_turn": more.token_ids}
 
 
 def close() -> None:

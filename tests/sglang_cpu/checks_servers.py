@@ -127,11 +127,16 @@ def check_weights_from_disk(tmp: str) -> dict:
     return _probe_check(servers, 99)
 
 
-def check_refusal_named() -> str:
-    """A control call the server refuses raises WeightSyncError with SGLang's own message."""
+def check_refusal_named(tmp: str) -> str:
+    """A control call the server refuses raises WeightSyncError with SGLang's own message (here: a checkpoint
+    directory with a config and no weights)."""
+    import shutil
+
     servers = STATE["servers"]
+    os.makedirs(tmp)
+    shutil.copy(os.path.join(STATE["model_dir"], "config.json"), tmp)
     try:
-        servers.update_weights_from_disk("/nonexistent/checkpoint", 100)
+        servers.update_weights_from_disk(tmp, 100)
     except weight_sync.WeightSyncError as e:
         return str(e)
     raise AssertionError("update_weights_from_disk of a missing directory was not refused")

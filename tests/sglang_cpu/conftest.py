@@ -47,7 +47,7 @@ def sglang_env_vars(standin_log: Path, threads: int = 1) -> dict:
     env["PYTHONPATH"] = os.pathsep.join([str(STANDINS), str(REPO), str(HERE)])
     env["PATH"] = f"{env_dir() / 'bin'}{os.pathsep}{env.get('PATH', '')}"
     env.update(SGLANG_USE_CPU_ENGINE="1", MEGARL_SGLANG_STANDIN_LOG=str(standin_log), OMP_NUM_THREADS=str(threads),
-               TOKENIZERS_PARALLELISM="false", PYTHONUNBUFFERED="1")
+               TOKENIZERS_PARALLELISM="false", PYTHONUNBUFFERED="1", HF_HUB_OFFLINE="1")  # no hub look-ups
     return env
 
 

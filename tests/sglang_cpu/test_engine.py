@@ -56,3 +56,7 @@ def test_flush(engine):
 def test_abort(engine):
     result = engine.call("abort")
     assert result["aborted"] == sum(r == "abort" for r in result["reasons"]) > 0, result
+
+
+def test_stop_strings_and_a_second_turn(engine):
+    engine.call("stop_strings")

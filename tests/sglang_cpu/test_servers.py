@@ -26,6 +26,6 @@ def test_weights_from_disk(server, tmp_path):
     assert server.call("weights_from_disk", tmp=str(tmp_path / "ckpt"))["sync_probe_absdiff_max"] < 1e-3
 
 
-def test_refusal_carries_sglangs_message(server):
-    message = server.call("refusal_named")
-    assert "update_weights_from_disk" in message and "/nonexistent/checkpoint" in message, message
+def test_refusal_carries_sglangs_message(server, tmp_path):
+    message = server.call("refusal_named", tmp=str(tmp_path / "no-weights"))
+    assert "update_weights_from_disk refused by http://127.0.0.1" in message and "weights" in message, message
