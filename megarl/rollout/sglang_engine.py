@@ -245,6 +245,11 @@ def _refuse_colocated_on_cpu(colocated: bool | None) -> bool:
     return False
 
 
+# Tried on CPU: the scheduler dies at start in `sglang/srt/lora/layers.py` (`torch.tensor(..., pin_memory=True)`).
+CPU_LORA_REFUSED = ("--lora-weight-sync adapter: SGLang 0.5.23's CPU engine does not take LoRA (its LoRA layers "
+                    "allocate pinned memory at start, which needs CUDA); use --lora-weight-sync merged, which sends "
+                    "the adapters merged into the weights")
+
 # What SGLang 0.5.23 needs to run on CPU: its CPU path (`SGLANG_USE_CPU_ENGINE=1`, read when sglang is imported),
 # torch attention, no CUDA graphs, and a KV pool bounded in tokens (on CPU `mem_fraction_static` is a share of the
 # machine's memory).
@@ -312,6 +317,8 @@ class SGLangEngine:
         `device`: "cuda", or "cpu" (SGLang's CPU engine, `cpu_engine_args`, never colocated).
         `colocated` (None: on a GPU only) launches with SGLang's memory saver, for the release/resume cycle."""
         if device == "cpu":
+            if lora_rank:
+                raise ValueError(CPU_LORA_REFUSED)
             colocated = _refuse_colocated_on_cpu(colocated)
             server_args = cpu_engine_args(server_args, seed)
         colocated = True if colocated is None else colocated

@@ -57,3 +57,11 @@ def test_cpu_engine_args_keep_the_callers_choices(capsys, monkeypatch):
     assert args["max_total_tokens"] == 512 and args["attention_backend"] == "intel_amx"
     assert args["device"] == "cpu" and args["disable_cuda_graph"] is True
     assert "seeded" not in capsys.readouterr().err  # unseeded: nothing to warn about
+
+
+def test_lora_refused_on_cpu_before_anything_starts(fake_sglang):
+    """SGLang 0.5.23's LoRA layers pin memory at start, which needs CUDA (its scheduler died so when tried on CPU,
+    killing the process that launched it): refused at once, pointing at --lora-weight-sync merged."""
+    with pytest.raises(ValueError, match="does not take LoRA.*--lora-weight-sync merged"):
+        SGLangEngine.launch("/nowhere", device="cpu", lora_rank=4, lora_targets=["q_proj", "v_proj"])
+    assert fake_sglang == []
