@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
-# `make sglang-env`: SGLang 0.5.23 on the CPU torch, in an environment of its own (default .cache/sglang-env),
+# `make sglang-env`: SGLang 0.5.23 on the CPU torch, in an environment of its own ($MEGARL_SGLANG_ENV, default
+# .cache/sglang-env),
 # for the tests that run megarl's SGLang adapter against the real engine (tests/sglang_cpu).
 #
 # SGLang's metadata pins a CUDA torch (2.14.1), its CUDA kernels and transformers 5.19.0, so a plain
@@ -15,7 +16,7 @@
 set -euo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/../.."
 
-ENV_DIR="${SGLANG_ENV:-.cache/sglang-env}"
+ENV_DIR="${MEGARL_SGLANG_ENV:-.cache/sglang-env}"
 PYTHON="${PYTHON:-$(command -v python3.11 || command -v python3)}"
 TORCH_VERSION="${TORCH_VERSION:-2.13.0}"
 SGLANG_VERSION=0.5.23
