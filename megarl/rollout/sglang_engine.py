@@ -915,9 +915,6 @@ class SGLangServers:
         self.weight_version = version
 
     def update_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]], version: int | None = None) -> None:
-        if self.ipc is not None:
-            raise WeightSyncError(f"SGLangEngine.update_weights: the engine's TP ranks load each bucket from the "
-                                  f"trainer ranks {self.ipc.ranks}, which must all pack it: sync through "
-                                  "megarl.stages.colocation.WeightSync")
+        """The whole model in default-sized buckets over the weight-update group (servers have no IPC gather)."""
         self.load_weight_buckets(pack_buckets(named_tensors, DEFAULT_BUCKET_BYTES),
                                  self.weight_version + 1 if version is None else version)

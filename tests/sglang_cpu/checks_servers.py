@@ -115,6 +115,8 @@ def check_weights_over_gloo(rounds: int = 2) -> dict:
         c = servers.generate([[3, 4]], SamplingParams(max_new_tokens=3))[0][0]
         assert c.weight_version == version
         out.append({"version": version, **_probe_check(servers, version)})
+    servers.update_weights(iter(_scaled(1.0)))  # the RolloutEngine call, default buckets (it read a missing .ipc)
+    out.append({"version": servers.weight_version, **_probe_check(servers, 77)})
     return {"rounds": out}
 
 

@@ -65,3 +65,24 @@ def test_lora_refused_on_cpu_before_anything_starts(fake_sglang):
     with pytest.raises(ValueError, match="does not take LoRA.*--lora-weight-sync merged"):
         SGLangEngine.launch("/nowhere", device="cpu", lora_rank=4, lora_targets=["q_proj", "v_proj"])
     assert fake_sglang == []
+
+
+def test_the_sgl_kernel_placeholder_records_every_call(tmp_path, monkeypatch):
+    """What `no_standin_called` relies on: a call to the placeholder is written to the log, then raises."""
+    from conftest import STANDINS
+
+    log = tmp_path / "calls.log"
+    monkeypatch.setenv("MEGARL_SGLANG_STANDIN_LOG", str(log))
+    monkeypatch.setenv("MEGARL_SGLANG_STANDINS", "0")  # no torchvision hook in this process
+    monkeypatch.syspath_prepend(str(STANDINS))
+    for name in ("sgl_kernel", "sitecustomize"):
+        monkeypatch.delitem(sys.modules, name, raising=False)
+    import sgl_kernel
+
+    kernel = sgl_kernel.copy_all_layer_kv_cache_cpu  # importing a name is fine (SGLang's CPU path does)
+    with pytest.raises(RuntimeError, match="placeholder"):
+        kernel(1, 2)
+    assert "sgl_kernel.copy_all_layer_kv_cache_cpu called" in log.read_text()
+    assert not hasattr(sgl_kernel, "__version__")
+    for name in ("sgl_kernel", "sitecustomize"):
+        sys.modules.pop(name, None)

@@ -19,7 +19,7 @@ def test_generate_over_http(server):
 
 
 def test_weight_sync_over_gloo_group(server):
-    assert [r["version"] for r in server.call("weights_over_gloo")["rounds"]] == [1, 2]
+    assert [r["version"] for r in server.call("weights_over_gloo")["rounds"]] == [1, 2, 3]
 
 
 def test_weights_from_disk(server, tmp_path):

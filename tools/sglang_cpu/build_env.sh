@@ -1,7 +1,6 @@
 #!/usr/bin/env bash
 # `make sglang-env`: SGLang 0.5.23 on the CPU torch, in an environment of its own ($MEGARL_SGLANG_ENV, default
-# .cache/sglang-env),
-# for the tests that run megarl's SGLang adapter against the real engine (tests/sglang_cpu).
+# .cache/sglang-env), for the tests that run megarl's SGLang adapter against the real engine (tests/sglang_cpu).
 #
 # SGLang's metadata pins a CUDA torch (2.14.1), its CUDA kernels and transformers 5.19.0, so a plain
 # `pip install sglang` cannot give a CPU engine. The recipe (shared/notes: "SGLang 0.5.23 on a CPU-only machine"):
