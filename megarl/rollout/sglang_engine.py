@@ -37,6 +37,12 @@ value since a server elsewhere cannot open shared memory) and unloads the previo
 score request then names the adapter (`lora_path`). A colocated engine keeps its base weights on the GPU while
 the actor trains from then on: SGLang keeps no copy of released weights, and the base is not sent again.
 
+On CPU (`launch(device="cpu")`, what the sglang backend picks without a GPU): SGLang's CPU engine
+(`CPU_ENGINE_ARGS`), never colocated (memory release needs torch_memory_saver, hence CUDA: refused up front), with
+no reproducible seeded sampling (deterministic inference is refused for its torch attention; greedy decoding
+repeats) and no LoRA (its LoRA layers pin memory: refused up front); the run's log says the first two at launch.
+The tests run it for real (tests/sglang_cpu, docs/guide.md "SGLang on CPU").
+
 Log-probs: SGLang reports log softmax(logits / temperature) of the sampled token, before top-k / top-p, which is
 `Completion.logprobs`' definition (leave SGLANG_RETURN_ORIGINAL_LOGPROB unset). The engine knows nothing of
 Megatron; `sglang` itself is imported only when an engine is launched or a bucket serialized.
