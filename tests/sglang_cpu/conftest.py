@@ -35,7 +35,7 @@ def env_python() -> Path | None:
 
 
 def skip_reason() -> str:
-    return (f"no SGLang CPU environment at {env_dir()}: `make sglang-env` builds it (about 3 minutes and 3.5 GB; "
+    return (f"no SGLang CPU environment at {env_dir()}: `make sglang-env` builds it (3-9 minutes on 2 cores, 3.5 GB; "
             "tests/sglang_cpu/conftest.py)")
 
 
