@@ -39,7 +39,7 @@ CODE_STARTER_STEPS ?= 600
 # Deferred (=), so torch is imported only when the venv is being (re)built.
 HOST_HAS_CUDA_TORCH = $(shell $(PYTHON) -c 'import torch; print(int(torch.version.cuda is not None))' 2>/dev/null || echo 0)
 
-.PHONY: venv demo demo-lora demo-moe demo-tool demo-math demo-code demo-rm lint test test-fast sandbox-image clean distclean
+.PHONY: venv demo demo-lora demo-moe demo-tool demo-math demo-code demo-rm lint test test-fast sandbox-image sglang-env clean distclean
 
 venv: $(STAMP)
 
@@ -144,6 +144,11 @@ test-fast: lint
 # The Docker sandbox's image, built from this host's Python with no registry (needs a running Docker engine).
 sandbox-image: venv
 	$(VPY) tools/build_sandbox_image.py
+
+# SGLang 0.5.23 on the CPU torch, in an environment of its own (.cache/sglang-env, ~3.5 GB), for tests/sglang_cpu:
+# megarl's SGLang adapter against the real engine. Rebuilt only when the recipe changes (its stamp).
+sglang-env:
+	bash tools/sglang_cpu/build_env.sh
 
 # Build and test leftovers; the venv and the starter model survive (see distclean).
 clean:

@@ -111,9 +111,7 @@ def build_builtin(cfg: Config, actor: MegatronPolicy | None = None) -> RolloutEn
 def _sglang_available(cfg: Config) -> tuple[bool, str]:
     if cfg.rollout.rollout_servers:  # servers on other nodes: nothing to run here
         return True, ""
-    if not torch.cuda.is_available():
-        return False, ("--rollout-backend sglang needs a CUDA GPU and this machine has none; use --rollout-backend "
-                       "builtin (the CPU default)")
+    # Without a GPU: SGLang's CPU engine, beside the actor (`SGLangEngine.launch`), where SGLang imports.
     from megarl.rollout.sglang_engine import sglang_available
 
     ok, why = sglang_available()
@@ -144,7 +142,9 @@ def build_sglang(cfg: Config, actor: MegatronPolicy | None = None) -> RolloutEng
         # --lora-weight-sync adapter: SGLang's LoRA support, sized for the actor's adapters.
         lora = ({"lora_rank": cfg.model.lora_rank, "lora_targets": cfg.model.lora_targets}
                 if r.lora_weight_sync == "adapter" else {})
-        return SGLangEngine.launch(cfg.model.hf_checkpoint, tp_size=tp, base_gpu_id=torch.cuda.current_device(),
+        gpu = torch.cuda.is_available()  # without one: SGLang's CPU engine, not colocated
+        return SGLangEngine.launch(cfg.model.hf_checkpoint, tp_size=tp, device="cuda" if gpu else "cpu",
+                                   base_gpu_id=torch.cuda.current_device() if gpu else 0,
                                    mem_fraction=own.sglang_mem_fraction, dtype="bfloat16" if cfg.model.bf16 else "auto",
                                    seed=cfg.training.seed, tokenizer=r.rollout_function != "single_turn", **lora)
     from megarl.mcore.parallel import parallel_info

@@ -37,6 +37,12 @@ value since a server elsewhere cannot open shared memory) and unloads the previo
 score request then names the adapter (`lora_path`). A colocated engine keeps its base weights on the GPU while
 the actor trains from then on: SGLang keeps no copy of released weights, and the base is not sent again.
 
+On CPU (`launch(device="cpu")`, what the sglang backend picks without a GPU): SGLang's CPU engine
+(`CPU_ENGINE_ARGS`), never colocated (memory release needs torch_memory_saver, hence CUDA: refused up front), with
+no reproducible seeded sampling (deterministic inference is refused for its torch attention; greedy decoding
+repeats) and no LoRA (its LoRA layers pin memory: refused up front); the run's log says the first two at launch.
+The tests run it for real (tests/sglang_cpu, docs/guide.md "SGLang on CPU").
+
 Log-probs: SGLang reports log softmax(logits / temperature) of the sampled token, before top-k / top-p, which is
 `Completion.logprobs`' definition (leave SGLANG_RETURN_ORIGINAL_LOGPROB unset). The engine knows nothing of
 Megatron; `sglang` itself is imported only when an engine is launched or a bucket serialized.
@@ -45,8 +51,11 @@ Megatron; `sglang` itself is imported only when an engine is launched or a bucke
 from __future__ import annotations
 
 import base64
+import contextlib
 import json
+import os
 import pickle
+import sys
 import threading
 import time
 import urllib.error
@@ -67,7 +76,10 @@ MEMORY_TAGS = (KV_CACHE, WEIGHTS, CUDA_GRAPH)
 
 
 def sglang_available() -> tuple[bool, str]:
-    """(importable, why not) without raising: `sglang` needs CUDA kernels to run a model, not to import."""
+    """(importable, why not) without raising: `sglang` needs CUDA kernels to run a model, not to import. Without a
+    GPU, SGLang's CPU path is selected first: SGLang reads `SGLANG_USE_CPU_ENGINE` once, when it is imported."""
+    if not torch.cuda.is_available():
+        os.environ.setdefault("SGLANG_USE_CPU_ENGINE", "1")
     try:
         import sglang  # noqa: F401 - only to see it imports
     except Exception as e:  # noqa: BLE001 - ImportError, or a kernel wheel that fails to load in any way
@@ -197,6 +209,74 @@ def _check(result, what: str) -> None:
         raise WeightSyncError(f"SGLang {what} failed: {result[1] if len(result) > 1 else ''}")
 
 
+@contextlib.contextmanager
+def _engine_environment():
+    """The trainer's environment as SGLang's processes need it, and as the trainer needs it back afterwards.
+
+    - Without TORCHELASTIC_USE_AGENT_STORE, which torchrun sets and SGLang's spawned schedulers inherit: under it
+      torch <= 2.13 makes every rank of SGLang's own process group a client of a TCP store nobody hosts (the
+      scheduler waits in `_create_c10d_store` until its timeout; seen on CPU, torch 2.13). torch 2.14.1 applies it
+      only at MASTER_ADDR:MASTER_PORT, which SGLang does not use.
+    - SGLang writes NCCL settings (NCCL_ALGO, NCCL_*_NCHANNELS, NCCL_CUMEM_ENABLE, NCCL_NVLS_ENABLE) into the
+      process that launches it, which is the trainer: they are put back as they were once its processes are
+      spawned, so the trainer's communicators created later do not differ from those of ranks without an engine.
+    """
+    saved = {k: v for k, v in os.environ.items() if k.startswith("NCCL_") or k == "TORCHELASTIC_USE_AGENT_STORE"}
+    os.environ.pop("TORCHELASTIC_USE_AGENT_STORE", None)
+    try:
+        yield
+    finally:
+        for key in [k for k in os.environ if k.startswith("NCCL_")]:
+            if key not in saved:
+                del os.environ[key]
+        os.environ.update(saved)
+
+
+def _note(message: str) -> None:
+    """A line in the run's log (stderr, as megarl's other warnings) that is not worth a Python warning."""
+    print(f"megarl: sglang: {message}", file=sys.stderr, flush=True)
+
+
+def _refuse_colocated_on_cpu(colocated: bool | None) -> bool:
+    """SGLang's CPU engine runs beside the actor, never colocated: releasing its memory needs torch_memory_saver,
+    which needs CUDA (without it `release_memory_occupation` releases nothing; with it the scheduler dies on
+    libcuda.so.1). Refuses `colocated=True` before anything starts, instead of an engine that holds on to its
+    memory or dies at the first release."""
+    if colocated:
+        raise ValueError("SGLang on CPU cannot run colocated: releasing its memory between rollouts "
+                         "(release_memory_occupation) needs torch_memory_saver, which needs a CUDA GPU; launch it "
+                         "with colocated=False (it keeps its weights and KV cache while the actor trains)")
+    _note("CPU engine, not colocated: it keeps its weights and KV cache while the actor trains (memory release "
+          "needs a CUDA GPU)")
+    return False
+
+
+# Tried on CPU: the scheduler dies at start in `sglang/srt/lora/layers.py` (`torch.tensor(..., pin_memory=True)`).
+CPU_LORA_REFUSED = ("--lora-weight-sync adapter: SGLang 0.5.23's CPU engine does not take LoRA (its LoRA layers "
+                    "allocate pinned memory at start, which needs CUDA); use --lora-weight-sync merged, which sends "
+                    "the adapters merged into the weights")
+
+# What SGLang 0.5.23 needs to run on CPU: its CPU path (`SGLANG_USE_CPU_ENGINE=1`, read when sglang is imported),
+# torch attention, no CUDA graphs, and a KV pool bounded in tokens (on CPU `mem_fraction_static` is a share of the
+# machine's memory).
+CPU_ENGINE_ARGS = {"device": "cpu", "attention_backend": "torch_native", "disable_cuda_graph": True,
+                   "max_total_tokens": 16384}
+
+
+def cpu_engine_args(server_args: dict, seed: int | None) -> dict:
+    """`server_args` with SGLang's CPU settings (`CPU_ENGINE_ARGS`) where not given. Seeded sampling is not
+    reproducible there: SGLang honours a request's `sampling_seed` only with deterministic inference, which it
+    refuses for the torch attention backend; greedy decoding is reproducible."""
+    os.environ.setdefault("SGLANG_USE_CPU_ENGINE", "1")
+    out = {**CPU_ENGINE_ARGS, **server_args}
+    if seed is not None and not out.get("enable_deterministic_inference"):
+        _note(f"CPU engine: seeded sampling is not reproducible (seed {seed}): SGLang ignores the requests' "
+              "sampling_seed without deterministic inference, which it does not offer for its CPU attention "
+              "(torch_native); greedy decoding is reproducible")
+    out.setdefault("enable_deterministic_inference", False)
+    return out
+
+
 class SGLangEngine(EngineCapabilities):
     """A `RolloutEngine` over an in-process `sglang.Engine` colocated with the actor (see the module docstring).
 
@@ -229,9 +309,9 @@ class SGLangEngine(EngineCapabilities):
 
     @classmethod
     def launch(cls, hf_dir: str, *, tp_size: int = 1, base_gpu_id: int = 0, mem_fraction: float = 0.5,
-               dtype: str = "bfloat16", seed: int | None = 0, colocated: bool = True, tokenizer: bool = False,
+               dtype: str = "bfloat16", seed: int | None = 0, colocated: bool | None = None, tokenizer: bool = False,
                ipc: IpcGather | None = None, lora_rank: int = 0, lora_targets: Sequence[str] = (),
-               **server_args) -> SGLangEngine:
+               device: str = "cuda", **server_args) -> SGLangEngine:
         """`tokenizer`: load SGLang's tokenizer and detokenizer, which matching `SamplingParams.stop` needs.
         `lora_rank` > 0: SGLang's LoRA support on, for adapters of that rank on `lora_targets` (HF projection
         names), loaded at each sync (`load_lora_adapter`, --lora-weight-sync adapter).
@@ -239,7 +319,16 @@ class SGLangEngine(EngineCapabilities):
         `seed`: SGLang's `random_seed`; a seeded engine is also launched with `enable_deterministic_inference`,
         without which SGLang 0.5.23 ignores the per-request `sampling_seed` megarl sends (same seed, different
         samples). Deterministic inference uses batch-invariant kernels (slower; SGLang picks an attention backend
-        that supports it); pass `enable_deterministic_inference=False` to trade the reproducibility for speed."""
+        that supports it); pass `enable_deterministic_inference=False` to trade the reproducibility for speed.
+
+        `device`: "cuda", or "cpu" (SGLang's CPU engine, `cpu_engine_args`, never colocated).
+        `colocated` (None: on a GPU only) launches with SGLang's memory saver, for the release/resume cycle."""
+        if device == "cpu":
+            if lora_rank:
+                raise ValueError(CPU_LORA_REFUSED)
+            colocated = _refuse_colocated_on_cpu(colocated)
+            server_args = cpu_engine_args(server_args, seed)
+        colocated = True if colocated is None else colocated
         ok, why = sglang_available()
         if not ok:
             raise RuntimeError(f"--rollout-backend sglang: {why}; install SGLang on the GPU machine "
@@ -249,11 +338,12 @@ class SGLangEngine(EngineCapabilities):
         server_args.setdefault("enable_deterministic_inference", seed is not None)
         if lora_rank:
             server_args.update(enable_lora=True, max_lora_rank=lora_rank, lora_target_modules=list(lora_targets))
-        engine = sglang.Engine(model_path=str(hf_dir), tp_size=tp_size, base_gpu_id=base_gpu_id,
-                               mem_fraction_static=mem_fraction, dtype=dtype,
-                               random_seed=0 if seed is None else seed,
-                               enable_memory_saver=colocated, skip_tokenizer_init=not tokenizer, log_level="error",
-                               **server_args)
+        with _engine_environment():
+            engine = sglang.Engine(model_path=str(hf_dir), tp_size=tp_size, base_gpu_id=base_gpu_id,
+                                   mem_fraction_static=mem_fraction, dtype=dtype,
+                                   random_seed=0 if seed is None else seed,
+                                   enable_memory_saver=colocated, skip_tokenizer_init=not tokenizer,
+                                   log_level="error", **server_args)
         return cls(engine, tp_size=tp_size, colocated=colocated, tokenizer=tokenizer, ipc=ipc,
                    dtype=getattr(torch, dtype) if dtype in ("bfloat16", "float16", "float32") else None)
 
@@ -832,9 +922,6 @@ class SGLangServers(EngineCapabilities):
         self.weight_version = version
 
     def update_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]], version: int | None = None) -> None:
-        if self.ipc is not None:
-            raise WeightSyncError(f"SGLangEngine.update_weights: the engine's TP ranks load each bucket from the "
-                                  f"trainer ranks {self.ipc.ranks}, which must all pack it: sync through "
-                                  "megarl.stages.colocation.WeightSync")
+        """The whole model in default-sized buckets over the weight-update group (servers have no IPC gather)."""
         self.load_weight_buckets(pack_buckets(named_tensors, DEFAULT_BUCKET_BYTES),
                                  self.weight_version + 1 if version is None else version)
