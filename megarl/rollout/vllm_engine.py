@@ -34,15 +34,14 @@ non-colocated and `release_memory` is a no-op.
 
 from __future__ import annotations
 
-import logging
+import contextlib
+import os
 from typing import Iterable, Sequence
 
 import torch
 
 from megarl.rollout.base import Completion, SamplingParams
 from megarl.rollout.weight_sync import DEFAULT_BUCKET_BYTES, WeightBucket, pack_buckets
-
-log = logging.getLogger(__name__)
 
 # vLLM's finish reasons: "stop" (a stop token or string), "length", "abort"; None (not finished) counts as cut.
 _FINISH = {"stop": "stop", "length": "length", "abort": "abort"}
@@ -87,6 +86,19 @@ def to_completion(output, version: int) -> Completion:
     logprobs = [float(entry[tok].logprob) for entry, tok in zip(entries, token_ids)]
     return Completion(token_ids=token_ids, logprobs=logprobs,
                       finish_reason=_FINISH.get(output.finish_reason, "length"), weight_version=version)
+
+
+@contextlib.contextmanager
+def _without_agent_store():
+    """vLLM's processes start without TORCHELASTIC_USE_AGENT_STORE, which torchrun sets in the trainer: under it
+    torch 2.13 makes the rank of vLLM's own process group a client of a TCP store nobody hosts (the SGLang adapter
+    met the same). It is put back once they are spawned."""
+    saved = os.environ.pop("TORCHELASTIC_USE_AGENT_STORE", None)
+    try:
+        yield
+    finally:
+        if saved is not None:
+            os.environ["TORCHELASTIC_USE_AGENT_STORE"] = saved
 
 
 def to_payload(bucket: WeightBucket) -> tuple[bytes, list[tuple[str, list[int], str, int, int]]]:
@@ -141,10 +153,11 @@ class VLLMEngine:
             colocated = torch.cuda.is_available()
         if colocated:
             engine_args.setdefault("enable_sleep_mode", True)
-        llm = vllm.LLM(model=str(hf_dir), dtype=dtype, seed=0 if seed is None else seed, enforce_eager=True,
-                       skip_tokenizer_init=not tokenizer, max_model_len=max_model_len,
-                       logprobs_mode="processed_logprobs", kv_cache_memory_bytes=kv_cache_bytes,
-                       worker_extension_cls=f"{__name__}.WorkerExtension", **engine_args)
+        with _without_agent_store():
+            llm = vllm.LLM(model=str(hf_dir), dtype=dtype, seed=0 if seed is None else seed, enforce_eager=True,
+                           skip_tokenizer_init=not tokenizer, max_model_len=max_model_len,
+                           logprobs_mode="processed_logprobs", kv_cache_memory_bytes=kv_cache_bytes,
+                           worker_extension_cls=f"{__name__}.WorkerExtension", **engine_args)
         return cls(llm, dtype=getattr(torch, dtype) if dtype in ("bfloat16", "float16", "float32") else None,
                    colocated=colocated, tokenizer=tokenizer)
 

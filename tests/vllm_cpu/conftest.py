@@ -2,10 +2,10 @@
 builds (.cache/vllm-env, or $MEGARL_VLLM_ENV).
 
 vLLM cannot live in the test venv (it pins its own transformers and ~60 other packages), so the tests run a
-process of that environment (`run_in_vllm_env`) with the checkout's megarl first on PYTHONPATH and the stand-in of
-`standins/` (torchvision's operator schemas, never meant to run) before it; the run fails if the stand-in was
-called (`MEGARL_VLLM_STANDIN_LOG`). Without the environment the tests skip and say how to build it. One engine
-thread: the machines these run on are small and shared.
+process of that environment (`run_in_vllm_env`) with the checkout's megarl first on PYTHONPATH. No stand-in is
+needed: the environment leaves out torchvision, torchaudio and torchcodec, whose builds here do not load beside the
+CPU torch (tools/vllm_cpu/build_env.sh). Without the environment the tests skip and say how to build it. One
+engine thread: the machines these run on are small and shared.
 """
 
 import os
@@ -16,7 +16,6 @@ import pytest
 
 HERE = Path(__file__).resolve().parent
 REPO = HERE.parents[1]
-STANDINS = HERE / "standins"
 
 
 def env_dir() -> Path:
@@ -39,28 +38,24 @@ def vllm_python() -> Path:
     return python
 
 
-def vllm_env_vars(standin_log: Path) -> dict:
+def vllm_env_vars() -> dict:
     env = dict(os.environ)
     env.pop("VIRTUAL_ENV", None)
-    env["PYTHONPATH"] = os.pathsep.join([str(STANDINS), str(REPO), str(HERE)])
+    env["PYTHONPATH"] = os.pathsep.join([str(REPO), str(HERE)])
     env["PATH"] = f"{env_dir() / 'bin'}{os.pathsep}{env.get('PATH', '')}"
     # One OpenMP thread, not bound to a core (vLLM's CPU worker binds its threads to cores by default); no usage
     # reports (no network here anyway).
-    env.update(MEGARL_VLLM_STANDIN_LOG=str(standin_log), OMP_NUM_THREADS="1", VLLM_CPU_OMP_THREADS_BIND="nobind",
+    env.update(OMP_NUM_THREADS="1", VLLM_CPU_OMP_THREADS_BIND="nobind",
                VLLM_NO_USAGE_STATS="1", DO_NOT_TRACK="1", TOKENIZERS_PARALLELISM="false", PYTHONUNBUFFERED="1",
                HF_HUB_OFFLINE="1")
     return env
 
 
-def run_in_vllm_env(python: Path, args: list[str], log: Path, timeout_s: float = 600) -> None:
-    """Run `python args...` in the vLLM environment; fail with the log's tail if it fails or calls a stand-in."""
-    standin_log = log.with_suffix(".standins")
+def run_in_vllm_env(python: Path, args: list[str], log: Path, timeout_s: float = 600, **env) -> None:
+    """Run `python args...` in the vLLM environment (`env`: more variables); fail with the log's tail if it fails."""
     with open(log, "w") as out:
         proc = subprocess.run([str(python), "-u", *args], stdout=out, stderr=subprocess.STDOUT,
-                              env=vllm_env_vars(standin_log), cwd=REPO, timeout=timeout_s)
-    if standin_log.exists() and standin_log.read_text().strip():
-        pytest.fail(f"a stand-in for a GPU-only import was called (tests/vllm_cpu/standins):\n"
-                    f"{standin_log.read_text()}")
+                              env={**vllm_env_vars(), **env}, cwd=REPO, timeout=timeout_s)
     if proc.returncode != 0:
         pytest.fail(f"{args[0]} failed ({proc.returncode}) in the vLLM environment:\n"
                     f"{log.read_text(errors='replace')[-4000:]}")

