@@ -23,12 +23,15 @@ re-runs the layers' post-load processing: on CPU that re-packs every linear laye
 runs; the parameter itself is left empty). A layer is processed when the reload ends, so all of one sync's
 buckets go in one call: a layer whose q_proj came in one reload and k_proj in the next would be processed
 half-loaded. vLLM's newer weight-transfer engines (`start_weight_update` /
-`update_weights` / `finish_weight_update`) ship NCCL and CUDA-IPC back ends only, neither of which runs on a CPU.
+`update_weights` / `finish_weight_update`) ship NCCL and CUDA-IPC back ends only, neither of which runs on a CPU;
+on a GPU the same bytes path works through host memory, and wiring those back ends in is left for a GPU machine.
 
 Memory: `sleep` / `wake_up` release and restore the weights and the KV cache on a GPU (`enable_sleep_mode`);
 vLLM's CPU worker ignores both (it logs "sleep mode is not supported on CPU"), so on a CPU the engine is used
 non-colocated and `release_memory` is a no-op.
 
+Tested on CPU only (tests/vllm_cpu, against vLLM 0.32's CPU build); the GPU paths (sleep / wake around training,
+bf16) follow vLLM's documented API and have not run. Not here yet: `vllm serve` servers (`--rollout-servers`).
 `vllm` itself is imported only when an engine is launched; `vllm_available()` says why it cannot be.
 """
 
