@@ -38,7 +38,9 @@ bf16) follow vLLM's documented API and have not run. Not here yet: `vllm serve` 
 from __future__ import annotations
 
 import contextlib
+import json
 import os
+from pathlib import Path
 from typing import Iterable, Sequence
 
 import torch
@@ -66,6 +68,19 @@ def check_truncation(params: SamplingParams) -> None:
         raise ValueError(f"--rollout-backend vllm: top_k={params.top_k}, top_p={params.top_p}: vLLM reports "
                          "log-probs after top-k / top-p truncation (renormalised over the kept tokens), not the "
                          "untruncated ones the actor recomputes; sample with --rollout-top-k -1 --rollout-top-p 1")
+
+
+def check_cpu_head_size(hf_dir: str) -> None:
+    """vLLM's CPU attention takes a few head sizes only (0.32: 32, 64, 80, 96, ...); another one starts the engine
+    and kills it at the first request ("Unsupported CPU attention configuration: head_dim=16")."""
+    from vllm.v1.attention.backends.cpu_attn import CPUAttentionBackend
+
+    config = json.loads((Path(hf_dir) / "config.json").read_text())
+    head_dim = config.get("head_dim") or config["hidden_size"] // config["num_attention_heads"]
+    sizes = CPUAttentionBackend.get_supported_head_sizes()
+    if head_dim not in sizes:
+        raise ValueError(f"--rollout-backend vllm on CPU: the model's head size is {head_dim} and vLLM's CPU attention "
+                         f"takes only {sizes}; use --rollout-backend builtin for this model")
 
 
 def request_params(params: SamplingParams, seed: int | None):
@@ -152,6 +167,8 @@ class VLLMEngine:
                                "machine without a GPU) or use --rollout-backend builtin")
         import vllm
 
+        if not torch.cuda.is_available():
+            check_cpu_head_size(hf_dir)
         if colocated is None:
             colocated = torch.cuda.is_available()
         if colocated:

@@ -7,6 +7,7 @@ or error written as one JSON object, which the tests read check by check.
 
 import json
 import sys
+import tempfile
 import time
 import traceback
 from pathlib import Path
@@ -131,7 +132,18 @@ def run(model_dir: Path) -> dict:
             return str(e)
         raise AssertionError("top_k with temperature 1 was not refused")
 
-    for name, fn in [("generate_greedy", generate_greedy), ("generate_sampled", generate_sampled),
+    def head_size_refused():
+        with tempfile.TemporaryDirectory() as d:
+            config = json.loads((model_dir / "config.json").read_text())
+            (Path(d) / "config.json").write_text(json.dumps({**config, "num_attention_heads": 4}))  # head_dim 16
+            try:
+                VLLMEngine.launch(d)
+            except ValueError as e:
+                return str(e)
+        raise AssertionError("a head size vLLM's CPU attention does not take was not refused at launch")
+
+    for name, fn in [("head_size_refused", head_size_refused),
+                     ("generate_greedy", generate_greedy), ("generate_sampled", generate_sampled),
                      ("stop_token", stop_token), ("score", score), ("weight_round_trip", weight_round_trip),
                      ("sleep_wake", sleep_wake), ("truncation_refused", truncation_refused)]:
         check(name, fn)

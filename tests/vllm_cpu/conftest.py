@@ -33,8 +33,8 @@ def env_python() -> Path | None:
 def vllm_python() -> Path:
     python = env_python()
     if python is None:
-        pytest.skip(f"no vLLM CPU environment at {env_dir()}: `make vllm-env` builds it (about 6 minutes and "
-                    "3.5 GB; tests/vllm_cpu/conftest.py)")
+        pytest.skip(f"no vLLM CPU environment at {env_dir()}: `make vllm-env` builds it (about 8 minutes and "
+                    "3.6 GB; tests/vllm_cpu/conftest.py)")
     return python
 
 

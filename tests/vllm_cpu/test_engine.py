@@ -70,3 +70,7 @@ def test_sleep_is_a_no_op_on_cpu(results):
 
 def test_truncated_sampling_is_refused(results):
     assert "top-k / top-p" in value(results, "truncation_refused")
+
+
+def test_unsupported_head_size_refused_at_launch(results):
+    assert "head size is 16" in value(results, "head_size_refused")
