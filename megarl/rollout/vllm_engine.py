@@ -45,7 +45,7 @@ from typing import Iterable, Sequence
 
 import torch
 
-from megarl.rollout.base import Completion, SamplingParams
+from megarl.rollout.base import Completion, EngineCapabilities, SamplingParams
 from megarl.rollout.weight_sync import DEFAULT_BUCKET_BYTES, WeightBucket, pack_buckets
 
 # vLLM's finish reasons: "stop" (a stop token or string), "length", "abort"; None (not finished) counts as cut.
@@ -139,11 +139,12 @@ class WorkerExtension:
         self.reload_weights(weights_iterator=[pair for data, slots in payload for pair in from_payload(data, slots)])
 
 
-class VLLMEngine:
+class VLLMEngine(EngineCapabilities):
     """A `RolloutEngine` over a `vllm.LLM` (see the module docstring). `llm` is a `vllm.LLM` or anything with its
     `generate`, `collective_rpc`, `sleep`, `wake_up`, `reset_prefix_cache` methods."""
 
     shares_actor_weights = False
+    scores_topk = True  # `score_topk`, from vLLM's prompt log-probs (the mismatch check's bounds)
 
     def __init__(self, llm, *, dtype: torch.dtype | None = None, colocated: bool = False, tokenizer: bool = False):
         self.llm = llm
