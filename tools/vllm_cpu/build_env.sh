@@ -17,7 +17,7 @@
 set -euo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/../.."
 
-ENV_DIR="${VLLM_ENV:-.cache/vllm-env}"
+ENV_DIR="${MEGARL_VLLM_ENV:-.cache/vllm-env}"
 PYTHON="${PYTHON:-$(command -v python3.11 || command -v python3)}"
 TORCH_VERSION="${TORCH_VERSION:-2.13.0}"
 VLLM_VERSION=0.32.0
