@@ -1,7 +1,7 @@
-"""The direction of dependencies, checked mechanically: no import cycles, a config that imports nothing of megarl,
-megatron-core only under megarl/mcore/, no torch in the verifiers, the reward stage, the sandbox or megarl-verify,
-sandbox guest files that import only the standard library, no module that shadows the standard library, and an
-entrypoint that holds no algorithm or backend names."""
+"""The direction of dependencies, checked mechanically: no import cycles, between modules or between packages, a
+config that imports nothing of megarl, megatron-core only under megarl/mcore/, no torch in the verifiers, the reward
+stage, the sandbox or megarl-verify, sandbox guest files that import only the standard library, no module that
+shadows the standard library, and an entrypoint that holds no algorithm or backend names."""
 
 from __future__ import annotations
 
@@ -146,6 +146,68 @@ def test_the_cycle_check_sees_a_cycle_through_a_function_level_import_and_not_a_
     (pkg / "d.py").write_text("from megarl import c\n")
     assert cycles(import_graph(pkg, tmp_path)) == [["megarl.sub.a", "megarl.sub.b"]]
 
+
+
+def package_graph(graph: dict[str, set[str]]) -> dict[str, dict[str, list[str]]]:
+    """The import graph between packages: each subpackage of megarl (`megarl.mcore`, `megarl.rollout`, ...) and
+    each top-level module (`megarl.data`, `megarl.preflight`, ...) -> the packages it imports, each with the
+    module-level edges that make it (`megarl.data.x -> megarl.reward.y`). `megarl` itself is its `__init__`."""
+    def package(module: str) -> str:
+        return ".".join(module.split(".")[:2])
+
+    out: dict[str, dict[str, list[str]]] = {}
+    for module, imported in graph.items():
+        edges = out.setdefault(package(module), {})
+        for other in sorted(imported):
+            if package(other) != package(module):
+                edges.setdefault(package(other), []).append(f"{module} -> {other}")
+    return out
+
+
+def package_cycles(graph: dict[str, set[str]]) -> list[str]:
+    """Each cycle between packages, named with the module-level imports that close it."""
+    packages = package_graph(graph)
+    found = []
+    for component in cycles({p: set(edges) for p, edges in packages.items()}):
+        inside = [e for p in component for q, edges in packages[p].items() if q in component for e in edges]
+        found.append(f"{' <-> '.join(component)}: {'; '.join(inside)}")
+    return found
+
+
+def test_megarl_has_no_import_cycles_between_packages():
+    """Layers, not only files: a package that imports another never imports it back, through any of its modules.
+    The engine in mcore takes what it needs of rollout through a protocol (`MakeCompletion`); data takes the reward
+    spec's check as an argument; the checkpoint layout has a home of its own (`megarl.checkpoint_layout`)."""
+    graph = import_graph(PACKAGE)
+    packages = package_graph(graph)
+    assert {"megarl.mcore", "megarl.rollout", "megarl.data", "megarl.reward", "megarl.stages"} <= set(packages)
+    assert "megarl.mcore" in packages["megarl.rollout"], "the scan must see the edges between packages"
+    assert package_cycles(graph) == []
+    assert "megarl.rollout" not in packages["megarl.mcore"], packages["megarl.mcore"]["megarl.rollout"]
+    assert "megarl.reward" not in packages["megarl.data"], packages["megarl.data"]["megarl.reward"]
+    assert "megarl.preflight" not in packages["megarl.mcore"], packages["megarl.mcore"]["megarl.preflight"]
+
+
+def test_the_package_check_names_a_cycle_no_module_cycle_shows(tmp_path):
+    """Two subpackages, and a top-level module with a subpackage, that import each other through different modules:
+    no file imports itself back, yet the layers are tangled, and the check names both cycles and their imports."""
+    pkg = tmp_path / "megarl"
+    for sub in ("engine", "rollout", "store"):
+        (pkg / sub).mkdir(parents=True)
+        (pkg / sub / "__init__.py").write_text("")
+    (pkg / "__init__.py").write_text("")
+    (pkg / "engine" / "runner.py").write_text("from megarl.rollout.types import Completion\n")
+    (pkg / "rollout" / "types.py").write_text("Completion = tuple\n")
+    (pkg / "rollout" / "backends.py").write_text("def build():\n    from megarl.engine import runner\n")
+    (pkg / "data.py").write_text("from megarl.store import rules\n")
+    (pkg / "store" / "rules.py").write_text("")
+    (pkg / "store" / "stage.py").write_text("from megarl.data import load\n")
+    graph = import_graph(pkg, tmp_path)
+    assert cycles(graph) == [], "no module-level cycle: only the package view sees these"
+    assert package_cycles(graph) == [
+        "megarl.data <-> megarl.store: megarl.data -> megarl.store.rules; megarl.store.stage -> megarl.data",
+        "megarl.engine <-> megarl.rollout: megarl.engine.runner -> megarl.rollout.types; "
+        "megarl.rollout.backends -> megarl.engine.runner"]
 
 def test_config_and_the_registry_import_nothing_of_megarl_but_its_errors():
     """megarl.config is a leaf: every layer may import it; it imports megarl's errors and the pure-Python rule
