@@ -2,7 +2,8 @@
 that checks them before any work (`megarl.preflight`, `megarl-convert-checkpoint`): standard library only.
 
 `<dir>/iter_0000007/` holds one complete checkpoint (an interrupted save is `iter_0000007.tmp`); `<dir>/latest`
-names the newest complete one.
+names the newest complete one. Each checkpoint, and each run's output directory, holds the run's settings as
+`config.json` (`SAVED_CONFIG`; written and read by `megarl.config.saved`).
 """
 
 from __future__ import annotations
@@ -12,6 +13,7 @@ from pathlib import Path
 from megarl.errors import ConfigError
 
 LATEST = "latest"  # <dir>/latest names the newest complete iter_N directory
+SAVED_CONFIG = "config.json"  # the run's settings, in each checkpoint and in the output directory
 
 
 def iter_name(step: int) -> str:
