@@ -175,17 +175,21 @@ def package_cycles(graph: dict[str, set[str]]) -> list[str]:
 
 
 def test_megarl_has_no_import_cycles_between_packages():
-    """Layers, not only files: a package that imports another never imports it back, through any of its modules.
-    The engine in mcore takes what it needs of rollout through a protocol (`MakeCompletion`); data takes the reward
-    spec's check as an argument; the checkpoint layout has a home of its own (`megarl.checkpoint_layout`)."""
+    """Layers, not only files: a package that imports another never imports it back, through any of its modules."""
     graph = import_graph(PACKAGE)
-    packages = package_graph(graph)
+    assert package_cycles(graph) == []
+
+
+def test_the_layers_that_were_tangled_import_one_way():
+    """The engine in mcore takes what it needs of rollout through a protocol (`MakeCompletion`); data takes the reward
+    spec's check as an argument; the checkpoint layout, `config.json`'s name included, has a home of its own
+    (`megarl.checkpoint_layout`), so mcore imports neither preflight nor config."""
+    packages = package_graph(import_graph(PACKAGE))
     assert {"megarl.mcore", "megarl.rollout", "megarl.data", "megarl.reward", "megarl.stages"} <= set(packages)
     assert "megarl.mcore" in packages["megarl.rollout"], "the scan must see the edges between packages"
-    assert package_cycles(graph) == []
-    assert "megarl.rollout" not in packages["megarl.mcore"], packages["megarl.mcore"]["megarl.rollout"]
-    assert "megarl.reward" not in packages["megarl.data"], packages["megarl.data"]["megarl.reward"]
-    assert "megarl.preflight" not in packages["megarl.mcore"], packages["megarl.mcore"]["megarl.preflight"]
+    for low, high in (("megarl.mcore", "megarl.rollout"), ("megarl.data", "megarl.reward"),
+                      ("megarl.mcore", "megarl.preflight"), ("megarl.mcore", "megarl.config")):
+        assert high not in packages[low], packages[low][high]
 
 
 def test_the_package_check_names_a_cycle_no_module_cycle_shows(tmp_path):
@@ -211,11 +215,11 @@ def test_the_package_check_names_a_cycle_no_module_cycle_shows(tmp_path):
 
 def test_config_and_the_registry_import_nothing_of_megarl_but_its_errors():
     """megarl.config is a leaf: every layer may import it; it imports megarl's errors and the pure-Python rule
-    modules of the components whose rules it checks (which import no more), and names no component's option (they
-    are declared where the components are registered)."""
+    modules of the components whose rules it checks and the checkpoint layout (`config.json`'s name), which import
+    no more, and names no component's option (they are declared where the components are registered)."""
     graph = import_graph(PACKAGE)
     config = {m for m in graph if m == "megarl.config" or m.startswith("megarl.config.")}
-    rules = {"megarl.mcore.rules", "megarl.rollout.slots"}
+    rules = {"megarl.mcore.rules", "megarl.rollout.slots", "megarl.checkpoint_layout"}
     outside = set().union(*(graph[m] for m in config)) - config
     assert outside <= {"megarl", "megarl.errors"} | rules, outside
     assert all(graph[m] <= {"megarl.errors", "megarl.registry"} for m in rules), {m: graph[m] for m in rules}
