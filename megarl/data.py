@@ -14,7 +14,7 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any, Callable, Iterator
 
-from megarl.config import ConfigError
+from megarl.errors import ConfigError
 
 
 @dataclass

@@ -24,7 +24,8 @@ from pathlib import Path
 
 from megarl.checkpoint_layout import LATEST, resolve_load
 from megarl.checkpoint_layout import complete_steps, iter_name  # noqa: F401 - importable here, their home before
-from megarl.config import SAVED_CONFIG, Config, ConfigError
+from megarl.config import SAVED_CONFIG, Config
+from megarl.errors import ConfigError
 from megarl.model_shape import ModelShape
 
 

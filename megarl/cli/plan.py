@@ -21,7 +21,7 @@ from dataclasses import replace
 from pathlib import Path
 
 from megarl.arguments import parse_args
-from megarl.config import ConfigError
+from megarl.errors import ConfigError
 from megarl.model_shape import ModelShape
 from megarl.planner import (GIB, GPUS, Cluster, Plan, RunSettings, active_params, expert_bytes_per_gpu,
                          kv_bytes_per_token, lora_params, lora_stage_params, num_params, plan, recommend,

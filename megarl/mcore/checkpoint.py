@@ -28,7 +28,7 @@ import torch
 import torch.distributed as dist
 
 from megarl.checkpoint_layout import LATEST, SAVED_CONFIG, iter_name, resolve_load
-from megarl.config import ConfigError
+from megarl.errors import ConfigError
 from megarl.mcore import cpu_compat
 from megarl.mcore.convert import is_adapter_param, unwrap
 

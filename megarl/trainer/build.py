@@ -19,8 +19,9 @@ from typing import Callable
 import torch
 import torch.distributed as dist
 
-from megarl.config import Config, ConfigError, TrainingConfig, saved_config
+from megarl.config import Config, TrainingConfig, saved_config
 from megarl.data import PromptRecord, PromptSampler, load_prompts, split_by_length
+from megarl.errors import ConfigError
 from megarl.mcore import parallel
 from megarl.mcore.actor import AdaptersOff, MegatronPolicy, OptimConfig
 from megarl.mcore.lora import LoRAOptions

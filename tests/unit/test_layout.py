@@ -232,6 +232,20 @@ def test_config_and_the_registry_import_nothing_of_megarl_but_its_errors():
                         "sglang_mem_fraction", "rollout_device"}
 
 
+
+def test_config_error_is_imported_from_one_place():
+    """Every module of megarl, tools/ and launch/ imports `ConfigError` from `megarl.errors`, the leaf any layer may
+    import; `megarl.config.ConfigError` stays importable for users, and is the same class."""
+    import megarl.config
+    import megarl.errors
+
+    files = [p for top in ("megarl", "tools", "launch") for p in sorted((REPO / top).rglob("*.py"))]
+    offenders = [f"{p.relative_to(REPO)}:{node.lineno}" for p in files for node in ast.walk(ast.parse(p.read_text()))
+                 if isinstance(node, ast.ImportFrom) and node.module != "megarl.errors"
+                 and "ConfigError" in {a.name for a in node.names}]
+    assert offenders == []
+    assert megarl.config.ConfigError is megarl.errors.ConfigError
+
 def test_no_module_of_megarl_shadows_the_standard_library():
     """`torchrun megarl/train.py` puts megarl/ first on sys.path: a megarl/types.py would be every library's `types`."""
     top = {p.stem for p in PACKAGE.glob("*.py")} | {p.name for p in PACKAGE.iterdir() if (p / "__init__.py").exists()}
