@@ -3,8 +3,8 @@ the same arguments.
 
 A script's directory comes first on sys.path, so while this file exists, `import nemo_run` in a script of launch/
 finds it instead of the nemo_run package. Imported under that name, it therefore puts the package in its own place
-(looked up on sys.path without this directory; sys.path itself is left as it is). Delete this file, and that with
-it, once the old command is out of use.
+(looked up on sys.path without this directory; sys.path itself is left as it is). Removed in megarl 0.3, and that
+with it: run launch/nemo_run_launcher.py.
 """
 
 import importlib.machinery

@@ -21,7 +21,7 @@ import sys
 from pathlib import Path
 
 from megarl.arguments import parse_args
-from megarl.config import ConfigError
+from megarl.errors import ConfigError
 from megarl.preflight import LaunchError, check_run
 
 ROOT = Path(__file__).resolve().parents[1]

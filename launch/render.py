@@ -22,7 +22,8 @@ import sys
 from pathlib import Path
 
 from megarl.arguments import parse_args
-from megarl.config import Config, ConfigError
+from megarl.config import Config
+from megarl.errors import ConfigError
 from megarl.preflight import LaunchError, Layout, check_run, parallel_layout
 
 ROOT = Path(__file__).resolve().parents[1]

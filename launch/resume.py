@@ -30,7 +30,7 @@ def resume_args(argv: list[str]) -> list[str]:
 
 
 def main() -> None:
-    from megarl.config import ConfigError
+    from megarl.errors import ConfigError
 
     try:
         argv = resume_args(sys.argv[1:])

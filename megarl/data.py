@@ -12,9 +12,9 @@ import json
 import random
 from dataclasses import dataclass, field, replace
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any, Callable, Iterator
 
-from megarl.config import ConfigError
+from megarl.errors import ConfigError
 
 
 @dataclass
@@ -31,11 +31,12 @@ class PromptRecord:
 
 def load_prompts(path: str, tokenizer, *, input_key: str, label_key: str, verifier_key: str,
                  default_verifier: str = "", apply_chat_template: bool = False,
-                 flag: str = "--prompt-data") -> list[PromptRecord]:
+                 flag: str = "--prompt-data",
+                 spec_error: Callable[[str], str | None] | None = None) -> list[PromptRecord]:
     """Read and validate every row before training starts; errors name the file and line (jsonl) or row
-    (parquet). A `.parquet` path is read as parquet, any other as jsonl."""
-    from megarl.reward.compose import spec_error
-
+    (parquet). A `.parquet` path is read as parquet, any other as jsonl. `spec_error(verifier)`: why a row's
+    verifier field is no valid reward spec, or None (the trainer passes `megarl.reward.compose.spec_error`; data
+    knows nothing of rewards, so without it the field is only checked to be text)."""
     p = Path(path)
     if not path:
         raise ConfigError(f"{flag} is required")
@@ -60,7 +61,7 @@ def load_prompts(path: str, tokenizer, *, input_key: str, label_key: str, verifi
             raise ConfigError(f"{where}: no {verifier_key!r} field and no --default-verifier")
         if not isinstance(verifier, str):
             raise ConfigError(f"{where}: field {verifier_key!r} must be text (a verifier name or a reward spec)")
-        if error := spec_error(verifier):
+        if spec_error is not None and (error := spec_error(verifier)):
             raise ConfigError(f"{where}: {error}")
         text, ids = _render_prompt(row[input_key], tokenizer, apply_chat_template, f"{where}: field {input_key!r}")
         records.append(PromptRecord(len(records), text, ids, row[label_key], verifier, where, row[input_key]))

@@ -131,7 +131,7 @@ def open_sinks(logging_cfg, output_dir: str, run_config: dict, resumed: bool) ->
             _warn("--wandb-project needs the wandb package (pip install 'megarl[wandb]' or pip install wandb); "
                   "continuing without wandb")
         except Exception as e:  # no login, no network, a bad project name: say so before any training is done
-            from megarl.config import ConfigError
+            from megarl.errors import ConfigError
 
             raise ConfigError(f"--wandb-project {lg.wandb_project}: wandb could not start a run ({type(e).__name__}: "
                               f"{e}); run `wandb login`, or use --wandb-mode offline (no network needed) or disabled"

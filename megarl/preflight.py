@@ -22,10 +22,11 @@ import math
 from dataclasses import dataclass
 from pathlib import Path
 
-from megarl.config import SAVED_CONFIG, Config, ConfigError
+from megarl.checkpoint_layout import LATEST, resolve_load
+from megarl.checkpoint_layout import complete_steps, iter_name  # noqa: F401 - importable here, their home before
+from megarl.config import SAVED_CONFIG, Config
+from megarl.errors import ConfigError
 from megarl.model_shape import ModelShape
-
-LATEST = "latest"  # <dir>/latest names the newest complete iter_N directory
 
 
 class LaunchError(ValueError):
@@ -162,45 +163,6 @@ def check_model(cfg: Config, required: bool = True, problems: list[str] | None =
     if problems:
         raise ConfigError("\n  ".join([f"the run cannot start as configured ({len(problems)} problems):", *problems]))
     return shape
-
-
-def iter_name(step: int) -> str:
-    return f"iter_{step:07d}"
-
-
-def complete_steps(root: Path) -> list[int]:
-    """The steps of the complete checkpoints under `root` (an interrupted save is `iter_N.tmp`)."""
-    steps = []
-    for p in root.glob("iter_*"):
-        if p.is_dir() and p.name[5:].isdigit():
-            steps.append(int(p.name[5:]))
-    return sorted(steps)
-
-
-def resolve_load(load: str, ckpt_step: int = -1) -> Path | None:
-    """The checkpoint `--load` resumes from: `load` itself when it is an iter_N directory, else its iter_N for
-    --ckpt-step, else the one its `latest` names; None when it holds no checkpoint yet (a fresh start, as in
-    Megatron and slime). A `latest` that names a missing directory, or a --ckpt-step with no checkpoint, is an
-    error: something was lost, and starting afresh would hide it."""
-    root = Path(load)
-    if (root / "trainer_state.pkl").is_file():  # an iter_N directory itself
-        if ckpt_step >= 0:
-            raise ConfigError(f"--ckpt-step {ckpt_step}: --load {load} is already one step's checkpoint")
-        return root
-    if ckpt_step >= 0:
-        path = root / iter_name(ckpt_step)
-        if not path.is_dir():
-            have = complete_steps(root) if root.is_dir() else []
-            raise ConfigError(f"--ckpt-step {ckpt_step}: no {path.name} under --load {load} (complete steps there: "
-                              f"{', '.join(map(str, have)) or 'none'})")
-        return path
-    marker = root / LATEST
-    if not marker.is_file():
-        return None
-    path = root / marker.read_text().strip()
-    if not path.is_dir():
-        raise ConfigError(f"--load {load}: '{LATEST}' names {path.name}, which does not exist")
-    return path
 
 
 def check_resume(cfg: Config, shape: ModelShape | None) -> Path | None:

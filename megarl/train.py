@@ -20,7 +20,8 @@ import sys
 import time
 
 from megarl.arguments import help_text, parse_args
-from megarl.config import Config, ConfigError
+from megarl.config import Config
+from megarl.errors import ConfigError
 
 
 def main(argv: list[str]) -> int:

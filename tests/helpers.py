@@ -96,7 +96,7 @@ def torchrun(nproc: int, script: str, *args: str, timeout: float = 300, check: b
     """Run `script` under torchrun on `nproc` CPU processes; a hang fails after `timeout` seconds. `root`: the
     checkout it runs in (cwd and the first entry of PYTHONPATH), this one unless a test runs another commit."""
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(nproc),
-           "--master-port", str(port or _free_port()), script, *map(str, args)]
+           "--master-port", str(port or free_port()), script, *map(str, args)]
     proc = subprocess.run(cmd, cwd=root, env={**env(root), **(extra_env or {})}, capture_output=True, text=True,
                           timeout=timeout)
     if check and proc.returncode != 0:
@@ -105,12 +105,20 @@ def torchrun(nproc: int, script: str, *args: str, timeout: float = 300, check: b
     return proc
 
 
-def _free_port() -> int:
+def free_port() -> int:
+    """A TCP port free on 127.0.0.1 now (for a torchrun rendezvous or a process group's store)."""
     import socket
 
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+def metrics_by_step(out: Path) -> dict[int, dict]:
+    """A run's metrics.jsonl records (`--output-dir out`), by step."""
+    import json
+
+    return {row["step"]: row for row in map(json.loads, (out / "metrics.jsonl").read_text().splitlines())}
 
 
 def train_two_steps_through_the_pool(starter: Path, data: Path, out: Path, reward_timeout: float) -> list[dict]:

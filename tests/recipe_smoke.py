@@ -32,7 +32,6 @@ import importlib.util
 import io
 import json
 import os
-import socket
 import string
 import subprocess
 import sys
@@ -40,7 +39,7 @@ import time
 import traceback
 from pathlib import Path
 
-from helpers import randomize_qwen3_norms_and_router  # tests/ (this script's folder, or conftest's path)
+from helpers import free_port, randomize_qwen3_norms_and_router  # tests/ (this script's folder, or conftest's path)
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -304,12 +303,6 @@ def prepare(run: str, shared: Path) -> tuple[Path, dict[str, str]]:
     return path, env
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def smoke(run: str, root: Path, shared: Path) -> dict:
     """One smoke run in this process, writing under `root`: {"run", "out" (`root`), "rc", "stderr" (its tail),
     "seconds", "recipe_config" (the recipe's own settings, read with the same environment; None if it does not
@@ -322,7 +315,7 @@ def smoke(run: str, root: Path, shared: Path) -> dict:
     t0 = time.perf_counter()
     recipe, env = prepare(run, shared)
     saved = {k: os.environ.get(k) for k in (*env, "MASTER_ADDR", "MASTER_PORT")}
-    os.environ.update(env, MASTER_ADDR="127.0.0.1", MASTER_PORT=str(_free_port()))
+    os.environ.update(env, MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()))
     err = io.StringIO()
     try:
         try:

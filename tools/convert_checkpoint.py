@@ -1,5 +1,5 @@
 """The old spelling of `megarl-convert-checkpoint` (`python -m megarl.cli.convert_checkpoint`): it says so on stderr,
-then runs that command with the same arguments."""
+then runs that command with the same arguments. Removed in megarl 0.3: run `megarl-convert-checkpoint`."""
 
 import os
 import sys

@@ -320,7 +320,7 @@ def dynamic_part(args) -> dict:
     from megarl.mcore.inference_engine import MegatronEngine, megatron_engine_available
     from megarl.mcore.parallel import parallel_info
     from megarl.model_shape import ModelShape
-    from megarl.rollout.base import SamplingParams
+    from megarl.rollout.base import Completion, SamplingParams
     from megarl.rollout.builtin import BuiltinEngine
     from megarl.stages.colocation import WeightSync
     from megarl.stages.setup import optim_config
@@ -334,7 +334,8 @@ def dynamic_part(args) -> dict:
                            use_transformer_engine=False)
     builtin = BuiltinEngine(TINY, device="cuda", dtype=torch.bfloat16)
     WeightSync(actor, builtin, cfg.rollout, parallel_info())(version=0)
-    engine = MegatronEngine.for_actor(actor, max_sequence_length=256, buffer_size_gb=1.0, max_requests=64)
+    engine = MegatronEngine.for_actor(actor, max_sequence_length=256, completion=Completion, buffer_size_gb=1.0,
+                                      max_requests=64)
     prompts = [p.prompt_ids for p in _prompts(shape.vocab_size, args.prompts, 0)]
     greedy = SamplingParams(n=1, temperature=0.0, max_new_tokens=args.response_len)
     t = time.perf_counter()
@@ -356,7 +357,7 @@ def dynamic_part(args) -> dict:
     del actor, builtin, engine
     gc.collect()
     out = grpo_part(args, TINY, bf16=True, offload=False, use_te=False, rollout_backend="megatron",
-                    engine_factory=lambda a: MegatronEngine.for_actor(a, max_sequence_length=256,
+                    engine_factory=lambda a: MegatronEngine.for_actor(a, max_sequence_length=256, completion=Completion,
                                                                       buffer_size_gb=1.0, max_requests=64))
     out["parity"] = parity
     return out

@@ -1,5 +1,5 @@
-"""The old spelling of `megarl-plan` (`python -m megarl.cli.plan`): it says so on stderr,
-then runs that command with the same arguments."""
+"""The old spelling of `megarl-plan` (`python -m megarl.cli.plan`): it says so on stderr, then runs that command
+with the same arguments. Removed in megarl 0.3: run `megarl-plan`."""
 
 import sys
 

@@ -1,5 +1,5 @@
 """The old spelling of `megarl-prepare-data` (`python -m megarl.cli.prepare_data`): it says so on stderr,
-then runs that command with the same arguments."""
+then runs that command with the same arguments. Removed in megarl 0.3: run `megarl-prepare-data`."""
 
 import sys
 

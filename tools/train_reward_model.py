@@ -1,5 +1,5 @@
 """The old spelling of `megarl-train-reward-model` (`python -m megarl.cli.train_reward_model`): it says so on stderr,
-then runs that command with the same arguments."""
+then runs that command with the same arguments. Removed in megarl 0.3: run `megarl-train-reward-model`."""
 
 import sys
 

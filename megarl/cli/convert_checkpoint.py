@@ -29,7 +29,8 @@ import os
 import sys
 from pathlib import Path
 
-from megarl.config import SAVED_CONFIG, ConfigError
+from megarl.config import SAVED_CONFIG
+from megarl.errors import ConfigError
 from megarl.preflight import read_shape, resolve_load
 
 

@@ -8,7 +8,7 @@ rollout / training / weight sync, and whether to run colocated or disaggregated,
 The first argument is a recipe or a model shape file (recipes/models/<m>.sh, itself a small recipe); megarl
 flags after `--` override it, exactly as on train.py's command line. The architecture comes from --model (an HF
 config.json, its directory, or a shape file), else the MODEL_SHAPE a shape file defines, else the config.json of
-the recipe's --hf-checkpoint. Formulas and assumptions: megarl/plan.py's docstring.
+the recipe's --hf-checkpoint. Formulas and assumptions: megarl/planner.py's docstring.
 """
 
 from __future__ import annotations
@@ -21,9 +21,9 @@ from dataclasses import replace
 from pathlib import Path
 
 from megarl.arguments import parse_args
-from megarl.config import ConfigError
+from megarl.errors import ConfigError
 from megarl.model_shape import ModelShape
-from megarl.plan import (GIB, GPUS, Cluster, Plan, RunSettings, active_params, expert_bytes_per_gpu,
+from megarl.planner import (GIB, GPUS, Cluster, Plan, RunSettings, active_params, expert_bytes_per_gpu,
                          kv_bytes_per_token, lora_params, lora_stage_params, num_params, plan, recommend,
                          reward_model_params)
 from megarl.preflight import model_problems, prompt_limit

@@ -41,7 +41,8 @@ import sys
 from collections import Counter, defaultdict
 from pathlib import Path
 
-from megarl.config import ConfigError, FlagSpec, build_config, convert_value, flag_specs
+from megarl.config import FlagSpec, build_config, convert_value, flag_specs
+from megarl.errors import ConfigError
 from megarl.verifiers.base import OUTCOMES
 
 

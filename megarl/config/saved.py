@@ -12,12 +12,10 @@ import os
 from pathlib import Path
 from typing import Any
 
+from megarl.checkpoint_layout import SAVED_CONFIG  # noqa: F401 - megarl.config.SAVED_CONFIG, from its one home
 from megarl.config.flags import FlagSpec, convert_value
 from megarl.config.schema import Config
 from megarl.errors import ConfigError
-
-
-SAVED_CONFIG = "config.json"
 
 
 def saved_config(cfg: Config, **facts: Any) -> dict[str, Any]:

@@ -27,10 +27,10 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from megarl.config import SAVED_CONFIG, ConfigError
+from megarl.checkpoint_layout import LATEST, SAVED_CONFIG, iter_name, resolve_load
+from megarl.errors import ConfigError
 from megarl.mcore import cpu_compat
 from megarl.mcore.convert import is_adapter_param, unwrap
-from megarl.preflight import LATEST, iter_name, resolve_load
 
 LORA_BASE = "lora_base.json"  # a LoRA checkpoint's record of the base weights it was trained on
 

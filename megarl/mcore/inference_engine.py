@@ -2,7 +2,10 @@
 
 It lives in `megarl/mcore/` because it is the one rollout engine that knows Megatron: it wraps megatron-core's
 inference API around the actor's model. The rest of megarl reaches it only through the `RolloutEngine` protocol
-and the backend registry (`megarl.rollout.backends`).
+and the backend registry (`megarl.rollout.backends`, which builds it). It imports nothing of `megarl.rollout` at run
+time (the rollout types below are annotations only): what it needs of that side, the type its completions are
+returned as, it declares (`MakeCompletion`) and the `megatron` backend passes in, so that the two packages do not
+import each other.
 
 The engine drives the actor's own Megatron model (megatron-core's `DynamicInferenceEngine` over a
 `DynamicInferenceContext`: a paged KV cache, requests batched in flight), so no weights are copied: a weight sync
@@ -33,13 +36,23 @@ which skips where the engine cannot run; no GPU run of it is recorded in this re
 
 from __future__ import annotations
 
-from typing import Iterable, Sequence
+from typing import TYPE_CHECKING, Iterable, Protocol, Sequence
 
 import torch
 
 from megarl.model_shape import ModelShape
-from megarl.rollout.base import Completion, EngineCapabilities, SamplingParams
-from megarl.rollout.weight_sync import WeightBucket
+
+if TYPE_CHECKING:
+    from megarl.rollout.base import Completion, FinishReason, SamplingParams
+    from megarl.rollout.weight_sync import WeightBucket
+
+
+class MakeCompletion(Protocol):
+    """What the engine needs of the rollout side: the type a finished request is returned as,
+    `megarl.rollout.base.Completion` (the `megatron` backend passes it in; module docstring)."""
+
+    def __call__(self, token_ids: list[int], logprobs: list[float], finish_reason: FinishReason,
+                 weight_version: int) -> Completion: ...
 
 
 def megatron_engine_available() -> tuple[bool, str]:
@@ -77,16 +90,18 @@ def megatron_sampling(params: SamplingParams) -> dict:
     )
 
 
-def to_completion(tokens: Sequence[int], logprobs: Sequence[float], params: SamplingParams, version: int) -> Completion:
-    """A finished request's generated tokens and log-probs as a `Completion`, cut after the first stop token."""
+def to_completion(tokens: Sequence[int], logprobs: Sequence[float], params: SamplingParams, version: int,
+                  completion: MakeCompletion) -> Completion:
+    """A finished request's generated tokens and log-probs as a `completion` (a `Completion`), cut after the first
+    stop token."""
     tokens, logprobs = [int(t) for t in tokens], [float(x) for x in logprobs]
     if len(tokens) != len(logprobs):
         raise RuntimeError(f"Megatron's engine returned {len(tokens)} tokens but {len(logprobs)} log-probs")
     stops = set(params.stop_token_ids)
     for i, t in enumerate(tokens):
         if t in stops:
-            return Completion(tokens[: i + 1], logprobs[: i + 1], "stop", version)
-    return Completion(tokens, logprobs, "length", version)
+            return completion(tokens[: i + 1], logprobs[: i + 1], "stop", version)
+    return completion(tokens, logprobs, "length", version)
 
 
 def group(completions: list[Completion], n: int) -> list[list[Completion]]:
@@ -112,13 +127,16 @@ class _IdsOnlyTokenizer:
         raise TypeError("megarl's Megatron engine takes token ids, not text")
 
 
-class MegatronEngine(EngineCapabilities):
-    """A `RolloutEngine` over Megatron's `DynamicInferenceEngine` and the actor's own model (module docstring)."""
+class MegatronEngine:
+    """A `RolloutEngine` over Megatron's `DynamicInferenceEngine` and the actor's own model (module docstring). It
+    has none of the optional abilities of `megarl.rollout.base.EngineCapabilities`, so it does not derive from it
+    (which would import rollout here): the trainer wraps it in `as_engine`, which declares the defaults."""
 
     shares_actor_weights = True
 
-    def __init__(self, model: torch.nn.Module, shape: ModelShape, *, max_sequence_length: int,
-                 buffer_size_gb: float = 4.0, max_requests: int = 256, block_size_tokens: int = 256, seed: int = 0):
+    def __init__(self, model: torch.nn.Module, shape: ModelShape, *, completion: MakeCompletion,
+                 max_sequence_length: int, buffer_size_gb: float = 4.0, max_requests: int = 256,
+                 block_size_tokens: int = 256, seed: int = 0):
         ok, why = megatron_engine_available()
         if not ok:
             raise RuntimeError(f"--rollout-backend megatron: {why}")
@@ -130,7 +148,7 @@ class MegatronEngine(EngineCapabilities):
             TextGenerationController,
         )
 
-        self.model, self.shape = model, shape
+        self.model, self.shape, self.completion = model, shape, completion
         self.weight_version = 0
         dtype = next(model.parameters()).dtype
         self.dtype = dtype
@@ -148,8 +166,9 @@ class MegatronEngine(EngineCapabilities):
         self.seed = seed
 
     @classmethod
-    def for_actor(cls, actor, max_sequence_length: int, **kw) -> MegatronEngine:
-        """The engine over a `MegatronPolicy`'s model (inside Megatron's DDP wrapper, where there is one)."""
+    def for_actor(cls, actor, max_sequence_length: int, *, completion: MakeCompletion, **kw) -> MegatronEngine:
+        """The engine over a `MegatronPolicy`'s model (inside Megatron's DDP wrapper, where there is one), returning
+        its completions as `completion` (`megarl.rollout.base.Completion`)."""
         if actor.padded_vocab_size != actor.shape.vocab_size:
             # Megatron's sampler draws from every row of the output layer, padding rows included.
             raise ValueError(f"--rollout-backend megatron samples from the actor's whole output layer, which has "
@@ -157,7 +176,7 @@ class MegatronEngine(EngineCapabilities):
                              "--make-vocab-size-divisible-by 1 (at TP 1 nothing is then padded)")
         model = actor.model
         model = getattr(model, "module", model) if type(model).__name__ == "DistributedDataParallel" else model
-        return cls(model, actor.shape, max_sequence_length=max_sequence_length, **kw)
+        return cls(model, actor.shape, completion=completion, max_sequence_length=max_sequence_length, **kw)
 
     # -- generation ------------------------------------------------------------------------------------------
 
@@ -177,7 +196,7 @@ class MegatronEngine(EngineCapabilities):
         if len(finished) != len(requests):
             raise RuntimeError(f"Megatron's engine finished {len(finished)} of {len(requests)} requests")
         completions = [to_completion(list(r.generated_tokens), list(r.generated_log_probs or []), params,
-                                     self.weight_version) for r in finished]
+                                     self.weight_version, self.completion) for r in finished]
         if needs_rescoring(params):
             rescored = self.score([req + c.token_ids for req, c in zip(requests, completions)],
                                   [len(req) for req in requests], temperature=params.temperature)

@@ -25,7 +25,6 @@ from __future__ import annotations
 import time
 from typing import TYPE_CHECKING, Any, Callable, Protocol, Sequence
 
-from megarl.data import PromptRecord
 from megarl.reward import compose
 from megarl.reward.models import REWARD_MODELS
 from megarl.reward.pool import RewardPool, shared_pool
@@ -33,8 +32,9 @@ from megarl.registry import refuse_bare_capabilities
 from megarl.samples import Sample
 from megarl.verifiers import VERIFIERS, VerifierCapabilities, VerifyResult
 
-if TYPE_CHECKING:
+if TYPE_CHECKING:  # annotations only: reward and data do not import each other
     from megarl.config import Config, RewardConfig
+    from megarl.data import PromptRecord
 
 
 class RewardFn(Protocol):

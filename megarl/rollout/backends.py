@@ -25,7 +25,7 @@ import torch
 
 from megarl.registry import Registry
 from megarl.rollout import slots
-from megarl.rollout.base import RolloutEngine
+from megarl.rollout.base import Completion, RolloutEngine
 
 if TYPE_CHECKING:
     from megarl.config import Config
@@ -229,4 +229,4 @@ def build_megatron(cfg: Config, actor: MegatronPolicy | None = None) -> RolloutE
     if actor is None:
         raise ValueError("--rollout-backend megatron generates with the actor's model: build_engine needs the actor")
     return MegatronEngine.for_actor(actor, max_sequence_length=actor.shape.max_position_embeddings,
-                                    seed=cfg.training.seed)
+                                    completion=Completion, seed=cfg.training.seed)

@@ -32,9 +32,8 @@ from __future__ import annotations
 
 import statistics
 from dataclasses import dataclass, field, replace
-from typing import Sequence
+from typing import TYPE_CHECKING, Sequence
 
-from megarl.config import SandboxConfig
 from megarl.data import PromptRecord
 from megarl.reward import RewardFn, Scores, StreamingReward
 from megarl.rollout.base import Completion, RolloutEngine, SamplingParams
@@ -43,6 +42,9 @@ from megarl.rollout.slots import ROLLOUTS, ToolUseOptions
 from megarl.tool_calls import TOOL_PARSERS, TOOLS, Observation, ParseError, ToolCall, build_tool, tool_settings
 from megarl.samples import Sample, SampleStatus
 from megarl.verifiers import VerifyResult
+
+if TYPE_CHECKING:  # megarl.config imports this package's slots: the run's sections reach here as arguments
+    from megarl.config import SandboxConfig
 
 UNAVAILABLE = "error: the tool is unavailable"  # what --tool-calls-fail answers every call
 
@@ -84,10 +86,11 @@ class ToolUse(Rollout):
     """The `tool_use` rollout function with its options (`megarl.rollout.slots.ToolUseOptions`) and tools; see the
     module docstring."""
 
-    def __init__(self, tc: ToolUseOptions, sb: SandboxConfig, tools: dict | None = None,
+    def __init__(self, tc: ToolUseOptions, sb: SandboxConfig | None, tools: dict | None = None,
                  options: dict[str, dict] | None = None):
-        """`tools`: name -> tool, instead of building the `--tools` (tests pass scripted ones); `options`: name ->
-        the keyword arguments of a tool that declares options (`TOOLS.kwargs(cfg)`)."""
+        """`sb`: the run's `--sandbox*` section (None: the tools' default sandbox); `tools`: name -> tool, instead of
+        building the `--tools` (tests pass scripted ones); `options`: name -> the keyword arguments of a tool that
+        declares options (`TOOLS.kwargs(cfg)`)."""
         self.tc = tc
         self.parser = TOOL_PARSERS.build(tc.tool_parser)
         names = [t.strip() for t in tc.tools.split(",") if t.strip()]
@@ -252,7 +255,7 @@ def chat_tool_turn(tokenizer, contents: Sequence[str]) -> str:
 def tool_use(engine: RolloutEngine, prompts: Sequence[PromptRecord], params: SamplingParams, reward: RewardFn,
              tokenizer) -> list[Sample]:
     """Multi-turn tool use with the default settings; the trainer builds it from the run's flags (`configure`)."""
-    rollout = ToolUse(ToolUseOptions(), SandboxConfig())
+    rollout = ToolUse(ToolUseOptions(), None)
     try:
         return rollout(engine, prompts, params, reward, tokenizer)
     finally:

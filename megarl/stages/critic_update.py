@@ -26,7 +26,8 @@ import torch.distributed as dist
 
 from megarl.algorithms import ADVANTAGES, AdvantageFn
 from megarl.algorithms.gae import gae_returns, masked_moments, mean_var, value_loss_clipped, whiten
-from megarl.config import Config, ConfigError
+from megarl.config import Config
+from megarl.errors import ConfigError
 from megarl.mcore import checkpoint, parallel
 from megarl.mcore.base_model import OptimConfig
 from megarl.mcore.critic import MegatronCritic

@@ -93,11 +93,13 @@ register_parser = TOOL_PARSERS.register  # a parser class, built with no argumen
 register_tool = TOOLS.register
 
 
-def tool_settings(tc, sb) -> ToolSettings:
+def tool_settings(tc, sb=None) -> ToolSettings:
     """The per-call limits and sandbox the tools of `--rollout-function tool_use` are built with, from its options
-    (`megarl.rollout.slots.ToolUseOptions`, `--tool-*`) and the run's `SandboxConfig` (`--sandbox*`)."""
+    (`megarl.rollout.slots.ToolUseOptions`, `--tool-*`) and the run's `SandboxConfig` (`--sandbox*`; None: the
+    default sandbox, as `SandboxConfig()` gives it: local, no image)."""
     return ToolSettings(timeout_s=tc.tool_timeout, memory_mb=tc.tool_memory_mb, output_bytes=tc.tool_output_bytes,
-                        sandbox=sb.sandbox, workers=tc.tool_workers, image=sb.sandbox_image or None)
+                        sandbox=sb.sandbox if sb else ToolSettings.sandbox, workers=tc.tool_workers,
+                        image=(sb.sandbox_image or None) if sb else None)
 
 
 def build_tool(name: str, settings: ToolSettings | None = None, **options) -> Tool:

@@ -19,8 +19,9 @@ from typing import Callable
 import torch
 import torch.distributed as dist
 
-from megarl.config import Config, ConfigError, TrainingConfig, saved_config
+from megarl.config import Config, TrainingConfig, saved_config
 from megarl.data import PromptRecord, PromptSampler, load_prompts, split_by_length
+from megarl.errors import ConfigError
 from megarl.mcore import parallel
 from megarl.mcore.actor import AdaptersOff, MegatronPolicy, OptimConfig
 from megarl.mcore.lora import LoRAOptions
@@ -30,6 +31,7 @@ from megarl.model_shape import ModelShape
 from megarl.preflight import Layout, check_run, padded_vocab_size, prompt_limit
 from megarl.registry import load_plugins
 from megarl.reward import RewardFn, build_reward, reward_options
+from megarl.reward.compose import spec_error
 from megarl.rollout import RolloutEngine, build_rollout
 from megarl.rollout.backends import BACKENDS, build_engine
 from megarl.rollout.base import as_engine
@@ -226,7 +228,7 @@ def _load_data(cfg: Config, tokenizer, limit: int, say) -> tuple[list[PromptReco
     """Training and held-out prompts, without those longer than `limit` tokens; the counts left out."""
     d, lg = cfg.data, cfg.logging
     keys = dict(input_key=d.input_key, label_key=d.label_key, verifier_key=d.verifier_key,
-                default_verifier=d.default_verifier, apply_chat_template=d.apply_chat_template)
+                default_verifier=d.default_verifier, apply_chat_template=d.apply_chat_template, spec_error=spec_error)
     counts = {}
     sets = []
     for flag, path, name in (("--prompt-data", d.prompt_data, "prompts"), ("--eval-data", d.eval_data, "eval_prompts")):

@@ -43,7 +43,7 @@ def test_chunked_equals_full_logits_at_tp1(one_rank_group):
 
 def test_the_planner_predicts_the_measured_head_peak(one_rank_group, monkeypatch):
     """tools/bench/logprob_memory.py's measurement (meta device: shapes only) of a small case against
-    `megarl.plan.logprob_head_bytes`, both heads, TP 1 and 2, within 15 %; and the chunked head's peak does not grow
+    `megarl.planner.logprob_head_bytes`, both heads, TP 1 and 2, within 15 %; and the chunked head's peak does not grow
     with the tokens."""
     import importlib.util
 
@@ -51,7 +51,7 @@ def test_the_planner_predicts_the_measured_head_peak(one_rank_group, monkeypatch
     from megatron.core import parallel_state
 
     from megarl.mcore import cpu_compat
-    from megarl.plan import logprob_head_bytes
+    from megarl.planner import logprob_head_bytes
 
     spec = importlib.util.spec_from_file_location("logprob_memory", REPO / "tools/bench/logprob_memory.py")
     bench = importlib.util.module_from_spec(spec)

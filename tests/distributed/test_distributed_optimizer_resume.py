@@ -18,10 +18,10 @@ pytestmark = pytest.mark.slow
 
 
 def test_distributed_optimizer_checkpoint_resumes_bitwise(tiny_qwen2, tmp_path):
-    from helpers import REPO, _free_port, env
+    from helpers import REPO, env, free_port
 
     subprocess.run([sys.executable, __file__, str(tiny_qwen2), str(tmp_path / "ckpt"), str(tmp_path)], check=True,
-                   env={**env(), "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(_free_port()),
+                   env={**env(), "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port()),
                         "PYTHONPATH": f"{REPO}{os.pathsep}{REPO / 'tests'}"}, timeout=300)
     r = torch.load(tmp_path / "result.pt")
     moved = max((r["continued"][k] - r["saved"][k]).abs().max().item() for k in r["saved"])

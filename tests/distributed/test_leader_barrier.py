@@ -5,13 +5,13 @@ is slow to confirm the push."""
 from __future__ import annotations
 
 import pytest
-from helpers import _free_port, torchrun
+from helpers import free_port, torchrun
 
 pytestmark = [pytest.mark.distributed]
 
 
 def test_no_leader_generates_before_the_push_is_over():
-    proc = torchrun(2, "tests/distributed/leader_barrier_worker.py", "--port", _free_port(), timeout=150)
+    proc = torchrun(2, "tests/distributed/leader_barrier_worker.py", "--port", free_port(), timeout=150)
     out = proc.stdout
     # without the barrier rank 1 returns at once and the stub, still confirming rank 0's push, serves v0
     assert "rank 1: sync 1 returned, the server generated with weights v1" in out, out

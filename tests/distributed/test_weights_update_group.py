@@ -5,12 +5,12 @@ a store nobody hosts, so trainer and SGLang both waited for the timeout. The tra
 from __future__ import annotations
 
 import pytest
-from helpers import _free_port, torchrun
+from helpers import free_port, torchrun
 
 pytestmark = [pytest.mark.distributed, pytest.mark.slow]
 
 
 def test_weights_update_group_forms_under_torchrun():
-    port = _free_port()
+    port = free_port()
     proc = torchrun(2, "tests/distributed/weights_group_worker.py", "--port", port, "--timeout", 20, timeout=150)
     assert "rank 0: joined megarl_weights" in proc.stdout and "rank 1: joined megarl_weights" in proc.stdout

@@ -6,19 +6,14 @@ evaluation every `--eval-interval` steps, and no library warnings on the console
 from __future__ import annotations
 
 import json
-from pathlib import Path
 
 import pytest
-from helpers import torchrun
+from helpers import metrics_by_step, torchrun
 
 from megarl.arguments import parse_args
 
 pytestmark = [pytest.mark.distributed, pytest.mark.slow]
 TRAIN = "megarl/train.py"
-
-
-def _metrics(out: Path) -> dict[int, dict]:
-    return {row["step"]: row for row in map(json.loads, (out / "metrics.jsonl").read_text().splitlines())}
 
 
 @pytest.fixture(scope="module")
@@ -44,7 +39,7 @@ def test_long_prompts_are_left_out_and_counted(first):
     out = first["proc"].stdout
     assert "left out 2 of 42 --prompt-data prompts longer than 56 tokens" in out
     assert f"{first['data']}:11 (63 tokens), {first['data']}:42 (84 tokens)" in out
-    rows = _metrics(first["out"])
+    rows = metrics_by_step(first["out"])
     assert sorted(rows) == [1, 2] and all(r["prompts_too_long"] == 2 and r["eval_prompts_too_long"] == 0
                                            for r in rows.values())
 
@@ -57,7 +52,7 @@ def test_the_first_start_needs_no_checkpoint_and_the_console_has_no_warnings(fir
 
 
 def test_held_out_accuracy_every_interval(first):
-    rows = _metrics(first["out"])
+    rows = metrics_by_step(first["out"])
     assert 0.0 <= rows[1]["eval_sampled"] <= 1.0 and 0.0 <= rows[1]["eval_greedy"] <= 1.0
     assert "eval_sampled" not in rows[2], "the last step's evaluation is the final one (eval.json)"
     assert set(json.loads((first["out"] / "eval.json").read_text())) >= {"before", "after"}
@@ -81,7 +76,7 @@ def test_an_older_step_from_the_saved_config_repeats_the_run(first):
     proc = torchrun(2, TRAIN, first["out"] / "config.json", "--ckpt-step", 1, "--save", "", "--eval-interval", 0,
                     "--output-dir", out, timeout=400)
     assert f"resumed from {first['ckpt'] / 'iter_0000001'} at step 1" in proc.stdout
-    mine, theirs = _metrics(out)[2], _metrics(first["out"])[2]
+    mine, theirs = metrics_by_step(out)[2], metrics_by_step(first["out"])[2]
     for key in ("reward_mean", "loss", "grad_norm", "response_len", "lr"):
         assert mine[key] == theirs[key], key
 
@@ -90,4 +85,4 @@ def test_the_same_command_resumes_after_the_first_start(first):
     """Run last: it saves step 3, which prunes step 1's checkpoint (--keep-last 2)."""
     proc = torchrun(2, TRAIN, *first["argv"], "--num-steps", 3, timeout=400)
     assert f"resumed from {first['ckpt'] / 'iter_0000002'} at step 2" in proc.stdout
-    assert sorted(_metrics(first["out"])) == [1, 2, 3]
+    assert sorted(metrics_by_step(first["out"])) == [1, 2, 3]

@@ -13,7 +13,7 @@ import time
 from pathlib import Path
 
 import pytest
-from helpers import REPO, _free_port, env, torchrun
+from helpers import REPO, env, free_port, torchrun
 
 pytestmark = [pytest.mark.distributed, pytest.mark.slow]
 TRAIN = "megarl/train.py"
@@ -43,7 +43,7 @@ def _latest_step(ckpt: Path) -> int:
 def _run_and_kill(nproc: int, args: list, ckpt: Path, timeout: float = 400) -> int:
     """Start a run that saves every step; SIGKILL its whole process group once step KILL_AFTER is saved."""
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(nproc), "--master-port",
-           str(_free_port()), TRAIN, *map(str, args), "--save", str(ckpt), "--save-interval", "1"]
+           str(free_port()), TRAIN, *map(str, args), "--save", str(ckpt), "--save-interval", "1"]
     proc = subprocess.Popen(cmd, cwd=REPO, env=env(), stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
                             start_new_session=True)
     deadline = time.monotonic() + timeout

@@ -3,13 +3,12 @@ logged, its checkpoint sits next to the actor's, and a run resumed from step 2 r
 
 from __future__ import annotations
 
-import json
 import math
 import shutil
 from pathlib import Path
 
 import pytest
-from helpers import torchrun
+from helpers import metrics_by_step, torchrun
 
 pytestmark = [pytest.mark.distributed, pytest.mark.slow]
 TRAIN = "megarl/train.py"
@@ -23,14 +22,10 @@ def _args(starter: Path, out: Path) -> list:
             "--log-interval", 1]
 
 
-def _metrics(out: Path) -> dict[int, dict]:
-    return {row["step"]: row for row in map(json.loads, (out / "metrics.jsonl").read_text().splitlines())}
-
-
 def test_ppo_steps_at_dp2_and_exact_resume(starter, tmp_path):
     full, resumed, ckpt = tmp_path / "full", tmp_path / "resumed", tmp_path / "ckpt"
     torchrun(2, TRAIN, *_args(starter, full), "--save", ckpt, "--save-interval", 2, "--keep-last", 3, timeout=300)
-    rows = _metrics(full)
+    rows = metrics_by_step(full)
     assert sorted(rows) == [1, 2, 3, 4]
     for row in rows.values():
         assert all(math.isfinite(row[k]) for k in CRITIC_KEYS), row
@@ -47,7 +42,7 @@ def test_ppo_steps_at_dp2_and_exact_resume(starter, tmp_path):
     shutil.copytree(ckpt / "critic" / "iter_0000002", at2 / "critic" / "iter_0000002")
     (at2 / "latest").write_text("iter_0000002\n")
     torchrun(2, TRAIN, *_args(starter, resumed), "--load", at2, timeout=300)
-    again = _metrics(resumed)
+    again = metrics_by_step(resumed)
     assert sorted(again) == [3, 4]
     for step in (3, 4):
         for key in ("reward_mean", "loss", "grad_norm") + CRITIC_KEYS:

@@ -3,14 +3,13 @@
 from __future__ import annotations
 
 import hashlib
-import json
 import shutil
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
-from helpers import REPO, env, torchrun
+from helpers import REPO, env, metrics_by_step, torchrun
 
 pytestmark = [pytest.mark.distributed, pytest.mark.slow]
 TRAIN = "megarl/train.py"
@@ -21,10 +20,6 @@ def _common(starter: Path, out: Path) -> list[str]:
     return ["recipes/tiny_cpu.sh", "--hf-checkpoint", starter, "--prompt-data", starter / "train.jsonl",
             "--eval-data", "", "--max-train-minutes", "0", "--rollout-batch-size", "8", "--n-samples-per-prompt", "8",
             "--micro-batch-size", "16", "--lr", "3e-4", "--kl-coef", "0.01", "--output-dir", out, "--log-interval", "1"]
-
-
-def _metrics(out: Path) -> dict[int, dict]:
-    return {row["step"]: row for row in map(json.loads, (out / "metrics.jsonl").read_text().splitlines())}
 
 
 @pytest.fixture(scope="module")
@@ -42,7 +37,7 @@ def runs(starter, tmp_path_factory):
     shutil.copytree(ckpt / "iter_0000003", at_step3 / "iter_0000003")
     (at_step3 / "latest").write_text("iter_0000003\n")
     torchrun(2, TRAIN, *_common(starter, resumed), "--num-steps", 6, "--load", at_step3, timeout=400)
-    return {"full": _metrics(full), "resumed": _metrics(resumed), "ckpt": ckpt, "starter": starter}
+    return {"full": metrics_by_step(full), "resumed": metrics_by_step(resumed), "ckpt": ckpt, "starter": starter}
 
 
 def test_resumed_run_matches_uninterrupted(runs):
@@ -120,7 +115,7 @@ def test_tp2_and_pp2_steps_match_tp1(starter, tmp_path):
     got = {}
     for name, (nproc, extra) in layouts.items():
         torchrun(nproc, TRAIN, *_common(starter, tmp_path / name), "--num-steps", 2, *extra, timeout=400)
-        got[name] = _metrics(tmp_path / name)
+        got[name] = metrics_by_step(tmp_path / name)
     base = got["tp1"][1]
     assert base["loss"] != 0.0
     for name in ("tp2", "pp2"):

@@ -113,7 +113,7 @@ def test_train_preflight_refuses_cp_without_transformer_engine():
 def test_planner_counts_cp_in_dp_and_splits_activations():
     from dataclasses import replace
 
-    from megarl import plan as P
+    from megarl import planner as P
     from megarl.arguments import parse_args
     from megarl.model_shape import ModelShape
 

@@ -12,7 +12,7 @@ import pytest
 
 from megarl.config import ConfigError
 from megarl.data import PromptSampler, load_prompts
-from megarl.reward.compose import reward_names
+from megarl.reward.compose import reward_names, spec_error
 from megarl.verifiers import VERIFIERS
 
 KEYS = dict(input_key="prompt", label_key="answer", verifier_key="verifier")
@@ -42,7 +42,8 @@ def row(prompt, answer, verifier="arithmetic", **extra) -> str:
 
 
 def load(path, tokenizer, **kw):
-    return load_prompts(path, tokenizer, **{**KEYS, **kw})
+    """As the trainer loads them: each row's verifier field checked as a reward spec."""
+    return load_prompts(path, tokenizer, **{**KEYS, "spec_error": spec_error, **kw})
 
 
 # ------------------------------------------------------------------------------------------------ load_prompts
@@ -111,6 +112,13 @@ def test_unknown_verifier_lists_registered_ones(tmp_path, tokenizer):
     assert msg.startswith(f"{path}:1: unknown verifier 'sympy'; registered: ")
     assert "arithmetic" in VERIFIERS.names()
     assert msg.endswith(", ".join(reward_names())), "rule verifiers and reward models"
+
+
+def test_without_a_spec_check_the_verifier_field_is_only_required_to_be_text(tmp_path, tokenizer):
+    """megarl.data imports nothing of megarl.reward: the caller brings the reward spec's check."""
+    path = write_lines(tmp_path, [row("1+1=", "2", verifier="sympy")])
+    (r,) = load_prompts(path, tokenizer, **KEYS)
+    assert r.verifier == "sympy"
 
 
 def test_unknown_default_verifier_is_an_error(tmp_path, tokenizer):

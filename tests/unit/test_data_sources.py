@@ -12,6 +12,7 @@ import pytest
 
 from megarl.config import ConfigError
 from megarl.data import load_prompts
+from megarl.reward.compose import spec_error
 
 KEYS = dict(input_key="prompt", label_key="answer", verifier_key="verifier")
 CHATML = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
@@ -151,7 +152,7 @@ def test_parquet_errors_name_the_row(tmp_path, chat_tokenizer):
             {"prompt": "2+2=", "answer": "4", "verifier": "nope"}]
     path = write_parquet(tmp_path / "bad.parquet", rows)
     with pytest.raises(ConfigError, match=r"unknown verifier 'nope'") as e:
-        load_prompts(path, chat_tokenizer, **KEYS)
+        load_prompts(path, chat_tokenizer, **KEYS, spec_error=spec_error)
     assert str(e.value).startswith(f"{path}: row 1: ")
 
 

@@ -1,7 +1,7 @@
-"""The direction of dependencies, checked mechanically: no import cycles, a config that imports nothing of megarl,
-megatron-core only under megarl/mcore/, no torch in the verifiers, the reward stage, the sandbox or megarl-verify,
-sandbox guest files that import only the standard library, no module that shadows the standard library, and an
-entrypoint that holds no algorithm or backend names."""
+"""The direction of dependencies, checked mechanically: no import cycles, between modules or between packages, a
+config that imports nothing of megarl, megatron-core only under megarl/mcore/, no torch in the verifiers, the reward
+stage, the sandbox or megarl-verify, sandbox guest files that import only the standard library, no module that
+shadows the standard library, and an entrypoint that holds no algorithm or backend names."""
 
 from __future__ import annotations
 
@@ -147,13 +147,80 @@ def test_the_cycle_check_sees_a_cycle_through_a_function_level_import_and_not_a_
     assert cycles(import_graph(pkg, tmp_path)) == [["megarl.sub.a", "megarl.sub.b"]]
 
 
+
+def package_graph(graph: dict[str, set[str]]) -> dict[str, dict[str, list[str]]]:
+    """The import graph between packages: each subpackage of megarl (`megarl.mcore`, `megarl.rollout`, ...) and
+    each top-level module (`megarl.data`, `megarl.preflight`, ...) -> the packages it imports, each with the
+    module-level edges that make it (`megarl.data.x -> megarl.reward.y`). `megarl` itself is its `__init__`."""
+    def package(module: str) -> str:
+        return ".".join(module.split(".")[:2])
+
+    out: dict[str, dict[str, list[str]]] = {}
+    for module, imported in graph.items():
+        edges = out.setdefault(package(module), {})
+        for other in sorted(imported):
+            if package(other) != package(module):
+                edges.setdefault(package(other), []).append(f"{module} -> {other}")
+    return out
+
+
+def package_cycles(graph: dict[str, set[str]]) -> list[str]:
+    """Each cycle between packages, named with the module-level imports that close it."""
+    packages = package_graph(graph)
+    found = []
+    for component in cycles({p: set(edges) for p, edges in packages.items()}):
+        inside = [e for p in component for q, edges in packages[p].items() if q in component for e in edges]
+        found.append(f"{' <-> '.join(component)}: {'; '.join(inside)}")
+    return found
+
+
+def test_megarl_has_no_import_cycles_between_packages():
+    """Layers, not only files: a package that imports another never imports it back, through any of its modules."""
+    graph = import_graph(PACKAGE)
+    assert package_cycles(graph) == []
+
+
+def test_the_layers_that_were_tangled_import_one_way():
+    """The engine in mcore takes what it needs of rollout through a protocol (`MakeCompletion`); data takes the reward
+    spec's check as an argument; the checkpoint layout, `config.json`'s name included, has a home of its own
+    (`megarl.checkpoint_layout`), so mcore imports neither preflight nor config."""
+    packages = package_graph(import_graph(PACKAGE))
+    assert {"megarl.mcore", "megarl.rollout", "megarl.data", "megarl.reward", "megarl.stages"} <= set(packages)
+    assert "megarl.mcore" in packages["megarl.rollout"], "the scan must see the edges between packages"
+    for low, high in (("megarl.mcore", "megarl.rollout"), ("megarl.data", "megarl.reward"),
+                      ("megarl.reward", "megarl.data"), ("megarl.mcore", "megarl.preflight"),
+                      ("megarl.mcore", "megarl.config")):
+        assert high not in packages[low], packages[low][high]
+
+
+def test_the_package_check_names_a_cycle_no_module_cycle_shows(tmp_path):
+    """Two subpackages, and a top-level module with a subpackage, that import each other through different modules:
+    no file imports itself back, yet the layers are tangled, and the check names both cycles and their imports."""
+    pkg = tmp_path / "megarl"
+    for sub in ("engine", "rollout", "store"):
+        (pkg / sub).mkdir(parents=True)
+        (pkg / sub / "__init__.py").write_text("")
+    (pkg / "__init__.py").write_text("")
+    (pkg / "engine" / "runner.py").write_text("from megarl.rollout.types import Completion\n")
+    (pkg / "rollout" / "types.py").write_text("Completion = tuple\n")
+    (pkg / "rollout" / "backends.py").write_text("def build():\n    from megarl.engine import runner\n")
+    (pkg / "data.py").write_text("from megarl.store import rules\n")
+    (pkg / "store" / "rules.py").write_text("")
+    (pkg / "store" / "stage.py").write_text("from megarl.data import load\n")
+    graph = import_graph(pkg, tmp_path)
+    assert cycles(graph) == [], "no module-level cycle: only the package view sees these"
+    assert package_cycles(graph) == [
+        "megarl.data <-> megarl.store: megarl.data -> megarl.store.rules; megarl.store.stage -> megarl.data",
+        "megarl.engine <-> megarl.rollout: megarl.engine.runner -> megarl.rollout.types; "
+        "megarl.rollout.backends -> megarl.engine.runner"]
+
 def test_config_and_the_registry_import_nothing_of_megarl_but_its_errors():
     """megarl.config is a leaf: every layer may import it; it imports megarl's errors and the pure-Python rule
-    modules of the components whose rules it checks (which import no more), and names no component's option (they
-    are declared where the components are registered)."""
+    modules of the components whose rules it checks and the checkpoint layout (`config.json`'s name), which import
+    no more, and names no component's option (they are declared where the components are registered)."""
     graph = import_graph(PACKAGE)
     config = {m for m in graph if m == "megarl.config" or m.startswith("megarl.config.")}
-    rules = {"megarl.mcore.rules", "megarl.rollout.slots"}
+    rules = {"megarl.mcore.rules", "megarl.rollout.slots", "megarl.checkpoint_layout"}
     outside = set().union(*(graph[m] for m in config)) - config
     assert outside <= {"megarl", "megarl.errors"} | rules, outside
     assert all(graph[m] <= {"megarl.errors", "megarl.registry"} for m in rules), {m: graph[m] for m in rules}
@@ -164,6 +231,20 @@ def test_config_and_the_registry_import_nothing_of_megarl_but_its_errors():
                         "verifier_options", "tool_settings", "tis_cap", "gae_gamma", "clip_ratio_c", "max_turns",
                         "sglang_mem_fraction", "rollout_device"}
 
+
+
+def test_config_error_is_imported_from_one_place():
+    """Every module of megarl, tools/ and launch/ imports `ConfigError` from `megarl.errors`, the leaf any layer may
+    import; `megarl.config.ConfigError` stays importable for users, and is the same class."""
+    import megarl.config
+    import megarl.errors
+
+    files = [p for top in ("megarl", "tools", "launch") for p in sorted((REPO / top).rglob("*.py"))]
+    offenders = [f"{p.relative_to(REPO)}:{node.lineno}" for p in files for node in ast.walk(ast.parse(p.read_text()))
+                 if isinstance(node, ast.ImportFrom) and node.module != "megarl.errors"
+                 and "ConfigError" in {a.name for a in node.names}]
+    assert offenders == []
+    assert megarl.config.ConfigError is megarl.errors.ConfigError
 
 def test_no_module_of_megarl_shadows_the_standard_library():
     """`torchrun megarl/train.py` puts megarl/ first on sys.path: a megarl/types.py would be every library's `types`."""

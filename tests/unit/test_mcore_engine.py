@@ -10,7 +10,7 @@ import torch
 from megarl.arguments import parse_args
 from megarl.config import ConfigError
 from megarl.rollout import weight_sync
-from megarl.rollout.base import SamplingParams
+from megarl.rollout.base import Completion, SamplingParams
 from megarl.mcore.inference_engine import (
     MegatronEngine,
     group,
@@ -38,12 +38,12 @@ def test_sampling_params_map_onto_megatrons():
 
 def test_completion_is_cut_after_the_first_stop_token():
     params = SamplingParams(stop_token_ids=(5, 9))
-    c = to_completion([3, 9, 4, 5], [-1.0, -2.0, -3.0, -4.0], params, version=7)
+    c = to_completion([3, 9, 4, 5], [-1.0, -2.0, -3.0, -4.0], params, version=7, completion=Completion)
     assert (c.token_ids, c.logprobs, c.finish_reason, c.weight_version) == ([3, 9], [-1.0, -2.0], "stop", 7)
-    c = to_completion([3, 4], [-1.0, -2.0], params, version=0)
+    c = to_completion([3, 4], [-1.0, -2.0], params, version=0, completion=Completion)
     assert (c.token_ids, c.finish_reason) == ([3, 4], "length")
     with pytest.raises(RuntimeError, match="2 tokens but 1 log-probs"):
-        to_completion([3, 4], [-1.0], params, version=0)
+        to_completion([3, 4], [-1.0], params, version=0, completion=Completion)
     assert [len(g) for g in group([c] * 6, 3)] == [3, 3]
 
 
@@ -58,7 +58,7 @@ def test_unavailable_on_cpu_with_a_reason():
     ok, why = megatron_engine_available()
     assert not ok and "CUDA" in why
     with pytest.raises(RuntimeError, match="--rollout-backend megatron: .*CUDA"):
-        MegatronEngine(torch.nn.Linear(2, 2), None, max_sequence_length=8)
+        MegatronEngine(torch.nn.Linear(2, 2), None, completion=Completion, max_sequence_length=8)
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the CPU-only answer")

@@ -11,7 +11,7 @@ import pytest
 
 from helpers import REPO, env
 
-from megarl import plan as P
+from megarl import planner as P
 from megarl.cli.plan import main as plan_main, shape_from_bash
 from megarl.model_shape import ModelShape
 
@@ -136,6 +136,14 @@ def test_the_old_command_names_the_new_one_and_still_runs():
     assert "recommendation: colocated" in proc.stdout
 
 
+
+def test_the_old_module_still_imports_the_planners_names():
+    """`megarl.plan` (the planner's home before `megarl.planner`) re-exports it until megarl 0.3."""
+    from megarl import plan as old
+
+    assert old.RunSettings is P.RunSettings and old.plan is P.plan and old.logprob_head_bytes is P.logprob_head_bytes
+
+
 ONE_GPU = ["--tensor-model-parallel-size", "1", "--no-sequence-parallel"]
 
 
@@ -197,7 +205,7 @@ def test_the_planner_counts_a_reward_model_once_per_server(tmp_path, capsys):
     reward server, one server per model replica's leader on a node (8 GPUs / TP 2 = 4)."""
     from transformers import Qwen2Config, Qwen2ForSequenceClassification
 
-    from megarl.plan import GIB
+    from megarl.planner import GIB
 
     rm = tmp_path / "rm"
     cfg = Qwen2Config(vocab_size=96, hidden_size=64, intermediate_size=128, num_attention_heads=4,

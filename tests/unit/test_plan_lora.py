@@ -1,4 +1,4 @@
-"""The planner's LoRA accounting (`megarl.plan`): the adapters' parameters against a hand count on a small shape and
+"""The planner's LoRA accounting (`megarl.planner`): the adapters' parameters against a hand count on a small shape and
 against the trainable parameters of a Megatron model built with LoRA; their gradients and Adam states; no
 gradient or optimizer state for the frozen base, and no reference model."""
 
@@ -9,7 +9,7 @@ from dataclasses import replace
 import pytest
 
 from megarl.model_shape import ModelShape
-from megarl.plan import RunSettings, _train_phase, lora_params, lora_stage_params, num_params, stage_params
+from megarl.planner import RunSettings, _train_phase, lora_params, lora_stage_params, num_params, stage_params
 
 # hidden 8, 4 query heads and 2 KV heads of 2: q = 8 and kv = 4 rows; MLP width 12.
 SMALL = ModelShape(family="qwen2", num_layers=2, hidden_size=8, num_attention_heads=4, num_kv_heads=2, head_dim=2,

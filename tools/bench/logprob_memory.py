@@ -23,7 +23,7 @@ shard, with the all-reduces over the TP group (tensors of [tokens], the same in 
 measures it.
 
 Beside each point: the floor (hidden states + weight shard + one chunk of fp32 logits) and the planner's prediction
-(`megarl.plan.logprob_head_bytes`) with its error. The last line compares the two paths at 16k tokens, TP 1.
+(`megarl.planner.logprob_head_bytes`) with its error. The last line compares the two paths at 16k tokens, TP 1.
 """
 
 from __future__ import annotations
@@ -158,7 +158,7 @@ def main() -> None:
         print(json.dumps(measure(args.point, args.tokens[0], args.tp[0], args.vocab, args.hidden, args.chunk,
                                  args.device)))
         return
-    from megarl.plan import logprob_head_bytes
+    from megarl.planner import logprob_head_bytes
 
     print(f"vocab {args.vocab}, hidden {args.hidden}, fp32, chunk {args.chunk} tokens; extra peak = measured live "
           "tensor bytes above the inputs; meta = shapes only (no time)")
