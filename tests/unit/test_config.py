@@ -230,11 +230,11 @@ def test_bad_literal_lists_allowed_values():
 
 
 def test_bad_literal_in_recipe_names_recipe(tmp_path):
-    path = write_recipe(tmp_path, "ROLLOUT_ARGS=(--rollout-backend vllm)\n")
+    path = write_recipe(tmp_path, "ROLLOUT_ARGS=(--rollout-backend tensorrt_llm)\n")
     with pytest.raises(ConfigError) as e:
         parse_args([str(path)])
     assert f"recipe {path}" in str(e.value)
-    assert "choose one of: builtin, megatron, sglang" in str(e.value)
+    assert "choose one of: builtin, megatron, sglang, vllm" in str(e.value)
 
 
 @pytest.mark.parametrize("flag, raw, kind", [("--num-steps", "ten", "int"), ("--num-steps", "2.5", "int"),
