@@ -11,7 +11,7 @@
 #      a CUDA one, which imports beside the CPU torch once tests/sglang_cpu/standins defines its operator schemas);
 #   5. megarl's own requirements (setup.py's install_requires), the same torch pinned; megarl itself is not
 #      installed: the tests put the checkout first on PYTHONPATH.
-# Then the stamp, which holds the recipe's hash (this file and setup.py): an unchanged recipe is not rebuilt.
+# Then the stamp, which holds the recipe's hash: an unchanged recipe is not rebuilt (tools/engine_env/common.sh).
 set -euo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/../.."
 
@@ -25,57 +25,15 @@ CUDA_ONLY="torch torchaudio torchcodec torchvision timm flashinfer* flash-attn-4
 sgl-deep-gemm sgl-flash-mla nvidia-* cuda-python nvshmem4py* quack-kernels tilelang humming-kernels
 torch-memory-saver deepseek-recipe tml-renderers"
 
-RECIPE="$( { cat "${BASH_SOURCE[0]}" setup.py; echo "$PYTHON $TORCH_VERSION"; } | sha256sum | cut -c1-16)"
-STAMP="$ENV_DIR/.megarl-stamp"
-if [ -f "$STAMP" ] && [ "$(cat "$STAMP")" = "$RECIPE" ]; then
-  echo "== $ENV_DIR is up to date (recipe $RECIPE)"; exit 0
-fi
-
-START=$(date +%s)
-rm -rf "$ENV_DIR"
-mkdir -p "$(dirname "$ENV_DIR")"
-echo "== creating $ENV_DIR with $PYTHON"
-"$PYTHON" -m venv "$ENV_DIR"
-PY="$ENV_DIR/bin/python"
-PIP=("$PY" -m pip install --quiet --disable-pip-version-check --no-warn-conflicts)
-"${PIP[@]}" "torch==$TORCH_VERSION"
-"$PY" -W ignore -c 'import torch; assert torch.version.cuda is None, "not a CPU torch"; print("torch==" + torch.__version__)' \
-  > "$ENV_DIR/torch-constraint.txt"
-echo "== $(cat "$ENV_DIR/torch-constraint.txt"); sglang==$SGLANG_VERSION (no deps)"
+source tools/engine_env/common.sh
+env_begin
+echo "== sglang==$SGLANG_VERSION, torchvision==$TORCHVISION_VERSION (no deps)"
 "${PIP[@]}" --no-deps "sglang==$SGLANG_VERSION" "torchvision==$TORCHVISION_VERSION"
-
-# sglang's requirements (extras left out), less the CUDA-only ones.
-CUDA_ONLY="$CUDA_ONLY" "$PY" - > "$ENV_DIR/sglang-requirements.txt" <<'PY'
-import fnmatch, os, re
-from importlib.metadata import requires
-from pip._vendor.packaging.requirements import Requirement
-
-skip = os.environ["CUDA_ONLY"].split()
-for line in requires("sglang") or []:
-    req = Requirement(line)
-    if req.marker is not None and not req.marker.evaluate({"extra": ""}):
-        continue
-    name = re.sub(r"[-_.]+", "-", req.name).lower()
-    if any(fnmatch.fnmatch(name, pattern) for pattern in skip):
-        continue
-    print(str(req).split(";")[0].strip())
-PY
-echo "== $(wc -l < "$ENV_DIR/sglang-requirements.txt") of sglang's requirements"
-"${PIP[@]}" -c "$ENV_DIR/torch-constraint.txt" -r "$ENV_DIR/sglang-requirements.txt"
-
-# megarl's own requirements (setup.py's install_requires), without megarl itself.
-"$PY" - > "$ENV_DIR/megarl-requirements.txt" <<'PY'
-import ast, pathlib
-tree = ast.parse(pathlib.Path("setup.py").read_text())
-for node in ast.walk(tree):
-    if isinstance(node, ast.keyword) and node.arg == "install_requires":
-        print("\n".join(ast.literal_eval(node.value)))
-PY
-"${PIP[@]}" -c "$ENV_DIR/torch-constraint.txt" -r "$ENV_DIR/megarl-requirements.txt"
+env_requirements sglang "$CUDA_ONLY"
+env_megarl_requirements
 "$PY" -m pip check > "$ENV_DIR/pip-check.txt" || echo "== pip check: $(wc -l < "$ENV_DIR/pip-check.txt") unmet requirements, all sglang's CUDA-only ones (pip-check.txt)"
 # The import check runs with the tests' stand-ins (tests/sglang_cpu/standins), as the tests do.
 PYTHONPATH=tests/sglang_cpu/standins SGLANG_USE_CPU_ENGINE=1 "$PY" -W ignore -c '
 import torch, sglang, sglang.srt.entrypoints.engine, megatron.core, transformers
 print("== ready: torch", torch.__version__, "sglang", sglang.__version__, "transformers", transformers.__version__)'
-echo "$RECIPE" > "$STAMP"
-echo "== built $ENV_DIR in $(( $(date +%s) - START )) s, $(du -sh "$ENV_DIR" | cut -f1) on disk"
+env_finish
