@@ -4,6 +4,7 @@ with or without the SGLang environment. The same rules against the real engine: 
 import os
 import sys
 import types
+from pathlib import Path
 
 import pytest
 
@@ -69,12 +70,12 @@ def test_lora_refused_on_cpu_before_anything_starts(fake_sglang):
 
 def test_the_sgl_kernel_placeholder_records_every_call(tmp_path, monkeypatch):
     """What `no_standin_called` relies on: a call to the placeholder is written to the log, then raises."""
-    from conftest import STANDINS
-
+    # the folder by path: `from conftest import ...` at run time gets whichever conftest pytest loaded last
+    standins = Path(__file__).resolve().parent / "standins"
     log = tmp_path / "calls.log"
     monkeypatch.setenv("MEGARL_SGLANG_STANDIN_LOG", str(log))
     monkeypatch.setenv("MEGARL_SGLANG_STANDINS", "0")  # no torchvision hook in this process
-    monkeypatch.syspath_prepend(str(STANDINS))
+    monkeypatch.syspath_prepend(str(standins))
     for name in ("sgl_kernel", "sitecustomize"):
         monkeypatch.delitem(sys.modules, name, raising=False)
     import sgl_kernel
