@@ -114,9 +114,13 @@ def _sglang_available(cfg: Config) -> tuple[bool, str]:
     # Without a GPU: SGLang's CPU engine, beside the actor (`SGLangEngine.launch`), where SGLang imports.
     from megarl.rollout.sglang_engine import sglang_available
 
+    import torch
+
     ok, why = sglang_available()
-    return ok, "" if ok else (f"--rollout-backend sglang: {why}; install it (pip install 'megarl[sglang]') or use "
-                              "--rollout-backend builtin")
+    where = ("pip install 'megarl[sglang]'" if torch.cuda.is_available() else
+             "this machine has no CUDA GPU: SGLang's CPU engine, for tests and small runs, comes from "
+             "`make sglang-env` (docs/guide.md, 'SGLang on CPU')")
+    return ok, "" if ok else f"--rollout-backend sglang: {why}; install it ({where}) or use --rollout-backend builtin"
 
 
 def _sglang_colocated(cfg: Config) -> bool:

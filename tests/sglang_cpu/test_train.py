@@ -10,7 +10,7 @@ import time
 import urllib.request
 
 from checks_servers import CPU_SGLANG_ARGS
-from conftest import REPO, env_dir, sglang_env_vars
+from sglang_env import REPO, env_dir, sglang_env_vars
 
 
 def _free_port() -> int:

@@ -1,5 +1,5 @@
 """The checks of megarl's vLLM adapter against vLLM itself, run in the vLLM environment (`make vllm-env`) by
-tests/vllm_cpu/test_engine.py: one engine for all of them (its start-up is most of the time), each check's result
+tests/vllm_cpu/test_vllm_engine.py: one engine for all of them (its start-up is most of the time), each check's result
 or error written as one JSON object, which the tests read check by check.
 
     python checks.py MODEL_DIR OUT_JSON

@@ -5,7 +5,7 @@ takes the actor's weights in buckets after each step, and passes --verify-weight
 import json
 import socket
 
-from conftest import REPO, run_in_vllm_env
+from vllm_env import REPO, run_in_vllm_env
 from helpers import build_test_starter
 
 

@@ -5,7 +5,7 @@ import json
 
 import pytest
 
-from conftest import run_in_vllm_env
+from vllm_env import run_in_vllm_env
 from helpers import make_tiny_hf_model
 
 TOL = 1e-4  # float32 engine against float32 transformers: different kernels, same model
