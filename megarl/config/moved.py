@@ -6,7 +6,7 @@ reading the old attribute learns where the setting went. Their flags, and saved 
 
 from __future__ import annotations
 
-# Settings that were megarl's own until they moved to the component they belong to (issue 38): their flags are
+# Settings that were megarl's own until they moved to the component they belong to: their flags are
 # unchanged; code that read them from a section gets an AttributeError naming the new place.
 MOVED: dict[str, dict[str, str]] = {
     "rollout": {**dict.fromkeys(("rollout_device", "rollout_threads"), "rollout_backend.builtin"),
