@@ -253,6 +253,17 @@ def test_no_module_of_megarl_shadows_the_standard_library():
     assert sorted(top & set(sys.stdlib_module_names)) == []
 
 
+def test_no_tool_script_shadows_an_installed_or_standard_module():
+    """`python tools/bench/x.py` puts tools/bench/ first on sys.path: tools/bench/kernels.py once hid the `kernels`
+    package that transformers imports when it builds a model, so every bench that built one failed at import."""
+    import importlib.metadata
+
+    known = set(importlib.metadata.packages_distributions()) | set(sys.stdlib_module_names)
+    scripts = sorted((REPO / "tools").rglob("*.py"))
+    assert len(scripts) > 10 and "transformers" in known, "the scan must see the scripts and the installed modules"
+    assert [str(p.relative_to(REPO)) for p in scripts if p.stem in known] == []
+
+
 def _registered_names() -> set[str]:
     from megarl.algorithms import ADVANTAGES, KL_ESTIMATORS, POLICY_LOSSES
     from megarl.rollout import ROLLOUTS

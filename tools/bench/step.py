@@ -125,7 +125,7 @@ class PhaseTimer:
         return out
 
 
-# The 30m size's architecture (Qwen2): tools/bench/kernels.py times one of its layers.
+# The 30m size's architecture (Qwen2): tools/bench/local_kernels.py times one of its layers.
 QWEN2_30M = dict(vocab_size=112, hidden_size=512, intermediate_size=2048, num_hidden_layers=8, num_attention_heads=8,
                  num_key_value_heads=2, max_position_embeddings=512, tie_word_embeddings=False)
 

@@ -2,8 +2,8 @@
 side in one process: forward + backward milliseconds per call at one layer and micro-batch of the step bench's
 30M model (8 sequences of 134 tokens, hidden 512, 8 query heads / 2 KV heads of 64), and the ratio.
 
-    python tools/bench/kernels.py                     # bf16, one thread
-    python tools/bench/kernels.py --dtype fp32 --seq 512
+    python tools/bench/local_kernels.py                     # bf16, one thread
+    python tools/bench/local_kernels.py --dtype fp32 --seq 512
 
 Megatron's side: `DotProductAttention` (causal, fp32 softmax), `_apply_rotary_pos_emb_bshd` (its unfused RoPE),
 `WrappedTorchNorm` (torch.nn.RMSNorm), as megatron-core ships them and as its local spec runs them without
