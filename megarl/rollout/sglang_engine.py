@@ -217,19 +217,26 @@ def _engine_environment():
       torch <= 2.13 makes every rank of SGLang's own process group a client of a TCP store nobody hosts (the
       scheduler waits in `_create_c10d_store` until its timeout; seen on CPU, torch 2.13). torch 2.14.1 applies it
       only at MASTER_ADDR:MASTER_PORT, which SGLang does not use.
-    - SGLang writes NCCL settings (NCCL_ALGO, NCCL_*_NCHANNELS, NCCL_CUMEM_ENABLE, NCCL_NVLS_ENABLE) into the
-      process that launches it, which is the trainer: they are put back as they were once its processes are
-      spawned, so the trainer's communicators created later do not differ from those of ranks without an engine.
+    - SGLang writes NCCL settings (NCCL_ALGO and NCCL_MIN/MAX_NCHANNELS at TP > 1 with deterministic inference,
+      NCCL_CUMEM_ENABLE, NCCL_NVLS_ENABLE) and CUDA_DEVICE_MAX_CONNECTIONS into the process that launches it,
+      which is the trainer: they are put back as they were once its processes are spawned. Only model-parallel
+      leaders launch engines and the trainer's communicators start lazily, afterwards: with SGLang's values the
+      leaders would run every all-reduce as a tree while their peers may pick a ring (a hang).
     """
-    saved = {k: v for k, v in os.environ.items() if k.startswith("NCCL_") or k == "TORCHELASTIC_USE_AGENT_STORE"}
+    saved = {k: v for k, v in os.environ.items() if _restored(k) or k == "TORCHELASTIC_USE_AGENT_STORE"}
     os.environ.pop("TORCHELASTIC_USE_AGENT_STORE", None)
     try:
         yield
     finally:
-        for key in [k for k in os.environ if k.startswith("NCCL_")]:
+        for key in [k for k in os.environ if _restored(k)]:
             if key not in saved:
                 del os.environ[key]
         os.environ.update(saved)
+
+
+def _restored(key: str) -> bool:
+    """The variables of the trainer's own communicators and CUDA context, whatever SGLang writes to them."""
+    return key.startswith("NCCL_") or key == "CUDA_DEVICE_MAX_CONNECTIONS"
 
 
 def _note(message: str) -> None:
