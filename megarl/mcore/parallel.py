@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import datetime
+import importlib.util
 import os
+import warnings
 from dataclasses import dataclass
 
 import torch
@@ -38,12 +40,27 @@ def all_reduce_host(t: torch.Tensor, op=None, group=None) -> torch.Tensor:
 
 
 def uses_transformer_engine(use_transformer_engine: bool | None) -> bool:
-    """Resolve `--transformer-impl`: `None` means "TE when available"; True without TE is an error."""
+    """Resolve `--transformer-impl`: `None` means "TE when available" (a TE that is installed but does not work
+    is reported, once, and Megatron's local spec chosen); True without a working TE is an error."""
+    ok, why = transformer_engine_status()
     if use_transformer_engine is None:
-        return transformer_engine_available()
-    if use_transformer_engine and not transformer_engine_available():
-        raise RuntimeError("--transformer-impl transformer_engine needs a CUDA GPU and transformer-engine installed")
+        if not ok and why.startswith("transformer_engine.pytorch"):
+            _say_once(f"Transformer Engine is installed but {why}: megarl builds Megatron's local layer spec "
+                      "instead (install transformer_engine_torch built against this torch, docs/gpu-stack.md)")
+        return ok
+    if use_transformer_engine and not ok:
+        raise RuntimeError(f"--transformer-impl transformer_engine needs a working Transformer Engine on a CUDA GPU: "
+                           f"{why}; use --transformer-impl local, or auto")
     return use_transformer_engine
+
+
+_SAID: set[str] = set()
+
+
+def _say_once(message: str) -> None:
+    if message not in _SAID:
+        _SAID.add(message)
+        warnings.warn(message, RuntimeWarning, stacklevel=3)
 
 
 def layer_spec(use_transformer_engine: bool | None = None, normalization: str = "RMSNorm", local_kernels: bool = False,
@@ -93,13 +110,22 @@ def decoder_block_spec(config, moe_layers: tuple[int, ...], use_transformer_engi
 
 
 def transformer_engine_available() -> bool:
+    return transformer_engine_status()[0]
+
+
+def transformer_engine_status() -> tuple[bool, str]:
+    """(usable, why not). `import transformer_engine` is no test: TE 2.11's `__init__` swallows the failure of its
+    torch extension (missing, or built against another torch), and megatron-core then refuses the TE spec
+    ("Transformer Engine is not installed") when the model is built. Its torch module is what must import."""
     if not torch.cuda.is_available():
-        return False
+        return False, "no CUDA GPU"
+    if importlib.util.find_spec("transformer_engine") is None:
+        return False, "transformer_engine is not installed"
     try:
-        import transformer_engine  # noqa: F401 - only to see that it imports
-    except ImportError:
-        return False
-    return True
+        import transformer_engine.pytorch  # noqa: F401 - only to see that it imports
+    except Exception as e:  # noqa: BLE001 - ImportError, OSError of a library, anything its extension raises
+        return False, f"transformer_engine.pytorch does not import ({type(e).__name__}: {e})"
+    return True, ""
 
 
 @dataclass(frozen=True)

@@ -59,15 +59,16 @@ def check_before_start(cfg: Config) -> Checked:
     """Every check that needs no process group, model or data, on every rank before any work: what this machine
     must offer, then the layout, the checkpoint's config.json and `--load` (`megarl.preflight`, which the
     launchers run on the batch host too). The flags' own rules were checked when they were parsed."""
-    from megarl.mcore.parallel import transformer_engine_available
+    from megarl.mcore.parallel import transformer_engine_status
 
     ok, why = BACKENDS.get(cfg.rollout.rollout_backend).available(cfg)
     if not ok:
         raise ConfigError(why)
-    if cfg.model.context_parallel_size > 1 and not transformer_engine_available():
+    te, te_why = transformer_engine_status() if cfg.model.context_parallel_size > 1 else (True, "")
+    if not te:
         raise ConfigError(f"--context-parallel-size {cfg.model.context_parallel_size} needs Transformer Engine's "
-                          "attention on a CUDA GPU (transformer_engine importable); Megatron's local attention, the "
-                          "only one on CPU, cannot split a sequence over ranks. Use --context-parallel-size 1")
+                          f"attention on a CUDA GPU ({te_why}); Megatron's local attention, the only one on CPU, "
+                          "cannot split a sequence over ranks. Use --context-parallel-size 1")
     return Checked(*check_run(cfg, int(os.environ.get("WORLD_SIZE", "1"))))
 
 
