@@ -19,8 +19,9 @@ Mixture-of-experts layers (Qwen3-MoE) and sequence parallelism add four more (`_
 7. The alltoall token dispatcher creates a CUDA stream and waits on a CUDA event.
 8. Its split sizes stay tensors on the CPU, where gloo's `all_to_all_single` needs host lists / arrays.
 
-This module handles exactly those, and only when CUDA is absent: `install()` is a no-op on a GPU machine, so the
-GPU path stays untouched. Points 1, 3 and 5-8 are patched once at install; points 2 and 4 are handled by a
+This module handles exactly those, and only when CUDA is absent, except point 5, which is a megatron-core bug on
+any machine without a working Transformer Engine and is patched on GPU machines too; otherwise `install()` leaves
+a GPU machine untouched. Points 1, 3 and 5-8 are patched once at install; points 2 and 4 are handled by a
 `TorchFunctionMode` that is active only inside `megatron_scope()`, which megarl's Megatron-facing code wraps
 around its calls into megatron-core (the rollout engine and the algorithm code never pay its overhead).
 
@@ -171,8 +172,10 @@ def patch_points() -> dict[str, tuple[object, str]]:
 
 
 def install() -> bool:
-    """Make megatron-core usable on CPU. Idempotent; does nothing (returns False) when CUDA is available."""
+    """Make megatron-core usable on CPU. Idempotent; when CUDA is available only the router's GEMM is patched
+    (`define_router_gemm`), and it returns False."""
     global _INSTALLED
+    define_router_gemm()
     if _INSTALLED:
         return True
     if cuda_available():
@@ -201,14 +204,18 @@ def install() -> bool:
     return True
 
 
-def _install_moe() -> None:
-    """Mixture-of-experts layers (see `moe_patch_points`)."""
+def define_router_gemm() -> None:
+    """(5) The router's gating GEMM tests `te_general_gemm is not None`, a name moe_utils imports only when
+    Transformer Engine imports: without it (a CPU, or a GPU machine without a working TE) every router forward
+    raises NameError. None selects its torch.mm path; a TE that imported keeps its GEMM."""
     from megatron.core.transformer.moe import moe_utils
 
-    # (5) The router's gating GEMM tests `te_general_gemm is not None`, a name moe_utils imports only with
-    # Transformer Engine: without TE every router forward raises NameError. None selects its torch.mm path.
     if not hasattr(moe_utils, "te_general_gemm"):
         moe_utils.te_general_gemm = None
+
+
+def _install_moe() -> None:
+    """Mixture-of-experts layers on CPU, points 6-8 (point 5, `define_router_gemm`, applies on GPUs too)."""
     # (6) The backward passes of the dispatchers' collectives (all-to-all, gather / reduce-scatter along the
     # tokens), and of the linear layers under sequence parallelism, allocate on `torch.cuda.current_device()`;
     # autograd runs them outside `megatron_scope`, so the device mode never sees them: each such backward enters
