@@ -114,6 +114,10 @@ class PoolReward(RewardFunction):
         results, _ = self.pool.score(requests)
         return results
 
+    def close(self) -> None:
+        """Stop the pool's workers (each starts again if the pool scores again: it is the process's, `shared_pool`)."""
+        self.pool.close()
+
 
 class InProcessReward(RewardFunction):
     """Scores in this process: one verifier instance per name, built with `options[name]` and kept for the

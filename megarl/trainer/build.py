@@ -270,10 +270,19 @@ def _plugin_modules(cfg: Config) -> tuple[str, ...]:
 
 
 def close(run: TrainingRun) -> None:
-    """The end of the run: the asynchronous worker, the engine, the rollout function's resources, process groups."""
-    if run.pending is not None:
-        run.pending.stop()
-    if run.engine is not None:
-        run.engine.shutdown()
-    run.rollout_fn.close()
-    parallel.destroy()
+    """The end of the run: megarl's own children first (the asynchronous worker, the rollout function's tools and
+    sandboxes, the reward's workers and helpers), then the engine, then the process groups. The order matters for
+    an in-process SGLang engine: its `shutdown` SIGKILLs every child of this process, whoever started it, and
+    raises if they are not reaped within 60 s. The engine and the process groups are closed even when closing a
+    child fails."""
+    try:
+        if run.pending is not None:
+            run.pending.stop()
+        run.rollout_fn.close()
+        run.reward.close()
+    finally:
+        try:
+            if run.engine is not None:
+                run.engine.shutdown()
+        finally:
+            parallel.destroy()
