@@ -111,6 +111,28 @@ megarl_step() {
   return "$rc"
 }
 
+# Wait until every server (host:port) answers /health_generate, for at most TIMEOUT seconds in all, while process
+# PID (the servers' step) lives. Each request is bounded by what is left of the deadline (at most 10 s): a server
+# that accepts the connection and never answers cannot hold the wait past it.
+megarl_wait_healthy() {  # TIMEOUT PID SERVER...
+  local timeout=$1 pid=$2 s left
+  shift 2
+  local deadline=$((SECONDS + timeout))
+  for s in "$@"; do
+    while true; do
+      left=$((deadline - SECONDS))
+      ((left > 0)) || { echo "megarl: $s not healthy after $timeout s" >&2; return 1; }
+      curl -sf --max-time $((left < 10 ? left : 10)) "http://$s/health_generate" >/dev/null && break
+      if ! kill -0 "$pid" 2>/dev/null; then
+        echo "megarl: the SGLang servers exited; see ${LOG_DIR:-their log}" >&2
+        return 1
+      fi
+      left=$((deadline - SECONDS))
+      ((left <= 0)) || sleep $((left < 10 ? left : 10))
+    done
+  done
+}
+
 # Requeue: Slurm starts the same script again (SLURM_RESTART_COUNT + 1) and launch/resume.py loads the newest
 # complete checkpoint. A time limit always requeues; a failure requeues at most MAX_FAILURES times; a bad
 # config (exit 2) never does.
