@@ -325,6 +325,9 @@ class TrainingConfig:
     use_distributed_optimizer: bool = _f(False, "shard optimizer states over data-parallel ranks")
     seed: int = _f(1234, "seed for data order, sampling and initialisation")
     distributed_timeout_seconds: float = _f(600.0, "a collective waiting longer than this fails instead of hanging")
+    engine_launch_timeout_seconds: float = _f(1800.0, "how long every rank waits for the rollout engines launched "
+                                              "before the actor (SGLang and vLLM on GPUs: model load, CUDA-graph "
+                                              "capture) before failing, naming the leader that did not finish")
     threads_per_rank: int = _f(1, "torch intra-op threads per process on CPU")
     async_staleness: int = _f(0, "asynchronous training: the engine generates step s's batch with the weights of "
                               "step s - K while the actor trains (K >= 1; each sample's weight version is checked "
@@ -343,6 +346,8 @@ class TrainingConfig:
             raise ConfigError(f"--async-staleness must be >= 0 (0 = synchronous), got {self.async_staleness}")
         if self.critic_lr <= 0:
             raise ConfigError(f"--critic-lr must be > 0, got {self.critic_lr}")
+        if self.engine_launch_timeout_seconds <= 0:
+            raise ConfigError(f"--engine-launch-timeout-seconds must be > 0, got {self.engine_launch_timeout_seconds}")
         if self.lr <= 0:
             raise ConfigError(f"--lr must be > 0, got {self.lr}")
 

@@ -17,7 +17,6 @@ from pathlib import Path
 from typing import Callable
 
 import torch
-import torch.distributed as dist
 
 from megarl.config import Config, TrainingConfig, saved_config
 from megarl.data import PromptRecord, PromptSampler, load_prompts, split_by_length
@@ -43,6 +42,7 @@ from megarl.stages.collect import Collect, Collector, DynamicSampling, OverlongS
 from megarl.stages.colocation import WeightSync
 from megarl.stages.critic_update import CriticStage
 from megarl.trainer.checkpoints import resume
+from megarl.trainer.engine_launch import LaunchWait
 
 
 @dataclass(frozen=True)
@@ -205,17 +205,33 @@ def launch_engine_first(cfg: Config, info: ParallelInfo, say) -> RolloutEngine |
     launch the engine on each model-parallel leader while the GPUs are still empty, then have it release its
     memory (the actor and the reference are built in what it frees; the first sync resumes its weights, the first
     rollout its KV cache). Every rank waits until all engines have launched, since an engine's TP ranks use the
-    GPUs of other trainer ranks. None for other backends, and off the leaders."""
+    GPUs of other trainer ranks: on store keys, for at most --engine-launch-timeout-seconds, and a leader's failure
+    stops every rank at once with its message (`megarl.trainer.engine_launch`). None for other backends, and off
+    the leaders."""
+    global _LAUNCHES
     if not BACKENDS.get(cfg.rollout.rollout_backend).launch_first(cfg):
         return None
-    say(f"megarl: launching the {cfg.rollout.rollout_backend} engine before the actor (it sizes its memory pools "
-        "from the GPU memory free at launch)")
+    what = f"{cfg.rollout.rollout_backend} engine"
+    say(f"megarl: launching the {what} before the actor (it sizes its memory pools from the GPU memory free at "
+        "launch)")
+    _LAUNCHES += 1  # every rank counts the same launches: their keys are the same
+    wait = LaunchWait.over_default_store(f"megarl_engine_launch/{_LAUNCHES}", info.dp_size,
+                                         cfg.training.engine_launch_timeout_seconds)
     engine = None
     if info.is_mp_leader:
-        engine = as_engine(build_engine(cfg, None))
-        engine.release_memory()
-    dist.barrier()
+        wait.started(info.dp_rank, info.rank)
+        try:
+            engine = as_engine(build_engine(cfg, None))
+            engine.release_memory()
+        except BaseException as e:
+            wait.failed(info.dp_rank, info.rank, e)
+            raise
+        wait.launched(info.dp_rank, info.rank)
+    wait.wait(info.rank, what)
     return engine
+
+
+_LAUNCHES = 0
 
 
 def _config_lines(cfg: Config) -> str:
