@@ -226,7 +226,7 @@ def launch_engine_first(cfg: Config, info: ParallelInfo, say) -> RolloutEngine |
         except BaseException as e:
             wait.failed(info.dp_rank, info.rank, e)
             raise
-        wait.launched(info.dp_rank, info.rank)
+        wait.launched(info.dp_rank)
     wait.wait(info.rank, what)
     return engine
 

@@ -223,3 +223,27 @@ def test_the_health_wait_gives_up_at_its_deadline_on_a_server_that_never_answers
     assert ok.returncode == 0, ok.stderr
     sbatch = (REPO / "launch/slurm/disaggregated.sbatch").read_text()
     assert 'megarl_wait_healthy "${SGLANG_START_TIMEOUT:-1200}" "$SERVER_PID"' in sbatch
+
+
+def test_the_launch_wait_names_leaders_that_never_started_or_are_still_launching():
+    """Two data-parallel leaders: one still launching at the limit, one that never began (the distributed test,
+    tests/distributed/test_engine_launch_wait.py, runs the wait under torchrun)."""
+    from torch.distributed import HashStore
+
+    from megarl.trainer.engine_launch import EngineLaunchError, LaunchWait
+
+    wait = LaunchWait(HashStore(), dp_size=3, timeout_s=0.3, poll_s=0.05)
+    wait.started(0, rank=0)
+    wait.launched(0)
+    wait.started(1, rank=4)
+    with pytest.raises(EngineLaunchError, match=r"rank 2: the sglang engine did not finish launching within 0.3 s "
+                       r"\(--engine-launch-timeout-seconds\): rank 4 \(the leader of DP rank 1\) has been launching "
+                       r"for 0 s; the leader of DP rank 2 never started launching"):
+        wait.wait(2, "sglang engine")
+    wait.launched(1)
+    wait.launched(2)
+    wait.wait(2, "sglang engine")
+    wait.failed(1, rank=4, error=MemoryError("KV cache"))
+    with pytest.raises(EngineLaunchError, match=r"on rank 4 \(the model-parallel leader of DP rank 1\) failed to "
+                       "launch: MemoryError: KV cache"):
+        wait.wait(0, "sglang engine")
