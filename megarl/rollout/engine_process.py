@@ -133,6 +133,8 @@ def _serve(hf_config: dict, checkpoint: str | None, device: str, dtype: torch.dt
     from megarl.rollout.builtin import BuiltinEngine, CheckpointTokenizer
 
     torch.set_num_threads(threads)
+    if torch.device(device).type == "cuda":  # a spawned process starts on GPU 0: take the leader's own
+        torch.cuda.set_device(torch.device(device))
 
     def watch_parent():  # a trainer killed with SIGKILL cannot stop us: go when it is gone
         while os.getppid() == parent:

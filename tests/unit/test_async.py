@@ -285,3 +285,26 @@ def test_exposed_reward_is_what_the_trainer_waited_on():
     second = collect(1)
     assert second.reward_exposed_seconds < 0.05 and second.reward_seconds == 0.3
     collect.stop()
+
+
+@pytest.mark.parametrize("choice,cuda,expected", [("auto", True, "cuda:3"), ("cuda", True, "cuda:3"),
+                                                  ("auto", False, "cpu"), ("cpu", True, "cpu")])
+def test_the_engine_process_gets_the_leaders_own_gpu(monkeypatch, tmp_path, choice, cuda, expected):
+    """The built-in engine of --async-staleness runs in a spawned process, which starts on GPU 0: handed a bare
+    "cuda", every data-parallel leader of a node would put its engine there. It gets the leader's own GPU (here
+    LOCAL_RANK 3, the device `init_distributed` made current), with CUDA reported present."""
+    from megarl.rollout import backends, engine_process
+
+    made = {}
+
+    class Spawned:
+        def __init__(self, config, checkpoint, *, device, **kw):
+            made["device"] = device
+
+    (tmp_path / "config.json").write_text(json.dumps({"model_type": "qwen2"}))
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: cuda)
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 3)
+    monkeypatch.setattr(engine_process, "EngineProcess", Spawned)
+    cfg = parse_args(["--hf-checkpoint", str(tmp_path), "--async-staleness", "1", "--rollout-device", choice],
+                     check_registries=False)
+    assert isinstance(backends.build_builtin(cfg), Spawned) and made["device"] == expected
