@@ -37,6 +37,7 @@ class EngineProcess(EngineCapabilities):
     """A `RolloutEngine` whose `BuiltinEngine` runs in a spawned process (see the module docstring)."""
 
     shares_actor_weights = False
+    loads_from_host = True  # each bucket is copied into a shared-memory buffer (`load_weight_buckets`)
 
     def __init__(self, hf_config: dict, checkpoint: str | None = None, *, device: str = "cpu",
                  dtype: torch.dtype = torch.float32, threads: int = 1, timeout_s: float = 600.0):
