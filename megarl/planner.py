@@ -35,6 +35,19 @@ command line. Memory, in bytes, for P parameters held by one GPU (its TP shard o
   and the actor's optimizer (and weights) can leave the GPU while the engine generates (--offload-optimizer,
   --offload-params).
 - 4 GiB per GPU for the CUDA context, NCCL buffers and allocator fragmentation.
+- the weight sync (a phase of its own): after the update, no activations; the pushing GPUs hold 3 buckets
+  (--sync-bucket-mb, or the largest tensor where that is larger: `sync_buckets_bytes`). Colocated, the engine takes
+  its weights' memory back before the first bucket, and the actor has let go of its gradients (and with
+  --offload-optimizer of its optimizer state) just before (`megarl.stages.colocation.free_for_push`): actor
+  weights + optimizer + reference + engine weights + buckets. Disaggregated, the training GPUs keep their whole
+  training state beside the buckets.
+- the async copy (--async-staleness): each sync's copy of the weights waits for the engine while the actor trains
+  on, the whole model in bf16 (`async_copy_bytes`), in pinned host memory on the pushing rank only (`MemoryPlan.host`;
+  none on the GPUs); disaggregated, the pusher's worker brings it back to its GPU two buckets at a time, during the
+  training phase.
+- the peak (`MemoryPlan.peak_phase`) is the phase with the largest total; the rollout phase counts the gradients
+  unless --offload-optimizer: freed before the push, they are back after an evaluation or a checkpoint between
+  steps.
 
 Time: rollout = prefill (2P FLOPs per prompt token) + decoding to --max-response-len, each decode step bounded
 by reading the engine's weights and the live KV cache from HBM (or by its FLOPs); training = 6P FLOPs per token
@@ -113,6 +126,7 @@ class RunSettings:
     logprob_chunk_tokens: int = 0  # the log-prob head's chunk (--logprob-chunk-tokens); 0 = full logits
     lora_rank: int = 0  # LoRA adapters of this rank (--lora-rank); 0 = full fine-tuning
     lora_targets: tuple[str, ...] = LORA_TARGETS  # --lora-target-modules, HF projection names
+    sync_bucket_mb: int = 512  # the weight sync's bucket size (--sync-bucket-mb)
 
     @classmethod
     def from_config(cls, cfg, **planner) -> "RunSettings":
@@ -131,7 +145,7 @@ class RunSettings:
                    offload_params=t.offload_params, sequence_parallel=m.sequence_parallel,
                    logprob_chunk_tokens=m.logprob_chunk_tokens, engine_mem_fraction=engine_mem,
                    mode="disaggregated" if r.rollout_servers else "colocated", async_staleness=t.async_staleness,
-                   lora_rank=m.lora_rank, lora_targets=m.lora_targets, **planner)
+                   lora_rank=m.lora_rank, lora_targets=m.lora_targets, sync_bucket_mb=r.sync_bucket_mb, **planner)
 
 
 DEDICATED_ENGINE_FRACTION = 0.85  # launch/slurm/disaggregated.sbatch's SGLANG_MEM_FRACTION
@@ -247,6 +261,25 @@ def kv_bytes_per_token(s: ModelShape, bytes_per_value: int = 2) -> int:
     return 2 * s.num_layers * s.num_kv_heads * s.head_dim * bytes_per_value
 
 
+SYNC_BUCKETS = 3  # live on a pushing GPU during a push (`sync_buckets_bytes`)
+ASYNC_LOADING_BUCKETS = 2  # --async-staleness: the pusher's worker brings the copy back to its GPU (`OrderedEngine`)
+
+
+def sync_buckets_bytes(s: ModelShape, r: RunSettings, buckets: int = SYNC_BUCKETS) -> float:
+    """The weight sync's buckets on a pushing GPU: `buckets` of --sync-bucket-mb (during a push, three: the
+    tensors of the bucket being filled, the bucket handed over, the one the engine is loading; 3 to 4 measured on
+    CPU, tests/unit/test_colocation.py), each as large as the largest tensor where that is larger (a tensor larger
+    than a bucket gets one of its own): the embedding, vocabulary x hidden in bf16."""
+    return buckets * max(r.sync_bucket_mb * MIB, weights_bytes(s.vocab_size * s.hidden_size))
+
+
+def async_copy_bytes(s: ModelShape, r: RunSettings) -> float:
+    """--async-staleness: the copy of the weights each sync queues for the engine while the actor trains on
+    (`megarl.rollout.pipeline.OrderedEngine`): the whole model in bf16, in pinned host memory on the pushing rank
+    until the engine has loaded it (0 without --async-staleness). None of it stays on the GPUs."""
+    return weights_bytes(num_params(s)) if r.async_staleness else 0.0
+
+
 def activation_bytes_per_token_layer(s: ModelShape) -> int:
     q, kv = s.num_attention_heads * s.head_dim, s.num_kv_heads * s.head_dim
     return 2 * (4 * s.hidden_size + 2 * q + 2 * kv) + 6 * s.ffn_hidden_size
@@ -275,10 +308,16 @@ class MemoryPlan:
     kv_needed: float  # bytes per GPU to hold the whole batch's KV cache at once
     kv_pool: float  # bytes per GPU the engine has for it
     problems: list[str]
+    host: dict[str, float] = field(default_factory=dict)  # host memory of the pool's pushing rank, by component
 
     @property
     def peak(self) -> float:
-        return max(p.total for p in self.phases)
+        return self.peak_phase.total
+
+    @property
+    def peak_phase(self) -> Phase:
+        """The phase that needs the most memory (the first of equals)."""
+        return max(self.phases, key=lambda p: p.total)
 
     @property
     def fits(self) -> bool:
@@ -337,13 +376,13 @@ def memory_plan(s: ModelShape, r: RunSettings, cluster: Cluster) -> list[MemoryP
     engine_weights = weights_bytes(total) / etp
     plans = []
 
-    def check(pool, gpus, phases, kv_pool, problems):
+    def check(pool, gpus, phases, kv_pool, problems, host=None):
         for ph in phases:
             if ph.total > cap:
                 big = max(ph.components, key=ph.components.get)
                 problems.append(f"{pool}, {ph.name}: {ph.total / GIB:.1f} GiB > {cap / GIB:.1f} GiB "
                                 f"(largest: {big}, {ph.components[big] / GIB:.1f} GiB)")
-        plans.append(MemoryPlan(pool, gpus, phases, cap, kv_needed, kv_pool, problems))
+        plans.append(MemoryPlan(pool, gpus, phases, cap, kv_needed, kv_pool, problems, host or {}))
 
     problems: list[str] = []
     dp, rem = divmod(train_gpus, r.tp * r.pp * r.cp)
@@ -355,8 +394,15 @@ def memory_plan(s: ModelShape, r: RunSettings, cluster: Cluster) -> list[MemoryP
                         f"PP {r.pp}")
     train = _train_phase(s, r, dp)
     train["CUDA context, NCCL, fragmentation"] = OVERHEAD_BYTES
+    host = {"async weight copy (pinned)": async_copy_bytes(s, r)} if r.async_staleness else {}
+    # The push, after the update: no activations; buckets on the pushing GPUs (and, colocated, the engine's weights)
+    sync = {k: v for k, v in train.items() if k != "activations + logits"}
     if r.mode == "disaggregated":
-        check("training GPUs", train_gpus, [Phase("training", train)], 0.0, problems)
+        if r.async_staleness:  # the pusher's worker loads the last sync's copy while the actor trains
+            train["weight-sync buckets"] = sync_buckets_bytes(s, r, ASYNC_LOADING_BUCKETS)
+        sync["weight-sync buckets"] = sync_buckets_bytes(s, r)
+        check("training GPUs", train_gpus, [Phase("training", train), Phase("weight sync", sync)], 0.0, problems,
+              host)
         reserve = DEDICATED_ENGINE_FRACTION * cap
         rollout = {"engine weights": engine_weights, "KV cache": max(0.0, reserve - engine_weights),
                    "CUDA context, NCCL, fragmentation": OVERHEAD_BYTES}
@@ -376,8 +422,15 @@ def memory_plan(s: ModelShape, r: RunSettings, cluster: Cluster) -> list[MemoryP
     if reserve <= engine_weights:
         problems.append(f"the engine's weights ({engine_weights / GIB:.1f} GiB) exceed --sglang-mem-fraction "
                         f"{r.engine_mem_fraction} of the GPU")
-    check("all GPUs", cluster.gpus, [Phase("training (engine released)", train), Phase("rollout", rollout)],
-          kv_pool, problems)
+    # The engine takes its weights' memory back before the push (SGLang resumes them first); the actor has let go
+    # of its gradients, and with --offload-optimizer of its optimizer state (`colocation.free_for_push`).
+    if not r.async_staleness:
+        sync["gradients (fp32)"] = 0.0
+        if r.offload_optimizer:
+            sync["optimizer (fp32 main + Adam)"] = 0.0
+    sync.update({"engine weights": engine_weights, "weight-sync buckets": sync_buckets_bytes(s, r)})
+    check("all GPUs", cluster.gpus, [Phase("training (engine released)", train), Phase("weight sync", sync),
+                                     Phase("rollout", rollout)], kv_pool, problems, host)
     return plans
 
 

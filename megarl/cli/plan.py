@@ -90,6 +90,10 @@ def format_plan(p: Plan, title: str, gpus_per_node: int = 8) -> str:
             lines.append(f"    {k:<44}" + "".join(f"{_gb(ph.components.get(k, 0.0)):>28}" for ph in m.phases))
         lines.append(f"    {'total':<44}" + "".join(f"{_gb(ph.total):>28}" for ph in m.phases)
                      + f"   of {m.capacity / GIB:.1f}: {'fits' if m.fits else 'DOES NOT FIT'}")
+        lines.append(f"    peak: {m.peak_phase.name}, {m.peak / GIB:.1f} GiB per GPU")
+        for k, v in m.host.items():
+            lines.append(f"    host memory of the pushing rank: {k} {v / GIB:.1f} GiB (--async-staleness: the "
+                         "weights a sync queued, until the engine has loaded them; none on the GPUs)")
         if m.kv_pool:
             lines.append(f"    KV cache for the whole batch at once: {m.kv_needed / GIB:.1f} GiB per GPU, pool "
                          f"{m.kv_pool / GIB:.1f} GiB -> {p.time.waves} decoding wave(s)")

@@ -85,6 +85,16 @@ def _builtin_available(cfg: Config) -> tuple[bool, str]:
     return True, ""
 
 
+def builtin_device(choice: str, cuda: bool, current: int) -> str:
+    """--rollout-device (auto, cpu, cuda) resolved for this rank: "auto" is the GPU when there is one, and a GPU
+    is this rank's own, `cuda:<current>` (the trainer's device: `init_distributed` sets it from LOCAL_RANK), never
+    a bare "cuda". The engine process of --async-staleness is spawned and never sets a device, so there "cuda"
+    would be GPU 0 on every data-parallel leader of the node."""
+    if choice == "auto":
+        choice = "cuda" if cuda else "cpu"
+    return f"cuda:{current}" if choice == "cuda" else choice
+
+
 @register_backend("builtin", available=_builtin_available)
 def build_builtin(cfg: Config, actor: MegatronPolicy | None = None) -> RolloutEngine:
     """megarl's PyTorch engine with zero weights: the actor's arrive right after, through the first sync. With
@@ -92,9 +102,8 @@ def build_builtin(cfg: Config, actor: MegatronPolicy | None = None) -> RolloutEn
     from megarl.rollout.builtin import BuiltinEngine, CheckpointTokenizer
 
     own = BACKENDS.settings(cfg, "builtin")  # `megarl.rollout.slots.BuiltinOptions`
-    device = own.rollout_device
-    if device == "auto":
-        device = "cuda" if torch.cuda.is_available() else "cpu"
+    cuda = torch.cuda.is_available()
+    device = builtin_device(own.rollout_device, cuda, torch.cuda.current_device() if cuda else 0)
     dtype = torch.bfloat16 if cfg.model.bf16 else torch.float32  # CPUs with bf16 units too
     config = json.loads((Path(cfg.model.hf_checkpoint) / "config.json").read_text())
     if cfg.training.async_staleness:  # asynchronous training: the engine in a process of its own

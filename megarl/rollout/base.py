@@ -134,7 +134,12 @@ class EngineCapabilities:
     - `ipc_tp_size`: how many trainer ranks make their own payload of every weight bucket (a colocated engine at
       TP > 1, whose GPUs are the trainer's); above 1 the weight sync hands it an `IpcGather` (`use_ipc`);
     - `scores_distributions`: `score_distributions` gives the whole next-token distribution (the mismatch check,
-      exact), `scores_topk`: `score_topk` gives its top k (the mismatch check, bounds).
+      exact), `scores_topk`: `score_topk` gives its top k (the mismatch check, bounds);
+    - `takes_buckets`: `load_weight_buckets` reads the buckets on this rank; False where another rank pushes them
+      (a data-parallel leader of `SGLangServers(push=False)`), so an asynchronous sync keeps no copy of them here;
+    - `loads_from_host`: `load_weight_buckets` takes buckets in host memory as well as on the GPU (it copies them
+      to host memory itself: `EngineProcess`), so an asynchronous sync's copy, staged in host memory, goes to it as
+      it is rather than back to the GPU one bucket at a time (`megarl.rollout.pipeline.OrderedEngine`).
     """
 
     reports_finished_rows: bool = False
@@ -142,6 +147,8 @@ class EngineCapabilities:
     ipc_tp_size: int = 1
     scores_distributions: bool = False
     scores_topk: bool = False
+    takes_buckets: bool = True
+    loads_from_host: bool = False
 
     def use_ipc(self, ipc: IpcGather) -> None:
         """Take each bucket's payloads from the `ipc_tp_size` trainer ranks on the engine's GPUs."""

@@ -37,6 +37,7 @@ class EngineProcess(EngineCapabilities):
     """A `RolloutEngine` whose `BuiltinEngine` runs in a spawned process (see the module docstring)."""
 
     shares_actor_weights = False
+    loads_from_host = True  # each bucket is copied into a shared-memory buffer (`load_weight_buckets`)
 
     def __init__(self, hf_config: dict, checkpoint: str | None = None, *, device: str = "cpu",
                  dtype: torch.dtype = torch.float32, threads: int = 1, timeout_s: float = 600.0):
@@ -133,6 +134,8 @@ def _serve(hf_config: dict, checkpoint: str | None, device: str, dtype: torch.dt
     from megarl.rollout.builtin import BuiltinEngine, CheckpointTokenizer
 
     torch.set_num_threads(threads)
+    if torch.device(device).type == "cuda":  # a spawned process starts on GPU 0: take the leader's own
+        torch.cuda.set_device(torch.device(device))
 
     def watch_parent():  # a trainer killed with SIGKILL cannot stop us: go when it is gone
         while os.getppid() == parent:

@@ -19,9 +19,10 @@ import torch
 
 from megarl.rollout.base import EngineCapabilities, RolloutEngine, as_engine
 
+from megarl.rollout.weight_sync import WeightBucket
+
 if TYPE_CHECKING:
     from megarl.rollout.base import Completion, SamplingParams
-    from megarl.rollout.weight_sync import WeightBucket
 
 
 class Pipeline:
@@ -91,6 +92,8 @@ class OrderedEngine(EngineCapabilities):
         self.dtype = inner.dtype
         self.weight_version = inner.weight_version
         self.records_routing = as_engine(inner).records_routing
+        self.takes_buckets = as_engine(inner).takes_buckets
+        self.loads_from_host = as_engine(inner).loads_from_host
 
     def generate(self, prompts: Sequence[Sequence[int]], params: SamplingParams) -> list[list[Completion]]:
         return self.pipeline.run(self.inner.generate, prompts, params)
@@ -110,9 +113,27 @@ class OrderedEngine(EngineCapabilities):
                                  self.weight_version + 1 if version is None else version)
 
     def load_weight_buckets(self, buckets: Iterable[WeightBucket], version: int) -> None:
-        owned = list(buckets)  # built now, from the actor's weights of this version
-        self.pipeline.submit(self.inner.load_weight_buckets, owned, version, watch=True)
+        """Keep a copy of this version's buckets, in host memory, for the worker to load in turn: the actor trains
+        on meanwhile. Only a rank whose engine reads them keeps one (`takes_buckets`; the other data-parallel
+        leaders of shared servers drain theirs). The copy is the whole model, so it never stays on the GPU:
+        each bucket goes to (pinned) host memory as it is packed, and the worker brings it back to its GPU one
+        bucket at a time for an engine that needs it there (`loads_from_host`)."""
+        if self.takes_buckets:
+            owned = host_copies(buckets)  # built now, from the actor's weights of this version
+        else:
+            owned = []
+            for _ in buckets:  # the export still runs to its end, one bucket at a time
+                pass
+        self.pipeline.submit(self._load, owned, version, watch=True)
         self.weight_version = version
+
+    def _load(self, owned: list[tuple[WeightBucket, torch.device]], version: int) -> None:
+        if self.loads_from_host:
+            buckets = (bucket for bucket, _ in owned)
+        else:
+            buckets = (bucket if home.type == "cpu" else WeightBucket(bucket.flat.to(home), bucket.slots)
+                       for bucket, home in owned)
+        self.inner.load_weight_buckets(buckets, version)
 
     def release_memory(self, keep_weights: bool = False) -> None:
         """The engine runs beside the actor, never in its memory: nothing to hand over."""
@@ -123,3 +144,22 @@ class OrderedEngine(EngineCapabilities):
     def shutdown(self) -> None:
         self.pipeline.close()
         self.inner.shutdown()
+
+
+def host_copies(buckets: Iterable[WeightBucket]) -> list[tuple[WeightBucket, torch.device]]:
+    """Each bucket with the device it was packed on, held in host memory: a bucket on the GPU is copied into
+    pinned (page-locked) host memory as soon as it is packed and its GPU memory goes back at once, so the GPU holds
+    one bucket at a time, never the model; a bucket already in host memory is kept as it is (`pack_buckets` made
+    it: it is a copy already). Pinned memory needs CUDA, and only a GPU bucket asks for it."""
+    owned, gpus = [], set()
+    for bucket in buckets:
+        home = bucket.flat.device
+        if home.type != "cpu":
+            host = torch.empty(bucket.nbytes, dtype=torch.uint8, pin_memory=True)
+            host.copy_(bucket.flat, non_blocking=True)  # ordered before any reuse of the bucket's GPU memory
+            bucket = WeightBucket(host, bucket.slots)
+            gpus.add(home)
+        owned.append((bucket, home))
+    for gpu in gpus:
+        torch.cuda.synchronize(gpu)  # the copies are complete before the worker reads them
+    return owned

@@ -712,6 +712,7 @@ class SGLangServers(EngineCapabilities):
         self.tp_sizes = list(tp_sizes) if tp_sizes else None
         self.timeout_s = timeout_s
         self.push = push
+        self.takes_buckets = push  # the other leaders' buckets are drained, never read: none keep a copy
         self.barrier = barrier  # None: this is the only data-parallel leader
         self.weight_version = 0
         self.aborted = 0  # requests the servers aborted so far (`count_aborted`)

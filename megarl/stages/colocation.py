@@ -1,10 +1,13 @@
 """Who holds the accelerator, and the weight sync: one step is enter_rollout -> generate -> enter_training -> train
--> sync.
+-> free_for_push -> sync.
 
 With `--offload-optimizer` / `--offload-params` the actor moves its state off the GPU while the engine generates;
 the engine releases its KV cache (and weights) while the actor trains. After every update the actor's weights go
 to the engine as HF-named tensors in buckets (`megarl.rollout.weight_sync`), or, for an engine that generates with
-the actor's own parameters, only a new version. On CPU every one of these is a no-op but the sync.
+the actor's own parameters, only a new version. The engine takes its weights' memory back for the push (SGLang
+resumes it first), so before the push the actor lets go of what the push does not read: its gradients, and with
+--offload-optimizer its optimizer state (`free_for_push`). On CPU every one of these is a no-op but the sync (and
+the gradients' storage, freed and given back zeroed, which the next step does anyway).
 """
 
 from __future__ import annotations
@@ -50,6 +53,17 @@ def enter_training(actor: MegatronPolicy, engine: RolloutEngine | None, keep_wei
     actor.onload()
 
 
+def free_for_push(actor: MegatronPolicy, t: TrainingConfig) -> None:
+    """Before a push to a colocated engine, on every rank of the replica: the engine's weights come back (SGLang
+    resumes them before the first bucket, `SGLangEngine.load_weight_buckets`) while the actor still holds its
+    training state. The push reads only the actor's weights, so its fp32 gradients go now (the next step zeroes
+    them anyway) and, with --offload-optimizer, its optimizer state moves to the host now rather than at
+    `enter_rollout`: the push then holds the actor's weights, the engine's and a few buckets, not 4 + 12 bytes a
+    parameter besides (the planner's "weight sync" phase). `enter_training` brings everything back before the next
+    update; a checkpoint saved between the two brings it back first (`megarl.trainer.checkpoints.save`)."""
+    actor.offload(params=False, optimizer=t.offload_optimizer)
+
+
 @dataclass(frozen=True)
 class Probe:
     """The actor's log-probs on a probe sequence, kept on the replica's leader until the engine scores it."""
@@ -85,10 +99,15 @@ class WeightSync:
     adapter (`weight_sync.push_adapter`); the probe is then scored by the engine with that adapter applied."""
 
     def __init__(self, actor: MegatronPolicy, engine: RolloutEngine | None, r: RolloutConfig, info: ParallelInfo,
-                 timeout_s: float = 600.0):
+                 timeout_s: float = 600.0, training: TrainingConfig | None = None):
         """`timeout_s`: how long a rank on a colocated engine's GPUs waits for the leader per bucket
-        (--distributed-timeout-seconds)."""
-        self.actor, self.engine, self.r, self.info = actor, engine, r, info
+        (--distributed-timeout-seconds). `training`: the run's settings; given (the trainer gives them), every
+        push to a colocated engine is preceded by `free_for_push`; without them the actor keeps its state through
+        the push."""
+        self.actor, self.engine, self.r, self.info, self.training = actor, engine, r, info, training
+        # The engine shares the GPUs and takes its weights' memory back for the push: not servers elsewhere, not
+        # the engine of --async-staleness (beside the actor, never in its memory)
+        self.colocated = training is not None and not r.rollout_servers and not training.async_staleness
         mine = None
         if engine is not None:  # what the other ranks of the replica need to know of the leader's engine
             mine = (engine.shares_actor_weights, as_engine(engine).ipc_tp_size, engine.dtype)
@@ -111,6 +130,8 @@ class WeightSync:
         """Sync the actor's weights as `version` (with --verify-weight-sync: and take the actor's side of the
         probe; with --mismatch-check-interval N, every N versions, the actor's distributions on a few of `rows`,
         the step's batch). Returns the sync's metrics on the leader ({} elsewhere)."""
+        if self.colocated and not self.shares_actor_weights:
+            free_for_push(self.actor, self.training)
         if self.shares_actor_weights:
             metrics = weight_sync.stamp(self.engine, version).metrics() if self.engine is not None else {}
         elif self.adapters:

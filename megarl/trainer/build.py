@@ -143,7 +143,7 @@ def start(cfg: Config, checked: Checked) -> TrainingRun:
     pipeline = Pipeline() if t.async_staleness else None
     if pipeline is not None and engine is not None:  # the loop's calls queue behind the rollouts in flight
         engine = OrderedEngine(rollout_engine, pipeline)
-    sync = WeightSync(actor, engine, cfg.rollout, info, timeout_s=t.distributed_timeout_seconds)
+    sync = WeightSync(actor, engine, cfg.rollout, info, timeout_s=t.distributed_timeout_seconds, training=t)
     sync(version=start_step)
 
     reward = build_reward(cfg.reward, reward_options(cfg), _plugin_modules(cfg))

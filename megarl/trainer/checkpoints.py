@@ -40,6 +40,7 @@ def save(run: TrainingRun, step: int) -> None:
     """Collective. The algorithm's own models first (a critic), then the actor, the data position, this rank's
     rollout state and the resolved config, so the actor's `latest` step always has everything next to it."""
     c = run.cfg.checkpoint
+    run.actor.onload()  # since the sync, the gradients (and with --offload-optimizer the optimizer) are off the GPU
     run.algorithm.save(c.save, step, c.keep_last)
     checkpoint.save(c.save, step, run.actor, {"sampler": run.sampler.state_dict()}, keep_last=c.keep_last,
                     rank_state=run.collect.rank_state(), config=run.record)

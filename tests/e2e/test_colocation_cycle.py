@@ -58,3 +58,19 @@ def test_verified_sync_at_tp2(model, tmp_path):
                 "--verify-sync-tolerance", "1e-4")
     param_bytes = model_parameter_count(ModelShape.from_pretrained(model)) * 4
     assert all(rows[s]["sync_bytes"] == param_bytes and rows[s]["sync_probe_absdiff_max"] < 1e-4 for s in rows)
+
+
+def test_a_checkpoint_saved_after_the_push_resumes_exactly(model, tmp_path):
+    """With --offload-optimizer the optimizer state leaves the GPU before the push (`free_for_push`), and train.py
+    saves after the push: the checkpoint must still hold it, so the resumed run repeats the uninterrupted one."""
+    import shutil
+
+    flags = ("--offload-optimizer", "--offload-params", "--save-interval", 2)
+    full = _run(model, tmp_path / "full", 1, *flags, "--save", tmp_path / "ckpt")
+    at_step2 = tmp_path / "at_step2"
+    shutil.copytree(tmp_path / "ckpt" / "iter_0000002", at_step2 / "iter_0000002")
+    (at_step2 / "latest").write_text("iter_0000002\n")
+    resumed = _run(model, tmp_path / "resumed", 1, *flags, "--load", at_step2)
+    assert sorted(resumed) == [3] and full[3]["loss"] != 0.0
+    for key in COMPARED:
+        assert resumed[3][key] == full[3][key], key

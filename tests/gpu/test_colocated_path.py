@@ -56,6 +56,47 @@ def test_offload_frees_gpu_memory_and_restores_it():
     assert all(torch.equal(a, b) for a, b in zip(before, model.parameters()))
 
 
+def test_the_async_copy_waits_in_pinned_host_memory_and_returns_to_its_gpu():
+    """--async-staleness: the sync's buckets wait for the worker in pinned host memory, not on the GPU (a whole
+    model on every leader before), and an engine that needs them on the GPU (NCCL to the servers) gets each one
+    back on the GPU it was packed on, one at a time; the built-in engine's process takes them from host memory."""
+    import threading
+
+    from megarl.rollout.base import EngineCapabilities
+    from megarl.rollout.pipeline import OrderedEngine, Pipeline, host_copies
+
+    gpu = torch.device("cuda", torch.cuda.device_count() - 1)  # not GPU 0 where there are several
+    named = [(f"w{i}", torch.full((1 << 18,), float(i), device=gpu)) for i in range(8)]  # 1 MiB each
+    owned = host_copies(pack_buckets(named, 1 << 20))
+    assert [(b.flat.device.type, b.flat.is_pinned(), home) for b, home in owned] == [("cpu", True, gpu)] * 8
+
+    class Engine(EngineCapabilities):
+        weight_version, dtype, shares_actor_weights = 0, None, False
+
+        def __init__(self):
+            self.seen = []
+
+        def load_weight_buckets(self, buckets, version):
+            self.seen += [(b.flat.device, float(b.tensors()[0][1][0])) for b in buckets]
+            self.weight_version = version
+
+    for from_host in (False, True):
+        pipeline, gate, inner = Pipeline(), threading.Event(), Engine()
+        inner.loads_from_host = from_host
+        engine = OrderedEngine(inner, pipeline)
+        pipeline.submit(gate.wait)
+        torch.cuda.synchronize(gpu)
+        before = torch.cuda.memory_allocated(gpu)
+        engine.load_weight_buckets(pack_buckets(named, 1 << 20), version=1)
+        held = torch.cuda.memory_allocated(gpu) - before
+        assert held < 1 << 20, f"{held} bytes of buckets left on the GPU"
+        gate.set()
+        pipeline.run(lambda: None)
+        pipeline.close()
+        home = torch.device("cpu") if from_host else gpu
+        assert inner.seen == [(home, float(i)) for i in range(8)] and inner.weight_version == 1
+
+
 def _gpu_check(tmp_path, parts: str, timeout: int = 470) -> dict:
     proc = subprocess.run([str(REPO / "tools/gpu_check.sh"), "--parts", parts, "--out", str(tmp_path)], cwd=REPO,
                           env={**env(), "PYTHON": sys.executable, "GPU_CHECK_TP2_STAGES": "none"},

@@ -285,3 +285,78 @@ def test_exposed_reward_is_what_the_trainer_waited_on():
     second = collect(1)
     assert second.reward_exposed_seconds < 0.05 and second.reward_seconds == 0.3
     collect.stop()
+
+
+@pytest.mark.parametrize("choice,cuda,expected", [("auto", True, "cuda:3"), ("cuda", True, "cuda:3"),
+                                                  ("auto", False, "cpu"), ("cpu", True, "cpu")])
+def test_the_engine_process_gets_the_leaders_own_gpu(monkeypatch, tmp_path, choice, cuda, expected):
+    """The built-in engine of --async-staleness runs in a spawned process, which starts on GPU 0: handed a bare
+    "cuda", every data-parallel leader of a node would put its engine there. It gets the leader's own GPU (here
+    LOCAL_RANK 3, the device `init_distributed` made current), with CUDA reported present."""
+    from megarl.rollout import backends, engine_process
+
+    made = {}
+
+    class Spawned:
+        def __init__(self, config, checkpoint, *, device, **kw):
+            made["device"] = device
+
+    (tmp_path / "config.json").write_text(json.dumps({"model_type": "qwen2"}))
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: cuda)
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 3)
+    monkeypatch.setattr(engine_process, "EngineProcess", Spawned)
+    cfg = parse_args(["--hf-checkpoint", str(tmp_path), "--async-staleness", "1", "--rollout-device", choice],
+                     check_registries=False)
+    assert isinstance(backends.build_builtin(cfg), Spawned) and made["device"] == expected
+
+
+def _held_after_sync(inner) -> tuple[list[bool], list]:
+    """An asynchronous sync into `inner` while the worker is busy: whether each packed bucket's memory is still
+    held once `load_weight_buckets` has returned (before the worker loads it), and what the worker then hands the
+    engine (`(device, pinned, names)` per bucket)."""
+    import threading
+    import weakref
+
+    from megarl.rollout.weight_sync import pack_buckets
+
+    pipeline, gate, packed = Pipeline(), threading.Event(), []
+    engine = OrderedEngine(inner, pipeline)
+    pipeline.submit(gate.wait)  # the worker is generating: the load queues behind it
+
+    def tracked():
+        for bucket in pack_buckets([(f"w{i}", torch.full((64,), float(i))) for i in range(4)], 256):
+            packed.append(weakref.ref(bucket.flat))
+            yield bucket
+
+    engine.load_weight_buckets(tracked(), version=1)
+    held = [ref() is not None for ref in packed]
+    gate.set()
+    pipeline.run(lambda: None)  # the load has run
+    pipeline.close()
+    assert len(packed) == 4 and engine.weight_version == 1
+    return held, getattr(inner, "calls", None)
+
+
+class _Seen(_Recorder):
+    """A `_Recorder` that notes where each bucket it loads lives."""
+
+    def load_weight_buckets(self, buckets, version):
+        self.calls += [(b.flat.device.type, b.flat.is_pinned(), [n for n, _ in b.tensors()]) for b in buckets]
+        self.weight_version = version
+
+
+def test_only_the_pushing_rank_keeps_the_async_copy_and_keeps_it_in_host_memory():
+    """With --async-staleness the sync's buckets wait for the worker while the actor trains on: the pushing rank
+    keeps them (in host memory: on a GPU, pinned; tests/gpu/test_colocated_path.py checks that part), a
+    data-parallel leader whose servers another rank pushes to (`SGLangServers(push=False)`) keeps none. Kept as
+    GPU buckets on every leader, they were a whole model of GPU memory on each (about 15 GiB for a 7B model)."""
+    from megarl.rollout.sglang_engine import SGLangServers
+
+    held, calls = _held_after_sync(_Seen())
+    assert held == [True] * 4
+    assert calls == [("cpu", False, [f"w{i}"]) for i in range(4)]
+    bystander = SGLangServers(["127.0.0.1:1"], push=False)
+    assert not bystander.takes_buckets and SGLangServers(["127.0.0.1:1"]).takes_buckets
+    held, _ = _held_after_sync(bystander)
+    assert held == [False] * 4, "a leader that does not push kept the buckets"
+    assert bystander.weight_version == 1

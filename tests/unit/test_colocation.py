@@ -295,3 +295,51 @@ def test_a_plugin_engines_one_argument_release_memory_still_works():
     colocation.enter_training(actor, engine, keep_weights=True)
     colocation.enter_training(actor, engine)
     assert engine.released == 2
+
+
+# -- the push's peak ---------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("offload_optimizer", [True, False])
+def test_the_actor_lets_go_of_its_gradients_and_optimizer_before_the_engines_weights_come_back(offload_optimizer):
+    """SGLang takes its weights' memory back before the first bucket (`load_weight_buckets`): the push must not
+    find the actor's fp32 gradients (zeroed by the next step anyway) and, with --offload-optimizer, its optimizer
+    state still on the GPU beside them. Every rank of the replica lets go (an SGLang TP rank sits on each GPU),
+    and the next update gets them back at `enter_training`."""
+    from megarl.stages import colocation
+
+    log = []
+    engine, actor = SGLangEngine(RecordingSessionEngine(log), serialize=lambda b, tp: [b] * tp), FakeActor(log)
+    cfg = build_config({"offload_optimizer": offload_optimizer, "sync_bucket_mb": 1})
+    sync = colocation.WeightSync(actor, engine, cfg.rollout, ONE_RANK, training=cfg.training)
+    colocation.enter_training(actor, engine)
+    log.clear()
+    sync(version=1)
+    assert log[:3] == [("offload", False, offload_optimizer), ("resume", ("weights",)), "begin_weight_update"], log
+    colocation.enter_training(actor, engine)
+    assert log[-1] == "onload"
+    bystander = colocation.WeightSync(actor, None, cfg.rollout, ONE_RANK, training=cfg.training)
+    log.clear()
+    bystander(version=2)  # a rank without the engine: its GPU holds an SGLang TP rank too
+    assert log[0] == ("offload", False, offload_optimizer), log
+    elsewhere = build_config({"rollout_servers": "127.0.0.1:1", "rollout_backend": "sglang"})
+    log.clear()  # servers on GPUs of their own: nothing comes back beside the actor, which keeps its state
+    colocation.WeightSync(actor, None, elsewhere.rollout, ONE_RANK, training=elsewhere.training)(version=3)
+    assert not [e for e in log if e[0] == "offload"], log
+
+
+def test_a_checkpoint_after_the_sync_brings_the_optimizer_back_first(monkeypatch):
+    """Since `free_for_push` the optimizer state may be on the host when train.py saves (after the sync): the save
+    brings it back before anything is written."""
+    from types import SimpleNamespace
+
+    from megarl.trainer import checkpoints
+
+    log = []
+    monkeypatch.setattr(checkpoints.checkpoint, "save", lambda *a, **k: log.append("actor.save"))
+    run = SimpleNamespace(cfg=build_config({"save": "/nowhere"}), actor=FakeActor(log),
+                          algorithm=SimpleNamespace(save=lambda *a: log.append("algorithm.save")),
+                          sampler=SimpleNamespace(state_dict=dict), collect=SimpleNamespace(rank_state=dict),
+                          record={})
+    checkpoints.save(run, 3)
+    assert log == ["onload", "algorithm.save", "actor.save"]

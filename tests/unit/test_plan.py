@@ -87,7 +87,7 @@ def test_distributed_optimizer_and_offload_shrink_what_they_should():
     base = P.RunSettings(tp=2, micro_batch_size=1)
     opt = lambda r: P.memory_plan(s, r, c)[0].phases[0].components["optimizer (fp32 main + Adam)"]
     assert opt(replace(base, distributed_optimizer=True)) == pytest.approx(opt(base) / 4)  # DP = 8 / 2
-    rollout = lambda r: P.memory_plan(s, r, c)[0].phases[1].components
+    rollout = lambda r: P.memory_plan(s, r, c)[0].phases[-1].components
     off = rollout(replace(base, offload_optimizer=True, offload_params=True))
     assert off["optimizer (fp32 main + Adam)"] == off["gradients (fp32)"] == off["actor weights"] == 0
     assert rollout(base)["optimizer (fp32 main + Adam)"] > 0
@@ -241,3 +241,95 @@ def test_the_planner_prints_both_modes_for_a_disaggregated_run(monkeypatch, caps
     line = next(x for x in out.splitlines() if "asynchronous (--async-staleness >= 1" in x)
     sync_s, async_s = (float(w.strip("s;~")) for w in line.split() if w.startswith("~"))
     assert async_s < sync_s and "(this run)" not in line  # the recipe is synchronous
+
+
+# -- the weight sync and the async copy ---------------------------------------------------------------------------
+
+SMALL = {"model_type": "qwen2", "num_hidden_layers": 2, "hidden_size": 64, "num_attention_heads": 4,
+         "num_key_value_heads": 2, "intermediate_size": 128, "vocab_size": 96, "tie_word_embeddings": False}
+
+
+def _small_params() -> int:
+    """Qwen2 with QKV biases, by hand: per layer q (64 x 64 + 64), k and v (64 x 32 + 32 each), o (64 x 64), the
+    SwiGLU MLP (3 x 64 x 128) and two norms (2 x 64); the embedding and output layer (96 x 64 each), the final
+    norm (64)."""
+    layer = (64 * 64 + 64) + 2 * (64 * 32 + 32) + 64 * 64 + 3 * 64 * 128 + 2 * 64
+    return 2 * layer + 2 * 96 * 64 + 64
+
+
+@pytest.mark.parametrize("offload_optimizer", [False, True])
+def test_the_colocated_weight_sync_phase_by_hand(offload_optimizer):
+    """The push on a colocated GPU, one GPU at TP 1, --sync-bucket-mb 1, a reference model: the actor's bf16 weights
+    (2P), its optimizer (12P; 0 with --offload-optimizer, offloaded before the push), no gradients (freed before
+    the push), the reference (2P), the engine's weights, resumed for the push (2P), three 1 MiB buckets and the
+    runtime's 4 GiB; no activations, no KV cache (the engine resumes it after the push)."""
+    s = ModelShape.from_hf_config(SMALL)
+    p = _small_params()
+    assert P.num_params(s) == p
+    r = P.RunSettings(kl=True, sync_bucket_mb=1, offload_optimizer=offload_optimizer, max_response_len=64)
+    [mem] = P.memory_plan(s, r, P.Cluster(H100, 1))
+    assert [ph.name for ph in mem.phases] == ["training (engine released)", "weight sync", "rollout"]
+    sync = mem.phases[1].components
+    assert sync == {"actor weights": 2 * p, "gradients (fp32)": 0.0,
+                    "optimizer (fp32 main + Adam)": 0.0 if offload_optimizer else 12 * p, "reference model": 2 * p,
+                    "CUDA context, NCCL, fragmentation": 4 * 2**30, "engine weights": 2 * p,
+                    "weight-sync buckets": 3 * 2**20}
+    assert mem.phases[1].total == 2 * p + (0 if offload_optimizer else 12 * p) + 2 * p + 2 * p + 3 * 2**20 + 4 * 2**30
+
+
+def test_a_bucket_is_as_large_as_the_largest_tensor():
+    """A tensor larger than --sync-bucket-mb gets a bucket of its own: the embedding, vocabulary x hidden in bf16
+    (Qwen2.5-7B: 152,064 x 3,584 x 2 bytes = 1,039.5 MiB, above the default 512)."""
+    s = shape("qwen2.5-7b")
+    assert P.sync_buckets_bytes(s, P.RunSettings()) == 3 * 152_064 * 3_584 * 2
+    assert P.sync_buckets_bytes(s, P.RunSettings(sync_bucket_mb=2048)) == 3 * 2048 * 2**20
+
+
+def test_the_async_copy_is_counted_in_host_memory_on_the_pusher_by_hand():
+    """--async-staleness with servers (disaggregated): each sync's copy of the weights waits for the engine in
+    pinned host memory on the pushing rank, the whole model in bf16 (2P), none of it on the GPUs; the training GPUs
+    then hold the two buckets the pusher's worker brings back to its GPU while the actor trains (--sync-bucket-mb
+    1: 2 MiB), and the push three."""
+    s = ModelShape.from_hf_config(SMALL)
+    p = _small_params()
+    cluster = P.Cluster(H100, 2)
+    r = P.RunSettings(mode="disaggregated", rollout_gpus=1, sync_bucket_mb=1, max_response_len=64)
+    synchronous, _ = P.memory_plan(s, r, cluster)
+    training, rollout = P.memory_plan(s, replace(r, async_staleness=2), cluster)
+    assert P.async_copy_bytes(s, replace(r, async_staleness=2)) == 2 * p and P.async_copy_bytes(s, r) == 0
+    assert training.host == {"async weight copy (pinned)": 2 * p} and synchronous.host == {} and rollout.host == {}
+    assert [ph.name for ph in training.phases] == ["training", "weight sync"]
+    grown = training.phases[0].total - synchronous.phases[0].total
+    assert grown == training.phases[0].components["weight-sync buckets"] == 2 * 2**20
+    assert training.phases[1].components["weight-sync buckets"] == 3 * 2**20
+    assert "gradients (fp32)" in training.phases[1].components and training.phases[1].components[
+        "gradients (fp32)"] == 4 * p  # servers elsewhere: nothing comes back beside the actor, which keeps them
+
+
+def test_the_plan_of_a_shipped_recipe_names_its_peak_phase(monkeypatch, capsys):
+    """r1_math on 8 H100s: the colocated peak is the rollout (the resident actor state, the engine's weights and its
+    KV pool), the disaggregated training GPUs' the training phase; the weight sync is printed beside them. Each
+    "peak:" line names the phase whose total is the largest."""
+    rc = plan_main([str(REPO / "recipes/r1_math.sh"), "--gpus", "8"])
+    out = capsys.readouterr().out
+    assert rc == 0
+    colocated, disaggregated = out.split("== disaggregated")
+    assert "weight sync" in colocated.splitlines()[3] and "weight-sync buckets" in colocated
+    peaks = [line.strip() for line in out.splitlines() if line.strip().startswith("peak: ")]
+    assert [p.split(",")[0] for p in peaks] == ["peak: rollout", "peak: training", "peak: rollout"]
+    totals = next(line for line in colocated.splitlines() if line.strip().startswith("total")).split()[1:4]
+    assert peaks[0] == f"peak: rollout, {max(map(float, totals)):.1f} GiB per GPU" and float(totals[2]) == max(
+        map(float, totals))
+
+
+def test_the_plan_prints_the_async_copy_of_the_pushing_rank(monkeypatch, capsys):
+    """Qwen2.5-Math-7B with --async-staleness and servers: 7,615,616,512 parameters x 2 bytes = 14.2 GiB of pinned
+    host memory on the pushing rank, printed under the training GPUs; a synchronous run prints none."""
+    monkeypatch.setenv("RECIPE_MODEL", "qwen2.5-math-7b")
+    args = [str(REPO / "recipes/r1_math.sh"), "--gpus", "16", "--mode", "disaggregated", "--", "--rollout-servers",
+            "h:1"]
+    plan_main(args + ["--async-staleness", "1"])
+    line = "host memory of the pushing rank: async weight copy (pinned) 14.2 GiB"
+    assert line in capsys.readouterr().out and f"{7_615_616_512 * 2 / 2**30:.1f}" == "14.2"
+    plan_main(args)
+    assert "host memory of the pushing rank" not in capsys.readouterr().out
