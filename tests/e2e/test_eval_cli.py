@@ -1,0 +1,82 @@
+"""`megarl-eval` end to end on the test starter: the trainer's own held-out evaluation of the same weights and seed
+gives the same figures (before training: the HF starter; after a step: the megarl checkpoint), and a megarl
+checkpoint and its HF export give the same figures."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+from helpers import REPO, env, torchrun
+
+pytestmark = [pytest.mark.distributed, pytest.mark.slow]
+
+# The evaluation both the trainer and megarl-eval run: 12 held-out prompts, 4 samples each and greedy, seed 5.
+EVAL = ["--eval-max-prompts", "12", "--eval-samples-per-prompt", "4", "--seed", "5"]
+
+
+def megarl_eval(*args, timeout: float = 300) -> subprocess.CompletedProcess:
+    proc = subprocess.run([sys.executable, "-m", "megarl.cli.eval", *map(str, args)], cwd=REPO, env=env(),
+                          capture_output=True, text=True, timeout=timeout)
+    assert proc.returncode == 0, f"{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}"
+    return proc
+
+
+@pytest.fixture(scope="module")
+def trained(starter, tmp_path_factory):
+    """One step of the CPU demo's recipe on one process (DP 1: the trainer evaluates every prompt in one batch
+    with seed + 17, as megarl-eval does), saved as a megarl checkpoint and exported to HF."""
+    root = tmp_path_factory.mktemp("evalcli")
+    torchrun(1, "megarl/train.py", "recipes/tiny_cpu.sh", "--hf-checkpoint", starter, "--prompt-data",
+             starter / "train.jsonl", "--eval-data", starter / "heldout.jsonl", *EVAL, "--num-steps", 1,
+             "--rollout-batch-size", 4, "--n-samples-per-prompt", 4, "--micro-batch-size", 16, "--lr", "1e-3",
+             "--save", root / "ckpt", "--save-hf", root / "hf", "--output-dir", root / "run", timeout=400)
+    return root, json.loads((root / "run" / "eval.json").read_text())
+
+
+def _figures(out):
+    return json.loads((out / "eval.json").read_text())
+
+
+def test_on_the_starter_pass_at_1_is_the_trainers_sampled_accuracy(starter, trained):
+    root, trainer = trained
+    out = root / "starter_eval"
+    proc = megarl_eval("recipes/tiny_cpu.sh", "--checkpoint", starter, "--data", starter / "heldout.jsonl", *EVAL,
+                       "--out", out)
+    got = _figures(out)
+    before = trainer["before"]
+    assert got["format"] == "hf" and got["overall"]["prompts"] == 12 and got["samples_per_prompt"] == 4
+    assert got["overall"]["pass@1"]["value"] == before["sampled"]
+    assert got["overall"]["greedy"]["value"] == before["greedy"]
+    assert got["overall"]["pass@4"]["value"] == before["pass@4"]
+    assert got["overall"]["maj@4"]["value"] == before["maj@4"]
+    # the table, printed and written, and each prompt's verdicts
+    table = (out / "eval.md").read_text()
+    assert "| source | prompts | pass@1 | pass@4 | maj@4 | greedy |" in table and table.strip() in proc.stdout
+    rows = [json.loads(line) for line in (out / "prompts.jsonl").read_text().splitlines()]
+    assert len(rows) == 12 and all(len(r["correct"]) == 4 and r["source"] == "arithmetic" for r in rows)
+    share = sum(map(sum, (r["correct"] for r in rows))) / 48
+    assert got["overall"]["pass@1"]["value"] == pytest.approx(share)
+    lo, hi = got["overall"]["pass@1"]["ci"]
+    assert lo <= share <= hi
+
+
+def test_a_megarl_checkpoint_and_its_hf_export_give_the_trainers_final_figures(trained):
+    """The checkpoint brings its run's settings (its config.json is the recipe); its HF export, evaluated with that
+    config, gives the same figures, intervals included, and both equal the trainer's evaluation after the step."""
+    root, trainer = trained
+    megarl_eval("--checkpoint", root / "ckpt", "--out", root / "ckpt_eval")
+    ckpt = _figures(root / "ckpt_eval")
+    config = root / "ckpt" / "iter_0000001" / "config.json"
+    megarl_eval(config, "--checkpoint", root / "hf", "--out", root / "hf_eval")
+    hf = _figures(root / "hf_eval")
+    assert ckpt["format"] == "megarl" and ckpt["step"] == 1 and hf["format"] == "hf"
+    assert ckpt["data"].endswith("heldout.jsonl") and ckpt["overall"]["prompts"] == 12
+    assert ckpt["overall"] == hf["overall"] and ckpt["by_source"] == hf["by_source"]
+    after = trainer["after"]
+    assert after != trainer["before"], "the step changed no figure: the comparison could not tell the weights apart"
+    assert ckpt["overall"]["pass@1"]["value"] == after["sampled"]
+    assert ckpt["overall"]["greedy"]["value"] == after["greedy"]
+    assert ckpt["overall"]["maj@4"]["value"] == after["maj@4"]
