@@ -80,3 +80,19 @@ def test_a_megarl_checkpoint_and_its_hf_export_give_the_trainers_final_figures(t
     assert ckpt["overall"]["pass@1"]["value"] == after["sampled"]
     assert ckpt["overall"]["greedy"]["value"] == after["greedy"]
     assert ckpt["overall"]["maj@4"]["value"] == after["maj@4"]
+
+
+def test_a_plugins_verifier_judges_every_row_through_the_reward_pool(starter, tmp_path):
+    """Any registered verifier, with its own options as flags: `starts_with_digit` (tests/e2e/example_plugin.py)
+    judges by the response's first character, which it also reports as the extracted answer."""
+    out = tmp_path / "plugin_eval"
+    megarl_eval("recipes/tiny_cpu.sh", "--checkpoint", starter, "--data", starter / "heldout.jsonl",
+                "--eval-max-prompts", 6, "--eval-samples-per-prompt", 3, "--plugins", "tests/e2e/example_plugin.py",
+                "--verifier", "starts_with_digit", "--first-chars", "0123", "--reward-workers", 2, "--out", out)
+    rows = [json.loads(line) for line in (out / "prompts.jsonl").read_text().splitlines()]
+    verdicts = [(a is not None and a != "" and a in "0123") for r in rows for a in r["answers"]]
+    assert [c for r in rows for c in r["correct"]] == verdicts and len(verdicts) == 18
+    assert 0 < sum(verdicts) < 18, "every verdict the same: the check could not tell the verifier's rule"
+    got = _figures(out)
+    assert got["verifier"] == "starts_with_digit"
+    assert got["overall"]["pass@1"]["value"] == pytest.approx(sum(verdicts) / 18)
