@@ -19,7 +19,8 @@ default the recipe's `--eval-data`. Each row is judged by its own verifier (any 
 The samples are drawn exactly as the trainer's evaluation draws them (`megarl.evaluation.generate`): every prompt
 in one batch, `--eval-samples-per-prompt` N samples each at `--rollout-temperature` with seed `--seed` + 17, and
 one greedy sample each, so pass@1 here equals the trainer's held-out `sampled` accuracy of the same weights, and
-`greedy` its greedy one. pass@k is Chen et al.'s unbiased estimator, maj@k a vote over the verifier's extracted
+`greedy` its greedy one (a run on one DP rank; with several, rank r draws its share of the prompts with seed + 17
++ r). pass@k is Chen et al.'s unbiased estimator, maj@k a vote over the verifier's extracted
 answers (`megarl.evaluation.metrics`); each figure comes with a percentile bootstrap interval over prompts
 (`--bootstrap` draws, `--confidence`, seeded by `--bootstrap-seed`).
 
