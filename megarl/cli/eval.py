@@ -48,6 +48,8 @@ PROG = "megarl-eval"
 
 def _own_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog=PROG, description=__doc__.split("\n\n")[0], add_help=False,
+                                usage=f"{PROG} [recipe.sh | config.json] --checkpoint DIR [--data FILE | NAME] "
+                                "[--k K,...] [options] [trainer flags]",
                                 epilog="Any trainer flag (megarl/train.py --help) may follow: --rollout-backend, "
                                 "--rollout-temperature, --max-response-len, --seed, --eval-samples-per-prompt, "
                                 "--eval-max-prompts, --apply-chat-template, --reward-workers, a verifier's options...")
