@@ -96,3 +96,19 @@ def test_a_plugins_verifier_judges_every_row_through_the_reward_pool(starter, tm
     got = _figures(out)
     assert got["verifier"] == "starts_with_digit"
     assert got["overall"]["pass@1"]["value"] == pytest.approx(sum(verdicts) / 18)
+
+
+def test_a_lora_checkpoint_is_its_adapters_on_their_base(starter, tmp_path):
+    """A LoRA run's checkpoint holds the adapters only: megarl-eval loads them on the base and the engine gets the
+    merged weights the trainer synced, so the figures are the trainer's after its steps."""
+    torchrun(1, "megarl/train.py", "recipes/tiny_cpu_lora.sh", "--hf-checkpoint", starter, "--prompt-data",
+             starter / "train.jsonl", "--eval-data", starter / "heldout.jsonl", *EVAL, "--num-steps", 2,
+             "--rollout-batch-size", 4, "--n-samples-per-prompt", 4, "--micro-batch-size", 16, "--lr", "3e-3",
+             "--save", tmp_path / "ckpt", "--output-dir", tmp_path / "run", timeout=400)
+    trainer = json.loads((tmp_path / "run" / "eval.json").read_text())
+    megarl_eval("--checkpoint", tmp_path / "ckpt", "--out", tmp_path / "eval")
+    got = _figures(tmp_path / "eval")["overall"]
+    after = trainer["after"]
+    assert after != trainer["before"], "the steps changed no figure: the comparison could not tell the weights apart"
+    assert (got["pass@1"]["value"], got["greedy"]["value"], got["pass@4"]["value"], got["maj@4"]["value"]) == (
+        after["sampled"], after["greedy"], after["pass@4"], after["maj@4"])
