@@ -208,3 +208,26 @@ def test_the_table_has_a_row_per_source_and_the_overall():
     assert lines[2] == "| source | prompts | pass@1 | maj@4 |"
     assert lines[4].startswith("| a | 3 | 50.0 % [") and lines[5].startswith("| b | 2 | 25.0 % [")
     assert lines[6].startswith("| **overall** | 5 | 40.0 % [")
+
+
+def test_sample_and_score_groups_each_prompts_verdicts_and_answers_in_order():
+    from megarl.data import PromptRecord
+    from megarl.evaluation.generate import accuracy_sums, sample_and_score
+    from megarl.rollout.base import SamplingParams
+    from megarl.samples import Sample, SampleStatus
+
+    prompts = [PromptRecord(0, "1+1=", [1], "2", "arithmetic", "f:1", None, "tiny:0"),
+               PromptRecord(1, "2+2=", [2], "4", "arithmetic", "f:2")]
+    outcomes = [("correct", "2"), ("incorrect", "3"), ("incorrect", None), ("correct", "4")]
+
+    def rollout(engine, records, params, reward, tokenizer):
+        return [Sample(group=i // params.n, prompt_index=i // params.n, prompt_ids=[], response_ids=[], loss_mask=[],
+                       rollout_logprobs=[], weight_version=0, status=SampleStatus.COMPLETED, outcome=o, extracted=a)
+                for i, (o, a) in enumerate(outcomes[: len(records) * params.n])]
+
+    results = sample_and_score(rollout, None, prompts, SamplingParams(n=2), None, None)
+    assert results == [PromptResult("tiny", (True, False), ("2", "3")),
+                       PromptResult("arithmetic", (False, True), (None, "4"))]
+    assert accuracy_sums(results) == (1.0, 2)  # pass@1: 1/2 + 1/2
+    with pytest.raises(RuntimeError, match="returned 4 samples for 2 prompts x 3"):
+        sample_and_score(rollout, None, prompts, SamplingParams(n=3), None, None)
