@@ -12,7 +12,7 @@ bootstrap confidence intervals over prompts.
 as the trainer syncs them. A megarl checkpoint brings its run's settings (its `config.json` is the recipe, so the
 same engine, temperature, lengths, reward and held-out data); a recipe or saved config given first, and any
 trainer flag after it, override them. `--data` is a jsonl or parquet file of megarl rows (prompt, answer, verifier,
-source) or a dataset by name (`megarl.evaluation.datasets`: humaneval, arithmetic, code_functions, math_forms); by
+source) or a dataset by name (`eval_datasets.py`: humaneval, arithmetic, code_functions, math_forms); by
 default the recipe's `--eval-data`. Each row is judged by its own verifier (any the registry holds, plugins' too),
 `--verifier SPEC` judges every row by SPEC instead.
 
@@ -96,7 +96,7 @@ def plan(argv: list[str]) -> Plan:
     """The command line settled into a `Plan`; ConfigError naming the flag for anything wrong."""
     from megarl.arguments import parse_args
     from megarl.checkpoint_layout import resolve_load
-    from megarl.evaluation.datasets import DATASETS
+    from megarl.cli.eval_datasets import DATASETS
     from megarl.evaluation.metrics import check_ks
 
     recipe = [argv[0]] if argv and not argv[0].startswith("-") else []
@@ -186,7 +186,7 @@ def evaluate(p: Plan) -> dict:
     content with the table under "table"."""
     import torch
 
-    from megarl.evaluation.datasets import write_dataset
+    from megarl.cli.eval_datasets import write_dataset
 
     cfg = p.cfg
     torch.set_num_threads(cfg.training.threads_per_rank)

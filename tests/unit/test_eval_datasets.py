@@ -9,7 +9,7 @@ import json
 import pytest
 
 from megarl.errors import ConfigError
-from megarl.evaluation.datasets import DATASETS, write_dataset
+from megarl.cli.eval_datasets import DATASETS, write_dataset
 from megarl.evaluation.metrics import subset
 
 
