@@ -38,6 +38,7 @@ def test_humaneval_from_the_package_is_judged_by_the_sandboxed_code_verifier(tmp
         assert verifier.verify(wrong, rows[i]["answer"]).outcome != "correct", p["task_id"]
 
 
+@pytest.mark.slow  # the test starter is built on first use
 def test_the_arithmetic_split_is_the_starters_held_out_file(starter, tmp_path):
     rows = _rows(write_dataset("arithmetic", tmp_path / "a.jsonl"))
     held = _rows(starter / "heldout.jsonl")
@@ -46,7 +47,8 @@ def test_the_arithmetic_split_is_the_starters_held_out_file(starter, tmp_path):
     assert {r["source"] for r in rows} == {"arithmetic"}
 
 
-@pytest.mark.parametrize("name, verifier", [("code_functions", "code"), ("math_forms", "math")])
+@pytest.mark.parametrize("name, verifier", [pytest.param("code_functions", "code", marks=pytest.mark.slow),
+                                            ("math_forms", "math")])
 def test_the_other_held_out_splits(name, verifier, tmp_path):
     rows = _rows(write_dataset(name, tmp_path / "d.jsonl"))
     assert len(rows) == 200 and {r["verifier"] for r in rows} == {verifier} and {r["source"] for r in rows} == {name}
