@@ -71,5 +71,6 @@ setup(
                                       "megarl-plan = megarl.cli.plan:main",
                                       "megarl-convert-checkpoint = megarl.cli.convert_checkpoint:main",
                                       "megarl-prepare-data = megarl.cli.prepare_data:main",
-                                      "megarl-train-reward-model = megarl.cli.train_reward_model:main"]},
+                                      "megarl-train-reward-model = megarl.cli.train_reward_model:main",
+                                      "megarl-eval = megarl.cli.eval:main"]},
 )

@@ -27,6 +27,8 @@ class PromptRecord:
     source: str = field(default="", compare=False)  # where the row came from: `file:line` or `file: row N`
     raw_prompt: Any = field(default=None, compare=False)  # the row's prompt field as given (text or chat), which a
     # reward model renders through its own tokenizer's template
+    row_source: str = field(default="", compare=False)  # the row's own `source` field ("humaneval:12"), "" when it
+    # has none: `megarl-eval` reports figures by it (`megarl.evaluation.subset`)
 
 
 def load_prompts(path: str, tokenizer, *, input_key: str, label_key: str, verifier_key: str,
@@ -64,7 +66,9 @@ def load_prompts(path: str, tokenizer, *, input_key: str, label_key: str, verifi
         if spec_error is not None and (error := spec_error(verifier)):
             raise ConfigError(f"{where}: {error}")
         text, ids = _render_prompt(row[input_key], tokenizer, apply_chat_template, f"{where}: field {input_key!r}")
-        records.append(PromptRecord(len(records), text, ids, row[label_key], verifier, where, row[input_key]))
+        tag = row.get("source")
+        records.append(PromptRecord(len(records), text, ids, row[label_key], verifier, where, row[input_key],
+                                    tag if isinstance(tag, str) else ""))
     if not records:
         raise ConfigError(f"{flag} {path}: the file has no rows")
     return records

@@ -45,6 +45,7 @@ class Sample:
     response_text: str = ""  # what the reward function judged
     reward: float = 0.0
     outcome: str = ""  # the verifier's outcome (`megarl.verifiers.base.OUTCOMES`)
+    extracted: str | None = None  # the answer the verifier found in the response, as written (what maj@k votes on)
     metadata: dict[str, float] = field(default_factory=dict)  # per-sample numbers to report (turns, tool calls)
     # Mixture of experts: the engine's experts per token, int16 [prompt + response, sparse layers, top-k]
     # (`Completion.routed_experts`); None when the engine does not record them.

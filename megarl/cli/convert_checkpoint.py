@@ -113,29 +113,14 @@ def convert(path: Path, source: str, saved: dict, out: str, to: str = "hf", from
     (`from_peft`: `path` is a PEFT adapter directory) the megarl adapters checkpoint."""
     from transformers import AutoTokenizer
 
-    from megarl.config import ModelConfig
-    from megarl.mcore import checkpoint, lora, parallel
-    from megarl.mcore.actor import MegatronPolicy
-    from megarl.model_shape import ModelShape
-    from megarl.preflight import padded_vocab_size
+    from megarl.mcore import checkpoint, parallel
     from megarl.stages.report import save_hf
 
     tp = int(os.environ.get("WORLD_SIZE", "1"))
-    m = saved["config"]["model"]
-    shape = ModelShape.from_pretrained(source)
-    padded = saved.get("padded_vocab_size") or padded_vocab_size(shape.vocab_size, 1, tp)
-    if padded % tp:
-        raise ConfigError(f"{path} holds a vocabulary padded to {padded} rows, which {tp} processes (TP) cannot "
-                          "split evenly; run with a number of processes that divides it")
+    padded = padded_rows(path, source, saved, tp)
     info = parallel.init_distributed(tp=tp, pp=1, timeout_s=1800)
     try:
-        # The layer spec this machine has (TE and local checkpoints share their names); the run's precision.
-        opts = lora.LoRAOptions.from_config(ModelConfig(**{k: v for k, v in m.items() if k.startswith("lora_")
-                                                           and k != "lora_checkpoint"}))
-        policy = MegatronPolicy(shape, tp=tp, pp=1, trainable=opts.rank > 0, bf16=m["bf16"],
-                                padded_vocab_size=padded, lora=opts)
-        if opts.rank:
-            policy.load_hf(source)  # the frozen base: a LoRA checkpoint holds the adapters only
+        policy = build_policy(source, saved, tp, padded)
         if from_peft:
             _load_peft(policy, path)
             checkpoint.save_lora_adapters(out, policy, {**saved, "padded_vocab_size": padded})
@@ -147,6 +132,38 @@ def convert(path: Path, source: str, saved: dict, out: str, to: str = "hf", from
             save_hf(policy, AutoTokenizer.from_pretrained(source), source, out, info)
     finally:
         parallel.destroy()
+
+
+def padded_rows(path: Path, source: str, saved: dict, tp: int) -> int:
+    """The vocabulary rows the checkpoint's weights were saved with; ConfigError when `tp` cannot split them."""
+    from megarl.model_shape import ModelShape
+    from megarl.preflight import padded_vocab_size
+
+    padded = saved.get("padded_vocab_size") or padded_vocab_size(ModelShape.from_pretrained(source).vocab_size, 1, tp)
+    if padded % tp:
+        raise ConfigError(f"{path} holds a vocabulary padded to {padded} rows, which {tp} processes (TP) cannot "
+                          "split evenly; run with a number of processes that divides it")
+    return padded
+
+
+def build_policy(source: str, saved: dict, tp: int, padded: int):
+    """The run's model at TP `tp`, PP 1, in the run's precision and LoRA layout, without the checkpoint's weights
+    (`megarl.mcore.checkpoint.load_weights` loads them); with LoRA the frozen base is loaded from `source`, since a
+    LoRA checkpoint holds the adapters only. The process groups must exist (`parallel.init_distributed`)."""
+    from megarl.config import ModelConfig
+    from megarl.mcore import lora
+    from megarl.mcore.actor import MegatronPolicy
+    from megarl.model_shape import ModelShape
+
+    m = saved["config"]["model"]
+    # The layer spec this machine has (TE and local checkpoints share their names); the run's precision.
+    opts = lora.LoRAOptions.from_config(ModelConfig(**{k: v for k, v in m.items() if k.startswith("lora_")
+                                                       and k != "lora_checkpoint"}))
+    policy = MegatronPolicy(ModelShape.from_pretrained(source), tp=tp, pp=1, trainable=opts.rank > 0, bf16=m["bf16"],
+                            padded_vocab_size=padded, lora=opts)
+    if opts.rank:
+        policy.load_hf(source)
+    return policy
 
 
 def _load_peft(policy, where: Path) -> None:

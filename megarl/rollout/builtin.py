@@ -140,21 +140,12 @@ class BuiltinEngine(EngineCapabilities):
         """Build from a Hugging Face checkpoint directory (config.json + *.safetensors)."""
         path = Path(path)
         engine = cls(json.loads((path / "config.json").read_text()), device=device, dtype=dtype, tokenizer=tokenizer)
-        files = sorted(path.glob("*.safetensors"))
-        if not files:
-            raise FileNotFoundError(f"no *.safetensors files in {path}")
         loaded: set[str] = set()
 
         def tensors() -> Iterator[tuple[str, torch.Tensor]]:
-            from safetensors import safe_open
-
-            for file in files:
-                with safe_open(str(file), framework="pt", device="cpu") as f:
-                    for name in f.keys():
-                        if name.endswith("rotary_emb.inv_freq"):  # a buffer some old checkpoints saved
-                            continue
-                        loaded.add(name)
-                        yield name, f.get_tensor(name)
+            for name, tensor in hf_tensors(path):
+                loaded.add(name)
+                yield name, tensor
 
         engine.update_weights(tensors(), version=0)
         missing = set(engine._params) - loaded - ({"lm_head.weight"} if engine.shape.tie_word_embeddings else set())
@@ -590,6 +581,22 @@ class BuiltinEngine(EngineCapabilities):
                 )
             )
         return [completions[i * params.n : (i + 1) * params.n] for i in range(num_prompts)]
+
+
+def hf_tensors(path: str | Path) -> Iterator[tuple[str, torch.Tensor]]:
+    """The named tensors of an HF checkpoint directory's *.safetensors files, one at a time (what an engine's
+    `update_weights` takes); FileNotFoundError when it has none."""
+    from safetensors import safe_open
+
+    files = sorted(Path(path).glob("*.safetensors"))
+    if not files:
+        raise FileNotFoundError(f"no *.safetensors files in {path}")
+    for file in files:
+        with safe_open(str(file), framework="pt", device="cpu") as f:
+            for name in f.keys():
+                if name.endswith("rotary_emb.inv_freq"):  # a buffer some old checkpoints saved
+                    continue
+                yield name, f.get_tensor(name)
 
 
 class StopStrings:

@@ -172,4 +172,4 @@ register_rollout("single_turn")(single_turn)
 
 
 def _scored(sample: Sample, result: VerifyResult) -> Sample:
-    return replace(sample, reward=float(result.score), outcome=result.outcome)
+    return replace(sample, reward=float(result.score), outcome=result.outcome, extracted=result.extracted)

@@ -127,7 +127,7 @@ class ToolUse(Rollout):
             completions = [g[0] for g in engine.generate([list(t.record.prompt_ids) + t.ids for t in live], more)]
         samples = [t.sample() for t in trajs]
         results = scoring.results() if scoring is not None else reward(samples, [prompts[s.group] for s in samples])
-        return [replace(s, reward=self._shaped(float(r.score), t), outcome=r.outcome)
+        return [replace(s, reward=self._shaped(float(r.score), t), outcome=r.outcome, extracted=r.extracted)
                 for s, t, r in zip(samples, trajs, results)]
 
     def _chat(self, tokenizer) -> bool:

@@ -244,25 +244,32 @@ def _config_lines(cfg: Config) -> str:
 def _load_data(cfg: Config, tokenizer, limit: int, say) -> tuple[list[PromptRecord], list[PromptRecord], dict]:
     """Training and held-out prompts, without those longer than `limit` tokens; the counts left out."""
     d, lg = cfg.data, cfg.logging
-    keys = dict(input_key=d.input_key, label_key=d.label_key, verifier_key=d.verifier_key,
-                default_verifier=d.default_verifier, apply_chat_template=d.apply_chat_template, spec_error=spec_error)
     counts = {}
     sets = []
     for flag, path, name in (("--prompt-data", d.prompt_data, "prompts"), ("--eval-data", d.eval_data, "eval_prompts")):
-        records = load_prompts(path, tokenizer, flag=flag, **keys) if path else []
-        kept, long = split_by_length(records, limit)
-        if long:
-            first = ", ".join(f"{r.source} ({len(r.prompt_ids)} tokens)" for r in long[:3])
-            say(f"megarl: left out {len(long)} of {len(records)} {flag} prompts longer than {limit} tokens "
-                f"(--max-prompt-len, or the model's context less --max-response-len): {first}"
-                f"{', ...' if len(long) > 3 else ''}")
-        if records and not kept:
-            raise ConfigError(f"{flag} {path}: every prompt is longer than {limit} tokens (--max-prompt-len); "
-                              "raise it, or lower --max-response-len to leave more of the context to prompts")
-        counts[f"{name}_too_long"] = len(long)
+        kept, counts[f"{name}_too_long"] = load_prompt_file(cfg, path, flag, tokenizer, limit, say) if path else ([], 0)
         sets.append(kept)
     prompts, eval_prompts = sets
     return prompts, eval_prompts[: lg.eval_max_prompts] if lg.eval_max_prompts else eval_prompts, counts
+
+
+def load_prompt_file(cfg: Config, path: str, flag: str, tokenizer, limit: int, say) -> tuple[list[PromptRecord], int]:
+    """The prompts of one data file (the run's keys and chat template), without those longer than `limit` tokens,
+    which are counted and named; ConfigError when none is left. `flag` names the file in messages."""
+    d = cfg.data
+    records = load_prompts(path, tokenizer, flag=flag, input_key=d.input_key, label_key=d.label_key,
+                           verifier_key=d.verifier_key, default_verifier=d.default_verifier,
+                           apply_chat_template=d.apply_chat_template, spec_error=spec_error)
+    kept, long = split_by_length(records, limit)
+    if long:
+        first = ", ".join(f"{r.source} ({len(r.prompt_ids)} tokens)" for r in long[:3])
+        say(f"megarl: left out {len(long)} of {len(records)} {flag} prompts longer than {limit} tokens "
+            f"(--max-prompt-len, or the model's context less --max-response-len): {first}"
+            f"{', ...' if len(long) > 3 else ''}")
+    if not kept:
+        raise ConfigError(f"{flag} {path}: every prompt is longer than {limit} tokens (--max-prompt-len); "
+                          "raise it, or lower --max-response-len to leave more of the context to prompts")
+    return kept, len(long)
 
 
 def _collect(cfg: Config, collector: Collector) -> Collect:
