@@ -15,7 +15,7 @@ import pytest
 from megarl.rollout import SamplingParams
 from megarl.rollout.builtin import BuiltinEngine
 from megarl.rollout.token_server import GENERATE_PATH, TokenServer
-from tests.helpers import make_tiny_hf_model
+from helpers import make_tiny_hf_model
 
 VOCAB = 96
 
