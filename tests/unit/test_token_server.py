@@ -212,3 +212,30 @@ def test_unknown_paths_are_404s(engine):
         assert get(server.url, "/nothing")[0] == 404
         status, out = post(server.url, "/inference/v1/abort", {"x": 1})
         assert status == 400 and "request_id" in out["error"]["message"]
+
+
+def test_the_command_serves_a_checkpoint_and_stops_on_sigterm(engine, tmp_path):
+    import os
+    import signal
+    import subprocess
+    import sys
+
+    from helpers import env
+
+    path = make_tiny_hf_model(tmp_path / "m", vocab=VOCAB, seed=3)
+    proc = subprocess.Popen([sys.executable, "-m", "megarl.cli.serve_tokens", "--hf-checkpoint", str(path),
+                             "--port", "0", "--max-tokens", "8"], stdout=subprocess.PIPE, text=True, env=env())
+    try:
+        line = proc.stdout.readline()
+        assert line.startswith("megarl.cli.serve_tokens: listening on http://127.0.0.1:"), line
+        url = line.split()[-1].rstrip("/")
+        [[direct]] = BuiltinEngine.from_pretrained(path).generate([[3, 4]], SamplingParams(max_new_tokens=4, seed=2))
+        status, out = post(url, GENERATE_PATH, body([3, 4], max_tokens=4, seed=2))
+        assert status == 200 and out["choices"][0]["token_ids"] == direct.token_ids
+        assert post(url, GENERATE_PATH, body([3, 4], max_tokens=9))[0] == 400  # over --max-tokens
+        os.kill(proc.pid, signal.SIGTERM)
+        assert proc.wait(timeout=30) == 0
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait(timeout=10)
