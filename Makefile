@@ -1,5 +1,6 @@
 # megarl developer entry points: `make venv`, `make demo`, `make demo-lora`, `make demo-moe`, `make demo-tool`,
-# `make demo-rm`, `make demo-math`, `make demo-code`, `make lint`, `make test`, `make test-fast`, `make clean`.
+# `make demo-rm`, `make demo-math`, `make demo-code`, `make lint`, `make test`, `make test-fast`, `make clean`,
+# `make sglang-env`, `make vllm-env`, `make verifiers-env`.
 #
 # torch is installed before megarl, and only ever at a pinned version, because an unpinned `pip install torch`
 # on a machine without a GPU drags in gigabytes of CUDA wheels:
