@@ -4,7 +4,7 @@
                                ^  POST /inference/v1/generate: token ids in, token ids + log-probs out
     verifiers process  (the environment `make verifiers-env` builds: `verifiers_worker.py`)
         taskset (--verifiers-taskset) -> null harness, subprocess runtime -> TrainClient -> the endpoint
-        -> traces: branches (token_ids, sampled_mask, logprobs) and rewards  ->  JSON on stdout
+        -> traces: branches (token_ids, sampled_mask, logprobs) and rewards  ->  a JSON file
     this function: one `Sample` per episode, `params.n` episodes per prompt, group by group
 
 verifiers needs openai>=2.54 and transformers 5.25, which SGLang's pins (openai 2.8.0) and megarl's venv do not
@@ -128,8 +128,9 @@ class VerifiersRollout(Rollout):
     def _run_worker(self, request: dict, home: str) -> dict:
         """The verifiers process over `request`: its own HOME (verifiers keeps its caches and the subprocess
         runtime's working directories under ~/.cache), killed after --verifiers-timeout."""
-        env = {**os.environ, "HOME": home, "PYTHONNOUSERSITE": "1"}
+        env = {**os.environ, "HOME": home, "PYTHONNOUSERSITE": "1", "HF_HUB_OFFLINE": "1"}
         env["PYTHONPATH"] = os.pathsep.join(p for p in self.options.verifiers_path.split(":") if p)
+        request = {**request, "answer_path": str(Path(home) / "answer.json")}
         try:
             proc = subprocess.run([str(self.python), str(WORKER)], input=json.dumps(request), capture_output=True,
                                   text=True, env=env, timeout=self.options.verifiers_timeout, cwd=home)
@@ -137,11 +138,12 @@ class VerifiersRollout(Rollout):
             raise RuntimeError(f"--rollout-function verifiers: the verifiers process took longer than "
                                f"--verifiers-timeout {self.options.verifiers_timeout:g} s; its stderr's end:\n"
                                f"{(e.stderr or b'')[-3000:]!s}") from None
-        if proc.returncode != 0:
+        answer = Path(request["answer_path"])
+        if proc.returncode != 0 or not answer.is_file():
             raise RuntimeError(f"--rollout-function verifiers: the verifiers process (taskset "
                                f"{self.options.verifiers_taskset!r}) exited with {proc.returncode}; its stderr's "
                                f"end:\n{proc.stderr[-3000:]}")
-        return json.loads(proc.stdout)
+        return json.loads(answer.read_text())
 
     def step_metrics(self) -> dict[str, float]:
         return dict(self.last)

@@ -6,13 +6,14 @@ of megarl, and megarl imports nothing of verifiers (openai>=2.54 and transformer
 
     {taskset: <id>, taskset_args: {...}, tasks: [<task idx>, ...], n: <episodes per task>,
      base_url: <token endpoint>, model: <name>, tokenizer: <dir>, sampling: {temperature, top_p, max_tokens},
-     max_turns: <int or null>, concurrency: <episodes at once>}
+     max_turns: <int or null>, concurrency: <episodes at once>, answer_path: <file>}
 
-and writes one JSON answer on stdout: `{episodes: [...]}`, task by task, `n` a task, each `{task, reward, ok,
-errors, rewards, branches: [{token_ids, sampled_mask, logprobs}]}`, where a branch is what `Trace.branches` gives
-(an exact token prefix that the trace could prove; a new branch starts where it could not). The harness is
-`null` (the model's reply is the episode) in the `subprocess` runtime; the client is verifiers' `TrainClientConfig`
-(it renders the chat with the tokenizer's template and posts token ids to `{base_url}/inference/v1/generate`).
+and writes one JSON answer to `answer_path`: `{episodes: [...]}`, task by task, `n` a task, each `{task, reward,
+ok, errors, rewards, truncated, branches: [{token_ids, sampled_mask, logprobs}]}`, where a branch is what
+`Trace.branches` gives (an exact token prefix that the trace could prove; a new branch starts where it could
+not). The harness is `null` (the model's reply is the episode) in the `subprocess` runtime; the client is
+verifiers' `TrainClientConfig` (it renders the chat with the tokenizer's template and posts token ids to
+`{base_url}/inference/v1/generate`).
 """
 
 import asyncio
@@ -80,8 +81,8 @@ async def run(request: dict) -> dict:
 def main() -> None:
     request = json.load(sys.stdin)
     answer = asyncio.run(run(request))
-    sys.stdout.write(json.dumps(answer))
-    sys.stdout.flush()
+    with open(request["answer_path"], "w") as f:  # not stdout: nothing verifiers prints can corrupt it
+        json.dump(answer, f)
 
 
 if __name__ == "__main__":

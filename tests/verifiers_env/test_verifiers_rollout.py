@@ -1,9 +1,9 @@
 """`--rollout-function verifiers` against verifiers 0.4.0 itself, in the environment `make verifiers-env` builds:
 a taskset written here (`megarl_sum_taskset.py`: `a+b=` problems, reward 1.0 for the right first line), the null
-harness in the subprocess runtime, the verifiers training client posting token ids to megarl's token endpoint over
-the built-in engine. The samples' tokens and log-probs are held against what the engine generated, their rewards
-against the taskset's rule written again here, and the groups against the prompts. Without the environment the
-tests skip and say how to build it."""
+agent program in the subprocess runtime, the verifiers training client posting token ids to megarl's token
+endpoint over the built-in engine. The samples' tokens and log-probs are held against what the engine generated,
+their rewards against the taskset's rule written again here, and the groups against the prompts. Without the
+environment the tests skip and say how to build it."""
 
 from __future__ import annotations
 
