@@ -8,7 +8,10 @@ from __future__ import annotations
 import pytest
 
 from megarl.data import PromptRecord
-from megarl.rollout.verifiers_env import episode_sample
+from megarl.errors import ConfigError
+from megarl.rollout import ROLLOUTS
+from megarl.rollout.slots import VerifiersOptions
+from megarl.rollout.verifiers_env import VerifiersRollout, episode_sample
 from megarl.samples import SampleStatus
 from megarl.tasks.arithmetic import build_tokenizer
 
@@ -59,3 +62,23 @@ def test_a_failed_episode_is_a_failed_sample_out_of_the_loss(tok):
 def test_a_branch_whose_lists_disagree_is_an_error(tok):
     with pytest.raises(RuntimeError, match="3 tokens, 2 mask entries"):
         episode_sample(0, RECORD, episode([branch([1, 2, 3], [False, True], [0.0, 0.0, 0.0])]), 1, tok, 1.0)
+
+
+def test_options_and_a_missing_environment_are_config_errors(tmp_path):
+    with pytest.raises(ConfigError, match="make verifiers-env"):
+        VerifiersRollout(VerifiersOptions(verifiers_taskset="x", verifiers_env=str(tmp_path)), "m")
+    with pytest.raises(ConfigError, match="--verifiers-taskset"):
+        VerifiersRollout(VerifiersOptions(), "m")
+    with pytest.raises(ConfigError, match="--verifiers-timeout"):
+        VerifiersOptions(verifiers_timeout=0)
+    assert "verifiers" in ROLLOUTS
+
+
+def test_the_flags_parse_and_the_taskset_is_required():
+    from megarl.arguments import parse_args
+
+    cfg = parse_args(["--rollout-function", "verifiers", "--verifiers-taskset", "mine", "--verifiers-timeout", "30"])
+    options = ROLLOUTS.settings(cfg, "verifiers")
+    assert (options.verifiers_taskset, options.verifiers_timeout) == ("mine", 30.0)
+    with pytest.raises(ConfigError, match="--verifiers-taskset"):
+        parse_args(["--rollout-function", "verifiers"])
