@@ -1,5 +1,6 @@
 # megarl developer entry points: `make venv`, `make demo`, `make demo-lora`, `make demo-moe`, `make demo-tool`,
-# `make demo-rm`, `make demo-math`, `make demo-code`, `make lint`, `make test`, `make test-fast`, `make clean`.
+# `make demo-rm`, `make demo-math`, `make demo-code`, `make lint`, `make test`, `make test-fast`, `make clean`,
+# `make sglang-env`, `make vllm-env`, `make verifiers-env`.
 #
 # torch is installed before megarl, and only ever at a pinned version, because an unpinned `pip install torch`
 # on a machine without a GPU drags in gigabytes of CUDA wheels:
@@ -39,7 +40,7 @@ CODE_STARTER_STEPS ?= 600
 # Deferred (=), so torch is imported only when the venv is being (re)built.
 HOST_HAS_CUDA_TORCH = $(shell $(PYTHON) -c 'import torch; print(int(torch.version.cuda is not None))' 2>/dev/null || echo 0)
 
-.PHONY: venv demo demo-lora demo-moe demo-tool demo-math demo-code demo-rm lint test test-fast sandbox-image sglang-env vllm-env clean distclean
+.PHONY: venv demo demo-lora demo-moe demo-tool demo-math demo-code demo-rm lint test test-fast sandbox-image sglang-env vllm-env verifiers-env clean distclean
 
 venv: $(STAMP)
 
@@ -154,6 +155,11 @@ sglang-env:
 # for tests/vllm_cpu: megarl's vLLM adapter against the real engine. Rebuilt only when the recipe changes (its stamp).
 vllm-env:
 	bash tools/vllm_cpu/build_env.sh
+
+# verifiers 0.4.0 (no torch) in an environment of its own (.cache/verifiers-env, ~600 MB, ~3 minutes), for
+# `--rollout-function verifiers` and tests/verifiers_env: it needs openai>=2.54, which SGLang's pins rule out.
+verifiers-env:
+	bash tools/verifiers_env/build_env.sh
 
 # Build and test leftovers; the venv and the starter model survive (see distclean).
 clean:

@@ -17,7 +17,8 @@ from typing import Literal
 from megarl.errors import ConfigError
 from megarl.registry import Registry, option
 
-ROLLOUTS = Registry("rollout function", builtins=("megarl.rollout.functions", "megarl.rollout.tool_use"),
+ROLLOUTS = Registry("rollout function", builtins=("megarl.rollout.functions", "megarl.rollout.tool_use",
+                                                      "megarl.rollout.verifiers_env"),
                     options_declared_here=True)
 BACKENDS = Registry("rollout backend", builtins=("megarl.rollout.backends",), options_declared_here=True)
 
@@ -69,6 +70,40 @@ class ToolUseOptions:
                               f"and {self.tool_format_bonus}")
         if not [t for t in self.tools.split(",") if t.strip()]:
             raise ConfigError("--tools must name at least one tool, e.g. --tools python")
+
+
+@dataclass
+class VerifiersOptions:
+    """`--rollout-function verifiers`: a verifiers 0.4.0 taskset, run in the environment `make verifiers-env`
+    builds, in a process of its own, against a token endpoint over the run's engine (`megarl.rollout.verifiers_env`)."""
+
+    verifiers_taskset: str = option("", "--rollout-function verifiers: the taskset id (the importable module that "
+                                    "exports the verifiers Taskset); row i of --prompt-data is its task i")
+    verifiers_path: str = option("", "verifiers: directories put on the verifiers process's PYTHONPATH, "
+                                 "':'-separated (where the taskset's module is)")
+    verifiers_env: str = option("", "verifiers: the environment `make verifiers-env` built; empty = "
+                                "$MEGARL_VERIFIERS_ENV, else .cache/verifiers-env in the checkout")
+    verifiers_timeout: float = option(600.0, "verifiers: seconds one rollout call (all its episodes) may take; the "
+                                      "verifiers process is killed after that and the call fails")
+    verifiers_max_turns: int = option(0, "verifiers: most model turns per episode; 0 = the taskset's own limit")
+    verifiers_concurrency: int = option(64, "verifiers: episodes in flight at once (their requests are batched "
+                                        "into the engine)")
+    verifiers_batch_window: float = option(0.05, "verifiers: seconds the token endpoint waits for more requests "
+                                           "before it calls the engine")
+    verifiers_correct_at: float = option(1.0, "verifiers: an episode whose reward is at least this is outcome "
+                                         "'correct' (what dynamic sampling and the accuracy metric read)")
+
+    def __post_init__(self):
+        _positive(self, "verifiers_concurrency")
+        if self.verifiers_timeout <= 0 or self.verifiers_batch_window < 0 or self.verifiers_max_turns < 0:
+            raise ConfigError(f"--verifiers-timeout must be > 0, --verifiers-batch-window and --verifiers-max-turns "
+                              f">= 0; got {self.verifiers_timeout}, {self.verifiers_batch_window} and "
+                              f"{self.verifiers_max_turns}")
+
+    def resolve(self, cfg) -> None:
+        if cfg.rollout.rollout_function == "verifiers" and not self.verifiers_taskset:
+            raise ConfigError("--rollout-function verifiers needs --verifiers-taskset (the verifiers taskset's "
+                              "module name)")
 
 
 @dataclass
@@ -135,5 +170,6 @@ def check_adapter_sync(cfg) -> None:
 
 
 ROLLOUTS.declare("tool_use", ToolUseOptions)
+ROLLOUTS.declare("verifiers", VerifiersOptions)
 BACKENDS.declare("builtin", BuiltinOptions)
 BACKENDS.declare("sglang", SGLangOptions)

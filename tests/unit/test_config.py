@@ -660,7 +660,9 @@ def test_a_config_json_saved_before_the_options_moved_loads_with_every_value(run
     path = REPO / "tests/assets/saved_configs" / f"{run}.json"
     saved = json.loads(path.read_text())["config"]
     cfg = parse_args([str(path)], check_registries=False)
-    now = {name: value for section in cfg.to_dict().values() for name, value in section.items()}
+    added = {"rollout_function.verifiers"}  # components registered after 7eee737: their options are new
+    now = {name: value for key, section in cfg.to_dict().items() if key not in added
+           for name, value in section.items()}
     then = {name: value for section in saved.values() for name, value in section.items()}
     assert {name: now.get(name, "absent") for name in then} == then
     added = {"engine_launch_timeout_seconds": 1800.0}  # settings new since 7eee737, read back at their defaults
