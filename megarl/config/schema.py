@@ -155,8 +155,9 @@ class RolloutConfig:
                                   "wide log-probs are gathered on the replica's leader)")
     mismatch_check_topk: int = _f(20, "--mismatch-check-interval on an engine that returns top-k log-probs only "
                                   "(SGLang): how many per position")
-    rollout_servers: str = _f("", "disaggregated mode: comma-separated host:port of SGLang servers on other nodes "
-                              "(launch/slurm/disaggregated.sbatch fills it); empty = the colocated engine")
+    rollout_servers: str = _f("", "disaggregated mode: comma-separated host:port of SGLang servers (--rollout-backend "
+                              "sglang; launch/slurm/disaggregated.sbatch fills it) or `vllm serve` servers "
+                              "(--rollout-backend vllm) on other nodes; empty = the in-process engine")
     lora_weight_sync: Literal["merged", "adapter"] = _f(
         "merged", "with --lora-rank: what the engine gets at each weight sync. merged: the whole model, W + (alpha / "
         "rank) B A (every engine). adapter (--rollout-backend sglang): the base weights once, then only the "
@@ -173,8 +174,9 @@ class RolloutConfig:
             raise ConfigError(f"--mismatch-check-interval must be >= 0 (0 = off), got {self.mismatch_check_interval}")
         if self.verify_sync_tolerance <= 0:
             raise ConfigError(f"--verify-sync-tolerance must be > 0, got {self.verify_sync_tolerance}")
-        if self.rollout_servers and self.rollout_backend != "sglang":
-            raise ConfigError(f"--rollout-servers needs --rollout-backend sglang, got {self.rollout_backend}")
+        if self.rollout_servers and self.rollout_backend not in ("sglang", "vllm"):
+            raise ConfigError(f"--rollout-servers needs --rollout-backend sglang or vllm (servers of those engines), "
+                              f"got {self.rollout_backend}")
         if self.lora_weight_sync not in ("merged", "adapter"):
             raise ConfigError(f"--lora-weight-sync {self.lora_weight_sync!r} is not valid; choose one of: merged, "
                               "adapter")

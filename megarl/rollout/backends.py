@@ -183,6 +183,8 @@ def build_sglang(cfg: Config, actor: MegatronPolicy | None = None) -> RolloutEng
 
 
 def _vllm_available(cfg: Config) -> tuple[bool, str]:
+    if cfg.rollout.rollout_servers:  # servers elsewhere: nothing of vLLM runs here
+        return True, ""
     from megarl.rollout.vllm_engine import vllm_available
 
     ok, why = vllm_available()
@@ -191,8 +193,9 @@ def _vllm_available(cfg: Config) -> tuple[bool, str]:
 
 
 def _vllm_colocated(cfg: Config) -> bool:
-    """On a GPU the engine sizes its memory from what is free when it starts (as SGLang does): it goes first."""
-    return torch.cuda.is_available()
+    """On a GPU the engine sizes its memory from what is free when it starts (as SGLang does): it goes first.
+    Servers elsewhere have machines of their own."""
+    return torch.cuda.is_available() and not cfg.rollout.rollout_servers
 
 
 @register_backend("vllm", available=_vllm_available, launch_first=_vllm_colocated)
@@ -201,6 +204,13 @@ def build_vllm(cfg: Config, actor: MegatronPolicy | None = None) -> RolloutEngin
     (`megarl/rollout/vllm_engine.py`). Colocated (sleep / wake) on a GPU; on a CPU, beside the trainer."""
     from megarl.rollout.vllm_engine import VLLMEngine
 
+    if cfg.rollout.rollout_servers:  # `vllm serve` servers elsewhere: every DP leader generates, rank 0 pushes
+        import torch.distributed as dist
+
+        from megarl.rollout.vllm_servers import VLLMServers
+
+        return VLLMServers(cfg.rollout.rollout_servers.split(","), push=dist.get_rank() == 0,
+                           timeout_s=cfg.training.distributed_timeout_seconds)
     config = json.loads((Path(cfg.model.hf_checkpoint) / "config.json").read_text())
     return VLLMEngine.launch(cfg.model.hf_checkpoint, dtype="bfloat16" if cfg.model.bf16 else "float32",
                              seed=cfg.training.seed, tokenizer=cfg.rollout.rollout_function != "single_turn",

