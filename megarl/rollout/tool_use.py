@@ -222,7 +222,7 @@ class ToolUse(Rollout):
         if envs is not None:
             self._step_envs(envs, env_calls, out)
         for t, _ in pending:
-            t.calls += len(out[id(t)])  # type: ignore[arg-type]
+            t.calls += len(out[id(t)])
             t.errors += sum(o.status == "error" for o in out[id(t)])
             t.timeouts += sum(o.status == "timeout" for o in out[id(t)])
         return out

@@ -102,7 +102,7 @@ def test_reset_and_steps_equal_the_package_client(server, kind):
             assert g.error and g.text.startswith("error: ")
         else:
             assert (g.observation, g.reward, g.done, g.error) == (*w, "")
-    assert [g.text for g in got if not g.error] == ["guess 0", "higher 1", "higher 2", "correct 3"]
+    assert [g.text for g in got if not g.error] == ["guess 0", "higher 1", "lower 2", "correct 3"]
 
 
 @pytest.mark.parametrize("kind", ["in_process", "websocket"])
@@ -204,7 +204,7 @@ def test_tool_use_keeps_the_engine_tokens_and_the_environment_reward(server, tok
                                                         if kind == "in_process" else {"openenv_url": server}))
     rollout = ToolUse(opts, None, tools={})
     engine = ScriptedEngine(tok)
-    params = SamplingParams(max_new_tokens=200, temperature=1.0, n=3)
+    params = SamplingParams(max_new_tokens=400, temperature=1.0, n=3)
     samples = rollout(engine, rows(tok), params, InProcessReward(), tok)
     wrap = rollout.parser.wrap
     hints = [["higher 1", "correct 2"], ["lower 1", "higher 2", "higher 3"], ["correct 1"]]
