@@ -181,8 +181,10 @@ class _Remote:
         except ConnectionError as e:
             raise ConnectionError(f"--openenv-url {self.url}: the OpenEnv server is unreachable within "
                                   f"--openenv-timeout {self.client._connect_timeout:g} s ({e})") from None
-        except RuntimeError as e:  # the server's error message: at reset, no session to train on
-            raise RuntimeError(f"--openenv-url {self.url}: reset failed: {e}") from None
+        except Exception as e:  # noqa: BLE001 - the server's error, or a session it closed: nothing to train on
+            raise RuntimeError(f"--openenv-url {self.url}: reset failed ({type(e).__name__}: {e}); a server at its "
+                               "session limit refuses or closes new sessions: it must allow as many as the ranks' "
+                               "trajectories of a rollout") from None
         return Step(dict(result.observation), result.reward, bool(result.done))
 
     async def step(self, arguments: dict) -> Step:
