@@ -40,7 +40,7 @@ CODE_STARTER_STEPS ?= 600
 # Deferred (=), so torch is imported only when the venv is being (re)built.
 HOST_HAS_CUDA_TORCH = $(shell $(PYTHON) -c 'import torch; print(int(torch.version.cuda is not None))' 2>/dev/null || echo 0)
 
-.PHONY: venv demo demo-lora demo-moe demo-tool demo-math demo-code demo-rm lint test test-fast sandbox-image sglang-env vllm-env verifiers-env clean distclean
+.PHONY: venv demo demo-lora demo-moe demo-tool demo-math demo-code demo-rm lint test test-fast sandbox-image sglang-env vllm-env verifiers-env openenv-env clean distclean
 
 venv: $(STAMP)
 
@@ -160,6 +160,11 @@ vllm-env:
 # `--rollout-function verifiers` and tests/verifiers_env: it needs openai>=2.54, which SGLang's pins rule out.
 verifiers-env:
 	bash tools/verifiers_env/build_env.sh
+
+# openenv-core 0.3.0 beside megarl's requirements on the CPU torch (.cache/openenv-env), for tests/openenv_cpu, which
+# build it themselves when it is absent: it cannot join .venv (httpx pins). Rebuilt only when the recipe changes.
+openenv-env:
+	bash tools/openenv/build_env.sh
 
 # Build and test leftovers; the venv and the starter model survive (see distclean).
 clean:

@@ -52,6 +52,10 @@ setup(
         "wandb": ["wandb"],
         "tensorboard": ["tensorboard"],
         "parquet": ["pyarrow"],
+        # OpenEnv environments in the tool_use rollout (megarl/tool_calls/openenv.py); megarl imports it only when
+        # --openenv or --openenv-url is set. Not in `dev`: it needs httpx>=0.28.1 and leptonai<0.47 (nemo-run's)
+        # pins httpx==0.27.2, so tests/openenv_cpu runs in an environment of its own (tools/openenv/build_env.sh).
+        "openenv": ["openenv-core==0.3.0"],
         "nemo-run": ["nemo-run", "leptonai<0.47"],  # nemo-run 0.11 imports a leptonai API that 0.47 removed
         # The optional integrations too, so that their tests run; trl for the loss-parity test and tools/bench/step.py;
         # nemo-run (~40 s to install) for the launcher's dry-run tests.

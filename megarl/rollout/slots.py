@@ -59,6 +59,16 @@ class ToolUseOptions:
                                       "whose every call was well formed and ran without error; 0 = off")
     tool_calls_fail: bool = option(False, "tool_use control runs: every tool call gets an error observation and "
                                    "nothing runs (what the tool is worth)")
+    openenv: str = option("", "tool_use: an OpenEnv Environment subclass, 'pkg.module:Class', run in this process: "
+                          "one instance per trajectory, reset with the row's label, stepped by --openenv-tool calls "
+                          "(megarl.tool_calls.openenv; needs megarl[openenv])")
+    openenv_url: str = option("", "tool_use: an OpenEnv server (http://127.0.0.1:PORT), one WebSocket session per "
+                              "trajectory, instead of --openenv; it must allow as many sessions as the ranks' "
+                              "trajectories of a rollout")
+    openenv_tool: str = option("env", "tool_use with --openenv / --openenv-url: the tool name whose calls step the "
+                               "environment; a call's arguments are the action's fields")
+    openenv_timeout: float = option(30.0, "tool_use: seconds to connect to --openenv-url and for each environment "
+                                    "reset or step (a step past it fails its trajectory)")
 
     def __post_init__(self):
         _positive(self, "max_turns", "max_tool_calls", "max_tool_output_tokens", "tool_memory_mb",
@@ -70,6 +80,18 @@ class ToolUseOptions:
                               f"and {self.tool_format_bonus}")
         if not [t for t in self.tools.split(",") if t.strip()]:
             raise ConfigError("--tools must name at least one tool, e.g. --tools python")
+        if self.openenv and self.openenv_url:
+            raise ConfigError(f"--openenv {self.openenv} and --openenv-url {self.openenv_url}: give one (in-process "
+                              "or served)")
+        if self.openenv and (":" not in self.openenv or self.openenv.startswith(":") or self.openenv.endswith(":")):
+            raise ConfigError(f"--openenv {self.openenv!r}: expected 'pkg.module:Class'")
+        if self.openenv_url and not self.openenv_url.startswith(("http://", "https://", "ws://", "wss://")):
+            raise ConfigError(f"--openenv-url {self.openenv_url!r}: expected http://, https://, ws:// or wss://")
+        if self.openenv_timeout <= 0:
+            raise ConfigError(f"--openenv-timeout must be > 0 seconds, got {self.openenv_timeout}")
+        if (self.openenv or self.openenv_url) and self.openenv_tool in [t.strip() for t in self.tools.split(",")]:
+            raise ConfigError(f"--openenv-tool {self.openenv_tool!r} is also in --tools {self.tools}: give the "
+                              "environment's tool another name")
 
 
 @dataclass

@@ -23,6 +23,11 @@ A trajectory, all of a batch's at once:
   finishes, while the others take more turns; the function waits for the last scores before it returns.
 - Per-sample metadata (reported as `sample_<key>` means): `turns`, `tool_calls`, `tool_used`, `tool_errors`,
   `tool_timeouts`, `tool_tokens`; `step_metrics()` gives the latest call's tool latency p50 / p99.
+- OpenEnv (`--openenv pkg.module:Class` in-process, or `--openenv-url` a server): one environment per trajectory,
+  reset with the row's label, a step per `--openenv-tool` call (in a turn's order), its observation a tool output
+  like any other; an episode the environment ends ends the trajectory. The step rewards' sum is the sample's
+  `env_reward` (with `env_steps`, `env_done`), and a row whose verifier is `env_reward` is judged on it (its label
+  becomes `{"env_reward", "env_done", "row"}`). `megarl.tool_calls.openenv` says the rest.
 
 A trajectory without a call is exactly what `single_turn` makes of the same completion (besides its metadata).
 Peers: verl's tool agent loop, slime's retool example and OpenRLHF's agent API mask tool output the same way.
@@ -31,6 +36,7 @@ Peers: verl's tool agent loop, slime's retool example and OpenRLHF's agent API m
 from __future__ import annotations
 
 import statistics
+import time
 from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Sequence
 
@@ -38,8 +44,10 @@ from megarl.data import PromptRecord
 from megarl.reward import RewardFn, Scores, StreamingReward
 from megarl.rollout.base import Completion, RolloutEngine, SamplingParams
 from megarl.rollout.functions import Rollout, register_rollout
+from megarl.reward import compose
 from megarl.rollout.slots import ROLLOUTS, ToolUseOptions
 from megarl.tool_calls import TOOL_PARSERS, TOOLS, Observation, ParseError, ToolCall, build_tool, tool_settings
+from megarl.tool_calls import openenv
 from megarl.samples import Sample, SampleStatus
 from megarl.verifiers import VerifyResult
 
@@ -65,6 +73,11 @@ class _Trajectory:
     tool_tokens: int = 0
     final_text: str = ""
     status: SampleStatus | None = None  # set when finished
+    slot: int = 0  # its place in the call's trajectories: its environment session's
+    env: bool = False  # an OpenEnv environment runs beside it
+    env_reward: float = 0.0  # the sum of its environment's step rewards
+    env_steps: int = 0
+    env_done: bool = False  # its environment ended the episode
 
     def append(self, ids: Sequence[int], logp: Sequence[float] | None) -> None:
         """The policy's tokens (with their log-probs) or, with `logp=None`, anything else (mask 0)."""
@@ -79,7 +92,17 @@ class _Trajectory:
                       weight_version=self.version, status=self.status, response_text=self.final_text,
                       metadata={"turns": float(self.turns), "tool_calls": float(self.calls),
                                 "tool_used": float(self.calls > 0), "tool_errors": float(self.errors),
-                                "tool_timeouts": float(self.timeouts), "tool_tokens": float(self.tool_tokens)})
+                                "tool_timeouts": float(self.timeouts), "tool_tokens": float(self.tool_tokens),
+                                **({"env_reward": self.env_reward, "env_steps": float(self.env_steps),
+                                    "env_done": float(self.env_done)} if self.env else {})})
+
+    def scoring_record(self) -> PromptRecord:
+        """The row its reward reads: with an environment and the `env_reward` verifier, the label carries the
+        environment's reward (`megarl.verifiers.env_reward`)."""
+        if not (self.env and any(p.name == "env_reward" for p in compose.parse(self.record.verifier).parts)):
+            return self.record
+        return replace(self.record, label={"env_reward": self.env_reward, "env_done": self.env_done,
+                                           "row": self.record.label})
 
 
 class ToolUse(Rollout):
@@ -98,6 +121,11 @@ class ToolUse(Rollout):
         self.tools = tools if tools is not None else {
             name: build_tool(name, settings, **options.get(name, {})) for name in names}
         self._latencies: list[float] = []
+        self.env_cls = openenv.load_environment(tc.openenv) if tc.openenv else None
+        if self.env_cls is not None:
+            openenv.action_and_observation_types(self.env_cls)  # the annotations are read now, not mid-rollout
+        if tc.openenv_url:
+            openenv.check_server(tc.openenv_url, tc.openenv_timeout)
 
     def __call__(self, engine: RolloutEngine, prompts: Sequence[PromptRecord], params: SamplingParams,
                  reward: RewardFn, tokenizer) -> list[Sample]:
@@ -106,16 +134,28 @@ class ToolUse(Rollout):
         turn = replace(params, stop=params.stop + (() if chat else self.parser.stop))
         trajs = [_Trajectory(g, record, params.max_new_tokens) for g, record in enumerate(prompts)
                  for _ in range(params.n)]
+        if self.env_cls is None and not self.tc.openenv_url:
+            return self._trajectories(engine, prompts, params, reward, tokenizer, trajs, chat, turn, None)
+        for i, t in enumerate(trajs):
+            t.slot, t.env = i, True
+        with openenv.EnvSessions(self.env_cls, self.tc.openenv_url, self.tc.openenv_timeout, len(trajs)) as envs:
+            envs.reset([openenv.reset_arguments(t.record) for t in trajs])
+            return self._trajectories(engine, prompts, params, reward, tokenizer, trajs, chat, turn, envs)
+
+    def _trajectories(self, engine, prompts, params, reward, tokenizer, trajs, chat, turn,
+                      envs: openenv.EnvSessions | None) -> list[Sample]:
         completions = [c for group in engine.generate([p.prompt_ids for p in prompts], turn) for c in group]
         # --reward-overlap: trajectories are scored as they finish, while the others take more turns
         scoring = _Scoring(reward, trajs) if isinstance(reward, StreamingReward) and reward.overlaps(prompts) else None
         live, rounds = trajs, 0
         while live:
             calls = {id(t): self._take_turn(t, c, tokenizer) for t, c in zip(live, completions)}
-            observations = self._run([(t, calls[id(t)]) for t in live if calls[id(t)]])
+            observations = self._run([(t, calls[id(t)]) for t in live if calls[id(t)]], envs)
             for t in live:
                 if t.status is None:
                     self._append_output(t, observations[id(t)], tokenizer, chat)
+                if t.status is None and t.env_done:
+                    t.status = SampleStatus.COMPLETED  # the environment ended the episode
             live = [t for t in live if t.status is None]
             if scoring is not None:
                 scoring.submit_finished()
@@ -126,7 +166,7 @@ class ToolUse(Rollout):
                            seed=None if params.seed is None else params.seed + 1_000_003 * rounds)
             completions = [g[0] for g in engine.generate([list(t.record.prompt_ids) + t.ids for t in live], more)]
         samples = [t.sample() for t in trajs]
-        results = scoring.results() if scoring is not None else reward(samples, [prompts[s.group] for s in samples])
+        results = scoring.results() if scoring is not None else reward(samples, [t.scoring_record() for t in trajs])
         return [replace(s, reward=self._shaped(float(r.score), t), outcome=r.outcome, extracted=r.extracted)
                 for s, t, r in zip(samples, trajs, results)]
 
@@ -154,16 +194,21 @@ class ToolUse(Rollout):
             return []
         return calls
 
-    def _run(self, pending: list[tuple[_Trajectory, list]]) -> dict[int, list[Observation]]:
-        """Every call of the batch: each tool's calls in one `run_many` (concurrent in the sandbox)."""
+    def _run(self, pending: list[tuple[_Trajectory, list]],
+             envs: openenv.EnvSessions | None = None) -> dict[int, list[Observation]]:
+        """Every call of the batch: each tool's calls in one `run_many` (concurrent in the sandbox), the
+        environment's through `envs`."""
         out: dict[int, list[Observation | None]] = {id(t): [None] * len(calls) for t, calls in pending}
         by_tool: dict[str, list[tuple[int, int, ToolCall]]] = {}
+        env_calls: list[tuple[_Trajectory, int, ToolCall]] = []
         for t, calls in pending:
             for i, call in enumerate(calls):
                 if isinstance(call, ParseError):
                     out[id(t)][i] = Observation(f"error: {call.message}", "error")
                 elif self.tc.tool_calls_fail:
                     out[id(t)][i] = Observation(UNAVAILABLE, "error")
+                elif envs is not None and call.name == self.tc.openenv_tool:
+                    env_calls.append((t, i, call))
                 elif call.name not in self.tools:
                     out[id(t)][i] = Observation(f"error: no tool named {call.name[:100]!r}; the tools are "
                                                 f"{', '.join(sorted(self.tools))}", "error")
@@ -174,11 +219,46 @@ class ToolUse(Rollout):
             for (key, i, _), obs in zip(items, results):
                 out[key][i] = obs
                 self._latencies.append(obs.seconds)
+        if envs is not None:
+            self._step_envs(envs, env_calls, out)
         for t, _ in pending:
             t.calls += len(out[id(t)])
             t.errors += sum(o.status == "error" for o in out[id(t)])
             t.timeouts += sum(o.status == "timeout" for o in out[id(t)])
         return out
+
+    def _step_envs(self, envs: openenv.EnvSessions, env_calls: list[tuple[_Trajectory, int, ToolCall]],
+                   out: dict[int, list[Observation | None]]) -> None:
+        """The environment calls: every trajectory's k-th call in round k, the trajectories' concurrently, a
+        trajectory's in its turn's order; a call after its episode ended is an error observation."""
+        rounds: list[list[tuple[_Trajectory, int, ToolCall]]] = []
+        seen: dict[int, int] = {}
+        for t, i, call in env_calls:
+            k = seen[id(t)] = seen.get(id(t), -1) + 1
+            if k == len(rounds):
+                rounds.append([])
+            rounds[k].append((t, i, call))
+        for items in rounds:
+            live = [(t, i, call) for t, i, call in items if not t.env_done and t.status is None]
+            for t, i, _ in items:
+                if t.env_done:
+                    out[id(t)][i] = Observation("error: the episode is over", "error")
+            start = time.perf_counter()
+            steps = envs.step([(t.slot, call.arguments) for t, _, call in live]) if live else []
+            seconds = time.perf_counter() - start
+            for (t, i, _), step in zip(live, steps):
+                if isinstance(step, BaseException):  # the session is gone: the trajectory cannot go on
+                    t.status = SampleStatus.FAILED
+                    out[id(t)][i] = Observation(f"error: the environment was lost ({step})", "timeout")
+                    continue
+                t.env_steps += 1
+                t.env_reward += float(step.reward or 0.0)
+                t.env_done = t.env_done or step.done
+                out[id(t)][i] = Observation(step.text, "error" if step.error else "ok", seconds)
+                self._latencies.append(seconds)
+        for t, i, _ in env_calls:  # a failed trajectory's calls after the loss
+            if out[id(t)][i] is None:
+                out[id(t)][i] = Observation("error: the environment was lost", "timeout")
 
     def _append_output(self, t: _Trajectory, observations: list[Observation], tokenizer, chat: bool) -> None:
         """The calls' outputs as tokens with mask 0, within the trajectory's budget."""
@@ -225,7 +305,8 @@ class _Scoring:
     def submit_finished(self) -> None:
         done = [i for i, t in enumerate(self.trajs) if t.status is not None and i not in self.submitted]
         if done:
-            scores = self.reward.submit([self.trajs[i].sample() for i in done], [self.trajs[i].record for i in done])
+            scores = self.reward.submit([self.trajs[i].sample() for i in done],
+                                        [self.trajs[i].scoring_record() for i in done])
             self.submitted.update((i, (scores, k)) for k, i in enumerate(done))
 
     def results(self) -> list[VerifyResult]:
