@@ -12,7 +12,8 @@ the verifier rebuilds it, checked by `question_sha256`).
 
 `--config` is one task's settings (`{"min_terms": 2, "max_terms": 2}`), or with several tasks an object keyed by
 task name. A held-out split is another seed with `--exclude-from` the training file: items whose question is in
-that file are left out and counted (with the same seed and settings every question would be, so that is refused).
+that file are left out and counted. Most tasks make item i of seed S from `Random(S + i)`, so seed 2 is seed 1
+shifted by one item: a held-out seed whose range [S, S + size) meets the training file's is refused.
 """
 
 from __future__ import annotations
@@ -107,26 +108,38 @@ def rows(tasks: list[str], configs: dict[str, dict], seed: int, size: int, templ
                    "verifier": VERIFIER}
 
 
-def questions_in(path: str | Path) -> tuple[set[str], set[tuple]]:
-    """The questions of a file of reasoning-gym rows, and its (task, config, seed, size) datasets."""
+def questions_in(path: str | Path) -> tuple[set[str], list[dict]]:
+    """The questions of a file of reasoning-gym rows, and its datasets' labels (task, config, seed, size)."""
     p = Path(path)
     if not p.is_file():
         raise ConfigError(f"--exclude-from {path}: no such file")
-    questions, datasets = set(), set()
+    questions, datasets = set(), {}
     with open(p, encoding="utf-8") as f:
         for lineno, line in enumerate(f, start=1):
             if not line.strip():
                 continue
             try:
                 answer = json.loads(line)["answer"]
-                spec = tuple(json.dumps(answer[k], sort_keys=True) for k in LABEL_KEYS[:4])
+                spec = {k: answer[k] for k in LABEL_KEYS[:4]}
             except (json.JSONDecodeError, KeyError, TypeError):
                 raise ConfigError(f"--exclude-from {path}:{lineno}: not a reasoning-gym row "
                                   "(megarl-prepare-data reasoning-gym writes them)") from None
-            datasets.add(spec)
+            datasets[json.dumps(spec, sort_keys=True)] = spec
             entry = answer.get("entry") or _rebuilt(answer)
             questions.add(entry["question"])
-    return questions, datasets
+    return questions, list(datasets.values())
+
+
+def check_seeds_apart(task: str, config: dict, seed: int, size: int, others: list[dict], where: str) -> None:
+    """Most reasoning-gym tasks seed item i with `seed + i`, so datasets of the same task and settings whose seed
+    ranges [seed, seed + size) meet share those items: seed 2 is seed 1 shifted by one. Refused for a held-out split."""
+    for o in others:
+        if o["task"] == task and o["config"] == config and seed < o["seed"] + o["size"] and o["seed"] < seed + size:
+            first, last = o["seed"], o["seed"] + o["size"] - 1
+            raise ConfigError(f"--seed {seed}: {where} holds {task!r} items of seeds {first}..{last} with these "
+                              "settings, and reasoning-gym makes item i of seed S from S + i, so seeds "
+                              f"{seed}..{seed + size - 1} repeat them; a held-out split needs --seed >= {last + 1} "
+                              f"(or <= {first - size})")
 
 
 def _rebuilt(label: dict) -> dict:
@@ -146,10 +159,7 @@ def write(tasks_text: str, out: str | Path, *, size: int, seed: int, config: str
     if exclude_from:
         exclude, datasets = questions_in(exclude_from)
         for t in tasks:
-            same = tuple(json.dumps(v, sort_keys=True) for v in (t, configs[t], seed, size))
-            if same in datasets:
-                raise ConfigError(f"--seed {seed}: {exclude_from} holds {t!r} with this seed, size and config, so "
-                                  "every question would be left out; a held-out split needs another --seed")
+            check_seeds_apart(t, configs[t], seed, size, datasets, str(exclude_from))
     counts: Counter = Counter()
     Path(out).parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(out).with_name(Path(out).name + ".partial")

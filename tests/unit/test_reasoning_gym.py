@@ -177,18 +177,22 @@ def test_prepare_data_writes_rows_and_a_heldout_split_by_seed(tmp_path, capsys):
     assert main(["reasoning-gym", "chain_sum", str(train), "--size", "150", "--seed", "1", "--config", config]) == 0
     rows = read_rows(train)
     assert len(rows) == 150 and {r["answer"]["seed"] for r in rows} == {1}
-    assert main(["reasoning-gym", "chain_sum", str(heldout), "--size", "150", "--seed", "2", "--config", config,
+    # reasoning-gym makes item i of seed S from S + i: seed 2 would be seed 1 shifted by one item, so it is refused
+    seed1, seed2 = (rg.create_dataset("chain_sum", seed=s, size=150, **json.loads(config)) for s in (1, 2))
+    assert [seed2[i]["question"] for i in range(149)] == [seed1[i + 1]["question"] for i in range(149)]
+    for seed in ("2", "150", "-100"):
+        assert main(["reasoning-gym", "chain_sum", str(tmp_path / "x.jsonl"), "--size", "150", "--seed", seed,
+                     "--config", config, "--exclude-from", str(train)]) == 2
+        assert "a held-out split needs --seed >= 151 (or <= -149)" in capsys.readouterr().err
+    assert not (tmp_path / "x.jsonl").exists()
+    assert main(["reasoning-gym", "chain_sum", str(heldout), "--size", "150", "--seed", "151", "--config", config,
                  "--exclude-from", str(train)]) == 0
     err = capsys.readouterr().err
     held = read_rows(heldout)
     questions = {r["answer"]["entry"]["question"] for r in rows}
     assert held and not questions & {r["answer"]["entry"]["question"] for r in held}
-    # 1-digit sums and differences: 200 questions, so the two seeds share many, each left out and counted
+    # 1-digit sums and differences are 200 questions, so even far-apart seeds share some: left out and counted
     assert f"{150 - len(held)} skipped: question in --exclude-from (chain_sum)" in err and len(held) < 150
-    # the same seed again would leave nothing: refused
-    assert main(["reasoning-gym", "chain_sum", str(tmp_path / "x.jsonl"), "--size", "150", "--seed", "1",
-                 "--config", config, "--exclude-from", str(train)]) == 2
-    assert "needs another --seed" in capsys.readouterr().err
 
 
 def test_several_tasks_and_per_task_configs(tmp_path):
