@@ -35,7 +35,7 @@ MATH_STARTER_STEPS ?= 600
 CODE_STARTER := .cache/code-starter/config.json
 CODE_STARTER_STEPS ?= 600
 RG_STARTER := .cache/rg-starter/config.json
-RG_STARTER_STEPS ?= 500
+RG_STARTER_STEPS ?= 800
 
 # "1" when $(PYTHON) already imports a torch built with CUDA.
 # Deferred (=), so torch is imported only when the venv is being (re)built.

@@ -1,7 +1,7 @@
 """Build the starter of the reasoning-gym demo: the 2-layer Qwen2 of `tools/make_starter_model.py`, trained
 supervised on a reasoning-gym task's train split to answer in reasoning-gym's `<answer>...</answer>` format.
 
-    python tools/make_rg_starter_model.py --out DIR [--steps 500] [--noise-p 0.5] [--seed 0]
+    python tools/make_rg_starter_model.py --out DIR [--steps 800] [--noise-p 0.5] [--seed 0]
         [--task chain_sum --config JSON --train-size 3000 --heldout-size 1000]
 
 DIR receives an HF checkpoint (config.json, model.safetensors, a character tokenizer of the rows' characters) and
@@ -42,8 +42,8 @@ _starter = importlib.util.module_from_spec(_spec)
 _spec.loader.exec_module(_starter)
 write_atomically = _starter.write_atomically
 
-STEPS = 500
-BATCH = 32
+STEPS = 800
+BATCH = 64
 NOISE_P = 0.5
 TASK = "chain_sum"
 CONFIG = {"min_terms": 2, "max_terms": 3, "min_digits": 1, "max_digits": 1}
