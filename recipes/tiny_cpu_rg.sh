@@ -36,9 +36,10 @@ ALGORITHM_ARGS=(
   --loss-aggregation token-mean
 )
 
-# Bound by the step count only, so every machine trains the same model (docs/results.md, "The reasoning-gym demo").
+# Bound by the step count only, so every machine trains the same model (docs/results.md, "The reasoning-gym demo";
+# 300 steps gave 22.4 % -> 29.4 % held-out sampled, 800 give 34.1 %).
 TRAINING_ARGS=(
-  --num-steps 300
+  --num-steps 800
   --lr 1e-4
   --min-lr 1e-5
   --lr-decay-style linear
@@ -51,5 +52,6 @@ LOGGING_ARGS=(
   --log-interval 10
   --log-samples-interval 50
   --eval-max-prompts 200
+  --eval-interval 200
   --eval-samples-per-prompt 4
 )
