@@ -219,10 +219,10 @@ def test_bad_input_is_a_clear_error(tmp_path, tasks, config, message):
     assert not (tmp_path / "o.jsonl").exists()
 
 
-def test_a_missing_extra_names_it():
+def test_a_missing_extra_names_it(tmp_path):
     code = ("import sys; sys.modules['reasoning_gym'] = None\n"
             "from megarl.cli.prepare_data import main\n"
-            "rc = main(['reasoning-gym', 'chain_sum', 'o.jsonl', '--size', '2', '--seed', '1'])\n"
+            f"rc = main(['reasoning-gym', 'chain_sum', {str(tmp_path / 'o.jsonl')!r}, '--size', '2', '--seed', '1'])\n"
             "from megarl.verifiers import VERIFIERS\n"
             "assert 'reasoning_gym' in VERIFIERS.names()\n"
             "try:\n    VERIFIERS.build('reasoning_gym')\nexcept Exception as e:\n    print('build:', e)\n"
@@ -231,6 +231,7 @@ def test_a_missing_extra_names_it():
                           timeout=120)
     assert proc.returncode == 2, proc.stderr
     assert "pip install megarl[rg]" in proc.stderr and "build: reasoning-gym is not installed" in proc.stdout
+    assert not (tmp_path / "o.jsonl").exists()
 
 
 @pytest.mark.slow
