@@ -1,6 +1,6 @@
 # megarl developer entry points: `make venv`, `make demo`, `make demo-lora`, `make demo-moe`, `make demo-tool`,
-# `make demo-rm`, `make demo-math`, `make demo-code`, `make lint`, `make test`, `make test-fast`, `make clean`,
-# `make sglang-env`, `make vllm-env`, `make verifiers-env`.
+# `make demo-rm`, `make demo-math`, `make demo-code`, `make demo-rg`, `make lint`, `make test`, `make test-fast`,
+# `make clean`, `make sglang-env`, `make vllm-env`, `make verifiers-env`, `make openenv-env`.
 #
 # torch is installed before megarl, and only ever at a pinned version, because an unpinned `pip install torch`
 # on a machine without a GPU drags in gigabytes of CUDA wheels:
@@ -35,12 +35,14 @@ MATH_STARTER := .cache/math-starter/config.json
 MATH_STARTER_STEPS ?= 600
 CODE_STARTER := .cache/code-starter/config.json
 CODE_STARTER_STEPS ?= 600
+RG_STARTER := .cache/rg-starter/config.json
+RG_STARTER_STEPS ?= 800
 
 # "1" when $(PYTHON) already imports a torch built with CUDA.
 # Deferred (=), so torch is imported only when the venv is being (re)built.
 HOST_HAS_CUDA_TORCH = $(shell $(PYTHON) -c 'import torch; print(int(torch.version.cuda is not None))' 2>/dev/null || echo 0)
 
-.PHONY: venv demo demo-lora demo-moe demo-tool demo-math demo-code demo-rm lint test test-fast sandbox-image sglang-env vllm-env verifiers-env openenv-env clean distclean
+.PHONY: venv demo demo-lora demo-moe demo-tool demo-math demo-code demo-rg demo-rm lint test test-fast sandbox-image sglang-env vllm-env verifiers-env openenv-env clean distclean
 
 venv: $(STAMP)
 
@@ -114,6 +116,15 @@ $(CODE_STARTER): | $(STAMP)
 
 demo-code: venv $(CODE_STARTER)
 	$(VENV)/bin/torchrun --nproc-per-node $(NPROC) megarl/train.py recipes/tiny_cpu_code.sh
+
+# The reasoning-gym demo: GRPO on reasoning-gym's chain_sum, a task nobody here wrote, scored by its own scorer
+# through the `reasoning_gym` verifier (reasoning-gym is in the `dev` extra that `make venv` installs, and is the
+# `rg` extra alone). The starter is built with one thread, by step count, like the others.
+$(RG_STARTER): | $(STAMP)
+	OMP_NUM_THREADS=1 $(VPY) tools/make_rg_starter_model.py --out $(dir $@) --steps $(RG_STARTER_STEPS)
+
+demo-rg: venv $(RG_STARTER)
+	$(VENV)/bin/torchrun --nproc-per-node $(NPROC) megarl/train.py recipes/tiny_cpu_rg.sh
 
 # The four-model PPO: a reward model trained from the arithmetic verifier's labels, then recipes/tiny_cpu_ppo_rm.sh.
 # Its trunk is a language model of the task pre-trained like the starter but on clean answers (a reward model

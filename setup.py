@@ -56,6 +56,9 @@ setup(
         # --openenv or --openenv-url is set. Not in `dev`: it needs httpx>=0.28.1 and leptonai<0.47 (nemo-run's)
         # pins httpx==0.27.2, so tests/openenv_cpu runs in an environment of its own (tools/openenv/build_env.sh).
         "openenv": ["openenv-core==0.3.0"],
+        # reasoning-gym's procedural tasks (`megarl-prepare-data reasoning-gym`, the `reasoning_gym` verifier); the
+        # version whose scorers the verifier's tests compare against. No torch, no network at import or use.
+        "rg": ["reasoning-gym==0.1.25"],
         "nemo-run": ["nemo-run", "leptonai<0.47"],  # nemo-run 0.11 imports a leptonai API that 0.47 removed
         # The optional integrations too, so that their tests run; trl for the loss-parity test and tools/bench/step.py;
         # nemo-run (~40 s to install) for the launcher's dry-run tests.
@@ -68,6 +71,7 @@ setup(
                 "hypothesis", "math-verify==0.9.0",  # property tests; math-verify: megarl-verify --compare, bench
                 "msgspec",  # tests/contracts: SGLang's own request types, read from its wheel, run on msgspec
                 "peft==0.21.2",  # tests/lora_checks.py: the independent reference for LoRA
+                "reasoning-gym==0.1.25",  # the `rg` extra: its tests compare the verifier with its own scorers
                 "ruff==0.17.5"],  # `make lint`, which `make test` runs first (ruff.toml)
     },
     entry_points={"console_scripts": ["megarl-verify = megarl.cli.verify:main",

@@ -5,7 +5,8 @@ on one CPU process, with a tiny random model of the recipe's own family and a fe
 
 The one way a smoke run departs from the recipe (docs/guide.md, "Recipe smoke runs"):
 - environment variables point the recipe's own path variables at what this file makes: `MODEL_DIR` (the GPU model
-  files), `STARTER_DIR` / `MOE_STARTER_DIR` / `TOOL_STARTER_DIR` / `REWARD_MODEL_DIR` (the CPU demos), `DATA_DIR`;
+  files), `STARTER_DIR` / `MOE_STARTER_DIR` / `TOOL_STARTER_DIR` / `REWARD_MODEL_DIR` / `MATH_STARTER_DIR` /
+  `CODE_STARTER_DIR` / `RG_STARTER_DIR` (the CPU demos), `DATA_DIR`;
 - `OVERRIDES`, given on the command line after the recipe (where flags override a recipe), change the device,
   the backend and the sizes only: CPU layout (TP = PP = EP = 1, local layers, fp32), the built-in engine, 2 steps
   of 2 prompts with 8-token responses, and where the run writes.
@@ -47,7 +48,7 @@ REPO = Path(__file__).resolve().parents[1]
 # demos' model files, tiny_qwen2.sh and tiny_qwen3_moe.sh, run in the demos that source them (tiny_cpu.sh,
 # tiny_cpu_moe.sh): the starters' 64 positions cannot hold r1_math's prompts.
 RUNS = ("r1_math", "r1_code", "tiny_cpu", "tiny_cpu_moe", "tiny_cpu_ppo", "tiny_cpu_ppo_rm", "tiny_cpu_tool",
-        "tiny_cpu_math", "tiny_cpu_code", "tiny_cpu_lora", "r1_math_lora",
+        "tiny_cpu_math", "tiny_cpu_code", "tiny_cpu_rg", "tiny_cpu_lora", "r1_math_lora",
         *(f"r1_math:{m}" for m in ("qwen2.5-7b", "qwen2.5-math-7b", "llama-3.1-8b", "llama-3.1-70b", "qwen3-8b",
                                    "qwen3-30b-a3b")))
 # the recipes' `RECIPE_MODEL` defaults
@@ -186,6 +187,25 @@ def make_math_starter(out: Path) -> Path:
     return out
 
 
+def make_rg_starter(out: Path) -> Path:
+    """The reasoning-gym demo's starter as `tools/make_rg_starter_model.py` builds it, randomly initialised, with a
+    few rows of its task written as the tool writes them (needs the rg extra)."""
+    import torch
+
+    from megarl.tasks import reasoning_gym as rg_task
+    from megarl.tasks.arithmetic import build_tokenizer
+
+    torch.manual_seed(0)
+    tool = _tool("make_rg_starter_model")
+    tokenizer = build_tokenizer(None, chars=tool.CHARS)
+    model = _tool("make_starter_model").build_model(tokenizer, mlp_width=tool.MLP_WIDTH, positions=tool.POSITIONS,
+                                                    hidden=tool.HIDDEN)
+    _save(model, tokenizer, out)
+    for name, seed, size in (("train.jsonl", tool.TRAIN_SEED, 4), ("heldout.jsonl", tool.HELDOUT_SEED, 2)):
+        rg_task.write(tool.TASK, out / name, size=size, seed=seed, config=tool.CONFIG, template=tool.TEMPLATE)
+    return out
+
+
 def make_code_starter(out: Path) -> Path:
     """The code demo's starter as `tools/make_code_starter_model.py` builds it, randomly initialised, with a few
     of its task's rows."""
@@ -293,6 +313,8 @@ def prepare(run: str, shared: Path) -> tuple[Path, dict[str, str]]:
         env["CODE_STARTER_DIR"] = str(_made(("starter", "code"), shared, make_code_starter))
     elif name == "tiny_cpu_math":
         env["MATH_STARTER_DIR"] = str(_made(("starter", "math"), shared, make_math_starter))
+    elif name == "tiny_cpu_rg":
+        env["RG_STARTER_DIR"] = str(_made(("starter", "rg"), shared, make_rg_starter))
     elif name == "tiny_cpu_moe":
         moe = _made(("starter", "qwen3_moe"), shared, lambda out: make_starter(out, "qwen3_moe"))
         env["MOE_STARTER_DIR"] = str(moe)

@@ -18,6 +18,12 @@ back; megarl ignores it). Layouts, by the columns they read:
 
 Rows that cannot be converted (no answer, no tests) are skipped and counted by reason; nothing is guessed.
 Prompts are plain text; a chat template is not applied.
+
+    megarl-prepare-data reasoning-gym TASK[,TASK...] <output.jsonl> --size N --seed S [--config JSON]
+        [--template "...{question}..."] [--exclude-from train.jsonl]
+
+generates reasoning-gym's procedural tasks instead (the `rg` extra: pip install megarl[rg]), rows for the
+`reasoning_gym` verifier, which scores them with each task's own scorer (`megarl.tasks.reasoning_gym`).
 """
 
 from __future__ import annotations
@@ -212,11 +218,44 @@ def convert(layout: str, src: str | Path, dst: str | Path, *, template: str | No
     return counts
 
 
+def reasoning_gym_main(argv: list[str]) -> int:
+    """`megarl-prepare-data reasoning-gym ...`: see `megarl.tasks.reasoning_gym`."""
+    from megarl.errors import ConfigError
+
+    ap = argparse.ArgumentParser(prog="megarl-prepare-data reasoning-gym",
+                                 description="Write rows of reasoning-gym tasks for the reasoning_gym verifier.")
+    ap.add_argument("tasks", metavar="TASK[,TASK...]", help="reasoning-gym task names, comma-separated")
+    ap.add_argument("output", help="megarl jsonl to write")
+    ap.add_argument("--size", type=int, required=True, help="items of each task: its dataset's size")
+    ap.add_argument("--seed", type=int, required=True, help="the datasets' seed: a held-out split takes another")
+    ap.add_argument("--config", help="JSON: the task's settings, or with several tasks an object keyed by task")
+    ap.add_argument("--template", help="prompt template with {question} (default: the question, then a line asking "
+                    "for the answer between <answer> tags)")
+    ap.add_argument("--exclude-from", help="a file of reasoning-gym rows (the training split): leave out the items "
+                    "whose question is in it")
+    args = ap.parse_args(argv)
+    from megarl.tasks import reasoning_gym as rg_task
+
+    try:
+        counts = rg_task.write(args.tasks, args.output, size=args.size, seed=args.seed, config=args.config,
+                               template=args.template or rg_task.TEMPLATE, exclude_from=args.exclude_from)
+    except ConfigError as e:
+        print(f"prepare_data: error: {e}", file=sys.stderr)
+        return 2
+    print(f"{args.output}: {counts.pop('written', 0)} rows written", file=sys.stderr)
+    for reason, n in counts.most_common():
+        print(f"  {n} {reason}", file=sys.stderr)
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if argv[:1] == ["reasoning-gym"]:
+        return reasoning_gym_main(argv[1:])
     summary, _usage, notes = __doc__.split("\n\n", 2)  # notes: the output rows, the layouts, what is skipped
     ap = argparse.ArgumentParser(prog="megarl-prepare-data", description=summary, epilog=notes,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("layout", choices=sorted(LAYOUTS))
+    ap.add_argument("layout", choices=sorted(LAYOUTS), help="the input's layout (or reasoning-gym: see below)")
     ap.add_argument("input", help="a downloaded file: .parquet, .jsonl, .json (optionally .gz)")
     ap.add_argument("output", help="megarl jsonl to write")
     ap.add_argument("--template", help="prompt template with {problem} (and {fn_name} for apps call-based rows)")

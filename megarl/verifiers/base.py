@@ -61,7 +61,7 @@ class VerifierCapabilities:
 
 VERIFIERS: Registry[Callable[..., Verifier]] = Registry(
     "verifier", builtins=("megarl.verifiers.arithmetic", "megarl.verifiers.code", "megarl.verifiers.env_reward",
-                          "megarl.verifiers.exact_string", "megarl.verifiers.math"))
+                          "megarl.verifiers.exact_string", "megarl.verifiers.math", "megarl.verifiers.reasoning_gym"))
 
 # Class decorator: `@register_verifier("arithmetic")`, or `@register_verifier("code", options=CodeOptions)` for a
 # verifier with flags of its own (`megarl.registry`). The class is built with the run's options for it as keyword

@@ -101,6 +101,8 @@ def check_smoke(result: dict, out: Path) -> None:
 
 @pytest.mark.parametrize("run", RUNS)
 def test_recipe_trains_two_steps_on_cpu(smoke_runs, run):
+    if run == "tiny_cpu_rg":
+        pytest.importorskip("reasoning_gym", reason="the reasoning-gym demo needs the rg extra: pip install megarl[rg]")
     check_smoke(*smoke_runs[run])
 
 

@@ -181,13 +181,18 @@ def _verifier_names() -> list[str]:
 
 
 # A well-formed ground truth per built-in verifier, for the garbage responses (others get "3").
-TRUTH = {"code": {"test": "assert f() == 3", "entry_point": "f"}}
+TRUTH = {"code": {"test": "assert f() == 3", "entry_point": "f"},
+         "reasoning_gym": {"task": "chain_sum", "config": {}, "seed": 1, "size": 2, "index": 0}}
+# Verifiers that need an optional extra: skipped with its name where it is not installed
+EXTRA = {"reasoning_gym": ("reasoning_gym", "the rg extra: pip install megarl[rg]")}
 
 
 @pytest.mark.parametrize("name", _verifier_names())
 def test_verifier_on_garbage_returns_a_result(name):
     from megarl.verifiers import OUTCOMES, VerifyResult, VERIFIERS
 
+    if name in EXTRA:
+        pytest.importorskip(EXTRA[name][0], reason=EXTRA[name][1])
     verifier = VERIFIERS.build(name)
     pairs = [(r, TRUTH.get(name, "3")) for r in GARBAGE_RESPONSES] + [("3", t) for t in GARBAGE_TRUTHS]
     for response, truth in pairs:
