@@ -4,12 +4,12 @@
     python tools/gpu_carry.py closure DIR [--python-version 3.12]          # do DIR's wheels install without network?
 
 `size` lists the working tree as the device tool copies it (tracked files and untracked files git does not ignore)
-and each carried ignored folder (default: .cache/gpu-wheels), with their sizes, and exits 1 when the whole is over
-the limit (a lent machine takes 64 MiB) or a carried folder is missing. `closure` reads every wheel's declared
-dependencies (markers evaluated for CPython on x86_64 Linux) and exits 1, naming them, when one is met neither by
-another wheel in DIR nor by what a CUDA torch install brings (`FROM_TORCH`): on the GPU machine
-`pip install --no-index` would stop there. The size check needs only the standard library (it runs before any
-environment exists); `closure` needs `packaging` (or pip's copy of it).
+and each carried ignored folder (default: .cache/gpu-wheels, and .cache/starter when present), with their sizes,
+and exits 1 when the whole is over the limit (a lent machine takes 64 MiB) or a required folder is missing.
+`closure` reads every wheel's declared dependencies (markers evaluated for CPython on x86_64 Linux) and exits 1,
+naming them, when one is met neither by another wheel in DIR nor by what a CUDA torch install brings
+(`FROM_TORCH`): on the GPU machine `pip install --no-index` would stop there. The size check needs only the
+standard library (it runs before any environment exists); `closure` needs `packaging` (or pip's copy of it).
 """
 
 from __future__ import annotations
@@ -23,6 +23,8 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
 CARRY = (".cache/gpu-wheels",)  # the ignored paths `make gpu-check` needs (the device tool's `carry` list)
+# carried when present: the demo's starter model (`make gpu-check` builds it on the GPU machine otherwise)
+OPTIONAL = (".cache/starter",)
 LIMIT_MIB = 64
 # A CUDA torch wheel's own dependencies (torch 2.11-2.14 on PyPI): present wherever torch is installed.
 FROM_TORCH = frozenset({"torch", "triton", "sympy", "mpmath", "networkx", "jinja2", "markupsafe", "setuptools",
@@ -55,15 +57,20 @@ def folder_files(root: Path, folder: str) -> list[tuple[str, int]] | None:
 
 
 def carry_report(tree: list[tuple[str, int]], carried: dict[str, list[tuple[str, int]] | None],
-                 limit_mib: float = LIMIT_MIB, largest: int = 5) -> tuple[list[str], bool]:
+                 limit_mib: float = LIMIT_MIB, largest: int = 5,
+                 optional: tuple[str, ...] = ()) -> tuple[list[str], bool]:
     """The dry run's lines and whether the carry fits: the tree (its `largest` files named), each carried folder,
-    the total against `limit_mib`. A missing folder fails too: the check needs it on the other side."""
+    the total against `limit_mib`. A missing folder fails too (the check needs it on the other side), unless it is
+    one of `optional`."""
     lines, ok = [], True
     total = sum(size for _, size in tree)
     lines.append(f"  working tree          {len(tree):6d} files {sum(s for _, s in tree) / MIB:8.2f} MiB")
     for name, size in sorted(tree, key=lambda f: -f[1])[:largest]:
         lines.append(f"      {size / MIB:8.2f} MiB  {name}")
     for folder, files in carried.items():
+        if files is None and folder in optional:
+            lines.append(f"  {folder:<21} absent (optional: leave it out of the carry list)")
+            continue
         if files is None:
             lines.append(f"  {folder:<21} missing (`make gpu-wheels` fetches it)")
             ok = False
@@ -133,14 +140,15 @@ def main(argv: list[str] | None = None) -> int:
     size = sub.add_parser("size", help="list what is carried, with sizes; exit 1 over the limit")
     size.add_argument("--limit-mib", type=float, default=LIMIT_MIB)
     size.add_argument("--carry", nargs="*", default=list(CARRY), help="ignored paths carried beside the tree")
+    size.add_argument("--optional", nargs="*", default=list(OPTIONAL), help="ignored paths carried when present")
     size.add_argument("--root", type=Path, default=REPO)
     closure = sub.add_parser("closure", help="exit 1 when a wheel's dependency is in neither DIR nor torch's set")
     closure.add_argument("dir", type=Path)
     closure.add_argument("--python-version", default="3.12")
     args = p.parse_args(argv)
     if args.command == "size":
-        carried = {folder: folder_files(args.root, folder) for folder in args.carry}
-        lines, ok = carry_report(tree_files(args.root), carried, args.limit_mib)
+        carried = {folder: folder_files(args.root, folder) for folder in (*args.carry, *args.optional)}
+        lines, ok = carry_report(tree_files(args.root), carried, args.limit_mib, optional=tuple(args.optional))
         print("gpu-check carry (the device tool's working tree + carry list):")
         print("\n".join(lines))
         if not ok:

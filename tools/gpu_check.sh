@@ -11,9 +11,11 @@
 #            sglang); skipped with the reason otherwise (a lent machine without network has no SGLang)
 #   a        the actor on CUDA in bf16 against transformers: dense Qwen2 and Qwen3-MoE at EP 1, before and after an
 #            update (tools/gpu_check_actor.py)
-#   starter  the CPU demo's starter model, built here by tools/make_starter_model.py with STARTER_STEPS (600)
+#   starter  the CPU demo's starter model: .cache/starter when carried (`make .cache/starter/config.json` here,
+#            ~8 MiB), else built there by tools/make_starter_model.py with STARTER_STEPS (1760, the demo's)
 #   b        train.py with the built-in engine on CUDA, 3 steps, --verify-weight-sync (tools/gpu_check_train.py sync)
-#   c        30 GRPO steps of recipes/tiny_cpu.sh on the GPU; the reward must rise (tools/gpu_check_train.py learn)
+#   c        30 GRPO steps of recipes/tiny_cpu.sh on the GPU, 64 prompts a step, a constant 1e-4 after 5 warm-up steps
+#            (GPU_CHECK_LEARN_FLAGS); the reward must rise, last 5 steps over first 5 (tools/gpu_check_train.py learn)
 #
 #   tools/gpu_check.sh [--parts a,b,c,d] [--dry-run]
 #   make gpu-wheels       # HERE, once, with the package index: fetches .cache/gpu-wheels (~49 MiB)
@@ -21,13 +23,16 @@
 #
 # On a machine without a CUDA GPU it prints the plan and skips every part with the reason (exit 0). Exit 1 when a
 # part failed. GPU_CHECK_BUDGET (540 s) bounds the whole; a part that would not fit in what is left is skipped.
-# Logs: .cache/gpu-check/logs/<part>.log. PYTHON picks the interpreter (default: the first of python3.12, python3,
+# Logs: .cache/gpu-check/logs/<part>.log, copied with each run's metrics to $OUT/gpu-check when $OUT is a folder
+# (the device tool's). PYTHON picks the interpreter (default: the first of python3.12, python3,
 # .venv/bin/python whose torch sees a GPU).
 #
 # The lead's `device` tool call (nothing to install first; the wheels are carried):
-#   run(command="bash tools/gpu_check.sh", carry=[".cache/gpu-wheels"], timeout_s=600)
-# and, to rerun one part on the still-warm machine (the venv and starter are kept in .cache/gpu-check there):
-#   run(command="bash tools/gpu_check.sh --parts c", carry=[".cache/gpu-wheels"], timeout_s=400)
+#   run(command="bash tools/gpu_check.sh", carry=[".cache/gpu-wheels", ".cache/starter"], timeout_s=600)
+# (`make gpu-check-dry` first: both must fit in 64 MiB with the tree; without .cache/starter, leave it out of carry
+# and the starter is built there, a minute or two of CPU) and, to rerun one part on the still-warm machine (the venv
+# and a built starter are kept in .cache/gpu-check there):
+#   run(command="bash tools/gpu_check.sh --parts c", carry=[".cache/gpu-wheels", ".cache/starter"], timeout_s=400)
 set -uo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
 
@@ -38,7 +43,7 @@ while (( $# )); do
     --dry-run) DRY=1 ;;
     --parts) PARTS=${2:?--parts needs a list, e.g. a,c}; shift ;;
     --parts=*) PARTS=${1#--parts=} ;;
-    -h|--help) sed -n '2,30p' "$0"; exit 0 ;;
+    -h|--help) sed -n '2,/^set -uo/p' "$0" | sed '$d'; exit 0 ;;
     *) echo "gpu_check.sh: unknown argument $1 (allowed: --parts a,b,c,d, --dry-run, --help)" >&2; exit 2 ;;
   esac
   shift
@@ -51,17 +56,21 @@ wants() { [[ ,$PARTS, == *,$1,* ]]; }
 WHEELS=${GPU_CHECK_WHEELS:-.cache/gpu-wheels}
 WORK=${GPU_CHECK_DIR:-.cache/gpu-check}
 BUDGET=${GPU_CHECK_BUDGET:-540}
-STARTER_STEPS=${STARTER_STEPS:-600}
+STARTER_STEPS=${STARTER_STEPS:-1760}
 LEARN_STEPS=${GPU_CHECK_LEARN_STEPS:-30}
+# (c)'s flags over the recipe: 30 steps of the recipe itself move nothing measurable (its rate decays over 5,400
+# steps of 64 samples; tests/assets/losses has 20 such steps, flat), so 8x the prompts a step, which a GPU
+# generates in the same time, and a constant rate after a short warm-up (without it Adam's first steps cost reward).
+LEARN_FLAGS=${GPU_CHECK_LEARN_FLAGS:---rollout-batch-size 64 --micro-batch-size 128 --lr 1e-4 --lr-warmup-steps 5 --lr-decay-style constant}
 # Each part's own timeout, seconds (a part gets the smaller of this and what is left of the budget).
 declare -A CAP=([setup]=150 [d]=240 [a]=150 [starter]=180 [b]=150 [c]=240)
 declare -A TITLE=(
   [setup]="venv (--system-site-packages) + the carried wheels, no network"
   [d]="SGLang colocated cycle: release/resume memory, weight update, verified generate (where importable)"
   [a]="actor on CUDA, bf16, against transformers: Qwen2 and Qwen3-MoE at EP 1"
-  [starter]="starter model for b and c (tools/make_starter_model.py --steps $STARTER_STEPS)"
+  [starter]="starter model for b and c (carried .cache/starter, or tools/make_starter_model.py --steps $STARTER_STEPS)"
   [b]="train.py, built-in engine on CUDA, 3 steps, --verify-weight-sync"
-  [c]="train.py, $LEARN_STEPS GRPO steps of recipes/tiny_cpu.sh, reward rising")
+  [c]="train.py, $LEARN_STEPS GRPO steps of recipes/tiny_cpu.sh ($LEARN_FLAGS), reward rising")
 ORDER=(setup d a starter b c)
 
 echo "== gpu-check plan (budget $BUDGET s, GPU_CHECK_BUDGET; parts: $PARTS)"
@@ -188,10 +197,12 @@ if wants d; then
   fi
 fi
 if wants a; then run_part a "$VPY" tools/gpu_check_actor.py --device cuda; fi
-STARTER=${GPU_CHECK_STARTER:-$WORK/starter}
+STARTER=${GPU_CHECK_STARTER:-}
+[[ -z $STARTER && -f .cache/starter/config.json ]] && STARTER=.cache/starter  # the demo's, carried
+STARTER=${STARTER:-$WORK/starter}
 if wants b || wants c; then
   if [[ -f $STARTER/config.json ]]; then
-    verdict starter PASS 0 "kept from an earlier run: $STARTER"
+    verdict starter PASS 0 "carried or kept from an earlier run: $STARTER"
   else
     run_part starter env OMP_NUM_THREADS=${OMP_NUM_THREADS:-8} bash -c \
       "'$VPY' tools/make_starter_model.py --out '$STARTER' --steps $STARTER_STEPS && echo 'PASS: $STARTER'"
@@ -200,12 +211,19 @@ fi
 for part in b c; do
   wants $part || continue
   if [[ ${WORD[starter]} != PASS ]]; then verdict $part SKIP 0 "no starter model"; continue; fi
-  mode=sync steps=()
-  [[ $part == c ]] && mode=learn steps=(--steps "$LEARN_STEPS")
-  run_part $part "$VPY" tools/gpu_check_train.py $mode --starter "$STARTER" --out "$WORK/runs" "${steps[@]}" \
-    --timeout $(( CAP[$part] - 15 ))
+  mode=sync extra=()
+  [[ $part == c ]] && mode=learn extra=(--steps "$LEARN_STEPS" -- $LEARN_FLAGS)
+  run_part $part "$VPY" tools/gpu_check_train.py $mode --starter "$STARTER" --out "$WORK/runs" \
+    --timeout $(( CAP[$part] - 15 )) "${extra[@]}"
 done
 
-summary
+summary | tee "$LOGS/summary.txt"
+if [[ -n ${OUT:-} && -d $OUT ]]; then  # the device tool brings $OUT back: the logs and each run's metrics
+  mkdir -p "$OUT/gpu-check"
+  cp -r "$LOGS" "$OUT/gpu-check/" 2>/dev/null
+  for f in "$WORK"/runs/*/{metrics.jsonl,eval.json} "$WORK"/d/results.json; do
+    [[ -f $f ]] && cp "$f" "$OUT/gpu-check/$(basename "$(dirname "$f")")-$(basename "$f")"
+  done
+fi
 for part in "${!WORD[@]}"; do [[ ${WORD[$part]} == FAIL ]] && exit 1; done
 exit 0

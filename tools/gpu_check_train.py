@@ -3,6 +3,7 @@
 
     python tools/gpu_check_train.py sync  --starter DIR --out DIR [--device cuda|cpu] [--timeout S]
     python tools/gpu_check_train.py learn --starter DIR --out DIR [--device cuda|cpu] [--steps 30] [--timeout S]
+                                          [-- more train.py flags]
 
 sync   (b) the built-in rollout engine on the device, 3 steps with --verify-weight-sync: passes when the run ends
        well and a probe checked a sync made after an update (`sync_probe_version` >= 1) within the tolerance
@@ -93,8 +94,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--device", choices=("cuda", "cpu"), default="cuda", help="the built-in engine's device")
     p.add_argument("--steps", type=int, default=30, help="learn: GRPO steps")
     p.add_argument("--timeout", type=float, default=300.0, help="seconds train.py may take")
-    p.add_argument("extra", nargs="*", help="more train.py flags, after `--`")
-    args = p.parse_args(argv)
+    argv = list(sys.argv[1:] if argv is None else argv)
+    extra = argv[argv.index("--") + 1:] if "--" in argv else []  # more train.py flags, after `--`
+    args = p.parse_args(argv[:len(argv) - len(extra) - (1 if "--" in argv else 0)])
+    args.extra = extra
     if not (Path(args.starter) / "config.json").is_file():
         print(f"FAIL: --starter {args.starter}: no starter model there (config.json missing)")
         return 1
