@@ -172,10 +172,20 @@ setup() {
       "$PY" -m venv --without-pip --system-site-packages "$VENV"
     fi
   fi
+  if ! "$VPY" -c 'import torch' 2>/dev/null; then  # torch in a user site, which a venv does not see: point at it
+    "$PY" -c 'import os, torch; print(os.path.dirname(os.path.dirname(torch.__file__)))' \
+      > "$("$VPY" -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')/_host_torch.pth"
+  fi
   local pip=("$VPY" -m pip)
   "$VPY" -m pip --version >/dev/null 2>&1 || pip=("$PY" -m pip --python "$VPY")
-  PIP_CONSTRAINT="" PIP_CONFIG_FILE=/dev/null "${pip[@]}" install --quiet --disable-pip-version-check --no-index \
-    --find-links "$WHEELS" -r tools/gpu_wheels.txt
+  local out
+  if ! out=$(PIP_CONSTRAINT="" PIP_CONFIG_FILE=/dev/null "${pip[@]}" install --quiet --disable-pip-version-check \
+      --no-index --find-links "$WHEELS" -r tools/gpu_wheels.txt 2>&1); then
+    echo "$out" | tail -20
+    echo "FAIL: pip install --no-index from $WHEELS into Python $("$VPY" -c 'import sys; print(sys.version.split()[0])'):" \
+      "$(echo "$out" | grep -E '^ERROR' | tail -1) (the wheels are for CPython 3.12)"
+    exit 1
+  fi
   "$VPY" -c 'import torch, megatron.core, transformers, einops; assert torch.cuda.is_available(); print(f"PASS: torch {torch.__version__} kept, megatron-core {megatron.core.__version__}, transformers {transformers.__version__}")'
 }
 export PYTHONWARNINGS=${PYTHONWARNINGS:-ignore} PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}
