@@ -14,8 +14,9 @@
 #   starter  the CPU demo's starter model: .cache/starter when carried (`make .cache/starter/config.json` here,
 #            ~8 MiB), else built there by tools/make_starter_model.py with STARTER_STEPS (1760, the demo's)
 #   b        train.py with the built-in engine on CUDA, 3 steps, --verify-weight-sync (tools/gpu_check_train.py sync)
-#   c        30 GRPO steps of recipes/tiny_cpu.sh on the GPU, 64 prompts a step, a constant 1e-4 after 5 warm-up steps
-#            (GPU_CHECK_LEARN_FLAGS); the reward must rise, last 5 steps over first 5 (tools/gpu_check_train.py learn)
+#   c        30 GRPO steps of recipes/tiny_cpu.sh on the GPU, on 32 of its training problems, all of them every step,
+#            the rate held (GPU_CHECK_LEARN_FLAGS); the engine's reward must rise, last 5 steps over the first 5
+#            (tools/gpu_check_train.py learn)
 #
 #   tools/gpu_check.sh [--parts a,b,c,d] [--dry-run]
 #   make gpu-wheels       # HERE, once, with the package index: fetches .cache/gpu-wheels (~49 MiB)
@@ -58,10 +59,9 @@ WORK=${GPU_CHECK_DIR:-.cache/gpu-check}
 BUDGET=${GPU_CHECK_BUDGET:-540}
 STARTER_STEPS=${STARTER_STEPS:-1760}
 LEARN_STEPS=${GPU_CHECK_LEARN_STEPS:-30}
-# (c)'s flags over the recipe: 30 steps of the recipe itself move nothing measurable (its rate decays over 5,400
-# steps of 64 samples; tests/assets/losses has 20 such steps, flat), so 8x the prompts a step, which a GPU
-# generates in the same time, and a constant rate after a short warm-up (without it Adam's first steps cost reward).
-LEARN_FLAGS=${GPU_CHECK_LEARN_FLAGS:---rollout-batch-size 64 --micro-batch-size 128 --lr 1e-4 --lr-warmup-steps 5 --lr-decay-style constant}
+# (c)'s flags over the recipe, besides its pool of 32 problems (tools/gpu_check_train.py says why): the recipe's
+# peak rate held constant (its decay runs over 5,400 steps).
+LEARN_FLAGS=${GPU_CHECK_LEARN_FLAGS:---lr-decay-style constant}
 # Each part's own timeout, seconds (a part gets the smaller of this and what is left of the budget).
 declare -A CAP=([setup]=150 [d]=240 [a]=150 [starter]=180 [b]=150 [c]=240)
 declare -A TITLE=(
@@ -70,7 +70,7 @@ declare -A TITLE=(
   [a]="actor on CUDA, bf16, against transformers: Qwen2 and Qwen3-MoE at EP 1"
   [starter]="starter model for b and c (carried .cache/starter, or tools/make_starter_model.py --steps $STARTER_STEPS)"
   [b]="train.py, built-in engine on CUDA, 3 steps, --verify-weight-sync"
-  [c]="train.py, $LEARN_STEPS GRPO steps of recipes/tiny_cpu.sh ($LEARN_FLAGS), reward rising")
+  [c]="train.py, $LEARN_STEPS GRPO steps of recipes/tiny_cpu.sh on 32 problems ($LEARN_FLAGS), reward rising")
 ORDER=(setup d a starter b c)
 
 echo "== gpu-check plan (budget $BUDGET s, GPU_CHECK_BUDGET; parts: $PARTS)"

@@ -161,3 +161,12 @@ def test_actor_part_passes_on_cpu():
                           timeout=600)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     assert proc.stdout.splitlines()[-1].startswith("PASS: bf16 log-probs within the bound")
+
+
+def test_learning_pool_is_evenly_spaced_rows_of_the_training_set(tmp_path):
+    source = tmp_path / "train.jsonl"
+    source.write_text("".join(f'{{"prompt": "{i}+0=", "answer": "{i}"}}\n' for i in range(100)))
+    pool = train_check.write_pool(source, tmp_path / "out" / "pool.jsonl", 4)
+    assert [line.split('"')[3] for line in pool.read_text().splitlines()] == ["0+0=", "25+0=", "50+0=", "75+0="]
+    with pytest.raises(SystemExit, match="--pool 101: .* has 100 problems"):
+        train_check.write_pool(source, tmp_path / "pool.jsonl", 101)
