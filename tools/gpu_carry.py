@@ -4,7 +4,7 @@
     python tools/gpu_carry.py closure DIR [--python-version 3.12]          # do DIR's wheels install without network?
 
 `size` lists the working tree as the device tool copies it (tracked files and untracked files git does not ignore)
-and each carried ignored folder (default: .cache/gpu-wheels, and .cache/starter when present), with their sizes,
+and each carried ignored folder (default: .cache/gpu-wheels; `--optional` ones when present), with their sizes,
 and exits 1 when the whole is over the limit (a lent machine takes 64 MiB) or a required folder is missing.
 `closure` reads every wheel's declared dependencies (markers evaluated for CPython on x86_64 Linux) and exits 1,
 naming them, when one is met neither by another wheel in DIR nor by what a CUDA torch install brings
@@ -23,8 +23,7 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
 CARRY = (".cache/gpu-wheels",)  # the ignored paths `make gpu-check` needs (the device tool's `carry` list)
-# carried when present: the demo's starter model (`make gpu-check` builds it on the GPU machine otherwise)
-OPTIONAL = (".cache/starter",)
+OPTIONAL = ()  # paths counted when present, never required (e.g. .cache/starter, which the check builds otherwise)
 LIMIT_MIB = 64
 # A CUDA torch wheel's own dependencies (torch 2.11-2.14 on PyPI): present wherever torch is installed.
 FROM_TORCH = frozenset({"torch", "triton", "sympy", "mpmath", "networkx", "jinja2", "markupsafe", "setuptools",

@@ -12,7 +12,8 @@
 #   a        the actor on CUDA in bf16 against transformers: dense Qwen2 and Qwen3-MoE at EP 1, before and after an
 #            update (tools/gpu_check_actor.py)
 #   starter  the CPU demo's starter model, built there by tools/make_starter_model.py with STARTER_STEPS (600), or
-#            .cache/starter when carried (the demo's own, 1,760 steps, ~8 MiB: `make .cache/starter/config.json`)
+#            .cache/starter when carried (the demo's own, 1,760 steps, ~8 MiB: `make .cache/starter/config.json`;
+#            GPU_CHECK_CARRY=".cache/gpu-wheels .cache/starter" make gpu-check-dry sizes that carry)
 #   b        train.py with the built-in engine on CUDA, 3 steps, --verify-weight-sync (tools/gpu_check_train.py sync)
 #   c        30 GRPO steps of recipes/tiny_cpu.sh on the GPU, on 32 of its training problems, all of them every step,
 #            the rate held (GPU_CHECK_LEARN_FLAGS); the engine's reward must rise, last 5 steps over the first 5
@@ -79,7 +80,8 @@ for part in "${ORDER[@]}"; do printf '   %-8s %4ss  %s\n' "$part" "${CAP[$part]}
 
 if (( DRY )); then
   echo "== dry run: what the device tool carries (working tree + the ignored folders it is told to carry)"
-  exec "${PYTHON:-python3}" tools/gpu_carry.py size --carry "$WHEELS"
+  # GPU_CHECK_CARRY: the device call's carry list, if it carries more than the wheels (e.g. .cache/starter)
+  exec "${PYTHON:-python3}" tools/gpu_carry.py size --carry ${GPU_CHECK_CARRY:-$WHEELS}
 fi
 
 declare -A WORD SECS WHY

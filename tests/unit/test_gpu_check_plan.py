@@ -88,12 +88,12 @@ def test_dry_run_counts_the_working_tree_as_carried_and_not_what_git_ignores(tmp
     (tmp_path / "runs" / "big.bin").write_bytes(b"z" * (3 * MIB))  # ignored and not in the carry list
     (tmp_path / ".cache" / "gpu-wheels").mkdir(parents=True)
     (tmp_path / ".cache" / "gpu-wheels" / "w.whl").write_bytes(b"w" * (2 * MIB))
-    (tmp_path / ".cache" / "starter").mkdir()  # optional, carried when present: counted
+    (tmp_path / ".cache" / "starter").mkdir()  # named optional below, and present: counted
     (tmp_path / ".cache" / "starter" / "model.safetensors").write_bytes(b"s" * (MIB // 4))
     assert sorted(carry.tree_files(tmp_path)) == [(".gitignore", 16), ("tracked.py", 1000), ("untracked.txt", 500)]
     run = lambda limit: subprocess.run([sys.executable, str(REPO / "tools/gpu_carry.py"), "size", "--root",
-                                        str(tmp_path), "--limit-mib", str(limit)], capture_output=True, text=True,
-                                       timeout=60)
+                                        str(tmp_path), "--limit-mib", str(limit), "--optional", ".cache/starter"],
+                                       capture_output=True, text=True, timeout=60)
     fits, over = run(64), run(1.75)
     assert fits.returncode == 0 and ".cache/gpu-wheels" in fits.stdout and "big.bin" not in fits.stdout
     assert over.returncode == 1 and "over by 0.50 MiB" in over.stdout
