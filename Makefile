@@ -1,6 +1,7 @@
 # megarl developer entry points: `make venv`, `make demo`, `make demo-lora`, `make demo-moe`, `make demo-tool`,
 # `make demo-rm`, `make demo-math`, `make demo-code`, `make demo-rg`, `make lint`, `make test`, `make test-fast`,
-# `make clean`, `make sglang-env`, `make vllm-env`, `make verifiers-env`, `make openenv-env`.
+# `make clean`, `make sglang-env`, `make vllm-env`, `make verifiers-env`, `make openenv-env`, `make gpu-wheels`,
+# `make gpu-check`, `make gpu-check-dry`.
 #
 # torch is installed before megarl, and only ever at a pinned version, because an unpinned `pip install torch`
 # on a machine without a GPU drags in gigabytes of CUDA wheels:
@@ -42,7 +43,8 @@ RG_STARTER_STEPS ?= 800
 # Deferred (=), so torch is imported only when the venv is being (re)built.
 HOST_HAS_CUDA_TORCH = $(shell $(PYTHON) -c 'import torch; print(int(torch.version.cuda is not None))' 2>/dev/null || echo 0)
 
-.PHONY: venv demo demo-lora demo-moe demo-tool demo-math demo-code demo-rg demo-rm lint test test-fast sandbox-image sglang-env vllm-env verifiers-env openenv-env clean distclean
+.PHONY: venv demo demo-lora demo-moe demo-tool demo-math demo-code demo-rg demo-rm lint test test-fast sandbox-image \
+	sglang-env vllm-env verifiers-env openenv-env gpu-wheels gpu-check gpu-check-dry clean distclean
 
 venv: $(STAMP)
 
@@ -176,6 +178,20 @@ verifiers-env:
 # build it themselves when it is absent: it cannot join .venv (httpx pins). Rebuilt only when the recipe changes.
 openenv-env:
 	bash tools/openenv/build_env.sh
+
+# The GPU check for a lent machine without network (tools/gpu_check.sh says what it runs and how to call it).
+# gpu-wheels runs here, with the package index: the wheels of tools/gpu_wheels.txt for Python 3.12 into
+# .cache/gpu-wheels, which the device tool carries (GPU_WHEELS_FROM=DIR takes a wheel from DIR when it is there).
+# gpu-check needs no venv here, nor make there: on the GPU machine run `bash tools/gpu_check.sh`; on a machine
+# without a GPU it prints its plan and skips every part. gpu-check-dry lists what would be carried, with sizes.
+gpu-wheels:
+	bash tools/gpu_wheels.sh
+
+gpu-check:
+	bash tools/gpu_check.sh
+
+gpu-check-dry:
+	bash tools/gpu_check.sh --dry-run
 
 # Build and test leftovers; the venv and the starter model survive (see distclean).
 clean:

@@ -1,4 +1,5 @@
-"""One pass over megarl's GPU path on a single GPU, with figures; run through `tools/gpu_check.sh`.
+"""One pass over megarl's GPU path on a single GPU, with figures. `tools/gpu_check.sh` (`make gpu-check`) runs its
+`sglang` part as its part (d); the others run on request: `python tools/gpu_check.py --parts tiny,0.5b,te,dynamic`.
 
 Needs only torch, megatron-core (and the small packages it imports at run time) and this repository: models are
 random and built here (no hub, no transformers, no tokenizer), prompts are random token ids, and the reward is a
@@ -14,8 +15,8 @@ reported as ran / skipped (with why) / failed (with the error):
   sglang-lora  --lora-weight-sync merged against adapter on SGLang, timed: a 0.5B-shaped LoRA actor (rank 16, every
             projection), a fresh engine per mode (adapter: launched with LoRA), an initial sync and two GRPO steps
             each, every sync verified (only when `sglang` imports; not in the default parts, since two cold SGLang
-            starts need more than their budget: `GPU_CHECK_SINGLE_SECONDS=420 GPU_CHECK_TP2_STAGES=none
-            tools/gpu_check.sh --parts sglang-lora`)
+            starts need more than their budget: `python tools/gpu_check.py --parts sglang-lora
+            --budget-seconds 420`)
   dynamic   Megatron's dynamic inference engine as the rollout backend (`--rollout-backend megatron`, only when it
             can run: CUDA and flash-attn): greedy outputs against the built-in engine on the same bf16 weights, then
             a few GRPO steps generating with the actor's own model (each sync only stamps a version)
@@ -364,7 +365,7 @@ def dynamic_part(args) -> dict:
 
 
 def verdict(name: str, status: str, detail: str) -> None:
-    """The stage's one-line verdict, which tools/gpu_check.sh collects: `PASS stage NAME: figures`,
+    """The stage's one-line verdict, which tools/gpu_check.sh reads (part d): `PASS stage NAME: figures`,
     `FAIL stage NAME: reason` or `SKIP stage NAME: reason`."""
     word = {"ran": "PASS", "failed": "FAIL", "skipped": "SKIP"}.get(status, status.upper())
     log(f"{word} stage {name}: {' '.join(detail.split())}")
@@ -455,7 +456,7 @@ def main(argv=None) -> int:
     log("gpu_check: " + json.dumps(results["environment"]))
     missing = [n for n in ("megatron_core", "einops") if str(results["environment"][n]).startswith("unavailable")]
     if missing:
-        log(f"gpu_check: {', '.join(missing)} required (carry the wheels: see tools/gpu_check.sh)")
+        log(f"gpu_check: {', '.join(missing)} required (`make gpu-wheels` fetches them, tools/gpu_check.sh installs)")
         return 2
 
     from megarl.mcore import parallel

@@ -1,4 +1,4 @@
-"""megarl's GPU path across processes, run by `tools/gpu_check.sh` after the single-process parts (`gpu_check.py`).
+"""megarl's GPU path across processes, on two GPUs: `python tools/gpu_check_tp2.py` (after `make gpu-check`'s setup).
 
 Stages, each in processes of its own under a time limit, each ending in one verdict line (`PASS stage NAME: ...`,
 `FAIL stage NAME: reason`, `SKIP stage NAME: reason`):

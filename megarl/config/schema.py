@@ -162,7 +162,7 @@ class RolloutConfig:
         "merged", "with --lora-rank: what the engine gets at each weight sync. merged: the whole model, W + (alpha / "
         "rank) B A (every engine). adapter (--rollout-backend sglang): the base weights once, then only the "
         "adapters, loaded through SGLang's LoRA API as megarl-v<version> and named by every request. Which is "
-        "faster has not been measured (it needs a GPU: tools/gpu_check.sh times both), hence the default")
+        "faster has not been measured (it needs a GPU: tools/gpu_check.py times both), hence the default")
 
     def __getattr__(self, name: str):  # called only for a name that is not a field
         _moved("rollout", name)

@@ -29,7 +29,7 @@ paged attention; `megatron_engine_available` says why when it cannot run.
 
 Tests: written against megatron-core 0.16.1's API. On CPU, where the engine cannot run, tests/unit/
 test_mcore_engine.py covers the mapping of sampling params, the conversion of finished requests to completions,
-the grouping and the clear errors. The engine itself runs only in tools/gpu_check.sh's `dynamic` part (greedy
+the grouping and the clear errors. The engine itself runs only in tools/gpu_check.py's `dynamic` part (greedy
 outputs against the built-in engine's, log-probs close, GRPO steps), through tests/gpu/test_colocated_path.py,
 which skips where the engine cannot run; no GPU run of it is recorded in this repository.
 """

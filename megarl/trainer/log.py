@@ -32,8 +32,11 @@ def finish(run: TrainingRun, log: MetricsLog, before: dict | None, after: dict |
     say(f"megarl: peak memory per process {peak_rss_mib():.0f} MiB (max over ranks)")
     rows = log.all_rows()
     if rows:  # rank 0
-        plot_run(rows, log.dir / "training.png", held_out_curve(rows, before, after, steps),
-                 kl=AlgorithmStage.needs_reference(run.cfg))
+        try:
+            plot_run(rows, log.dir / "training.png", held_out_curve(rows, before, after, steps),
+                     kl=AlgorithmStage.needs_reference(run.cfg))
+        except ImportError as e:  # no matplotlib (a GPU machine set up by `make gpu-check`): the run still ends well
+            say(f"training curves: not drawn ({e})")
     if after:
         _report(say, log, before, after, minutes, steps, len(run.eval_prompts), run.cfg)
     elif rows:

@@ -371,3 +371,16 @@ def test_alltoall_split_sizes_become_host_arrays(installed):
     assert splits.tolist() == [3, 1] and not torch.is_tensor(splits)
     counts = torch.tensor([2, 2])
     assert token_dispatcher.maybe_move_tensor_to_cpu(counts) is counts
+
+
+def test_router_gemm_name_is_set_on_a_gpu_without_transformer_engine(monkeypatch):
+    """On a CUDA machine `install()` patches nothing else, but the router still needs `te_general_gemm` defined
+    (None) when Transformer Engine is absent: without it a Qwen3-MoE's first forward raises NameError."""
+    from megatron.core.transformer.moe import moe_utils
+
+    monkeypatch.setattr(cpu_compat, "cuda_available", lambda: True)
+    monkeypatch.setattr(cpu_compat, "_INSTALLED", False)
+    if hasattr(moe_utils, "te_general_gemm"):
+        monkeypatch.delattr(moe_utils, "te_general_gemm")
+    assert cpu_compat.install() is False
+    assert moe_utils.te_general_gemm is None

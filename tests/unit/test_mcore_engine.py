@@ -1,6 +1,6 @@
 """`--rollout-backend megatron` on CPU: what runs without a GPU (the mapping of sampling params onto Megatron's,
 finished requests to completions, the identity weight sync, the clear errors). The engine itself needs CUDA and
-flash-attn: tools/gpu_check.sh's `dynamic` part (tests/gpu/test_colocated_path.py)."""
+flash-attn: tools/gpu_check.py's `dynamic` part (tests/gpu/test_colocated_path.py)."""
 
 from __future__ import annotations
 
