@@ -166,7 +166,8 @@ def grpo_part(args, hf_config: dict, *, bf16: bool, offload: bool, use_te: bool 
     build_s = time.perf_counter() - t0
     out = {"parameters": sum(p.numel() for p in actor.model.parameters()), "build_seconds": build_s, "steps": []}
     info = parallel_info()
-    sync, algorithm = WeightSync(actor, engine, cfg.rollout, info), Algorithm(cfg, info, None, None)
+    sync = WeightSync(actor, engine, cfg.rollout, info, training=cfg.training)  # colocated: frees grads before a push
+    algorithm = Algorithm(cfg, info, None, None)
     out["initial_sync"] = _sync(sync, 0)
     from megarl.rollout.base import SamplingParams
 

@@ -259,7 +259,8 @@ def colocated_worker(args) -> None:
                            use_transformer_engine=False)
     if engine is None and info.is_mp_leader:
         engine = BuiltinEngine(hf, device="cuda" if cuda else "cpu", dtype=torch.float32)
-    sync = WeightSync(actor, engine, cfg.rollout, info, timeout_s=120)  # SGLang: with its IPC gather over both ranks
+    # SGLang: with its IPC gather over both ranks; colocated, the actor frees its gradients before the push
+    sync = WeightSync(actor, engine, cfg.rollout, info, timeout_s=120, training=cfg.training)
     algorithm = Algorithm(cfg, info, None, None)
     rows = [sync(version=0)]
     probes = []

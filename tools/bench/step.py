@@ -224,7 +224,8 @@ class MegarlStep:
                                         local_kernels=fused)
         self.reference.load_hf(str(model_dir))
         self.engine = build_engine(self.cfg)
-        self.sync = WeightSync(self.actor, self.engine, self.cfg.rollout, self.info)
+        self.sync = WeightSync(self.actor, self.engine, self.cfg.rollout, self.info,
+                               training=self.cfg.training)
         self.sync(version=0)
         self.algorithm = Algorithm(self.cfg, self.info, self.reference, None)
         self.reward = InProcessReward()
