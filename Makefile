@@ -125,8 +125,15 @@ demo-code: venv $(CODE_STARTER)
 $(RG_STARTER): | $(STAMP)
 	OMP_NUM_THREADS=1 $(VPY) tools/make_rg_starter_model.py --out $(dir $@) --steps $(RG_STARTER_STEPS)
 
+# Then megarl-eval on the starter and on the trained policy: pass@1 / pass@4 / maj@4 / greedy on the held-out
+# questions, with bootstrap intervals (the same computation as the trainer's before/after line).
 demo-rg: venv $(RG_STARTER)
-	$(VENV)/bin/torchrun --nproc-per-node $(NPROC) megarl/train.py recipes/tiny_cpu_rg.sh
+	$(VENV)/bin/torchrun --nproc-per-node $(NPROC) megarl/train.py recipes/tiny_cpu_rg.sh --save-hf runs/tiny_cpu_rg/hf
+	rm -rf runs/tiny_cpu_rg/eval-starter runs/tiny_cpu_rg/eval-final
+	$(VENV)/bin/megarl-eval recipes/tiny_cpu_rg.sh --checkpoint $(dir $(RG_STARTER)) --k 1,4 \
+	  --out runs/tiny_cpu_rg/eval-starter
+	$(VENV)/bin/megarl-eval recipes/tiny_cpu_rg.sh --checkpoint runs/tiny_cpu_rg/hf --k 1,4 \
+	  --out runs/tiny_cpu_rg/eval-final
 
 # The four-model PPO: a reward model trained from the arithmetic verifier's labels, then recipes/tiny_cpu_ppo_rm.sh.
 # Its trunk is a language model of the task pre-trained like the starter but on clean answers (a reward model
