@@ -18,6 +18,7 @@ from test_sglang_engine import FakeActor, RecordingEngine, RecordingSessionEngin
 from megarl.config import build_config
 from megarl.mcore.parallel import ParallelInfo
 from megarl.rollout.sglang_engine import SGLangEngine
+from megarl.trainer.engine_launch import LaunchWait
 
 ONE_RANK = ParallelInfo(rank=0, world_size=1, tp_rank=0, tp_size=1, pp_rank=0, pp_size=1, dp_rank=0, dp_size=1)
 STATUS = Path("/proc/self/status")
@@ -179,7 +180,7 @@ def test_the_engine_scores_the_probe_after_the_optimizer_left_the_gpu(monkeypatc
 
 def test_colocated_sglang_launches_before_the_actor_and_hands_its_memory_back(monkeypatch):
     assert _construction_order(monkeypatch, "sglang") == [
-        "launch", ("release", ("kv_cache", "weights", "cuda_graph")), "barrier", "actor", "reference",
+        "launch", ("release", ("kv_cache", "weights", "cuda_graph")), "launch wait", "actor", "reference",
         "reference.load_hf", "resume"]
 
 
@@ -215,6 +216,14 @@ def _construction_order(monkeypatch, backend: str) -> list:
     monkeypatch.setattr(trainer_build, "MegatronPolicy", Policy)
     monkeypatch.setattr(trainer_build, "resume", lambda *a: (log.append("resume"), (0, {}))[1])
     monkeypatch.setattr(dist, "barrier", lambda *a, **k: log.append("barrier"))
+
+    class Wait(LaunchWait):  # every rank meets here once the engines have launched (on store keys, not a barrier)
+        def wait(self, rank, what):
+            log.append("launch wait")
+            super().wait(rank, what)
+
+    monkeypatch.setattr(trainer_build, "LaunchWait", type("W", (), {
+        "over_default_store": staticmethod(lambda name, dp_size, timeout_s: Wait(dist.HashStore(), dp_size, 5))}))
     cfg = build_config({"rollout_backend": backend, "kl_coef": 0.1})
     checked = trainer_build.Checked(layout=None, shape=None, resume_from=None)
     models = trainer_build.build_models(cfg, checked, ONE_RANK, {"padded_vocab_size": 64}, sampler=None,
