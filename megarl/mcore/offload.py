@@ -121,8 +121,11 @@ def _torch_optimizers(opt):
     if isinstance(opt, torch.optim.Optimizer):
         yield opt
         return
-    for child in getattr(opt, "chained_optimizers", None) or ():
-        yield from _torch_optimizers(child)
+    children = getattr(opt, "chained_optimizers", None)
+    if children:  # a ChainedOptimizer (dense and expert parameters, at EP > 1): its `.optimizer` asserts one child
+        for child in children:
+            yield from _torch_optimizers(child)
+        return
     inner = getattr(opt, "optimizer", None)
     if inner is not None and inner is not opt:
         yield from _torch_optimizers(inner)

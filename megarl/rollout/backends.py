@@ -183,7 +183,7 @@ def build_sglang(cfg: Config, actor: MegatronPolicy | None = None) -> RolloutEng
 
 
 def _vllm_available(cfg: Config) -> tuple[bool, str]:
-    if cfg.rollout.rollout_servers:  # servers elsewhere: nothing of vLLM runs here
+    if cfg is not None and cfg.rollout.rollout_servers:  # servers elsewhere: nothing of vLLM runs here
         return True, ""
     from megarl.rollout.vllm_engine import vllm_available
 

@@ -66,12 +66,17 @@ def _loop_count_for(seconds: float) -> int:
 @pytest.mark.skipif(not hasattr(os, "sched_setaffinity"), reason="needs sched_setaffinity (Linux)")
 def test_a_starved_program_passes_and_a_sleeping_one_still_times_out():
     n = _loop_count_for(0.15)
-    proc = subprocess.run([sys.executable, "-c", _DRIVER, str(n)], capture_output=True, text=True, timeout=240,
-                          cwd=REPO, env={**os.environ, "PYTHONPATH": str(REPO)})
-    assert proc.returncode == 0, proc.stderr[-2000:]
-    out = json.loads(proc.stdout.strip().splitlines()[-1])
-    if "skip" in out:
-        pytest.skip(out["skip"])
+    # Up to three tries: the starved program may also hit the wall clock's backstop when the machine is loaded far
+    # beyond the six loops (the whole suite on two cores); with limits on the wall clock it times out every time.
+    for _ in range(3):
+        proc = subprocess.run([sys.executable, "-c", _DRIVER, str(n)], capture_output=True, text=True, timeout=240,
+                              cwd=REPO, env={**os.environ, "PYTHONPATH": str(REPO)})
+        assert proc.returncode == 0, proc.stderr[-2000:]
+        out = json.loads(proc.stdout.strip().splitlines()[-1])
+        if "skip" in out:
+            pytest.skip(out["skip"])
+        if out["starved"][1] != "timeout":
+            break
     assert out["starved"][:2] == [1.0, "correct"], out  # wall-clock limits: a timeout (test fails)
     assert out["sleeps"][:2] == [0.0, "timeout"], out
     assert out["loops"][:2] == [0.0, "timeout"], out

@@ -128,6 +128,7 @@ def test_off_by_default_and_the_sync_takes_no_actor_side_when_off():
     assert RolloutConfig().mismatch_check_interval == 0
     sync = object.__new__(WeightSync)  # only the fields __call__ reads: an engine that shares the actor's weights
     sync.actor, sync.engine, sync.r, sync.shares_actor_weights = Actor(), None, RolloutConfig(), True
+    sync.colocated = False
     sync.pending = sync.pending_mismatch = None
     rows = PackedSamples(torch.ones(2, 4, dtype=torch.long), torch.ones(2, 3), torch.zeros(2, 3), torch.tensor([4, 4]))
     assert sync(version=3, rows=rows) == {} and sync.pending_mismatch is None
