@@ -10,6 +10,10 @@ import json
 from dataclasses import dataclass
 from pathlib import Path
 
+from megarl.models import FAMILIES
+
+# The built-in families (`megarl/models/<family>/`), kept for importers; what is supported, plugins included, is
+# `megarl.models.FAMILIES`, whose entries also say which have q/k norms (`ModelFamily.qk_norm`).
 SUPPORTED_FAMILIES = ("llama", "qwen2", "qwen3", "qwen3_moe")
 QK_NORM_FAMILIES = ("qwen3", "qwen3_moe")  # per-head RMSNorm on queries and keys (`self_attn.q_norm` / `k_norm`)
 # Llama-3.1's RoPE scaling constants; Megatron's GPTModel (`rope_scaling=True`) hard-codes these three and takes
@@ -90,14 +94,15 @@ class ModelShape:
     @classmethod
     def from_hf_config(cls, cfg: dict, source: str = "config.json") -> "ModelShape":
         family = cfg.get("model_type")
-        if family not in SUPPORTED_FAMILIES:
+        if not isinstance(family, str) or family not in FAMILIES:
             raise ValueError(f"{source}: model_type {family!r} is not supported; "
-                             f"supported: {', '.join(SUPPORTED_FAMILIES)}")
+                             f"supported: {', '.join(FAMILIES.names())}")
+        spec = FAMILIES.get(family)
         if cfg.get("hidden_act", "silu") != "silu":
             raise ValueError(f"{source}: hidden_act {cfg['hidden_act']!r} is not supported; supported: silu (SwiGLU)")
         if cfg.get("mlp_bias", False):
             raise ValueError(f"{source}: mlp_bias=true is not supported")
-        if family in ("llama", *QK_NORM_FAMILIES) and cfg.get("attention_bias", False):
+        if not spec.qkv_bias and cfg.get("attention_bias", False):
             raise ValueError(f"{source}: attention_bias=true (a bias on o_proj too) is not supported for {family}")
         if cfg.get("use_sliding_window", False) or any(t != "full_attention" for t in cfg.get("layer_types") or ()):
             raise ValueError(f"{source}: sliding-window attention layers are not supported; supported: full_attention")
@@ -117,9 +122,9 @@ class ModelShape:
             rope_scaling_factor=_rope_scaling_factor(cfg, source),
             norm_eps=cfg.get("rms_norm_eps", 1e-6),
             tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
-            qkv_bias=family == "qwen2",  # Qwen2 always has q/k/v biases
-            qk_norm=family in QK_NORM_FAMILIES,
-            **(_moe_fields(cfg, layers, source) if family == "qwen3_moe" else {}),
+            qkv_bias=spec.qkv_bias,  # Qwen2 always has q/k/v biases
+            qk_norm=spec.qk_norm,
+            **(_moe_fields(cfg, layers, source, family) if spec.moe else {}),
         )
 
     @classmethod
@@ -130,16 +135,16 @@ class ModelShape:
         return cls.from_hf_config(json.loads(config_path.read_text()), source=str(config_path))
 
 
-def _moe_fields(cfg: dict, layers: int, source: str) -> dict:
+def _moe_fields(cfg: dict, layers: int, source: str, family: str = "qwen3_moe") -> dict:
     """Qwen3-MoE's experts: a layer i is sparse unless listed in `mlp_only_layers` or (i + 1) is not a multiple of
     `decoder_sparse_step` (transformers' rule); the softmax runs over all experts, then top-k, renormalised only
     with `norm_topk_prob`. What megarl does not compute (a shared expert) is refused by name."""
     experts = cfg.get("num_experts", cfg.get("num_local_experts")) or 0
     for key in ("shared_expert_intermediate_size", "n_shared_experts", "num_shared_experts"):
         if cfg.get(key):
-            raise ValueError(f"{source}: {key}={cfg[key]}: shared experts are not supported for qwen3_moe")
+            raise ValueError(f"{source}: {key}={cfg[key]}: shared experts are not supported for {family}")
     if experts < 1:
-        raise ValueError(f"{source}: qwen3_moe with num_experts={experts}; a dense Qwen3 is model_type qwen3")
+        raise ValueError(f"{source}: {family} with num_experts={experts}; a dense Qwen3 is model_type qwen3")
     top_k = cfg.get("num_experts_per_tok", 0)
     if not 1 <= top_k <= experts:
         raise ValueError(f"{source}: num_experts_per_tok={top_k} must be within 1..num_experts={experts}")

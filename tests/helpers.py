@@ -31,19 +31,19 @@ def make_tiny_hf_model(out: Path, family: str = "qwen2", tie: bool = False, seed
     directory; `config`: other config.json fields (heads, widths, experts...). Qwen3 gets an explicit head_dim
     that is not hidden / heads, and Qwen3-MoE 4 experts (top-2) of width 32 unless `config` says otherwise."""
     import torch
-    from transformers import AutoModelForCausalLM, LlamaConfig, Qwen2Config, Qwen3Config, Qwen3MoeConfig
+    import transformers
+    from transformers import AutoModelForCausalLM
+
+    from megarl.models import get_family
 
     torch.manual_seed(seed)
-    cls = {"qwen2": Qwen2Config, "llama": LlamaConfig, "qwen3": Qwen3Config, "qwen3_moe": Qwen3MoeConfig}[family]
+    spec = get_family(family)  # megarl/models/<family>/: its transformers config class and tiny settings
+    cls = getattr(transformers, spec.hf_config_class)
     shape = dict(hidden_size=64, intermediate_size=128, num_attention_heads=4, num_key_value_heads=2,
-                 max_position_embeddings=64, **({"rope_parameters": rope} if rope else {}))
-    if family in ("qwen3", "qwen3_moe"):
-        shape["head_dim"] = 24
-    if family == "qwen3_moe":
-        shape.update(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32, norm_topk_prob=True)
+                 max_position_embeddings=64, **({"rope_parameters": rope} if rope else {}), **spec.tiny_config)
     cfg = cls(vocab_size=vocab, num_hidden_layers=layers, tie_word_embeddings=tie, **{**shape, **config})
     model = AutoModelForCausalLM.from_config(cfg).float().eval()
-    if family in ("qwen3", "qwen3_moe"):
+    if spec.qk_norm or spec.moe:
         randomize_qwen3_norms_and_router(model)
     model.save_pretrained(out)
     if with_tokenizer:

@@ -24,7 +24,6 @@ Reshapes:
 from __future__ import annotations
 
 import re
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Iterable, Iterator, Mapping
 
@@ -33,66 +32,29 @@ import torch.distributed as dist
 
 from megarl.mcore import cpu_compat
 from megarl.model_shape import ModelShape
+from megarl.models import FAMILIES
+from megarl.models.weights import Rule  # also `megarl.mcore.convert.Rule`, the name importers use
 
 
-@dataclass(frozen=True)
-class Rule:
-    mcore: str  # Megatron name; {i} is the global layer index, {e} the global expert index
-    hf: tuple[str, ...]  # HF names, in the order the reshape expects
-    kind: str = "copy"  # copy | qkv | gate_up | vocab
-    when: str | None = None  # a flag of `rules_for` that must be true for the rule to apply
+class _FamilyRules(Mapping):
+    """Each registered family's weight table by name (`megarl.models.FAMILIES`), plugins' included."""
 
+    def __getitem__(self, family: str) -> tuple[Rule, ...]:
+        if family not in FAMILIES:
+            raise KeyError(family)
+        return FAMILIES.get(family).weight_rules
 
-_LAYER = "decoder.layers.{i}."
-_HF_LAYER = "model.layers.{i}."
+    def __iter__(self):
+        return iter(FAMILIES.names())
 
-_DECODER_RULES = (
-    Rule("embedding.word_embeddings.weight", ("model.embed_tokens.weight",), kind="vocab"),
-    Rule("decoder.final_layernorm.weight", ("model.norm.weight",)),
-    Rule("output_layer.weight", ("lm_head.weight",), kind="vocab", when="untied"),
-    Rule(_LAYER + "input_layernorm.weight", (_HF_LAYER + "input_layernorm.weight",)),
-    Rule(
-        _LAYER + "self_attention.linear_qkv.weight",
-        tuple(_HF_LAYER + f"self_attn.{p}_proj.weight" for p in "qkv"),
-        kind="qkv",
-    ),
-    Rule(
-        _LAYER + "self_attention.linear_qkv.bias",
-        tuple(_HF_LAYER + f"self_attn.{p}_proj.bias" for p in "qkv"),
-        kind="qkv",
-        when="qkv_bias",
-    ),
-    Rule(_LAYER + "self_attention.linear_proj.weight", (_HF_LAYER + "self_attn.o_proj.weight",)),
-    Rule(_LAYER + "pre_mlp_layernorm.weight", (_HF_LAYER + "post_attention_layernorm.weight",)),
-    Rule(
-        _LAYER + "mlp.linear_fc1.weight",
-        (_HF_LAYER + "mlp.gate_proj.weight", _HF_LAYER + "mlp.up_proj.weight"),
-        kind="gate_up",
-    ),
-    Rule(_LAYER + "mlp.linear_fc2.weight", (_HF_LAYER + "mlp.down_proj.weight",)),
-)
+    def __len__(self) -> int:
+        return len(FAMILIES.names())
 
-# Qwen3: per-head RMSNorm of queries and keys, applied before RoPE in both implementations.
-_QK_NORM_RULES = (
-    Rule(_LAYER + "self_attention.q_layernorm.weight", (_HF_LAYER + "self_attn.q_norm.weight",)),
-    Rule(_LAYER + "self_attention.k_layernorm.weight", (_HF_LAYER + "self_attn.k_norm.weight",)),
-)
-
-_EXPERT = _LAYER + "mlp.experts.local_experts.{e}."
-_HF_EXPERT = _HF_LAYER + "mlp.experts.{e}."
-_MOE_RULES = (
-    Rule(_LAYER + "mlp.router.weight", (_HF_LAYER + "mlp.gate.weight",)),
-    Rule(_EXPERT + "linear_fc1.weight", (_HF_EXPERT + "gate_proj.weight", _HF_EXPERT + "up_proj.weight"),
-         kind="gate_up"),
-    Rule(_EXPERT + "linear_fc2.weight", (_HF_EXPERT + "down_proj.weight",)),
-)
 
 # Llama and Qwen2 share a layout; Qwen2 always has q/k/v biases (ModelShape.qkv_bias). Qwen3 adds the q/k norms,
-# Qwen3-MoE the router and experts (its dense layers, `mlp_only_layers`, keep the dense MLP's names).
-FAMILY_RULES: dict[str, tuple[Rule, ...]] = {
-    "llama": _DECODER_RULES, "qwen2": _DECODER_RULES, "qwen3": _DECODER_RULES + _QK_NORM_RULES,
-    "qwen3_moe": _DECODER_RULES + _QK_NORM_RULES + _MOE_RULES,
-}
+# Qwen3-MoE the router and experts (its dense layers, `mlp_only_layers`, keep the dense MLP's names). The tables
+# live with their families, `megarl/models/<family>/`.
+FAMILY_RULES: Mapping[str, tuple[Rule, ...]] = _FamilyRules()
 
 _TE_ALIASES = {
     "self_attention.linear_qkv.layer_norm_weight": "input_layernorm.weight",
@@ -104,9 +66,12 @@ def rules_for(shape: ModelShape) -> list[Rule]:
     if shape.family not in FAMILY_RULES:
         raise ValueError(f"no weight table for model family {shape.family!r}; known: {', '.join(FAMILY_RULES)}")
     flags = {"untied": not shape.tie_word_embeddings, "qkv_bias": shape.qkv_bias}
-    if shape.qk_norm != (shape.family in ("qwen3", "qwen3_moe")) or shape.is_moe != (shape.family == "qwen3_moe"):
+    family = FAMILIES.get(shape.family)
+    if shape.qk_norm != family.qk_norm or shape.is_moe != family.moe:
+        kinds = [FAMILIES.get(n) for n in FAMILIES.names()]
         raise ValueError(f"no weight table for a {shape.family} model with qk_norm={shape.qk_norm} and "
-                         f"{shape.num_experts} experts (qk norms: qwen3, qwen3_moe; experts: qwen3_moe)")
+                         f"{shape.num_experts} experts (qk norms: {', '.join(f.name for f in kinds if f.qk_norm)}; "
+                         f"experts: {', '.join(f.name for f in kinds if f.moe)})")
     return [r for r in FAMILY_RULES[shape.family] if r.when is None or flags[r.when]]
 
 
