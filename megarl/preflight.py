@@ -114,13 +114,20 @@ def model_problems(cfg: Config, shape: ModelShape, where: str) -> list[str]:
     return problems
 
 
+def _expert_families() -> str:
+    """The registered families with experts (`megarl.models`), for messages."""
+    from megarl.models import FAMILIES
+
+    return ", ".join(n for n in FAMILIES.names() if FAMILIES.get(n).moe)
+
+
 def _expert_problems(m, shape: ModelShape, where: str, routing_replay: bool = False) -> list[str]:
     ep, etp = m.expert_model_parallel_size, m.expert_tensor_parallel_size
     if not shape.is_moe:
         problems = []
         if ep > 1 or etp > 1:
             problems.append(f"{where}: --expert-model-parallel-size {ep} / --expert-tensor-parallel-size {etp}: a "
-                            f"{shape.family} model has no experts (qwen3_moe has); leave them at 1 and 0")
+                            f"{shape.family} model has no experts ({_expert_families()} has); leave them at 1 and 0")
         if routing_replay:
             problems.append(f"{where}: --routing-replay: a {shape.family} model has no routers to replay")
         return problems
