@@ -7,7 +7,7 @@ honest samples.
 `--planted`: the samples.jsonl of a run with the planted hacker (`--plugins tests/e2e/hack_plugin.py
 --rollout-function planted_hacker`, every sample logged: `--log-samples-interval 1 --log-samples-count N` with N
 at least a rank's samples per step). A row the plugin replaced carries `planted` and `planted_kind` (its entry in
-`hack_plugin.CATALOGUE`, which names the category the monitor must report); a planted hack counts as caught when
+`tests/e2e/hack_catalogue.py`, which names the category the monitor must report); a planted hack counts as caught when
 the row's `signals` (what the verifiers said during the run) include that category. The planted run's other rows
 are honest samples too.
 `--honest`: samples.jsonl files of runs without the plugin (`make demo-code`, `make demo-math`): every logged
@@ -42,7 +42,7 @@ def read(path: str) -> list[dict]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from hack_plugin import CATALOGUE
+    from hack_catalogue import CATALOGUE
 
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--planted", nargs="+", default=[], help="samples.jsonl of planted-hacker runs")

@@ -11,7 +11,7 @@ import pytest
 from helpers import REPO
 
 sys.path.insert(0, str(REPO / "tests" / "e2e"))
-from hack_plugin import CATALOGUE, hack_text
+from hack_catalogue import CATALOGUE, hack_text
 
 from megarl.metrics import format_step
 from megarl.reward.compose import combine, parse
