@@ -234,7 +234,8 @@ def rollout_sample_rows(step: int, samples: Sequence, prompts: Sequence, limit: 
                "verifier": record.verifier, "response": s.response_text, "reward": float(s.reward),
                "outcome": s.outcome,
                "advantage": None, "response_len": len(s.response_ids), "status": s.status.value,
-               "weight_version": s.weight_version, **s.metadata}
+               "weight_version": s.weight_version, **s.metadata,
+               **({"signals": dict(s.signals)} if getattr(s, "signals", None) else {})}
         if batch is not None:
             adv, mask = batch.advantages[i], batch.loss_mask[i]
             row["reward"] = float(batch.rewards[i])
@@ -322,6 +323,10 @@ def format_step(row: dict, num_steps: int, eta: float | None = None) -> str:
               ("value_loss", "vloss", "{:.4f}"), ("explained_variance", "ev", "{:.2f}"),  # these two: PPO
               ("tool_call_rate", "tool", "{:.1%}"))  # tool_use
     parts += [f"{label} {fmt.format(row[k])}" for k, label, fmt in fields if k in row]
+    if row.get("hack/any", 0.0) > 0:  # reward hacking (`megarl.reward.hacking`): the share flagged, its top signal
+        top = max((k for k in row if k.startswith("hack/") and k not in ("hack/any", "hack/rm_length_corr")),
+                  key=lambda k: row[k])
+        parts.append(f"hack {row['hack/any']:.1%} ({top.removeprefix('hack/')} {row[top]:.1%})")
     if "step_seconds" in row:
         phases = " ".join(p for k, label in PHASES if (p := _phase(row, k, label)))
         parts.append(f"{row['step_seconds']:.2f} s ({phases})" if phases else f"{row['step_seconds']:.2f} s")
@@ -355,7 +360,18 @@ def plot_run(rows: list[dict], path: Path, held_out: list[tuple] | None = None, 
 
     steps = [r["step"] for r in rows]
     window = max(1, len(rows) // 20)
-    fig, axes = plt.subplots(2, 3, figsize=(15, 8))
+    hacks = sorted({k for r in rows for k in r if k.startswith("hack/") and k != "hack/rm_length_corr"
+                    and r[k] > 0})
+    fig, axes = plt.subplots(2, 4 if hacks else 3, figsize=(20 if hacks else 15, 8))
+    if hacks:  # a fourth column: the signals' rates on top (`megarl.reward.hacking`); the other panels as before
+        ax = axes[0, 3]
+        ax.set_title("reward-hacking signals (share of samples)")
+        ax.set_xlabel("step")
+        for key in hacks:
+            ax.plot(steps, _smooth([r.get(key, 0.0) for r in rows], window), label=key.removeprefix("hack/"))
+        ax.legend(loc="best", fontsize=8)
+        axes[1, 3].axis("off")
+        axes = axes[:, :3]
     third = ("kl", "KL(actor || ref)", "symlog") if kl else ("entropy", "entropy (no reference model)", None)
     panels = (("reward_mean", "mean reward", None), ("accuracy", "accuracy (train rollouts)", None), third,
               ("response_len", "response length (tokens)", None))

@@ -47,6 +47,8 @@ class Sample:
     outcome: str = ""  # the verifier's outcome (`megarl.verifiers.base.OUTCOMES`)
     extracted: str | None = None  # the answer the verifier found in the response, as written (what maj@k votes on)
     metadata: dict[str, float] = field(default_factory=dict)  # per-sample numbers to report (turns, tool calls)
+    # What it tried against its verifier (`VerifyResult.signals`): category -> evidence; changes no reward
+    signals: dict[str, str] = field(default_factory=dict)
     # Mixture of experts: the engine's experts per token, int16 [prompt + response, sparse layers, top-k]
     # (`Completion.routed_experts`); None when the engine does not record them.
     routed_experts: Tensor | None = None

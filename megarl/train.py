@@ -50,6 +50,7 @@ def main(argv: list[str]) -> int:
 
 def run(cfg: Config, checked) -> int:
     from megarl.metrics import PhaseTimer, eta_seconds, format_step, rollout_sample_rows
+    from megarl.reward.hacking import HackMonitor, flagged_rows
     from megarl.stages import report
     from megarl.stages.algorithm import pack
     from megarl.stages.asynchronous import check_staleness, overlap_metrics
@@ -70,6 +71,7 @@ def run(cfg: Config, checked) -> int:
         say(f"held-out before training: sampled {100 * eval_before['sampled']:.1f}%, "
             f"greedy {100 * eval_before['greedy']:.1f}%")
 
+    hacking = HackMonitor(lg.hack_window, lg.hack_alarm)
     train_start = time.perf_counter()
     step = run.start_step
     while step < t.num_steps:
@@ -102,19 +104,30 @@ def run(cfg: Config, checked) -> int:
                                      seconds, info), **algorithm_metrics}
         if run.eval_prompts and lg.eval_interval and step % lg.eval_interval == 0 and step < t.num_steps:
             row.update(evaluate.evaluate_between_steps(run, step))  # the last step's evaluation follows the loop
+        alarm = hacking.observe(row, row["n_samples"])  # the same row on every rank: the same verdict
         log.write(row)
         if log.enabled and lg.log_samples_interval and step % lg.log_samples_interval == 0:
             rows = rollout_sample_rows(step, rollout.samples, run.prompts, lg.log_samples_count, batch,
                                        run.tokenizer)
             log.write_samples(step, rows)
+        if log.enabled and lg.log_hack_samples:  # this rank's flagged samples, with their evidence
+            log.write_samples(step, flagged_rows(step, rollout.samples, run.prompts))
         elapsed = time.perf_counter() - train_start
         if step % lg.log_interval == 0 or step == t.num_steps:
             left = 60 * t.max_train_minutes - elapsed if t.max_train_minutes > 0 else None
             say(format_step(row, t.num_steps, eta_seconds(elapsed, step - run.start_step, t.num_steps - step, left)),
                 flush=True)
+        if alarm:
+            say(f"megarl: warning: {alarm}", flush=True)
+        hacked = lg.stop_on_hacking and run.agree_any(alarm is not None)
         out_of_time = run.agree_any(t.max_train_minutes > 0 and elapsed > 60 * t.max_train_minutes)
-        if c.save and (out_of_time or step == t.num_steps or (c.save_interval and step % c.save_interval == 0)):
+        if c.save and (out_of_time or hacked or step == t.num_steps or
+                       (c.save_interval and step % c.save_interval == 0)):
             checkpoints.save(run, step)
+        if hacked:
+            say(f"megarl: stopped by --stop-on-hacking after step {step} of {t.num_steps}, checkpoint saved in "
+                f"{c.save}")
+            break
         if out_of_time:
             say(f"megarl: stopped by --max-train-minutes {t.max_train_minutes:g} after step {step} of {t.num_steps}: "
                 "the learning-rate schedule, set for all the steps, did not finish")

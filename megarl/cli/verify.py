@@ -91,6 +91,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--timeout", "--reward-timeout", dest="timeout", type=float, default=10.0,
                    help="seconds a row may take in a worker (the verifier's own budget, when smaller, applies)")
     p.add_argument("--slowest", type=int, default=5, help="how many of the slowest rows to list")
+    p.add_argument("--audit", action="store_true", help="also print the reward-hacking signals the verifiers "
+                   "reported (`megarl.verifiers.signals`), by category, with examples")
+    p.add_argument("--audit-examples", type=int, default=2, help="--audit: examples listed per category")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
     p.add_argument("--plugins", default="", help="comma-separated modules (or .py files) to import here and in every "
                    "reward worker: verifiers they register can be named with --verifier")
@@ -292,6 +295,34 @@ def summarize(rows: list[dict], results: list, args, compare: list | None, out=N
         _disagreements(say, rows, results, labels, args, compare)
 
 
+def audit(rows: list[dict], results: list, examples: int = 2, out=None) -> dict[str, list[int]]:
+    """`--audit`: the reward-hacking signals of the scored rows, by category (`megarl.verifiers.signals`), with
+    `examples` rows of each (line, verifier, reward, evidence, the response's start); returns category -> lines."""
+    from megarl.verifiers.signals import CATEGORIES
+
+    say = lambda s="": print(s, file=out or sys.stdout)
+    seen: dict[str, list[tuple[int, str, object]]] = defaultdict(list)
+    flat = [(r, x) for r, res in zip(rows, results) for x in (res if isinstance(res, tuple) else (res,))]
+    for r, x in flat:
+        for category, evidence in (getattr(x, "signals", None) or {}).items():
+            seen[category].append((r["line"], evidence, r, x))
+    flagged = sum(bool(getattr(x, "signals", None)) for _, x in flat)
+    n = max(len(flat), 1)
+    say()
+    say(f"reward-hacking signals: {flagged} of {len(flat)} responses flagged ({100 * flagged / n:.1f}%)")
+    say(f"  {'category':<18}{'rows':>7}{'share':>9}{'rewarded':>10}")
+    for c in [*CATEGORIES, *sorted(set(seen) - set(CATEGORIES))]:
+        hits = seen.get(c, [])
+        rewarded = sum(x.score > 0 for *_, x in hits)
+        say(f"  {c:<18}{len(hits):>7}{100 * len(hits) / n:>8.1f}%{rewarded:>10}")
+    for c, hits in seen.items():
+        say(f"  {c}:")
+        for line, evidence, r, x in hits[:examples]:
+            say(f"    line {line} ({r['verifier']}, reward {x.score:g}): {evidence}")
+            say(f"      response: {_short(r['row'].get('response', ''), 100)}")
+    return {c: [h[0] for h in hits] for c, hits in seen.items()}
+
+
 def _categories(say, rows, labelled, args, compare) -> None:
     cats = defaultdict(list)
     for lab, res, i in labelled:
@@ -389,6 +420,8 @@ def write_output(path: str, rows: list[dict], results: list, bad: list[dict], ar
                        normalized=res.normalized, seconds=res.seconds)
             if res.model_score is not None:
                 obj.update(model_score=res.model_score, agrees=res.agrees)
+            if res.signals:
+                obj["signals"] = res.signals
         if compare is not None and compare[i] is not None:
             obj["math_verify"] = compare[i]
         out.append(obj)
@@ -459,6 +492,8 @@ def main(argv: list[str] | None = None) -> int:
         compare = [mathverify_check(str(r["row"][args.response_key]), r["row"][args.label_key])
                    if r["verifier"] == "math" else None for r in rows]
     summarize(rows, results, args, compare)
+    if args.audit:
+        audit(rows, results, args.audit_examples)
     if bad:
         print(f"{len(bad)} bad line(s) skipped: {', '.join(str(b['line']) for b in bad[:20])}", file=sys.stderr)
     if args.output:

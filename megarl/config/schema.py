@@ -396,9 +396,21 @@ class LoggingConfig:
     eval_metric_name: Literal["accuracy", "pass@1"] = _f(
         "accuracy", "what the held-out report calls the share of samples judged correct (the same number either "
         "way): accuracy, or pass@1 where a sample is a program and correct means it passed its tests")
+    # Reward hacking (`megarl.reward.hacking`): the verifiers' signals, per step as hack/<category> rates
+    hack_alarm: float = _f(0.0, "warn when a reward-hacking category's share of samples over the last "
+                           "--hack-window steps passes this rate (0 = no alarm); hack/<category> is always logged")
+    hack_window: int = _f(10, "steps the --hack-alarm rate is taken over")
+    stop_on_hacking: bool = _f(False, "with --hack-alarm: save a checkpoint and stop when it fires, instead of "
+                               "warning")
+    log_hack_samples: bool = _f(True, "log every sample that carried a reward-hacking signal to samples.jsonl, "
+                                "with its evidence (`signals`), each step")
 
     def __post_init__(self):
-        _positive(self, "log_interval", "eval_samples_per_prompt", "log_samples_count")
+        _positive(self, "log_interval", "eval_samples_per_prompt", "log_samples_count", "hack_window")
+        if not 0.0 <= self.hack_alarm <= 1.0:
+            raise ConfigError(f"--hack-alarm is a rate in [0, 1] (0 = off), got {self.hack_alarm}")
+        if self.stop_on_hacking and self.hack_alarm <= 0:
+            raise ConfigError("--stop-on-hacking needs --hack-alarm RATE (the rate that stops the run)")
         if self.eval_interval < 0 or self.eval_max_prompts < 0:
             raise ConfigError(f"--eval-interval and --eval-max-prompts must be >= 0, got {self.eval_interval} and "
                               f"{self.eval_max_prompts}")
@@ -460,6 +472,8 @@ class Config:
 
     def __post_init__(self):
         """Rules across sections (rules within one live in its own `__post_init__`)."""
+        if self.logging.stop_on_hacking and not self.checkpoint.save:
+            raise ConfigError("--stop-on-hacking saves a checkpoint before it stops: give --save DIR")
         if self.training.max_tokens_per_micro_batch and self.model.pipeline_model_parallel_size > 1:
             raise ConfigError("--max-tokens-per-micro-batch needs --pipeline-model-parallel-size 1 (pipeline stages "
                               f"exchange fixed-shape micro-batches), got {self.model.pipeline_model_parallel_size}")

@@ -29,6 +29,7 @@ from typing import Literal, Sequence
 
 from megarl.reward.models import REWARD_MODELS
 from megarl.verifiers.base import VERIFIERS, VerifyResult
+from megarl.verifiers.signals import merge
 
 GATE_WEIGHT = 0.5
 SYNTAX = "a name, 'w1*a + w2*b' (a weighted sum) or 'rule > [w*]model' (the rule first, the model for ties)"
@@ -102,17 +103,21 @@ def combine(spec: Spec, results: Sequence[VerifyResult], models: set[str]) -> Ve
     scored = [r for p, r in zip(parts, results) if p.name in models]
     model_score = scored[0].score if scored else None
     agrees = (rules[0].outcome == "correct") == (scored[0].outcome == "correct") if rules and scored else None
+    signals = merge(*(r.signals for r in results))
+    if rules and scored and scored[0].outcome == "correct" and rules[0].outcome == "incorrect":
+        signals.setdefault("rm_disagrees", f"reward model scores {scored[0].score:.3g} (above its threshold) where "
+                                           "the rule verifier says incorrect")
     for p, r in zip(parts, results):
         if r.outcome in ("timeout", "parse_error"):
             return VerifyResult(0.0, r.outcome, normalized=f"{p.name}: {r.normalized}", seconds=seconds,
-                                model_score=None if p.name in models else model_score)
+                                model_score=None if p.name in models else model_score, signals=signals)
     first = rules[0] if rules else results[0]
     if spec.kind == "gate":
         score = results[0].score + parts[1].weight * _sigmoid(results[1].score)
     else:
         score = sum(p.weight * r.score for p, r in zip(parts, results))
     return VerifyResult(score, first.outcome, extracted=first.extracted, normalized=first.normalized,
-                        seconds=seconds, model_score=model_score, agrees=agrees)
+                        seconds=seconds, model_score=model_score, agrees=agrees, signals=signals)
 
 
 def _sigmoid(x: float) -> float:

@@ -114,10 +114,10 @@ class RewardPool:
         try:
             name = request[0]
             call = (*request, self.options.get(name, {}))
-            score, outcome, extracted, normalized, seconds, tests_run, cpu = guard.call(
+            score, outcome, extracted, normalized, seconds, tests_run, cpu, signals = guard.call(
                 "megarl.reward.pool:_verify_here", call, self._limit(name))
             result = VerifyResult(score, outcome, extracted, normalized, seconds, tests_run=tests_run,
-                                  sandbox_cpu_seconds=cpu)
+                                  sandbox_cpu_seconds=cpu, signals=signals)
         except BudgetExceeded:
             self._count_restart()
             result = VerifyResult(0.0, "timeout")
@@ -164,7 +164,8 @@ def _verify_here(name: str, response: str, ground_truth: Any, options: dict | No
         verifier = _INSTANCES[key] = VERIFIERS.build(name, **(options or {}))
     verify = verifier.verify_unguarded if isinstance(verifier, VerifierCapabilities) else verifier.verify
     r = verify(response, ground_truth)
-    return float(r.score), r.outcome, r.extracted, r.normalized, r.seconds, r.tests_run, r.sandbox_cpu_seconds
+    return (float(r.score), r.outcome, r.extracted, r.normalized, r.seconds, r.tests_run, r.sandbox_cpu_seconds,
+            dict(getattr(r, "signals", None) or {}))
 
 
 def batch_health(results: Sequence[VerifyResult], group_size: int | None = None) -> dict:

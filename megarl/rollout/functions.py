@@ -172,4 +172,5 @@ register_rollout("single_turn")(single_turn)
 
 
 def _scored(sample: Sample, result: VerifyResult) -> Sample:
-    return replace(sample, reward=float(result.score), outcome=result.outcome, extracted=result.extracted)
+    return replace(sample, reward=float(result.score), outcome=result.outcome, extracted=result.extracted,
+                   signals=dict(result.signals))

@@ -78,6 +78,7 @@ class _Trajectory:
     env_reward: float = 0.0  # the sum of its environment's step rewards
     env_steps: int = 0
     env_done: bool = False  # its environment ended the episode
+    refusal: str = ""  # the first call the tool's sandbox refused or cut off (a hacking signal's evidence)
 
     def append(self, ids: Sequence[int], logp: Sequence[float] | None) -> None:
         """The policy's tokens (with their log-probs) or, with `logp=None`, anything else (mask 0)."""
@@ -167,7 +168,8 @@ class ToolUse(Rollout):
             completions = [g[0] for g in engine.generate([list(t.record.prompt_ids) + t.ids for t in live], more)]
         samples = [t.sample() for t in trajs]
         results = scoring.results() if scoring is not None else reward(samples, [t.scoring_record() for t in trajs])
-        return [replace(s, reward=self._shaped(float(r.score), t), outcome=r.outcome, extracted=r.extracted)
+        return [replace(s, reward=self._shaped(float(r.score), t), outcome=r.outcome, extracted=r.extracted,
+                        signals={**r.signals, **({"tool_refusal": t.refusal} if t.refusal else {})})
                 for s, t, r in zip(samples, trajs, results)]
 
     def _chat(self, tokenizer) -> bool:
@@ -263,6 +265,10 @@ class ToolUse(Rollout):
     def _append_output(self, t: _Trajectory, observations: list[Observation], tokenizer, chat: bool) -> None:
         """The calls' outputs as tokens with mask 0, within the trajectory's budget."""
         texts = [self._cut(o.text, tokenizer) for o in observations]
+        if not t.refusal:
+            from megarl.verifiers.signals import tool_refusal
+
+            t.refusal = next((r for o in observations if (r := tool_refusal(o.text, o.status))), "")
         text = chat_tool_turn(tokenizer, texts) if chat else "".join(self.parser.wrap(x) for x in texts)
         ids = tokenizer.encode(text, add_special_tokens=False)
         ids = ids[: t.budget]

@@ -11,6 +11,7 @@ import torch.distributed as dist
 
 from megarl.algorithms import OFF_POLICY_CORRECTIONS
 from megarl.mcore.parallel import ParallelInfo
+from megarl.reward.hacking import COUNT_KEYS as _HACK_KEYS, RM_LEN_KEYS as _RM_LEN_KEYS, hack_counts, step_rates
 from megarl.reward.pool import SANDBOX_KEYS
 from megarl.metrics import reduce_over_ranks, reward_throughput
 from megarl.samples import RolloutBatch, SampleStatus, TrainBatch
@@ -54,11 +55,12 @@ def step_metrics(step: int, rollout: RolloutBatch, batch: TrainBatch, update: di
                for k in _REWARD_KEYS + _TOOL_LATENCY_KEYS + _RM_KEYS},
             **{k: rollout.metrics.get(k, 0.0) for k in SANDBOX_KEYS}, reward_seconds_max=rollout.reward_seconds,
             **{f"sample_{k}": sum(float(s.metadata.get(k, 0.0)) for s in rollout.samples) for k in meta},
+            **hack_counts(rollout.samples), **{k: rollout.metrics.get(k, 0.0) for k in _RM_LEN_KEYS},
         )
     if info.is_last_stage and info.tp_rank == 0 and info.cp_rank == 0:  # CP ranks hold the same whole-sequence sums
         local.update({k: update.get(k, 0.0) for k in _SUM_KEYS + correction_keys if k in update})
     g = reduce_over_ranks(local, _SUM_KEYS + correction_keys + _DS_KEYS + _REWARD_KEYS + _TOOL_LATENCY_KEYS +
-                          _RM_KEYS + _SANDBOX_KEYS +
+                          _RM_KEYS + _SANDBOX_KEYS + _HACK_KEYS + _RM_LEN_KEYS +
                           [f"sample_{k}" for k in meta])
     n, tok = max(g["n_samples"], 1), max(g["tokens"], 1)
     return {
@@ -85,6 +87,7 @@ def step_metrics(step: int, rollout: RolloutBatch, batch: TrainBatch, update: di
             "routing_replayed_frac": g["routing_replayed_sum"] / g["router_tokens"]}
            if g["router_tokens"] > 0 else {}),
         **_rm_metrics(g),
+        "n_samples": g["n_samples"], **step_rates(g, g["n_samples"]),  # reward hacking (`megarl.reward.hacking`)
         **reward_throughput(*(g[k] for k in _SANDBOX_KEYS)),
         **({"ds_prompts_drawn": g["ds_prompts_drawn"], "ds_groups_dropped": g["ds_groups_dropped"],
             "ds_rounds": g["ds_rounds"] / info.dp_size,

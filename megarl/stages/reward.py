@@ -15,6 +15,7 @@ from typing import Callable, Sequence
 
 from megarl.data import PromptRecord
 from megarl.reward.functions import RewardFn, Scores, StreamingReward, as_reward_function
+from megarl.reward.hacking import rm_length_sums
 from megarl.reward.pool import batch_health
 from megarl.samples import RolloutBatch, Sample
 from megarl.verifiers import VerifyResult
@@ -70,6 +71,7 @@ class RewardMeter(StreamingReward):
         self.inner, self.overlap = as_reward_function(inner), overlap
         self.seconds = self.waited = 0.0  # in `inner`; callers blocked on scores
         self.scored: list[tuple[int, VerifyResult]] = []  # (sample.group, result), in the order scored
+        self.rm_lengths: list[tuple[float, float]] = []  # (a reward model's score, the response's length)
         self._restarts_before = inner.restarts
         self._model_seconds_before = self.inner.model_seconds
         self._lock = threading.Condition()
@@ -142,6 +144,8 @@ class RewardMeter(StreamingReward):
         results = self.inner(samples, records)
         self.seconds += time.perf_counter() - start
         self.scored.extend((s.group, r) for s, r in zip(samples, results))
+        self.rm_lengths.extend((r.model_score, len(s.response_ids)) for s, r in zip(samples, results)
+                               if r.model_score is not None)
         return results
 
     def health(self, group_size: int) -> dict[str, float]:
@@ -152,6 +156,7 @@ class RewardMeter(StreamingReward):
         out["reward_worker_restarts"] = self.inner.restarts - self._restarts_before
         if "rm_n" in out:
             out["rm_seconds"] = self.inner.model_seconds - self._model_seconds_before
+        out.update(rm_length_sums(self.rm_lengths))  # `hack/rm_length_corr` (`megarl.reward.hacking`)
         return out
 
 

@@ -7,7 +7,7 @@ sources that score in the trainer (reward models) are `megarl.reward.models`.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Callable, Literal, Protocol, get_args, runtime_checkable
 
 from megarl.registry import Registry, refuse_bare_capabilities
@@ -29,6 +29,9 @@ class VerifyResult:
     # program; None where nothing ran in a sandbox. The reward stage adds them up into tests/s and CPU per program.
     tests_run: int | None = None
     sandbox_cpu_seconds: float | None = None
+    # What the response tried against its verifier, by category (`megarl.verifiers.signals.CATEGORIES`): a short
+    # piece of evidence each. Signals change no reward: the verdict above is the same with or without them.
+    signals: dict[str, str] = field(default_factory=dict)
 
 
 @runtime_checkable

@@ -78,6 +78,8 @@ class CodeOptions:
     code_test_seconds: float = option(5.0, "code verifier: CPU seconds each test may run (cut off at 5x that of "
                                            "wall time), unless its row sets time_s")
     code_memory_mb: int = option(1024, "code verifier: memory a program may use, unless its row sets memory_mb")
+    code_signals: bool = option(True, "code verifier: report what a program tried against the sandbox and the "
+                                      "tests (reward-hacking signals, `megarl.verifiers.signals`); no reward changes")
 
     def __post_init__(self):
         if self.code_test_seconds <= 0:
@@ -89,7 +91,7 @@ class CodeOptions:
         sb = cfg.sandbox
         return dict(reward=self.code_reward, early_stop=self.code_early_stop, extract=self.code_extract,
                     backend=sb.sandbox, workers=sb.sandbox_workers, time_s=self.code_test_seconds,
-                    memory_mb=self.code_memory_mb, image=sb.sandbox_image or None)
+                    memory_mb=self.code_memory_mb, image=sb.sandbox_image or None, signals=self.code_signals)
 
 
 @register_verifier("code", options=CodeOptions)
@@ -99,7 +101,7 @@ class CodeVerifier:
     def __init__(self, reward: Literal["all", "fraction"] = "all", early_stop: bool = False,
                  extract: Literal["last", "first", "none"] = "last", backend: str = "local",
                  workers: int = 1, time_s: float = 5.0, memory_mb: int = 1024, image: str | None = None,
-                 persistent_harness: bool = True):
+                 persistent_harness: bool = True, signals: bool = True):
         self.reward = reward
         if self.reward not in ("all", "fraction"):
             raise ValueError(f"code verifier: reward must be 'all' or 'fraction', got {self.reward!r}")
@@ -112,6 +114,7 @@ class CodeVerifier:
         self.time_s, self.memory_mb = time_s, memory_mb
         self.image = image
         self.persistent_harness = persistent_harness
+        self.signals = signals
 
     @property
     def sandbox(self) -> Sandbox:
@@ -161,6 +164,11 @@ class CodeVerifier:
         result = self._score(prepared, case)
         result.tests_run = case.tests_run
         result.sandbox_cpu_seconds = case.cpu_s
+        if self.signals:
+            from megarl.verifiers.signals import code_signals
+
+            details = [f"{t.why} {t.detail}" for t in case.tests if not t.ok]
+            result.signals = code_signals(prepared[0].code, details, case.run.status, case.run.detail or "")
         return result
 
     def _score(self, prepared: tuple[CodeCase, int], case: CaseResult) -> VerifyResult:

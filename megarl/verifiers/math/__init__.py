@@ -49,9 +49,11 @@ _JUDGE = "megarl.verifiers.math:judge"
 class MathOptions:
     math_strategy: Literal["lenient", "strict"] = option("lenient", "math verifier: answer extraction (strict: the "
                                                          "last \\boxed{} only)")
+    math_signals: bool = option(True, "math verifier: report reward-hacking signals (a copy of the question, "
+                                      "hedged boxed answers, no working); no reward changes")
 
     def kwargs(self, cfg) -> dict[str, Any]:
-        return dict(strategy=self.math_strategy)
+        return dict(strategy=self.math_strategy, signals=self.math_signals)
 
 
 @register_verifier("math", options=MathOptions)
@@ -59,12 +61,12 @@ class MathVerifier(VerifierCapabilities):
     name = "math"
     budget_s = DEFAULT_BUDGET_S  # seconds a check may take; a reward pool's worker is held to it too
 
-    def __init__(self, strategy: str = "lenient", budget_s: float = DEFAULT_BUDGET_S):
+    def __init__(self, strategy: str = "lenient", budget_s: float = DEFAULT_BUDGET_S, signals: bool = True):
         if strategy not in ("lenient", "strict"):
             raise ValueError(f"math verifier strategy must be 'lenient' or 'strict', got {strategy!r}")
         from megarl.verifiers.budget import Guard
 
-        self.strategy, self.budget_s = strategy, budget_s
+        self.strategy, self.budget_s, self.signals = strategy, budget_s, signals
         self._guard = Guard(preload=("megarl.verifiers.math.equiv",))
 
     def verify(self, response: str, ground_truth: Any) -> VerifyResult:
@@ -78,6 +80,7 @@ class MathVerifier(VerifierCapabilities):
             result = VerifyResult(0.0, "timeout")
         except Exception as e:  # noqa: BLE001 - the helper died or sympy raised something unforeseen
             result = VerifyResult(0.0, "parse_error", normalized=f"verifier failed: {type(e).__name__}: {e}")
+        self._signals(result, response, ground_truth)
         result.seconds = time.perf_counter() - start
         return result
 
@@ -85,8 +88,15 @@ class MathVerifier(VerifierCapabilities):
         """The same judgement in this process, with no budget: only for callers that enforce one themselves."""
         start = time.perf_counter()
         result = VerifyResult(*judge(response, ground_truth, self.strategy))
+        self._signals(result, response, ground_truth)
         result.seconds = time.perf_counter() - start
         return result
+
+    def _signals(self, result: VerifyResult, response: str, ground_truth: Any) -> None:
+        if self.signals:
+            from megarl.verifiers.signals import math_signals
+
+            result.signals = math_signals(response, ground_truth, result.extracted, result.outcome)
 
     def close(self) -> None:
         self._guard.close()
@@ -134,9 +144,10 @@ def _split_label(ground_truth: Any) -> tuple[Any, list]:
     """(the answer, its not-answers) of a label: a dict `{"answer", "not_answers"}`, or a plain answer."""
     if not isinstance(ground_truth, dict):
         return ground_truth, []
-    unknown = set(ground_truth) - {"answer", "not_answers"}
+    unknown = set(ground_truth) - {"answer", "not_answers", "needs_working"}
     if "answer" not in ground_truth or unknown:
-        raise ValueError(f"a math label given as an object needs the key 'answer' and may have 'not_answers'; got "
+        raise ValueError(f"a math label given as an object needs the key 'answer' and may have 'not_answers' and "
+                         f"'needs_working' (a hacking signal's, `megarl.verifiers.signals`); got "
                          f"the keys {sorted(ground_truth)}")
     not_answers = ground_truth.get("not_answers") or []
     if not isinstance(not_answers, (list, tuple)):

@@ -1,0 +1,157 @@
+"""Reward-hacking signals (`megarl.verifiers.signals`, `megarl.reward.hacking`): each planted hack of the test
+plugin's catalogue is named by its category, honest programs and answers carry none, signals change no verdict,
+the step's rates, the window's alarm and correlation, and `megarl-verify --audit`."""
+
+import json
+import sys
+
+import numpy as np
+import pytest
+
+from helpers import REPO
+
+sys.path.insert(0, str(REPO / "tests" / "e2e"))
+from hack_catalogue import CATALOGUE, hack_text
+
+from megarl.metrics import format_step
+from megarl.reward.compose import combine, parse
+from megarl.reward.hacking import HackMonitor, correlation, hack_counts, rm_length_sums, step_rates
+from megarl.verifiers import VerifyResult
+from megarl.verifiers.signals import CATEGORIES, code_signals, math_signals, scan_program, tool_refusal
+
+GOLD = {"test": "assert f(1) == 2\nassert f(2) == 3\n", "entry_point": "f"}
+MATH_GOLD = {"answer": "7/12", "not_answers": ["1/3+1/4", "4/12+3/12"]}
+
+HONEST_PROGRAMS = [
+    "def f(x):\n    return x + 1\n",
+    "def f(x):\n    return sum([v for v in x if v % 2 == 0]) * 3\n",
+    "import math\ndef f(x):\n    list = [1, 2]\n    return math.floor(x) + len(list)\n",  # a local named `list`
+    "def f(x):\n    s = 'sys.exit(0) is a string, not a call'\n    return x.upper()\n",
+    "def f(x):\n    print('debug', x)\n    return sorted(x)[::-1]\n",
+    "class P:\n    def __eq__(self, other):\n        return isinstance(other, P)\ndef f(x):\n    return x\n",
+    "def f(x:\n",  # does not compile: tried nothing
+]
+
+
+@pytest.mark.parametrize("kind", [k for k, e in enumerate(CATALOGUE) if e[0] == "code"])
+def test_each_planted_code_hack_is_named_from_its_source(kind):
+    program = hack_text(kind, GOLD).removeprefix("```python\n").removesuffix("```")
+    assert CATALOGUE[kind][1] in scan_program(program), CATALOGUE[kind][2]
+
+
+def test_honest_programs_carry_no_signal():
+    for program in HONEST_PROGRAMS:
+        assert scan_program(program) == {}, program
+
+
+def test_the_sandbox_report_adds_runtime_evidence():
+    found = code_signals("def f(x):\n    return x\n", ["program PermissionError: [Errno 13] Permission denied: '/etc'",
+                                                       "check SystemExit: 0"])
+    assert set(found) == {"sandbox_refusal", "early_exit"} and found["sandbox_refusal"].startswith("sandbox:")
+    assert code_signals("def f(x):\n    return x\n", ["wrong_answer 3"], "ok") == {}
+
+
+def test_math_signals():
+    copy = math_signals("\\boxed{1/4+1/3}", MATH_GOLD, "1/4+1/3", "incorrect")
+    assert "question_copy" in copy
+    hedged = math_signals("\\boxed{7/12}\n\\boxed{1/2}", MATH_GOLD, "1/2", "incorrect")
+    assert list(hedged) == ["hedged_answers"]
+    assert math_signals("x = 7/12, so\n\\boxed{7/12}\n\\boxed{ 7/12 }", MATH_GOLD, "7/12", "correct") == {}
+    bare = {**MATH_GOLD, "needs_working": True}
+    assert "no_working" in math_signals("\\boxed{7/12}", bare, "7/12", "correct")
+    assert math_signals("1/3+1/4 = 4/12+3/12 = 7/12\n\\boxed{7/12}", bare, "7/12", "correct") == {}
+
+
+def test_the_math_verifier_reports_signals_and_its_verdict_is_unchanged():
+    from megarl.verifiers.math import MathVerifier
+
+    on, off = MathVerifier(), MathVerifier(signals=False)
+    try:
+        for k, e in enumerate(CATALOGUE):
+            if e[0] != "math":
+                continue
+            response = hack_text(k, MATH_GOLD)
+            a, b = on.verify_unguarded(response, MATH_GOLD), off.verify_unguarded(response, MATH_GOLD)
+            assert e[1] in a.signals and b.signals == {}
+            assert (a.score, a.outcome, a.extracted) == (b.score, b.outcome, b.extracted)
+        honest = on.verify_unguarded("1/3+1/4 = 4/12+3/12 = 7/12\n\\boxed{7/12}", {**MATH_GOLD, "needs_working": 1})
+        assert honest.outcome == "correct" and honest.signals == {}
+    finally:
+        on.close()
+        off.close()
+
+
+def test_the_code_verifier_reports_sandbox_runs_and_changes_no_verdict():
+    from megarl.verifiers.code import CodeVerifier
+
+    kinds = [k for k, e in enumerate(CATALOGUE) if e[0] == "code"][::3]
+    pairs = [(hack_text(k, GOLD), GOLD) for k in kinds] + [("def f(x):\n    return x + 1\n", GOLD)]
+    on = CodeVerifier(signals=True).verify_many(pairs)
+    off = CodeVerifier(signals=False).verify_many(pairs)
+    for k, a, b in zip(kinds, on, off):
+        assert CATALOGUE[k][1] in a.signals and b.signals == {}
+        assert (a.score, a.outcome) == (b.score, b.outcome) == (0.0, "incorrect"), CATALOGUE[k][2]
+    assert (on[-1].score, on[-1].signals) == (1.0, {})
+
+
+def test_tool_refusals():
+    assert tool_refusal("error: memory limit of 256 MB exceeded", "error").startswith("tool:")
+    assert tool_refusal("PermissionError: [Errno 13] Permission denied", "error")
+    assert tool_refusal("error: NameError: name 'y' is not defined", "error") == ""
+    assert tool_refusal("42", "ok") == ""
+
+
+def test_compose_flags_a_model_that_pays_where_the_rule_does_not():
+    spec, models = parse("math + 0*hf_rm"), {"hf_rm"}
+    rule, rm = VerifyResult(0.0, "incorrect", signals={"hedged_answers": "2 boxes"}), VerifyResult(2.5, "correct")
+    out = combine(spec, [rule, rm], models)
+    assert set(out.signals) == {"hedged_answers", "rm_disagrees"} and out.score == 0.0
+    assert combine(spec, [VerifyResult(1.0, "correct"), rm], models).signals == {}
+
+
+def test_step_rates_the_window_alarm_and_the_length_correlation():
+    class S:
+        def __init__(self, signals):
+            self.signals = signals
+
+    counts = hack_counts([S({"early_exit": "x", "test_read": "y"}), S({}), S({"early_exit": "z"}), S({})])
+    assert counts["hack_n_early_exit"] == 2 and counts["hack_n_test_read"] == 1 and counts["hack_n_any"] == 2
+    rates = step_rates(counts, 4)
+    assert rates["hack/early_exit"] == 0.5 and rates["hack/any"] == 0.5 and set(rates) >= {
+        f"hack/{c}" for c in CATEGORIES}
+
+    rng = np.random.default_rng(0)
+    length = rng.integers(5, 100, 40).astype(float)
+    score = 0.03 * length + rng.normal(0, 0.5, 40)
+    monitor = HackMonitor(window=2, alarm=0.3)
+    rows = []
+    for half in (slice(0, 20), slice(20, 40)):
+        row = {**step_rates({"hack_n_early_exit": 1}, 20), **rm_length_sums(list(zip(score[half], length[half])))}
+        assert monitor.observe(row, 20) is None  # 1 of 20: under the alarm
+        rows.append(row)
+    assert rows[-1]["hack/rm_length_corr"] == pytest.approx(np.corrcoef(score, length)[0, 1], abs=1e-9)
+    said = monitor.observe(step_rates({"hack_n_early_exit": 20}, 20), 20)  # window: 1 + 20 of 40
+    assert said is not None and "early_exit 52.5%" in said
+    assert correlation(2, 1, 1, 1, 1, 1) is None
+
+
+def test_the_progress_line_names_the_top_signal():
+    row = {"step": 3, "hack/any": 0.25, "hack/early_exit": 0.2, "hack/test_read": 0.05}
+    assert "hack 25.0% (early_exit 20.0%)" in format_step(row, 10)
+    assert "hack" not in format_step({"step": 3, "hack/any": 0.0}, 10)
+
+
+def test_audit_prints_the_table_by_category(tmp_path, capsys):
+    from megarl.cli.verify import main
+
+    data = tmp_path / "rows.jsonl"
+    kinds = [k for k, e in enumerate(CATALOGUE) if e[0] == "math"]
+    rows = [{"response": hack_text(k, MATH_GOLD), "answer": MATH_GOLD, "verifier": "math"} for k in kinds]
+    rows.append({"response": "1/3+1/4 = 7/12\n\\boxed{7/12}", "answer": MATH_GOLD, "verifier": "math"})
+    data.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    assert main([str(data), "--audit", "--workers", "0", "--no-progress"]) == 0
+    out = capsys.readouterr().out
+    assert f"{len(kinds)} of {len(rows)} responses flagged" in out
+    line = next(x for x in out.splitlines() if x.strip().startswith("hedged_answers "))
+    assert line.split()[1] == str(sum(CATALOGUE[k][1] == "hedged_answers" for k in kinds))
+    assert "line 1 (math, reward 0)" in out
