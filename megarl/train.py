@@ -21,7 +21,7 @@ import time
 
 from megarl.arguments import help_text, parse_args
 from megarl.config import Config
-from megarl.errors import ConfigError
+from megarl.errors import CheckpointError, ConfigError
 
 
 def main(argv: list[str]) -> int:
@@ -30,7 +30,10 @@ def main(argv: list[str]) -> int:
             print(help_text(argv))  # with the options of the --plugins it names
             return 0
         cfg = parse_args(argv)
+        from megarl import faults
         from megarl.trainer.build import check_before_start
+
+        faults.check()
 
         return run(cfg, check_before_start(cfg))
     except ConfigError as e:
@@ -42,6 +45,10 @@ def main(argv: list[str]) -> int:
             time.sleep(20)
         print(f"megarl: error: {e}" if rank == "0" else f"megarl: rank {rank}: error: {e}", file=sys.stderr)
         return 2
+    except CheckpointError as e:  # raised on every rank alike: rank 0 says it
+        if os.environ.get("RANK", "0") == "0":
+            print(f"megarl: error: {e}", file=sys.stderr, flush=True)
+        return 3
     except BaseException as e:  # torchrun then stops the other ranks; say which one failed first
         print(f"megarl: rank {os.environ.get('RANK', '0')} failed: {type(e).__name__}: {e}",
               file=sys.stderr, flush=True)
@@ -49,6 +56,7 @@ def main(argv: list[str]) -> int:
 
 
 def run(cfg: Config, checked) -> int:
+    from megarl import faults
     from megarl.metrics import PhaseTimer, eta_seconds, format_step, rollout_sample_rows
     from megarl.stages import report
     from megarl.stages.algorithm import pack
@@ -73,6 +81,7 @@ def run(cfg: Config, checked) -> int:
     train_start = time.perf_counter()
     step = run.start_step
     while step < t.num_steps:
+        faults.fire("slow_node", step + 1)
         t0, timer = time.perf_counter(), PhaseTimer()
         # colocated: the actor offloads, the engine resumes its KV cache (and scores the last sync's probe)
         probe_metrics = enter_rollout(actor, engine, t, run.sync)
@@ -115,6 +124,7 @@ def run(cfg: Config, checked) -> int:
         out_of_time = run.agree_any(t.max_train_minutes > 0 and elapsed > 60 * t.max_train_minutes)
         if c.save and (out_of_time or step == t.num_steps or (c.save_interval and step % c.save_interval == 0)):
             checkpoints.save(run, step)
+        faults.fire("trainer_sigkill", step)
         if out_of_time:
             say(f"megarl: stopped by --max-train-minutes {t.max_train_minutes:g} after step {step} of {t.num_steps}: "
                 "the learning-rate schedule, set for all the steps, did not finish")
