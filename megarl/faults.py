@@ -78,3 +78,22 @@ def fire(name: str, step: int) -> bool:
     elif name == "slow_node":
         time.sleep(float(os.environ.get("MEGARL_FAULT_SLOW_S", "5")))
     return True
+
+
+def break_engine(engine, name: str) -> None:
+    """engine_crash / engine_hang on the built-in engine's own process, wherever `engine` wraps it."""
+    while not hasattr(engine, "kill_for_fault"):
+        if not hasattr(engine, "inner"):
+            raise ConfigError(f"{ENV}: {name} needs the built-in engine in a process of its own (--rollout-backend "
+                              "builtin with --async-staleness >= 1)")
+        engine = engine.inner
+    engine.kill_for_fault(hang=name == "engine_hang")
+
+
+def engine_health(engine) -> dict:
+    """engine_restarts and engine_seconds_lost, once the engine's process has been restarted ({} before)."""
+    while engine is not None and not hasattr(engine, "restarts"):
+        engine = getattr(engine, "inner", None)
+    if engine is None or not engine.restarts:
+        return {}
+    return {"engine_restarts": engine.restarts, "engine_seconds_lost": engine.seconds_lost}

@@ -85,6 +85,9 @@ def run(cfg: Config, checked) -> int:
         t0, timer = time.perf_counter(), PhaseTimer()
         # colocated: the actor offloads, the engine resumes its KV cache (and scores the last sync's probe)
         probe_metrics = enter_rollout(actor, engine, t, run.sync)
+        for fault in ("engine_crash", "engine_hang"):
+            if faults.fire(fault, step + 1):
+                faults.break_engine(engine, fault)
         rollout = run.collect(step)  # generate and score (asynchronous: take the batch made K steps ago)
         timer.add(t_generate=rollout.generate_seconds)
         if run.pending is not None:
@@ -108,7 +111,7 @@ def run(cfg: Config, checked) -> int:
         if run.pending is not None:
             sync_metrics.update(async_metrics, **overlap_metrics(timer.seconds, seconds))
         row = {**report.step_metrics(step, rollout, batch, update_metrics, {**timer.seconds, **sync_metrics},
-                                     seconds, info), **algorithm_metrics}
+                                     seconds, info), **algorithm_metrics, **faults.engine_health(engine)}
         if run.eval_prompts and lg.eval_interval and step % lg.eval_interval == 0 and step < t.num_steps:
             row.update(evaluate.evaluate_between_steps(run, step))  # the last step's evaluation follows the loop
         log.write(row)
