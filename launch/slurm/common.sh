@@ -87,6 +87,11 @@ megarl_train_args() {  # the recipe and its flags, then the launch's own overrid
   [[ -z ${OUTPUT_DIR:-} ]] || TRAIN_ARGS+=(--output-dir "$OUTPUT_DIR")
 }
 
+# After a restart, workers sharing the agents' rendezvous store key it by their own agent's restart count, which
+# differs between the node whose worker died and the others: they would read the dead worker's addresses. A fresh
+# store each round avoids it (torch 2.13; tests/faults/test_elastic_two_agents.py).
+export TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1
+
 megarl_train_cmd() {  # torchrun with the rendezvous on the first host; every node runs the same command
   local nodes=$1 head=$2  # MAX_RESTARTS: torchrun restarts the workers of every node after one dies (elastic; they
   # resume from the newest whole checkpoint), this many times before the job fails and MAX_FAILURES requeues it

@@ -15,16 +15,18 @@ faults are chained on one checkpoint directory to keep CI short:
 from __future__ import annotations
 
 import json
+import os
 import shutil
+import signal
 import subprocess
 import sys
 import time
 from pathlib import Path
 
 import pytest
-from helpers import REPO, env, free_port, torchrun
+from helpers import REPO, env, free_port
 
-pytestmark = [pytest.mark.faults, pytest.mark.distributed, pytest.mark.slow]
+pytestmark = [pytest.mark.faults, pytest.mark.distributed, pytest.mark.slow, pytest.mark.timeout(1500)]
 TRAIN = "megarl/train.py"
 STEPS = 4
 COMPARED = ("reward_mean", "accuracy", "loss", "kl", "clip_frac", "grad_norm", "response_len", "lr", "entropy")
@@ -35,6 +37,34 @@ def _args(starter: Path, out: Path, ckpt: Path) -> list:
             "--eval-data", "", "--max-train-minutes", "0", "--rollout-batch-size", "2", "--n-samples-per-prompt", "4",
             "--micro-batch-size", "8", "--lr", "3e-4", "--kl-coef", "0.01", "--num-steps", STEPS, "--output-dir", out,
             "--log-interval", "1", "--save", ckpt, "--save-interval", "1", "--load", ckpt]
+
+
+class _Done:
+    def __init__(self, returncode: int, log: str):
+        self.returncode, self.stdout, self.stderr = returncode, log, log
+
+
+def _torchrun(args: list, fault: str = "", elastic: bool = False, timeout: float = 500, **extra) -> _Done:
+    """train.py under torchrun (one process; `elastic`: c10d rendezvous, --max-restarts 1), its output in a file;
+    afterwards its whole process group is killed: a worker killed by a fault leaves helpers (reward workers) that
+    would otherwise hold the output open."""
+    launch = (["--nnodes", "1:1", "--max-restarts", "1", "--rdzv-backend", "c10d", "--rdzv-endpoint",
+               f"127.0.0.1:{free_port()}"] if elastic else ["--master-port", str(free_port())])
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "1", *launch, TRAIN, *map(str, args)]
+    log_path = Path(str(args[args.index("--output-dir") + 1]) + f".{fault or 'plain'}.log")
+    log_path.parent.mkdir(parents=True, exist_ok=True)
+    with open(log_path, "w") as fh:
+        proc = subprocess.Popen(cmd, cwd=REPO, env={**env(), **({"MEGARL_FAULT": fault} if fault else {}), **extra},
+                                stdout=fh, stderr=subprocess.STDOUT, start_new_session=True)
+        try:
+            rc = proc.wait(timeout=timeout)
+        finally:
+            try:
+                os.killpg(proc.pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+            proc.wait(timeout=60)
+    return _Done(rc, log_path.read_text())
 
 
 def _rows(out: Path) -> list[dict]:
@@ -48,7 +78,8 @@ def _latest(ckpt: Path) -> str:
 @pytest.fixture(scope="module")
 def baseline(starter, tmp_path_factory):
     root = tmp_path_factory.mktemp("uninterrupted")
-    torchrun(1, TRAIN, *_args(starter, root / "out", root / "ckpt"), timeout=400)
+    done = _torchrun(_args(starter, root / "out", root / "ckpt"))
+    assert done.returncode == 0, done.stdout[-4000:]
     rows = {r["step"]: r for r in _rows(root / "out")}
     assert sorted(rows) == list(range(1, STEPS + 1))
     assert any(r["loss"] != 0.0 for r in rows.values()), "all-zero losses would make the comparison vacuous"
@@ -67,7 +98,7 @@ def test_disk_full_then_kill_in_save_then_elastic_restart_end_where_an_uninterru
     out, ckpt = tmp_path / "out", tmp_path / "ckpt"
     args = _args(starter, out, ckpt)
 
-    proc = torchrun(1, TRAIN, *args, check=False, timeout=400, extra_env={"MEGARL_FAULT": "disk_full_on_save@2"})
+    proc = _torchrun(args, "disk_full_on_save@2")
     assert proc.returncode != 0
     assert "megarl: fault injected: disk_full_on_save at step 2 on rank 0" in proc.stderr
     assert (f"megarl: error: the checkpoint of step 2 could not be saved under --save {ckpt}: rank 0: "
@@ -76,20 +107,15 @@ def test_disk_full_then_kill_in_save_then_elastic_restart_end_where_an_uninterru
     assert _latest(ckpt) == "iter_0000001" and not (ckpt / "iter_0000002.tmp").exists()
 
     t0 = time.monotonic()
-    proc = torchrun(1, TRAIN, *args, check=False, timeout=400, extra_env={"MEGARL_FAULT": "kill_during_save@3"})
+    proc = _torchrun(args, "kill_during_save@3")
     assert proc.returncode != 0 and "megarl: fault injected: kill_during_save at step 3 on rank 0" in proc.stderr
     assert "resumed from" in proc.stdout + proc.stderr
     assert _latest(ckpt) == "iter_0000002" and (ckpt / "iter_0000003.tmp").is_dir()
 
     # an elastic torchrun restarts the killed worker by itself; it resumes from the checkpoint of step 3
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nnodes", "1:1", "--nproc-per-node", "1",
-           "--max-restarts", "1", "--rdzv-backend", "c10d", "--rdzv-endpoint", f"127.0.0.1:{free_port()}",
-           TRAIN, *map(str, args)]
     t1 = time.monotonic()
-    proc = subprocess.run(cmd, cwd=REPO, env={**env(), "MEGARL_FAULT": "slow_node@3,trainer_sigkill@3",
-                                              "MEGARL_FAULT_SLOW_S": "2"},
-                          capture_output=True, text=True, timeout=600)
-    log = proc.stdout + proc.stderr
+    proc = _torchrun(args, "slow_node@3,trainer_sigkill@3", elastic=True, MEGARL_FAULT_SLOW_S="2")
+    log = proc.stdout
     assert proc.returncode == 0, log[-5000:]
     assert "iter_0000003.tmp: an interrupted save (killed while saving): skipped, never loaded" in log
     assert "megarl: fault injected: slow_node at step 3 on rank 0" in log
@@ -102,8 +128,9 @@ def test_disk_full_then_kill_in_save_then_elastic_restart_end_where_an_uninterru
     shutil.rmtree(out)
     victim = next((ckpt / "iter_0000004").rglob("*.distcp"))
     victim.write_bytes(victim.read_bytes()[:-1])
-    proc = torchrun(1, TRAIN, *args, timeout=400)
-    log = proc.stdout + proc.stderr
+    proc = _torchrun(args)
+    log = proc.stdout
+    assert proc.returncode == 0, log[-4000:]
     assert f"iter_0000004: corrupt or partial ({victim.relative_to(ckpt / 'iter_0000004')} holds" in log, log[-3000:]
     assert "at step 3" in log
     _same(_rows(out), baseline, steps=[4])
