@@ -78,3 +78,14 @@ def test_fault_spec_errors_name_the_variable_and_the_faults(monkeypatch):
     monkeypatch.setenv(faults.ENV, "disk_ful@2")
     with pytest.raises(ConfigError, match="MEGARL_FAULT='disk_ful@2'.*trainer_sigkill, kill_during_save"):
         faults.check()
+
+
+def test_an_unwritable_save_directory_stops_the_run_before_it_starts(tmp_path):
+    from megarl.arguments import parse_args
+    from megarl.preflight import check_resume
+
+    (tmp_path / "a_file").write_text("not a directory")
+    cfg = parse_args([])
+    cfg.checkpoint.save = str(tmp_path / "a_file" / "ckpt")  # (root writes anywhere: a file in the way instead)
+    with pytest.raises(ConfigError, match=r"--save .*a_file/ckpt: cannot write there \(.*a_file/ckpt: Not a directory"):
+        check_resume(cfg, None)
