@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -176,6 +177,15 @@ def check_resume(cfg: Config, shape: ModelShape | None) -> Path | None:
     """The checkpoint this run resumes from (None: a fresh start), with the vocabulary padding it was saved with
     equal to the one this run builds (dist_checkpointing cannot load other shapes)."""
     c, m = cfg.checkpoint, cfg.model
+    if c.save:  # a run that cannot save must not train for hours first
+        probe = Path(c.save) / f".megarl-write-test-{os.getpid()}"
+        try:
+            Path(c.save).mkdir(parents=True, exist_ok=True)
+            probe.write_bytes(b"megarl")
+            probe.unlink()
+        except OSError as e:
+            raise ConfigError(f"--save {c.save}: cannot write there ({e.filename or probe}: {e.strerror or e})") \
+                from None
     path = resolve_load(c.load, c.ckpt_step) if c.load else None
     if path is None and c.load and c.save and Path(c.save).resolve() != Path(c.load).resolve() \
             and resolve_load(c.save) is not None:

@@ -21,7 +21,7 @@ import time
 
 from megarl.arguments import help_text, parse_args
 from megarl.config import Config
-from megarl.errors import ConfigError
+from megarl.errors import CheckpointError, ConfigError
 
 
 def main(argv: list[str]) -> int:
@@ -30,7 +30,10 @@ def main(argv: list[str]) -> int:
             print(help_text(argv))  # with the options of the --plugins it names
             return 0
         cfg = parse_args(argv)
+        from megarl import faults
         from megarl.trainer.build import check_before_start
+
+        faults.check()
 
         return run(cfg, check_before_start(cfg))
     except ConfigError as e:
@@ -42,6 +45,10 @@ def main(argv: list[str]) -> int:
             time.sleep(20)
         print(f"megarl: error: {e}" if rank == "0" else f"megarl: rank {rank}: error: {e}", file=sys.stderr)
         return 2
+    except CheckpointError as e:  # raised on every rank alike: rank 0 says it
+        if os.environ.get("RANK", "0") == "0":
+            print(f"megarl: error: {e}", file=sys.stderr, flush=True)
+        return 3
     except BaseException as e:  # torchrun then stops the other ranks; say which one failed first
         print(f"megarl: rank {os.environ.get('RANK', '0')} failed: {type(e).__name__}: {e}",
               file=sys.stderr, flush=True)
@@ -49,6 +56,7 @@ def main(argv: list[str]) -> int:
 
 
 def run(cfg: Config, checked) -> int:
+    from megarl import faults
     from megarl.metrics import PhaseTimer, eta_seconds, format_step, rollout_sample_rows
     from megarl.reward.hacking import HackMonitor, flagged_rows
     from megarl.stages import report
@@ -75,9 +83,13 @@ def run(cfg: Config, checked) -> int:
     train_start = time.perf_counter()
     step = run.start_step
     while step < t.num_steps:
+        faults.fire("slow_node", step + 1)
         t0, timer = time.perf_counter(), PhaseTimer()
         # colocated: the actor offloads, the engine resumes its KV cache (and scores the last sync's probe)
         probe_metrics = enter_rollout(actor, engine, t, run.sync)
+        for fault in ("engine_crash", "engine_hang"):
+            if faults.fire(fault, step + 1):
+                faults.break_engine(engine, fault)
         rollout = run.collect(step)  # generate and score (asynchronous: take the batch made K steps ago)
         timer.add(t_generate=rollout.generate_seconds)
         if run.pending is not None:
@@ -101,7 +113,7 @@ def run(cfg: Config, checked) -> int:
         if run.pending is not None:
             sync_metrics.update(async_metrics, **overlap_metrics(timer.seconds, seconds))
         row = {**report.step_metrics(step, rollout, batch, update_metrics, {**timer.seconds, **sync_metrics},
-                                     seconds, info), **algorithm_metrics}
+                                     seconds, info), **algorithm_metrics, **faults.engine_health(engine)}
         if run.eval_prompts and lg.eval_interval and step % lg.eval_interval == 0 and step < t.num_steps:
             row.update(evaluate.evaluate_between_steps(run, step))  # the last step's evaluation follows the loop
         alarm = hacking.observe(row, row["n_samples"])  # the same row on every rank: the same verdict
@@ -124,6 +136,7 @@ def run(cfg: Config, checked) -> int:
         if c.save and (out_of_time or hacked or step == t.num_steps or
                        (c.save_interval and step % c.save_interval == 0)):
             checkpoints.save(run, step)
+        faults.fire("trainer_sigkill", step)
         if hacked:
             say(f"megarl: stopped by --stop-on-hacking after step {step} of {t.num_steps}, checkpoint saved in "
                 f"{c.save}")

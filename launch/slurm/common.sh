@@ -87,10 +87,16 @@ megarl_train_args() {  # the recipe and its flags, then the launch's own overrid
   [[ -z ${OUTPUT_DIR:-} ]] || TRAIN_ARGS+=(--output-dir "$OUTPUT_DIR")
 }
 
+# After a restart, workers sharing the agents' rendezvous store key it by their own agent's restart count, which
+# differs between the node whose worker died and the others: they would read the dead worker's addresses. A fresh
+# store each round avoids it (torch 2.13; tests/faults/test_elastic_two_agents.py).
+export TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1
+
 megarl_train_cmd() {  # torchrun with the rendezvous on the first host; every node runs the same command
-  local nodes=$1 head=$2
+  local nodes=$1 head=$2  # MAX_RESTARTS: torchrun restarts the workers of every node after one dies (elastic; they
+  # resume from the newest whole checkpoint), this many times before the job fails and MAX_FAILURES requeues it
   TRAIN_CMD=(torchrun --nnodes "$nodes" --nproc-per-node "$GPUS_PER_NODE" --rdzv-backend c10d
-             --rdzv-endpoint "$head:$MASTER_PORT" --rdzv-id "$JOB_ID" --max-restarts 0
+             --rdzv-endpoint "$head:$MASTER_PORT" --rdzv-id "$JOB_ID" --max-restarts "${MAX_RESTARTS:-2}"
              launch/resume.py "${TRAIN_ARGS[@]}")
 }
 

@@ -167,6 +167,13 @@ class RolloutConfig:
     def __getattr__(self, name: str):  # called only for a name that is not a field
         _moved("rollout", name)
 
+    engine_health_timeout: float = _f(
+        60.0, "seconds without a heartbeat from the built-in engine's own process (--async-staleness >= 1) before it "
+        "counts as hung and is restarted; a dead one is found within a second")
+    engine_max_restarts: int = _f(
+        0, "restarts of a dead or hung built-in engine process (given the current weights, the request in flight "
+        "sent again) before the run stops naming it and its last error; 0 = stop at the first")
+
     def __post_init__(self):
         _positive(self, "n_samples_per_prompt", "max_response_len", "sync_bucket_mb",
                   "mismatch_check_rows", "mismatch_check_topk")
@@ -188,6 +195,9 @@ class RolloutConfig:
             raise ConfigError(f"--rollout-temperature must be > 0 for RL sampling, got {self.rollout_temperature}")
         if not 0 < self.rollout_top_p <= 1:
             raise ConfigError(f"--rollout-top-p must be in (0, 1], got {self.rollout_top_p}")
+        if self.engine_health_timeout <= 0 or self.engine_max_restarts < 0:
+            raise ConfigError(f"--engine-health-timeout must be > 0 (got {self.engine_health_timeout}) and "
+                              f"--engine-max-restarts >= 0 (got {self.engine_max_restarts})")
 
 
 @dataclass

@@ -7,8 +7,11 @@ adapters on another base, the checkpoint records the base's fingerprint (`lora_b
 shape and CRC-32) and `load` refuses a base that differs.
 
 Layout: `<dir>/iter_0000007/` holds one complete checkpoint; `<dir>/latest` names the newest complete one.
-A checkpoint is written under `iter_0000007.tmp` and renamed only once every rank has finished, and `latest` is
-replaced atomically after that, so a crash mid-save never damages the last good checkpoint.
+A checkpoint is written under `iter_0000007.tmp`, given its manifest (`manifest.json`, every file and its size)
+and renamed only once every rank has finished, and `latest` is replaced atomically after that, so a crash mid-save
+never damages the last good checkpoint. A save that fails on any rank (a full disk, an unwritable directory) fails
+on every rank with a `CheckpointError` naming the path and the cause; its partial files are removed, and nothing
+older is pruned.
 """
 
 from __future__ import annotations
@@ -27,8 +30,9 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from megarl.checkpoint_layout import LATEST, SAVED_CONFIG, iter_name, resolve_load
-from megarl.errors import ConfigError
+from megarl import faults
+from megarl.checkpoint_layout import LATEST, SAVED_CONFIG, iter_name, resolve_load, write_manifest
+from megarl.errors import CheckpointError, ConfigError
 from megarl.mcore import cpu_compat
 from megarl.mcore.convert import is_adapter_param, unwrap
 
@@ -104,32 +108,71 @@ def save(root: str | os.PathLike, step: int, policy, trainer_state: dict, keep_l
     final = root / iter_name(step)
     tmp = root / (iter_name(step) + ".tmp")
     rank = dist.get_rank()
+    failure = ""
     if rank == 0:
-        root.mkdir(parents=True, exist_ok=True)
-        shutil.rmtree(tmp, ignore_errors=True)  # leftovers of a crashed save of the same step
-        tmp.mkdir()
-    dist.barrier()
-    dist_checkpointing.save(_sharded_state_dict(policy, is_loading=False), str(tmp))
-    with open(tmp / f"rank{rank:05d}.pkl", "wb") as fh:
-        pickle.dump({"rng": _rng_state(), "rank_state": rank_state or {}}, fh)
+        try:
+            root.mkdir(parents=True, exist_ok=True)
+            shutil.rmtree(tmp, ignore_errors=True)  # leftovers of a crashed save of the same step
+            tmp.mkdir()
+        except OSError as e:
+            failure = _cause(e, tmp)
+    _agree(failure, root, tmp, step)
+    try:
+        dist_checkpointing.save(_sharded_state_dict(policy, is_loading=False), str(tmp))
+        with open(tmp / f"rank{rank:05d}.pkl", "wb") as fh:
+            pickle.dump({"rng": _rng_state(), "rank_state": rank_state or {}}, fh)
+        if rank == 0:
+            with open(tmp / "trainer_state.pkl", "wb") as fh:
+                pickle.dump({**trainer_state, "scheduler": policy.scheduler.state_dict(), "step": step}, fh)
+            if config is not None:
+                (tmp / SAVED_CONFIG).write_text(json.dumps(config, indent=1) + "\n")
+            if policy.lora is not None:
+                write_lora_base(tmp, policy)
+        faults.fire("disk_full_on_save", step)
+    except Exception as e:  # noqa: BLE001 - whatever stopped the writing, every rank must hear of it (no hang)
+        failure = _cause(e, tmp)
+    _agree(failure, root, tmp, step)
+    faults.fire("kill_during_save", step)  # every file written, nothing published
     if rank == 0:
-        with open(tmp / "trainer_state.pkl", "wb") as fh:
-            pickle.dump({**trainer_state, "scheduler": policy.scheduler.state_dict(), "step": step}, fh)
-        if config is not None:
-            (tmp / SAVED_CONFIG).write_text(json.dumps(config, indent=1) + "\n")
-        if policy.lora is not None:
-            write_lora_base(tmp, policy)
-    dist.barrier()
+        try:
+            write_manifest(tmp, step)
+            if final.exists():
+                shutil.rmtree(final)
+            os.replace(tmp, final)
+            marker_tmp = root / (LATEST + ".tmp")
+            marker_tmp.write_text(final.name + "\n")
+            os.replace(marker_tmp, root / LATEST)
+        except OSError as e:
+            failure = _cause(e, tmp)
+    _agree(failure, root, tmp, step)
     if rank == 0:
-        if final.exists():
-            shutil.rmtree(final)
-        os.replace(tmp, final)
-        marker_tmp = root / (LATEST + ".tmp")
-        marker_tmp.write_text(final.name + "\n")
-        os.replace(marker_tmp, root / LATEST)
         _prune(root, keep_last, keep=final.name)
     dist.barrier()
     return final
+
+
+def _cause(e: BaseException, tmp: Path) -> str:
+    where = getattr(e, "filename", None) or tmp
+    what = e.strerror if isinstance(e, OSError) and e.strerror else str(e)
+    return f"rank {dist.get_rank()}: {where}: {type(e).__name__}: {what}"
+
+
+def _agree(failure: str, root: Path, tmp: Path, step: int) -> None:
+    """Collective: raise the same CheckpointError on every rank when any rank failed (its partial files removed,
+    the earlier checkpoints untouched); else return."""
+    everyone = [None] * dist.get_world_size()
+    dist.all_gather_object(everyone, failure)
+    failures = [f for f in everyone if f]
+    if not failures:
+        return
+    if dist.get_rank() == 0:
+        shutil.rmtree(tmp, ignore_errors=True)
+    marker = root / LATEST
+    intact = marker.read_text().strip() if marker.is_file() else ""
+    raise CheckpointError(
+        f"the checkpoint of step {step} could not be saved under --save {root}: {'; '.join(failures)}. Nothing was "
+        f"published and nothing pruned: " + (f"{root / intact} is intact" if intact else "there is no earlier "
+                                               "checkpoint") + f". Free space or fix {root}, then resume with --load")
 
 
 def _prune(root: Path, keep_last: int, keep: str) -> None:

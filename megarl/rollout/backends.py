@@ -110,7 +110,9 @@ def build_builtin(cfg: Config, actor: MegatronPolicy | None = None) -> RolloutEn
         from megarl.rollout.engine_process import EngineProcess
 
         return EngineProcess(config, cfg.model.hf_checkpoint, device=device, dtype=dtype,
-                             threads=own.rollout_threads, timeout_s=cfg.training.distributed_timeout_seconds)
+                             threads=own.rollout_threads, timeout_s=cfg.training.distributed_timeout_seconds,
+                             health_timeout_s=cfg.rollout.engine_health_timeout,
+                             max_restarts=cfg.rollout.engine_max_restarts)
     return BuiltinEngine(config, device=device, dtype=dtype, tokenizer=CheckpointTokenizer(cfg.model.hf_checkpoint))
 
 

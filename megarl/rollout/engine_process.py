@@ -13,11 +13,21 @@ the load that read it, so it never reads a half-written bucket.
 
 The child never outlives the trainer (it watches its parent), and the trainer never waits on a dead child: every
 reply is awaited with a timeout, and a child that died is reported with its exit code.
+
+Health: the child beats a shared heartbeat every 0.2 s from a thread of its own; a child that died is found within a
+second, one whose heartbeat stopped for `health_timeout_s` (stopped, deadlocked, swapped out) counts as hung. Either
+is killed and replaced (`max_restarts` times): the new child gets every weight bucket from the shared buffers and
+the weight version, then the request in flight is sent again. Requests are pure functions of the weights and the
+request (a generate's `SamplingParams.seed`), so the answer is the one the old child would have given: no sample is
+lost or counted twice. `restarts` and `seconds_lost` count them; past `max_restarts` an `EngineProcessError` names
+the engine and its last error.
 """
 
 from __future__ import annotations
 
 import os
+import signal
+import sys
 import time
 import traceback
 from typing import Iterable, Sequence
@@ -33,6 +43,10 @@ class EngineProcessError(RuntimeError):
     """The engine process failed, died or did not answer in time."""
 
 
+class EngineDeadError(EngineProcessError):
+    """The engine process died or hung (a restart may help, unlike an error the engine reported)."""
+
+
 class EngineProcess(EngineCapabilities):
     """A `RolloutEngine` whose `BuiltinEngine` runs in a spawned process (see the module docstring)."""
 
@@ -40,19 +54,29 @@ class EngineProcess(EngineCapabilities):
     loads_from_host = True  # each bucket is copied into a shared-memory buffer (`load_weight_buckets`)
 
     def __init__(self, hf_config: dict, checkpoint: str | None = None, *, device: str = "cpu",
-                 dtype: torch.dtype = torch.float32, threads: int = 1, timeout_s: float = 600.0):
+                 dtype: torch.dtype = torch.float32, threads: int = 1, timeout_s: float = 600.0,
+                 health_timeout_s: float = 60.0, max_restarts: int = 0):
         """`checkpoint`: the HF directory whose tokenizer decodes stop strings (None: no stop strings).
-        `threads`: torch intra-op threads in the engine process. `timeout_s`: the longest a request may take."""
+        `threads`: torch intra-op threads in the engine process. `timeout_s`: the longest a request may take.
+        `health_timeout_s`, `max_restarts`: see the module docstring (Health)."""
         self.dtype, self.timeout_s, self.weight_version = dtype, timeout_s, 0
+        self.health_timeout_s, self.max_restarts = health_timeout_s, max_restarts
+        self.restarts, self.seconds_lost = 0, 0.0
+        self._spawn_args = (hf_config, checkpoint, device, dtype, threads)
+        self._buffers: list[torch.Tensor] = []  # shared-memory bucket buffers, by bucket index
+        self._slots: list[list] = []  # each buffer's layout, as last loaded
+        self.busy_seconds = 0.0  # the child's time inside requests, as it reports it
+        self._spawn()
+        self._call("ready")
+
+    def _spawn(self) -> None:
         ctx = mp.get_context("spawn")
         self._requests, self._replies = ctx.Queue(), ctx.Queue()
+        self._heartbeat = ctx.Value("d", 0.0, lock=False)  # 0 until the child's first beat (start-up: timeout_s)
         self._proc = ctx.Process(target=_serve, name="megarl-engine", daemon=True,
-                                 args=(hf_config, checkpoint, device, dtype, threads, os.getpid(), self._requests,
-                                       self._replies))
+                                 args=(*self._spawn_args, os.getpid(), self._requests, self._replies,
+                                       self._heartbeat))
         self._proc.start()
-        self._buffers: list[torch.Tensor] = []  # shared-memory bucket buffers, by bucket index
-        self.busy_seconds = 0.0  # the child's time inside requests, as it reports it
-        self._call("ready")
 
     # ---- RolloutEngine -------------------------------------------------------------------------------------
 
@@ -80,6 +104,10 @@ class EngineProcess(EngineCapabilities):
                     self._buffers.append(buffer)
             self._buffers[index].copy_(bucket.flat.reshape(-1).to("cpu", non_blocking=False))
             self._call("load", index, self._buffers[index] if fresh else None, bucket.slots, version)
+            if index < len(self._slots):  # what a restarted child loads again
+                self._slots[index] = list(bucket.slots)
+            else:
+                self._slots.append(list(bucket.slots))
         self._call("stamp", version)
         self.weight_version = version
 
@@ -103,9 +131,50 @@ class EngineProcess(EngineCapabilities):
     # ---- transport -----------------------------------------------------------------------------------------
 
     def _call(self, op: str, *args):
+        """`op` answered, restarting a dead or hung child (at most `max_restarts` times in the run) and sending
+        `op` again; a child's own error is raised at once."""
+        failed_at = None
+        while True:
+            try:
+                if failed_at is not None:
+                    self._restart()
+                value = self._call_once(op, *args)
+                if failed_at is not None:
+                    self.seconds_lost += time.monotonic() - failed_at
+                    print(f"megarl: engine process restarted (pid {self._proc.pid}); engine_restarts "
+                          f"{self.restarts}, {self.seconds_lost:.1f} s lost in all", file=sys.stderr, flush=True)
+                return value
+            except EngineDeadError as e:
+                if self.restarts >= self.max_restarts:
+                    raise EngineDeadError(f"the built-in rollout engine process stopped the run after "
+                                          f"{self.restarts} restart(s) (--engine-max-restarts {self.max_restarts}); "
+                                          f"its last error: {e}") from None
+                self.restarts += 1
+                failed_at = time.monotonic() if failed_at is None else failed_at
+                print(f"megarl: {e}: restarting the engine process (restart {self.restarts} of {self.max_restarts}), "
+                      f"with weights version {self.weight_version}; the {op!r} request is sent again",
+                      file=sys.stderr, flush=True)
+
+    def _restart(self) -> None:
+        """A new child holding the weights the old one held (every buffer, loaded again) and their version."""
+        if self._proc.is_alive():
+            self._proc.kill()
+        self._proc.join(timeout=30)
+        self._spawn()
+        self._call_once("ready")
+        for index, (buffer, slots) in enumerate(zip(self._buffers, self._slots)):
+            self._call_once("load", index, buffer, slots, self.weight_version)
+        if self._buffers:
+            self._call_once("stamp", self.weight_version)
+
+    def kill_for_fault(self, hang: bool = False) -> None:
+        """MEGARL_FAULT engine_crash (SIGKILL) or engine_hang (SIGSTOP) of the child."""
+        os.kill(self._proc.pid, signal.SIGSTOP if hang else signal.SIGKILL)
+
+    def _call_once(self, op: str, *args):
+        name = f"the built-in rollout engine process (pid {self._proc.pid})"
         if not self._proc.is_alive():
-            raise EngineProcessError(f"the engine process (pid {self._proc.pid}) is gone, exit code "
-                                     f"{self._proc.exitcode}, before the {op!r} request")
+            raise EngineDeadError(f"{name} is gone, exit code {self._proc.exitcode}, before the {op!r} request")
         self._requests.put((op, *args))
         deadline = time.monotonic() + self.timeout_s
         while True:
@@ -115,11 +184,16 @@ class EngineProcess(EngineCapabilities):
             except Exception:  # noqa: BLE001 - queue.Empty, or a half-written reply of a dying child (EOFError,
                 # an unpickling error): check the child is alive, then wait on
                 if not self._proc.is_alive():
-                    raise EngineProcessError(f"the engine process (pid {self._proc.pid}) died during the {op!r} "
-                                             f"request, exit code {self._proc.exitcode}") from None
+                    raise EngineDeadError(f"{name} died during the {op!r} request, exit code "
+                                          f"{self._proc.exitcode}") from None
+                beat = self._heartbeat.value
+                silent = time.time() - beat
+                if beat and silent > self.health_timeout_s:
+                    raise EngineDeadError(f"{name} is hung: no heartbeat for {silent:.0f} s during the {op!r} "
+                                          f"request (--engine-health-timeout {self.health_timeout_s:g})") from None
                 if time.monotonic() > deadline:
-                    raise EngineProcessError(f"the engine process (pid {self._proc.pid}) did not answer the {op!r} "
-                                             f"request within {self.timeout_s:g} s") from None
+                    raise EngineProcessError(f"{name} did not answer the {op!r} request within {self.timeout_s:g} "
+                                             "s") from None
         self.busy_seconds += busy
         if status == "error":
             raise EngineProcessError(f"the engine process failed in {op!r}:\n{value}")
@@ -127,7 +201,7 @@ class EngineProcess(EngineCapabilities):
 
 
 def _serve(hf_config: dict, checkpoint: str | None, device: str, dtype: torch.dtype, threads: int, parent: int,
-           requests, replies) -> None:
+           requests, replies, heartbeat) -> None:
     """The child: a `BuiltinEngine` answering requests in order until told to stop or orphaned."""
     import threading
 
@@ -137,9 +211,10 @@ def _serve(hf_config: dict, checkpoint: str | None, device: str, dtype: torch.dt
     if torch.device(device).type == "cuda":  # a spawned process starts on GPU 0: take the leader's own
         torch.cuda.set_device(torch.device(device))
 
-    def watch_parent():  # a trainer killed with SIGKILL cannot stop us: go when it is gone
+    def watch_parent():  # a trainer killed with SIGKILL cannot stop us: go when it is gone; beat meanwhile
         while os.getppid() == parent:
-            time.sleep(1.0)
+            heartbeat.value = time.time()
+            time.sleep(0.2)
         os._exit(0)
 
     threading.Thread(target=watch_parent, daemon=True).start()
@@ -177,4 +252,4 @@ def _serve(hf_config: dict, checkpoint: str | None, device: str, dtype: torch.dt
             replies.put(("error", traceback.format_exc(), time.perf_counter() - start))
 
 
-__all__ = ["EngineProcess", "EngineProcessError", "TensorSlot"]
+__all__ = ["EngineDeadError", "EngineProcess", "EngineProcessError", "TensorSlot"]

@@ -6,6 +6,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from megarl.checkpoint_layout import find_resume
 from megarl.config import Config
 from megarl.data import PromptSampler
 from megarl.mcore import checkpoint
@@ -28,6 +29,10 @@ def resume(cfg: Config, path: Path | None, actor: MegatronPolicy, sampler: Promp
             checkpoint.load_weights(adapters, actor)
             say(f"megarl: LoRA adapters from {adapters}")
         return 0, {}
+    root = Path(cfg.checkpoint.load)
+    if cfg.checkpoint.ckpt_step < 0 and root != path:  # what a resume from `latest` skipped, and why
+        for note in find_resume(root)[1]:
+            say(f"megarl: --load {root}: {note}")
     if actor.lora is not None:
         actor.load_hf(cfg.model.hf_checkpoint)
     state = checkpoint.load(path, actor)

@@ -15,6 +15,7 @@ import pytest
 from helpers import REPO, env, torchrun
 
 from megarl.config import ConfigError, build_config
+from megarl.checkpoint_layout import find_resume
 from megarl.preflight import check_run, padded_vocab_size, prompt_limit, resolve_load
 
 QWEN2 = {"model_type": "qwen2", "num_hidden_layers": 4, "hidden_size": 64, "num_attention_heads": 4,
@@ -125,9 +126,11 @@ def test_load_resolves_latest_a_step_or_nothing(tmp_path):
     with pytest.raises(ConfigError, match=r"--ckpt-step 7: no iter_0000007 under --load .* "
                                           r"\(complete steps there: 5, 10\)"):
         resolve_load(str(root), 7)
-    (root / "latest").write_text("iter_0000099\n")
-    with pytest.raises(ConfigError, match="'latest' names iter_0000099, which does not exist"):
-        resolve_load(str(root))
+    (root / "latest").write_text("iter_0000099\n")  # names a lost checkpoint: named, and the newest whole one taken
+    assert resolve_load(str(root)) == second
+    assert "iter_0000099: 'latest' names it, but it does not exist" in find_resume(root)[1]
+    (root / "latest").write_text("iter_0000007\n")
+    assert resolve_load(str(root)) == first, "never a checkpoint newer than the one 'latest' names"
 
 
 def test_a_mistyped_load_never_starts_over_a_saved_run(tmp_path):
