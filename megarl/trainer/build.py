@@ -27,7 +27,7 @@ from megarl.mcore.lora import LoRAOptions
 from megarl.mcore.model import MoEOptions
 from megarl.mcore.parallel import ParallelInfo
 from megarl.model_shape import ModelShape
-from megarl.preflight import Layout, check_run, padded_vocab_size, prompt_limit
+from megarl.preflight import Layout, check_run, padded_vocab_size, prompt_limit, read_shape
 from megarl.registry import load_plugins
 from megarl.reward import RewardFn, build_reward, reward_options
 from megarl.reward.compose import spec_error
@@ -158,7 +158,8 @@ def start(cfg: Config, checked: Checked) -> TrainingRun:
         pending.start()
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
     return TrainingRun(cfg, info, say, tokenizer, pad_id, prompts, eval_prompts, sampler, actor,
-                       AlgorithmStage(cfg, info, reference, critic), engine, reward, rollout_fn, collect, sync,
+                       AlgorithmStage(cfg, info, reference, critic, teacher=models.teacher), engine, reward,
+                       rollout_fn, collect, sync,
                        start_step, record, pending)
 
 
@@ -173,6 +174,7 @@ class Models:
     engine: RolloutEngine | None
     start_step: int
     rank_state: dict
+    teacher: MegatronPolicy | None = None  # on-policy distillation's (--teacher), frozen
 
 
 def build_models(cfg: Config, checked: Checked, info: ParallelInfo, model: dict, sampler: PromptSampler,
@@ -192,12 +194,35 @@ def build_models(cfg: Config, checked: Checked, info: ParallelInfo, model: dict,
     elif AlgorithmStage.needs_reference(cfg):
         reference = MegatronPolicy(checked.shape, trainable=False, **model)
         reference.load_hf(m.ref_checkpoint or m.hf_checkpoint)
+    teacher = build_teacher(cfg, info, model, say)
     start_step, rank_state = resume(cfg, checked.resume_from, actor, sampler, say)
     critic = (CriticStage(cfg, checked.shape, info, optim_config(t), model["padded_vocab_size"], checked.resume_from)
               if AlgorithmStage.needs_critic(cfg) else None)
     if engine is None and info.is_mp_leader:
         engine = as_engine(build_engine(cfg, actor))
-    return Models(actor, reference, critic, engine, start_step, rank_state)
+    return Models(actor, reference, critic, engine, start_step, rank_state, teacher)
+
+
+def build_teacher(cfg: Config, info: ParallelInfo, model: dict, say):
+    """On-policy distillation's teacher (`--teacher`): a frozen Megatron model built from its HF checkpoint with the
+    actor's layout (TP/PP, precision), its own architecture (it may be wider or deeper than the actor) and the
+    actor's tokenizer (checked: the per-token log-probs of the actor's token ids must mean the same tokens)."""
+    from megarl.teacher import HTTPTeacher, check_teacher_tokenizer
+    m = cfg.model
+    if not m.teacher:
+        return None
+    if m.teacher.startswith(("http://", "https://")):  # a served teacher (SGLang-shaped prompt log-probs)
+        say(f"megarl: the teacher is served at {m.teacher}")
+        return HTTPTeacher(m.teacher, timeout_s=cfg.training.distributed_timeout_seconds)
+    check_teacher_tokenizer(m.hf_checkpoint, m.teacher)
+    shape = read_shape("--teacher", m.teacher)
+    say(f"megarl: building the teacher {m.teacher} ({shape.family} {shape.num_layers} layers hidden "
+        f"{shape.hidden_size})")
+    layout = dict(model, padded_vocab_size=padded_vocab_size(shape.vocab_size, m.make_vocab_size_divisible_by,
+                                                              info.tp_size))
+    teacher = MegatronPolicy(shape, trainable=False, **layout)
+    teacher.load_hf(m.teacher)
+    return teacher
 
 
 def launch_engine_first(cfg: Config, info: ParallelInfo, say) -> RolloutEngine | None:

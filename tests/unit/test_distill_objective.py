@@ -16,7 +16,7 @@ from megarl.algorithms.losses import aggregate, policy_loss_clip
 SEEDS = (0, 1, 2)
 
 
-def _batch(seed, groups=2, group_size=3, T=7):
+def _batch(seed, groups=2, group_size=3, T=7):  # noqa: N803
     g = torch.Generator().manual_seed(seed)
     B = groups * group_size
     logp = -torch.rand(B, T, generator=g, dtype=torch.float64) * 3
@@ -142,7 +142,7 @@ def test_topk_reverse_kl_matches_hand_computation_and_bounds_full_kl(seed):
         up, down = base.copy(), base.copy()
         up[idx] += h
         down[idx] -= h
-        f = lambda z: (_hand_topk(z, ids.numpy(), tlogp.numpy(), mask.numpy(), floor, temperature) * w).sum()  # noqa: E731
+        f = lambda z: (_hand_topk(z, ids.numpy(), tlogp.numpy(), mask.numpy(), floor, temperature) * w).sum()
         num_grad[idx] = (f(up) - f(down)) / (2 * h)
     assert np.allclose(x.grad.numpy(), num_grad, atol=1e-8, rtol=0)
 
