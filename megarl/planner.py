@@ -62,6 +62,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field, replace
+from pathlib import Path
 from typing import Literal
 
 from megarl.model_shape import ModelShape
@@ -153,10 +154,10 @@ class RunSettings:
 
 
 def _teacher_params(teacher: str) -> float:
-    """The parameters of a local --teacher checkpoint (its config.json); 0 without one or for a served teacher (its
-    memory is its server's)."""
-    if not teacher or teacher.startswith(("http://", "https://")):
-        return 0.0
+    """The parameters of a local --teacher checkpoint (its config.json); 0 without one, for a served teacher (its
+    memory is its server's) and for a checkpoint not downloaded yet."""
+    if not teacher or teacher.startswith(("http://", "https://")) or not (Path(teacher) / "config.json").is_file():
+        return 0.0  # megarl-plan reads a missing checkpoint's shape from the recipe's TEACHER_SHAPE
     from megarl.preflight import read_shape
 
     return float(num_params(read_shape("--teacher", teacher)))
