@@ -156,11 +156,15 @@ class RunSettings:
 def _teacher_params(teacher: str) -> float:
     """The parameters of a local --teacher checkpoint (its config.json); 0 without one, for a served teacher (its
     memory is its server's) and for a checkpoint not downloaded yet."""
-    if not teacher or teacher.startswith(("http://", "https://")) or not (Path(teacher) / "config.json").is_file():
-        return 0.0  # megarl-plan reads a missing checkpoint's shape from the recipe's TEACHER_SHAPE
     from megarl.preflight import read_shape
+    from megarl.teacher import parse_teachers
 
-    return float(num_params(read_shape("--teacher", teacher)))
+    total = 0.0
+    for source in (parse_teachers(teacher).values() if teacher else ()):
+        # megarl-plan reads a missing checkpoint's shape from the recipe's TEACHER_SHAPE
+        if not source.startswith(("http://", "https://")) and (Path(source) / "config.json").is_file():
+            total += num_params(read_shape("--teacher", source))
+    return total
 
 
 DEDICATED_ENGINE_FRACTION = 0.85  # launch/slurm/disaggregated.sbatch's SGLANG_MEM_FRACTION
@@ -368,12 +372,12 @@ def _train_phase(s: ModelShape, r: RunSettings, dp: int) -> dict[str, float]:
     layers = math.ceil(s.num_layers / r.pp) * per_token * tokens * in_flight
     logits = logprob_head_bytes(tokens, s.vocab_size, s.hidden_size, tp=r.tp, chunk_tokens=r.logprob_chunk_tokens)
     trained = lora_stage_params(s, r) if r.lora_rank else p  # LoRA: the adapters only; the base is frozen
+    teacher = {"teacher model": weights_bytes(r.teacher_params) / (r.tp * r.pp)} if r.teacher_params else {}
     return {"actor weights": weights_bytes(p + (trained if r.lora_rank else 0)), "gradients (fp32)": 4 * trained,
             "optimizer (fp32 main + Adam)": adam_state_bytes(trained, dp * r.cp if r.distributed_optimizer else 1),
             "activations + logits": layers + logits,
             "reference model": weights_bytes(p) if r.kl and not r.lora_rank else 0.0,
-            # the teacher, frozen bf16, sharded over TP and PP like the actor
-            "teacher model": weights_bytes(r.teacher_params) / (r.tp * r.pp)}
+            **teacher}  # the teacher, frozen bf16, sharded over TP and PP like the actor
 
 
 def memory_plan(s: ModelShape, r: RunSettings, cluster: Cluster) -> list[MemoryPlan]:

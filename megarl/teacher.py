@@ -158,3 +158,61 @@ def serve_teacher(score, host: str = "127.0.0.1", port: int = 0):
     server = ThreadingHTTPServer((host, port), Handler)
     threading.Thread(target=server.serve_forever, daemon=True).start()
     return server
+
+
+# -- several teachers, chosen per row ------------------------------------------------------------------------------
+
+
+def parse_teachers(spec: str) -> dict[str, str]:
+    """`--teacher`: one source (an HF checkpoint directory or an http(s) URL), or several named ones,
+    `name=SOURCE,name=SOURCE`, chosen per data row by its `teacher` field (a row without one gets the first).
+    {name: source}, the single source under the name ""."""
+    if "=" not in spec.split(",")[0] or spec.startswith(("http://", "https://")):
+        if "," in spec:
+            raise ConfigError(f"--teacher {spec}: several teachers are given as name=SOURCE,name=SOURCE")
+        return {"": spec}
+    out: dict[str, str] = {}
+    for part in spec.split(","):
+        name, eq, source = part.partition("=")
+        name, source = name.strip(), source.strip()
+        if not eq or not name or not source:
+            raise ConfigError(f"--teacher {spec}: {part!r} is not name=SOURCE")
+        if name in out:
+            raise ConfigError(f"--teacher {spec}: the name {name!r} is given twice")
+        out[name] = source
+    return out
+
+
+class Teachers:
+    """Several teachers, each row's log-probs from the one its data row names (`PromptRecord.teacher`; "" = the
+    first). `teachers`: {name: an object with `logprobs(tokens, **kw)`}; `row_teacher[i]`: dataset row i's name.
+    Every teacher runs on the rows that name it only (a Megatron teacher's forward is collective: every rank runs
+    every teacher, on its own rows, possibly none)."""
+
+    def __init__(self, teachers: dict, row_teacher: list[str]):
+        self.teachers, self.names = teachers, list(teachers)
+        unknown = sorted({t for t in row_teacher if t and t not in teachers})
+        if unknown:
+            raise ConfigError(f"data rows name teachers {unknown} that --teacher does not give (it gives "
+                              f"{self.names})")
+        self.row_teacher = [t or self.names[0] for t in row_teacher]
+
+    def logprobs(self, tokens, *, rows, lengths=None, **kw):
+        import torch
+
+        if len(rows) != tokens.shape[0]:
+            raise ValueError(f"teachers: {len(rows)} row indices for {tokens.shape[0]} sequences")
+        chosen = [self.row_teacher[r] for r in rows]
+        out = None
+        for name, teacher in self.teachers.items():
+            idx = [b for b, c in enumerate(chosen) if c == name]
+            if not idx:
+                continue
+            sel = torch.tensor(idx)
+            got = teacher.logprobs(tokens[sel], lengths=None if lengths is None else lengths[sel], **kw)
+            if got is None:  # not the last pipeline stage (every teacher still runs: the forwards are collective)
+                continue
+            if out is None:
+                out = torch.zeros(tokens.shape[0], tokens.shape[1] - 1, dtype=got.dtype, device=got.device)
+            out[sel.to(got.device)] = got
+        return out

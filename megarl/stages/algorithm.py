@@ -88,7 +88,7 @@ class AlgorithmStage:
     def needs_critic(cfg: Config) -> bool:
         return ADVANTAGES.get(cfg.algorithm.advantage_estimator).needs.critic
 
-    def logprobs(self, actor: MegatronPolicy, packed: PackedSamples) -> LogProbs:
+    def logprobs(self, actor: MegatronPolicy, packed: PackedSamples, samples: Sequence[Sample] = ()) -> LogProbs:
         """With a single update per rollout the old log-probs equal the current ones (ratio 1, as in TRL), so
         computing them would be a wasted forward pass."""
         t = self.cfg.training
@@ -99,7 +99,7 @@ class AlgorithmStage:
         teacher, teacher_s = None, 0.0
         if self.teacher is not None:  # at the engine's temperature, as the reference and the actor
             start = time.perf_counter()
-            teacher = self.teacher.logprobs(packed.tokens, **kw)
+            teacher = self.teacher.logprobs(packed.tokens, rows=[s.prompt_index for s in samples], **kw)
             teacher_s = time.perf_counter() - start
         return LogProbs(old=old, ref=ref, teacher=teacher, teacher_s=teacher_s)
 

@@ -41,6 +41,7 @@ from megarl.stages.asynchronous import AsyncCollect
 from megarl.stages.collect import Collect, Collector, DynamicSampling, OverlongShaping
 from megarl.stages.colocation import WeightSync
 from megarl.stages.critic_update import CriticStage
+from megarl.teacher import Teachers
 from megarl.trainer.checkpoints import resume
 from megarl.trainer.engine_launch import LaunchWait
 
@@ -157,8 +158,9 @@ def start(cfg: Config, checked: Checked) -> TrainingRun:
     if pending is not None:
         pending.start()
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
+    teachers = Teachers(models.teacher, [p.teacher for p in prompts]) if models.teacher else None
     return TrainingRun(cfg, info, say, tokenizer, pad_id, prompts, eval_prompts, sampler, actor,
-                       AlgorithmStage(cfg, info, reference, critic, teacher=models.teacher), engine, reward,
+                       AlgorithmStage(cfg, info, reference, critic, teacher=teachers), engine, reward,
                        rollout_fn, collect, sync,
                        start_step, record, pending)
 
@@ -174,7 +176,7 @@ class Models:
     engine: RolloutEngine | None
     start_step: int
     rank_state: dict
-    teacher: MegatronPolicy | None = None  # on-policy distillation's (--teacher), frozen
+    teacher: dict | None = None  # on-policy distillation's teachers (--teacher), {name: frozen model or server}
 
 
 def build_models(cfg: Config, checked: Checked, info: ParallelInfo, model: dict, sampler: PromptSampler,
@@ -203,26 +205,31 @@ def build_models(cfg: Config, checked: Checked, info: ParallelInfo, model: dict,
     return Models(actor, reference, critic, engine, start_step, rank_state, teacher)
 
 
-def build_teacher(cfg: Config, info: ParallelInfo, model: dict, say):
-    """On-policy distillation's teacher (`--teacher`): a frozen Megatron model built from its HF checkpoint with the
-    actor's layout (TP/PP, precision), its own architecture (it may be wider or deeper than the actor) and the
-    actor's tokenizer (checked: the per-token log-probs of the actor's token ids must mean the same tokens)."""
-    from megarl.teacher import HTTPTeacher, check_teacher_tokenizer
+def build_teacher(cfg: Config, info: ParallelInfo, model: dict, say) -> dict | None:
+    """On-policy distillation's teachers (`--teacher`, `megarl.teacher.parse_teachers`), {name: teacher}: each a
+    frozen Megatron model built from its HF checkpoint with the actor's layout (TP/PP, precision), its own
+    architecture (it may be wider or deeper than the actor) and the actor's tokenizer (checked: the per-token
+    log-probs of the actor's token ids must mean the same tokens), or a server (an http(s) URL)."""
+    from megarl.teacher import HTTPTeacher, check_teacher_tokenizer, parse_teachers
     m = cfg.model
     if not m.teacher:
         return None
-    if m.teacher.startswith(("http://", "https://")):  # a served teacher (SGLang-shaped prompt log-probs)
-        say(f"megarl: the teacher is served at {m.teacher}")
-        return HTTPTeacher(m.teacher, timeout_s=cfg.training.distributed_timeout_seconds)
-    check_teacher_tokenizer(m.hf_checkpoint, m.teacher)
-    shape = read_shape("--teacher", m.teacher)
-    say(f"megarl: building the teacher {m.teacher} ({shape.family} {shape.num_layers} layers hidden "
-        f"{shape.hidden_size})")
-    layout = dict(model, padded_vocab_size=padded_vocab_size(shape.vocab_size, m.make_vocab_size_divisible_by,
-                                                              info.tp_size))
-    teacher = MegatronPolicy(shape, trainable=False, **layout)
-    teacher.load_hf(m.teacher)
-    return teacher
+    teachers = {}
+    for name, source in parse_teachers(m.teacher).items():
+        label = f"teacher {name + ' ' if name else ''}"
+        if source.startswith(("http://", "https://")):  # a served teacher (SGLang-shaped prompt log-probs)
+            say(f"megarl: the {label}is served at {source}")
+            teachers[name] = HTTPTeacher(source, timeout_s=cfg.training.distributed_timeout_seconds)
+            continue
+        check_teacher_tokenizer(m.hf_checkpoint, source)
+        shape = read_shape("--teacher", source)
+        say(f"megarl: building the {label}{source} ({shape.family} {shape.num_layers} layers hidden "
+            f"{shape.hidden_size})")
+        layout = dict(model, padded_vocab_size=padded_vocab_size(shape.vocab_size, m.make_vocab_size_divisible_by,
+                                                                  info.tp_size))
+        teachers[name] = MegatronPolicy(shape, trainable=False, **layout)
+        teachers[name].load_hf(source)
+    return teachers
 
 
 def launch_engine_first(cfg: Config, info: ParallelInfo, say) -> RolloutEngine | None:

@@ -528,7 +528,7 @@ def scenario_teacher(args, info):
     cfg = SimpleNamespace(model=SimpleNamespace(teacher=args.hf, hf_checkpoint=args.ckpt,
                                                 make_vocab_size_divisible_by=1),
                           training=SimpleNamespace(distributed_timeout_seconds=60))
-    teacher = build_teacher(cfg, info, dict(tp=args.tp, pp=args.pp), lambda *a: None)
+    teacher = build_teacher(cfg, info, dict(tp=args.tp, pp=args.pp), lambda *a: None)[""]
     tokens = _fixed_tokens(ModelShape.from_pretrained(args.hf).vocab_size).to(parallel_device())
     logprobs = teacher.logprobs(tokens, micro_batch_size=2, temperature=0.7)
     return {"logprobs": None if logprobs is None else logprobs.cpu()}

@@ -654,7 +654,8 @@ def test_every_moved_flag_keeps_its_spelling_and_lives_in_its_component_section(
 
 
 # Settings added since those configs were saved (their defaults fill them in): tool_use's OpenEnv options.
-ADDED_SINCE = {"openenv", "openenv_url", "openenv_tool", "openenv_timeout", "engine_launch_timeout_seconds"}
+ADDED_SINCE = {"openenv", "openenv_url", "openenv_tool", "openenv_timeout", "engine_launch_timeout_seconds",
+               "teacher", "distill_coef", "distill_only"}
 
 
 @pytest.mark.parametrize("run", ["tool_use", "ppo"])

@@ -153,3 +153,33 @@ def test_topk_reverse_kl_matches_hand_computation_and_bounds_full_kl(seed):
     all_t, all_ids = teacher_full.topk(V, dim=-1)
     covered = topk_reverse_kl(logits, all_ids, all_t, mask, tail_floor=floor, temperature=temperature)
     assert torch.allclose(covered[mask], full[mask], atol=1e-7)
+
+
+def test_teachers_chosen_per_row_and_parsed():
+    from megarl.errors import ConfigError
+    from megarl.teacher import Teachers, parse_teachers
+
+    assert parse_teachers("/m/7b") == {"": "/m/7b"}
+    assert parse_teachers("http://h:1/x") == {"": "http://h:1/x"}
+    assert parse_teachers("math=/m/a, code=http://h:2") == {"math": "/m/a", "code": "http://h:2"}
+    for bad in ("math=/m/a,math=/m/b", "math=/m/a,/m/b", "/m/a,/m/b"):
+        with pytest.raises(ConfigError, match="--teacher"):
+            parse_teachers(bad)
+
+    class Fake:  # log-prob of token t+1 = offset + token id, so each row shows who scored it
+        def __init__(self, offset):
+            self.offset, self.calls = offset, []
+
+        def logprobs(self, tokens, *, lengths=None, temperature=1.0):
+            self.calls.append(tokens.shape[0])
+            return (tokens[:, 1:] + self.offset).float() / temperature
+
+    math_t, code_t = Fake(100), Fake(200)
+    teachers = Teachers({"math": math_t, "code": code_t}, ["code", "", "math", "code"])
+    tokens = torch.arange(20).view(5, 4)
+    got = teachers.logprobs(tokens, rows=[0, 1, 2, 3, 1], lengths=torch.full((5,), 4), temperature=0.5)
+    want_offset = torch.tensor([200, 100, 100, 200, 100]).unsqueeze(1)  # row 1 names none: the first, math
+    assert torch.equal(got, (tokens[:, 1:] + want_offset).float() / 0.5)
+    assert math_t.calls == [3] and code_t.calls == [2]  # each teacher scores its own rows only
+    with pytest.raises(ConfigError, match=r"teachers \['physics'\]"):
+        Teachers({"math": math_t}, ["physics"])
