@@ -84,7 +84,7 @@ $(DISTILL_TEACHER): | $(STAMP)
 	$(VPY) tools/make_starter_model.py --out $(dir $@) --steps $(DISTILL_TEACHER_STEPS)
 
 # On-policy distillation against GRPO from the demo's starter, same seed and steps (tools/distill_demo.py). NOT yet
-# calibrated: DISTILL_STEPS and the coefficient have not been measured against the issue's targets (docs/results.md).
+# calibrated: DISTILL_STEPS and the coefficient have not been measured against its targets (docs/results.md).
 demo-distill: venv $(STARTER) $(DISTILL_TEACHER)
 	$(VPY) tools/distill_demo.py --student $(dir $(STARTER)) --teacher $(dir $(DISTILL_TEACHER)) \
 	  --steps $(DISTILL_STEPS) --nproc $(NPROC) --out runs/distill
