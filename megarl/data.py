@@ -29,6 +29,8 @@ class PromptRecord:
     # reward model renders through its own tokenizer's template
     row_source: str = field(default="", compare=False)  # the row's own `source` field ("humaneval:12"), "" when it
     # has none: `megarl-eval` reports figures by it (`megarl.evaluation.subset`)
+    teacher: str = field(default="", compare=False)  # the row's `teacher` field: which --teacher scores its samples
+    # (on-policy distillation with several teachers); "" = the first
 
 
 def load_prompts(path: str, tokenizer, *, input_key: str, label_key: str, verifier_key: str,
@@ -67,8 +69,11 @@ def load_prompts(path: str, tokenizer, *, input_key: str, label_key: str, verifi
             raise ConfigError(f"{where}: {error}")
         text, ids = _render_prompt(row[input_key], tokenizer, apply_chat_template, f"{where}: field {input_key!r}")
         tag = row.get("source")
+        teacher = row.get("teacher") or ""
+        if not isinstance(teacher, str):
+            raise ConfigError(f"{where}: field 'teacher' must be text (the name of one of --teacher's teachers)")
         records.append(PromptRecord(len(records), text, ids, row[label_key], verifier, where, row[input_key],
-                                    tag if isinstance(tag, str) else ""))
+                                    tag if isinstance(tag, str) else "", teacher))
     if not records:
         raise ConfigError(f"{flag} {path}: the file has no rows")
     return records

@@ -321,7 +321,9 @@ def format_step(row: dict, num_steps: int, eta: float | None = None) -> str:
     fields = (("reward_mean", "reward", "{:.3f}"), ("accuracy", "acc", "{:.1%}"), ("kl", "kl", "{:.4f}"),
               ("clip_frac", "clip", "{:.3f}"), ("entropy", "ent", "{:.3f}"), ("response_len", "len", "{:.1f}"),
               ("value_loss", "vloss", "{:.4f}"), ("explained_variance", "ev", "{:.2f}"),  # these two: PPO
-              ("tool_call_rate", "tool", "{:.1%}"))  # tool_use
+              ("tool_call_rate", "tool", "{:.1%}"),  # tool_use
+              ("distill/reverse_kl", "tkl", "{:.4f}"), ("distill/adv_share", "tshare", "{:.0%}"),  # distillation
+              ("distill/teacher_s", "teacher", "{:.2f}s"))
     parts += [f"{label} {fmt.format(row[k])}" for k, label, fmt in fields if k in row]
     if row.get("hack/any", 0.0) > 0:  # reward hacking (`megarl.reward.hacking`): the share flagged, its top signal
         top = max((k for k in row if k.startswith("hack/") and k not in ("hack/any", "hack/rm_length_corr")),

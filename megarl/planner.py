@@ -20,6 +20,8 @@ command line. Memory, in bytes, for P parameters held by one GPU (its TP shard o
   peak; `fixes` now offers --logprob-chunk-tokens when the head is what does not fit.)
 - KV cache per token: 2 (K and V) x layers x kv_heads x head_dim x 2 bytes, sharded over the engine's TP.
 - reference model (when --kl-coef > 0): its bf16 weights, sharded like the actor.
+- teacher model (on-policy distillation, a local --teacher checkpoint): its bf16 weights, sharded over TP and PP like
+  the actor's, and one forward pass (2 FLOPs a parameter a token) a step; a served teacher costs these GPUs nothing.
 - LoRA (--lora-rank R): the base weights are frozen: 2P of bf16 weights and no gradient or optimizer state for
   them. The adapters' parameters L (`lora_params`; per GPU `lora_stage_params`: for a column-parallel layer A
   [R, in] is replicated over TP and B [out / TP, R] split, for a row-parallel one A [R, in / TP] split and B
@@ -60,6 +62,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field, replace
+from pathlib import Path
 from typing import Literal
 
 from megarl.model_shape import ModelShape
@@ -117,6 +120,7 @@ class RunSettings:
     micro_batch_size: int = 4
     updates_per_rollout: int = 1
     kl: bool = False  # a reference model is loaded (--kl-coef > 0)
+    teacher_params: float = 0.0  # on-policy distillation's local teacher (--teacher), its parameters; 0 = none
     sequence_parallel: bool = False
     distributed_optimizer: bool = False
     offload_optimizer: bool = False
@@ -145,7 +149,22 @@ class RunSettings:
                    offload_params=t.offload_params, sequence_parallel=m.sequence_parallel,
                    logprob_chunk_tokens=m.logprob_chunk_tokens, engine_mem_fraction=engine_mem,
                    mode="disaggregated" if r.rollout_servers else "colocated", async_staleness=t.async_staleness,
-                   lora_rank=m.lora_rank, lora_targets=m.lora_targets, sync_bucket_mb=r.sync_bucket_mb, **planner)
+                   lora_rank=m.lora_rank, lora_targets=m.lora_targets, sync_bucket_mb=r.sync_bucket_mb,
+                   teacher_params=_teacher_params(m.teacher), **planner)
+
+
+def _teacher_params(teacher: str) -> float:
+    """The parameters of a local --teacher checkpoint (its config.json); 0 without one, for a served teacher (its
+    memory is its server's) and for a checkpoint not downloaded yet."""
+    from megarl.preflight import read_shape
+    from megarl.teacher import parse_teachers
+
+    total = 0.0
+    for source in (parse_teachers(teacher).values() if teacher else ()):
+        # megarl-plan reads a missing checkpoint's shape from the recipe's TEACHER_SHAPE
+        if not source.startswith(("http://", "https://")) and (Path(source) / "config.json").is_file():
+            total += num_params(read_shape("--teacher", source))
+    return total
 
 
 DEDICATED_ENGINE_FRACTION = 0.85  # launch/slurm/disaggregated.sbatch's SGLANG_MEM_FRACTION
@@ -353,10 +372,12 @@ def _train_phase(s: ModelShape, r: RunSettings, dp: int) -> dict[str, float]:
     layers = math.ceil(s.num_layers / r.pp) * per_token * tokens * in_flight
     logits = logprob_head_bytes(tokens, s.vocab_size, s.hidden_size, tp=r.tp, chunk_tokens=r.logprob_chunk_tokens)
     trained = lora_stage_params(s, r) if r.lora_rank else p  # LoRA: the adapters only; the base is frozen
+    teacher = {"teacher model": weights_bytes(r.teacher_params) / (r.tp * r.pp)} if r.teacher_params else {}
     return {"actor weights": weights_bytes(p + (trained if r.lora_rank else 0)), "gradients (fp32)": 4 * trained,
             "optimizer (fp32 main + Adam)": adam_state_bytes(trained, dp * r.cp if r.distributed_optimizer else 1),
             "activations + logits": layers + logits,
-            "reference model": weights_bytes(p) if r.kl and not r.lora_rank else 0.0}
+            "reference model": weights_bytes(p) if r.kl and not r.lora_rank else 0.0,
+            **teacher}  # the teacher, frozen bf16, sharded over TP and PP like the actor
 
 
 def memory_plan(s: ModelShape, r: RunSettings, cluster: Cluster) -> list[MemoryPlan]:
@@ -478,7 +499,7 @@ def step_time(s: ModelShape, r: RunSettings, cluster: Cluster, plans: list[Memor
     tokens = r.rollout_batch_size * r.n_samples_per_prompt * (r.prompt_len + r.mean_response_frac * r.max_response_len)
     passes = 6 + 2 + (2 if r.kl else 0)  # update fwd+bwd, the actor's log-probs, the reference's
     attention = 2 * s.num_layers * mean_ctx * s.num_attention_heads * s.head_dim  # per token, forward
-    flops = tokens * (passes * active + passes / 2 * attention)
+    flops = tokens * (passes * active + passes / 2 * attention) + tokens * 2 * r.teacher_params  # teacher's forward
     dp = max(1, train_gpus // (r.tp * r.pp * r.cp))
     micro = max(1, math.ceil(r.rollout_batch_size * r.n_samples_per_prompt / dp / r.updates_per_rollout
                              / r.micro_batch_size))

@@ -98,7 +98,7 @@ def run(cfg: Config, checked) -> int:
         enter_training(actor, engine)  # colocated: the engine releases its memory, the actor onloads
         with timer("t_logprobs"):
             packed = pack(rollout.samples, run.pad_id, mask_truncated=cfg.algorithm.mask_truncated)
-            logp = run.algorithm.logprobs(actor, packed)
+            logp = run.algorithm.logprobs(actor, packed, rollout.samples)
         rollout = wait_for_rewards(rollout)  # --reward-overlap: the last rows were scored during the log-probs
         timer.add(t_reward=rollout.reward_seconds, t_reward_exposed=rollout.reward_exposed_seconds)
         batch, algorithm_metrics = run.algorithm.train_batch(rollout, packed, logp)  # rewards, advantages

@@ -48,11 +48,14 @@ REPO = Path(__file__).resolve().parents[1]
 # demos' model files, tiny_qwen2.sh and tiny_qwen3_moe.sh, run in the demos that source them (tiny_cpu.sh,
 # tiny_cpu_moe.sh): the starters' 64 positions cannot hold r1_math's prompts.
 RUNS = ("r1_math", "r1_code", "tiny_cpu", "tiny_cpu_moe", "tiny_cpu_ppo", "tiny_cpu_ppo_rm", "tiny_cpu_tool",
-        "tiny_cpu_math", "tiny_cpu_code", "tiny_cpu_rg", "tiny_cpu_lora", "r1_math_lora",
+        "tiny_cpu_math", "tiny_cpu_code", "tiny_cpu_rg", "tiny_cpu_lora", "r1_math_lora", "r1_math_distill",
         *(f"r1_math:{m}" for m in ("qwen2.5-7b", "qwen2.5-math-7b", "llama-3.1-8b", "llama-3.1-70b", "qwen3-8b",
                                    "qwen3-30b-a3b")))
 # the recipes' `RECIPE_MODEL` defaults
-DEFAULT_MODEL = {"r1_math": "qwen2.5-math-1.5b", "r1_code": "qwen2.5-7b", "r1_math_lora": "qwen2.5-math-7b"}
+DEFAULT_MODEL = {"r1_math": "qwen2.5-math-1.5b", "r1_code": "qwen2.5-7b", "r1_math_lora": "qwen2.5-math-7b",
+                 "r1_math_distill": "qwen2.5-math-1.5b"}
+# a distillation recipe's teacher (`TEACHER_DIR`): the tiny model of this model file, on the same tokenizer
+TEACHER_MODEL = {"r1_math_distill": "qwen2.5-math-7b"}
 
 
 def overrides(out: Path) -> list[str]:
@@ -307,6 +310,9 @@ def prepare(run: str, shared: Path) -> tuple[Path, dict[str, str]]:
         hf = _made(("model", model), shared, lambda out: make_gpu_model(model, out))
         data = _made(("data", name), shared, make_math_data if name.startswith("r1_math") else make_code_data)
         env.update(RECIPE_MODEL=model, MODEL_DIR=str(hf), DATA_DIR=str(data))
+        if name in TEACHER_MODEL:
+            teacher = TEACHER_MODEL[name]
+            env["TEACHER_DIR"] = str(_made(("model", teacher), shared, lambda out: make_gpu_model(teacher, out)))
     elif name == "tiny_cpu_tool":
         env["TOOL_STARTER_DIR"] = str(_made(("starter", "tool"), shared, lambda out: make_starter(out, tool=True)))
     elif name == "tiny_cpu_code":

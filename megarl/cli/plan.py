@@ -30,6 +30,7 @@ from megarl.preflight import model_problems, prompt_limit
 
 _SHAPE_DUMP = ('source "$1" >/dev/null; '
                'for k in "${!MODEL_SHAPE[@]}"; do printf "%s\\0%s\\0" "$k" "${MODEL_SHAPE[$k]}"; done')
+_TEACHER_DUMP = _SHAPE_DUMP.replace("MODEL_SHAPE", "TEACHER_SHAPE")
 
 
 def _value(text: str):
@@ -43,9 +44,10 @@ def _value(text: str):
     return text
 
 
-def shape_from_bash(path: str | Path) -> ModelShape | None:
-    """The MODEL_SHAPE associative array (HF config.json keys) a recipe or shape file defines, if any."""
-    proc = subprocess.run(["bash", "-c", _SHAPE_DUMP, "plan", str(Path(path).resolve())], capture_output=True,
+def shape_from_bash(path: str | Path, dump: str = _SHAPE_DUMP) -> ModelShape | None:
+    """The MODEL_SHAPE associative array (HF config.json keys) a recipe or shape file defines, if any (with
+    `_TEACHER_DUMP`: its TEACHER_SHAPE, the distillation teacher's)."""
+    proc = subprocess.run(["bash", "-c", dump, "plan", str(Path(path).resolve())], capture_output=True,
                           text=True, timeout=30)
     if proc.returncode:
         raise ConfigError(f"{path}: bash failed: {proc.stderr.strip()[-400:]}")
@@ -163,6 +165,16 @@ def main(argv: list[str] | None = None) -> int:
                                   mfu=args.mfu)
     if args.engine_tp:
         run = replace(run, engine_tp=args.engine_tp)
+    teacher = cfg.model.teacher
+    if teacher and not run.teacher_params and not teacher.startswith(("http://", "https://")):
+        t_shape = shape_from_bash(args.recipe, _TEACHER_DUMP) if args.recipe else None
+        if t_shape is None:
+            print(f"plan: --teacher {teacher}: no config.json there and no TEACHER_SHAPE in the recipe",
+                  file=sys.stderr)
+            return 2
+        run = replace(run, teacher_params=float(num_params(t_shape)))
+    if run.teacher_params:
+        print(f"teacher: {run.teacher_params / 1e9:.2f}B parameters, frozen, sharded like the actor")
     print(f"model: {shape.family}, {num_params(shape) / 1e9:.2f}B parameters ({2 * num_params(shape) / GIB:.1f} GiB "
           f"in bf16), {shape.num_layers} layers, {shape.max_position_embeddings} positions, KV cache "
           f"{kv_bytes_per_token(shape) / 1024:.0f} KiB/token")

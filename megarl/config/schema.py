@@ -38,6 +38,10 @@ class ModelConfig:
     hf_checkpoint: str = _f("", "Hugging Face checkpoint directory (config.json + safetensors + tokenizer) of the "
                             "initial actor")
     ref_checkpoint: str = _f("", "HF checkpoint of the frozen reference model; empty = same as --hf-checkpoint")
+    teacher: str = _f("", "on-policy distillation: HF checkpoint directory of the teacher (same tokenizer as the "
+                      "actor; any width/depth), built as a frozen Megatron model with the actor's TP/PP, or the "
+                      "http(s) URL of a server answering SGLang-shaped prompt log-prob requests "
+                      "(megarl.teacher); empty = no teacher (--distill-coef)")
     tensor_model_parallel_size: int = _f(1, "tensor-parallel size (TP)")
     pipeline_model_parallel_size: int = _f(1, "pipeline-parallel size (PP)")
     transformer_impl: Literal["auto", "local", "transformer_engine"] = _f(
@@ -288,6 +292,11 @@ class AlgorithmConfig:
     kl_estimator: str = _name("k3", "KL estimator", "megarl.algorithms.slots:KL_ESTIMATORS")
     kl_in_reward: bool = _f(False, "fold the KL penalty into the reward (kl_coef * summed per-token KL of each "
                             "response) instead of adding it to the loss")
+    distill_coef: float = _f(0.0, "on-policy distillation: weight of the per-token reverse-KL advantage "
+                             "-(log p_student - log p_teacher) on the sampled tokens, added to the estimator's "
+                             "advantage (needs --teacher); 0 = off")
+    distill_only: bool = _f(False, "on-policy distillation alone: the advantage is the teacher's per-token signal only "
+                            "(rewards are still scored and reported)")
     entropy_coef: float = _f(0.0, "entropy bonus weight (0 = off; entropy is reported either way)")
     loss_aggregation: Literal["token-mean", "seq-mean-token-mean", "seq-mean-token-sum",
                               "seq-mean-token-sum-norm"] = _f(
@@ -307,6 +316,10 @@ class AlgorithmConfig:
     def __post_init__(self):
         if self.kl_coef < 0:
             raise ConfigError(f"--kl-coef must be >= 0, got {self.kl_coef}")
+        if self.distill_coef < 0:
+            raise ConfigError(f"--distill-coef must be >= 0, got {self.distill_coef}")
+        if self.distill_only and self.distill_coef <= 0:
+            raise ConfigError("--distill-only needs --distill-coef > 0 (and --teacher)")
         if self.eps_clip <= 0 or self.eps_clip_high <= 0:
             raise ConfigError("--eps-clip and --eps-clip-high must be > 0")
         if self.entropy_coef < 0 or self.overlong_buffer_len < 0 or self.overlong_penalty < 0:
@@ -497,6 +510,9 @@ class Config:
                 raise ConfigError("--routing-replay works without --recompute-granularity full and with "
                                   "--context-parallel-size 1 (the replayed experts follow one forward per micro-batch)")
 
+        if (self.algorithm.distill_coef > 0) != bool(self.model.teacher):
+            raise ConfigError("on-policy distillation needs both --teacher (an HF checkpoint) and --distill-coef > 0, "
+                              f"got --teacher {self.model.teacher!r} and --distill-coef {self.algorithm.distill_coef}")
         if self.rollout.lora_weight_sync == "adapter":
             check_adapter_sync(self)  # the sglang backend's rules (`megarl.rollout.slots`)
         if self.checkpoint.save_peft and not self.model.lora_rank:

@@ -16,9 +16,12 @@ from __future__ import annotations
 
 from typing import NamedTuple, Sequence
 
+import time
+
 import torch
 
 from megarl.algorithms import ADVANTAGES, KL_ESTIMATORS
+from megarl.algorithms.distill import distill_advantages, reverse_kl_per_token
 from megarl.config import Config
 from megarl.mcore.actor import MegatronPolicy
 from megarl.mcore.parallel import ParallelInfo, broadcast_from_last_stage
@@ -62,14 +65,18 @@ def _routing(samples: Sequence[Sample], width: int) -> torch.Tensor | None:
 class LogProbs(NamedTuple):
     old: torch.Tensor | None  # the actor before this step's updates; None when the ratio's denominator is logp itself
     ref: torch.Tensor | None  # the frozen reference; None without one, and on pipeline stages other than the last
+    teacher: torch.Tensor | None = None  # on-policy distillation's teacher, as `ref`
+    teacher_s: float = 0.0  # the teacher's time (its forward passes or its server's answers)
 
 
 class AlgorithmStage:
     """The models the algorithm needs besides the actor, and the batch it trains the actor on: the stage that runs
     the registered algorithm (`megarl.algorithms`: its estimator, its KL)."""
 
-    def __init__(self, cfg: Config, info: ParallelInfo, reference: MegatronPolicy | None, critic: CriticStage | None):
+    def __init__(self, cfg: Config, info: ParallelInfo, reference: MegatronPolicy | None, critic: CriticStage | None,
+                 teacher=None):
         self.cfg, self.info, self.reference, self.critic = cfg, info, reference, critic
+        self.teacher = teacher  # `logprobs(tokens, **kw)`: a frozen MegatronPolicy (--teacher); None without one
         self.estimator = ADVANTAGES.get(cfg.algorithm.advantage_estimator)
         self.options = ADVANTAGES.kwargs_of(cfg, cfg.algorithm.advantage_estimator)  # the estimator's own
 
@@ -81,7 +88,7 @@ class AlgorithmStage:
     def needs_critic(cfg: Config) -> bool:
         return ADVANTAGES.get(cfg.algorithm.advantage_estimator).needs.critic
 
-    def logprobs(self, actor: MegatronPolicy, packed: PackedSamples) -> LogProbs:
+    def logprobs(self, actor: MegatronPolicy, packed: PackedSamples, samples: Sequence[Sample] = ()) -> LogProbs:
         """With a single update per rollout the old log-probs equal the current ones (ratio 1, as in TRL), so
         computing them would be a wasted forward pass."""
         t = self.cfg.training
@@ -89,13 +96,21 @@ class AlgorithmStage:
                   lengths=packed.lengths, max_tokens_per_micro_batch=t.max_tokens_per_micro_batch)
         ref = self.reference.logprobs(packed.tokens, **kw) if self.reference is not None else None
         old = actor.logprobs(packed.tokens, routing=packed.routing, **kw) if t.updates_per_rollout > 1 else None
-        return LogProbs(old=old, ref=ref)
+        teacher, teacher_s = None, 0.0
+        if self.teacher is not None:  # at the engine's temperature, as the reference and the actor
+            start = time.perf_counter()
+            teacher = self.teacher.logprobs(packed.tokens, rows=[s.prompt_index for s in samples], **kw)
+            teacher_s = time.perf_counter() - start
+        return LogProbs(old=old, ref=ref, teacher=teacher, teacher_s=teacher_s)
 
     def train_batch(self, rollout: RolloutBatch, packed: PackedSamples,
                     logp: LogProbs) -> tuple[TrainBatch, dict[str, float]]:
         """Collective. The batch and the metrics of what ran for it (the critic's)."""
         rewards = self.final_rewards(rollout.samples, packed, logp.ref)
         advantages, metrics = self.advantages(rewards, packed, logp.ref, rollout.group_size)
+        if self.teacher is not None:
+            advantages, distill = self.distill(advantages, packed, logp)
+            metrics = {**metrics, **distill}
         batch = TrainBatch(tokens=packed.tokens, loss_mask=packed.loss_mask, rollout_logp=packed.rollout_logp,
                            lengths=packed.lengths, rewards=rewards, advantages=advantages, old_logp=logp.old,
                            ref_logp=logp.ref, routing=packed.routing)
@@ -138,6 +153,33 @@ class AlgorithmStage:
             return self.estimator.fn(rewards, a.advantage_eps, **inputs).float(), {}
         advantages = self.estimator.fn(rewards.view(-1, group_size), eps=a.advantage_eps, **inputs)
         return advantages.flatten().to(torch.float32), {}
+
+    def distill(self, advantages: torch.Tensor, packed: PackedSamples,
+                logp: LogProbs) -> tuple[torch.Tensor, dict[str, float]]:
+        """On-policy distillation (`megarl.algorithms.distill`): the per-token advantage
+        -distill_coef * (log p_student - log p_teacher) on the sampled tokens, with the rollout's own log-probs as the
+        student's (the policy that sampled them), added to the estimator's advantage, or alone (--distill-only).
+        [B, S - 1]; its metrics: the per-token reverse KL to the teacher, the distillation term's share of the
+        advantage (mean |distill| / (mean |distill| + mean |outcome|) over the loss tokens), the teacher's time (all
+        of it exposed: the teacher runs between the rollout and the update)."""
+        a = self.cfg.algorithm
+        mask = packed.loss_mask.bool()
+        if logp.teacher is None:  # not the last pipeline stage: its advantages are never read
+            return torch.zeros(mask.shape, dtype=torch.float32), {}
+        student, teacher = packed.rollout_logp.double(), logp.teacher.double()
+        outcome = None if a.distill_only else advantages.double()
+        adv = distill_advantages(student, teacher, mask, a.distill_coef, outcome=outcome)
+        kl = reverse_kl_per_token(student, teacher, mask)
+        n = mask.sum().clamp(min=1)
+        distill_abs = float((a.distill_coef * kl.abs()).sum() / n)
+        outcome_abs = 0.0
+        if outcome is not None:
+            per_token = outcome if outcome.dim() == 2 else outcome.unsqueeze(-1).expand_as(kl)
+            outcome_abs = float(torch.where(mask, per_token.abs(), torch.zeros_like(kl)).sum() / n)
+        share = distill_abs / (distill_abs + outcome_abs) if distill_abs + outcome_abs > 0 else 0.0
+        metrics = {"distill/reverse_kl": float(kl.sum() / n), "distill/adv_share": share,
+                   "distill/teacher_s": logp.teacher_s, "distill/teacher_exposed_s": logp.teacher_s}
+        return adv.float(), metrics
 
     def save(self, root: str, step: int, keep_last: int) -> None:
         """Collective. The algorithm's own models' state (the critic's), saved before the actor's."""

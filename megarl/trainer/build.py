@@ -27,7 +27,7 @@ from megarl.mcore.lora import LoRAOptions
 from megarl.mcore.model import MoEOptions
 from megarl.mcore.parallel import ParallelInfo
 from megarl.model_shape import ModelShape
-from megarl.preflight import Layout, check_run, padded_vocab_size, prompt_limit
+from megarl.preflight import Layout, check_run, padded_vocab_size, prompt_limit, read_shape
 from megarl.registry import load_plugins
 from megarl.reward import RewardFn, build_reward, reward_options
 from megarl.reward.compose import spec_error
@@ -41,6 +41,7 @@ from megarl.stages.asynchronous import AsyncCollect
 from megarl.stages.collect import Collect, Collector, DynamicSampling, OverlongShaping
 from megarl.stages.colocation import WeightSync
 from megarl.stages.critic_update import CriticStage
+from megarl.teacher import Teachers
 from megarl.trainer.checkpoints import resume
 from megarl.trainer.engine_launch import LaunchWait
 
@@ -157,8 +158,10 @@ def start(cfg: Config, checked: Checked) -> TrainingRun:
     if pending is not None:
         pending.start()
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
+    teachers = Teachers(models.teacher, [p.teacher for p in prompts]) if models.teacher else None
     return TrainingRun(cfg, info, say, tokenizer, pad_id, prompts, eval_prompts, sampler, actor,
-                       AlgorithmStage(cfg, info, reference, critic), engine, reward, rollout_fn, collect, sync,
+                       AlgorithmStage(cfg, info, reference, critic, teacher=teachers), engine, reward,
+                       rollout_fn, collect, sync,
                        start_step, record, pending)
 
 
@@ -173,6 +176,7 @@ class Models:
     engine: RolloutEngine | None
     start_step: int
     rank_state: dict
+    teacher: dict | None = None  # on-policy distillation's teachers (--teacher), {name: frozen model or server}
 
 
 def build_models(cfg: Config, checked: Checked, info: ParallelInfo, model: dict, sampler: PromptSampler,
@@ -192,12 +196,40 @@ def build_models(cfg: Config, checked: Checked, info: ParallelInfo, model: dict,
     elif AlgorithmStage.needs_reference(cfg):
         reference = MegatronPolicy(checked.shape, trainable=False, **model)
         reference.load_hf(m.ref_checkpoint or m.hf_checkpoint)
+    teacher = build_teacher(cfg, info, model, say)
     start_step, rank_state = resume(cfg, checked.resume_from, actor, sampler, say)
     critic = (CriticStage(cfg, checked.shape, info, optim_config(t), model["padded_vocab_size"], checked.resume_from)
               if AlgorithmStage.needs_critic(cfg) else None)
     if engine is None and info.is_mp_leader:
         engine = as_engine(build_engine(cfg, actor))
-    return Models(actor, reference, critic, engine, start_step, rank_state)
+    return Models(actor, reference, critic, engine, start_step, rank_state, teacher)
+
+
+def build_teacher(cfg: Config, info: ParallelInfo, model: dict, say) -> dict | None:
+    """On-policy distillation's teachers (`--teacher`, `megarl.teacher.parse_teachers`), {name: teacher}: each a
+    frozen Megatron model built from its HF checkpoint with the actor's layout (TP/PP, precision), its own
+    architecture (it may be wider or deeper than the actor) and the actor's tokenizer (checked: the per-token
+    log-probs of the actor's token ids must mean the same tokens), or a server (an http(s) URL)."""
+    from megarl.teacher import HTTPTeacher, check_teacher_tokenizer, parse_teachers
+    m = cfg.model
+    if not m.teacher:
+        return None
+    teachers = {}
+    for name, source in parse_teachers(m.teacher).items():
+        label = f"teacher {name + ' ' if name else ''}"
+        if source.startswith(("http://", "https://")):  # a served teacher (SGLang-shaped prompt log-probs)
+            say(f"megarl: the {label}is served at {source}")
+            teachers[name] = HTTPTeacher(source, timeout_s=cfg.training.distributed_timeout_seconds)
+            continue
+        check_teacher_tokenizer(m.hf_checkpoint, source)
+        shape = read_shape("--teacher", source)
+        say(f"megarl: building the {label}{source} ({shape.family} {shape.num_layers} layers hidden "
+            f"{shape.hidden_size})")
+        layout = dict(model, padded_vocab_size=padded_vocab_size(shape.vocab_size, m.make_vocab_size_divisible_by,
+                                                                  info.tp_size))
+        teachers[name] = MegatronPolicy(shape, trainable=False, **layout)
+        teachers[name].load_hf(source)
+    return teachers
 
 
 def launch_engine_first(cfg: Config, info: ParallelInfo, say) -> RolloutEngine | None:

@@ -517,11 +517,29 @@ def scenario_mismatch(args, info):
                                                               [r[c] for r, c in zip(ref, side.columns)]), topk=5)}
 
 
+def scenario_teacher(args, info):
+    """On-policy distillation's teacher (`--teacher args.hf`, a wider model than the student `args.ckpt`), built as
+    the trainer builds it, and its log-probs of a fixed batch at temperature 0.7."""
+    from types import SimpleNamespace
+
+    from megarl.model_shape import ModelShape
+    from megarl.trainer.build import build_teacher
+
+    cfg = SimpleNamespace(model=SimpleNamespace(teacher=args.hf, hf_checkpoint=args.ckpt,
+                                                make_vocab_size_divisible_by=1),
+                          training=SimpleNamespace(distributed_timeout_seconds=60))
+    teacher = build_teacher(cfg, info, dict(tp=args.tp, pp=args.pp), lambda *a: None)[""]
+    tokens = _fixed_tokens(ModelShape.from_pretrained(args.hf).vocab_size).to(parallel_device())
+    logprobs = teacher.logprobs(tokens, micro_batch_size=2, temperature=0.7)
+    return {"logprobs": None if logprobs is None else logprobs.cpu()}
+
+
 SCENARIOS = {"mismatch": scenario_mismatch, "padded_vocab": scenario_padded_vocab, "recompute": scenario_recompute,
               "forward": scenario_forward, "dp_step": scenario_dp_step, "sync": scenario_sync,
              "ckpt_save": scenario_ckpt_save, "ckpt_load": scenario_ckpt_load, "dynbatch": scenario_dynbatch,
              "entropy": scenario_entropy, "trl_parity": scenario_trl_parity, "layouts": scenario_layouts,
-             "train_layouts": scenario_train_layouts, "routing_replay": scenario_routing_replay}
+             "train_layouts": scenario_train_layouts, "routing_replay": scenario_routing_replay,
+             "teacher": scenario_teacher}
 
 
 def main():

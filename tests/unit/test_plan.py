@@ -333,3 +333,18 @@ def test_the_plan_prints_the_async_copy_of_the_pushing_rank(monkeypatch, capsys)
     assert line in capsys.readouterr().out and f"{7_615_616_512 * 2 / 2**30:.1f}" == "14.2"
     plan_main(args)
     assert "host memory of the pushing rank" not in capsys.readouterr().out
+
+
+def test_the_teacher_is_counted_by_hand():
+    """On-policy distillation's teacher (T parameters, at TP 2): T bf16 bytes a GPU (2T / 2) in every phase, and
+    one forward (2T FLOPs a token) in the training time; no teacher, no component."""
+    s = ModelShape.from_hf_config(SMALL)
+    t = 3e9
+    base = P.RunSettings(tp=2, max_response_len=64)
+    with_teacher = P.RunSettings(tp=2, max_response_len=64, teacher_params=t)
+    [plain] = P.memory_plan(s, base, P.Cluster(H100, 2))
+    [mem] = P.memory_plan(s, with_teacher, P.Cluster(H100, 2))
+    assert all("teacher model" not in ph.components for ph in plain.phases)
+    for ph, ph0 in zip(mem.phases, plain.phases):
+        assert ph.components["teacher model"] == 2 * t / 2
+        assert ph.total == ph0.total + t
