@@ -20,6 +20,9 @@ command line. Memory, in bytes, for P parameters held by one GPU (its TP shard o
   peak; `fixes` now offers --logprob-chunk-tokens when the head is what does not fit.)
 - KV cache per token: 2 (K and V) x layers x kv_heads x head_dim x 2 bytes, sharded over the engine's TP.
 - reference model (when --kl-coef > 0): its bf16 weights, sharded like the actor.
+- --offload-frozen: the reference's and a local teacher's weights are on the GPU only in a phase of their own, their
+  log-probs (the actor's resident state, the frozen weights, one layer's activations of a micro-batch and the
+  log-prob head: a forward pass without gradients); every other phase counts them as 0.
 - teacher model (on-policy distillation, a local --teacher checkpoint): its bf16 weights, sharded over TP and PP like
   the actor's, and one forward pass (2 FLOPs a parameter a token) a step; a served teacher costs these GPUs nothing.
 - LoRA (--lora-rank R): the base weights are frozen: 2P of bf16 weights and no gradient or optimizer state for
@@ -125,6 +128,7 @@ class RunSettings:
     distributed_optimizer: bool = False
     offload_optimizer: bool = False
     offload_params: bool = False
+    offload_frozen: bool = False  # the reference and a local teacher on the GPU only for their log-probs
     engine_mem_fraction: float = 0.5  # colocated; a dedicated rollout GPU uses DEDICATED_ENGINE_FRACTION
     mfu: float = 0.35  # training model-FLOPs utilisation
     logprob_chunk_tokens: int = 0  # the log-prob head's chunk (--logprob-chunk-tokens); 0 = full logits
@@ -146,7 +150,8 @@ class RunSettings:
                    max_response_len=r.max_response_len, micro_batch_size=t.micro_batch_size,
                    updates_per_rollout=t.updates_per_rollout, kl=cfg.algorithm.kl_coef > 0,
                    distributed_optimizer=t.use_distributed_optimizer, offload_optimizer=t.offload_optimizer,
-                   offload_params=t.offload_params, sequence_parallel=m.sequence_parallel,
+                   offload_params=t.offload_params, offload_frozen=t.offload_frozen,
+                   sequence_parallel=m.sequence_parallel,
                    logprob_chunk_tokens=m.logprob_chunk_tokens, engine_mem_fraction=engine_mem,
                    mode="disaggregated" if r.rollout_servers else "colocated", async_staleness=t.async_staleness,
                    lora_rank=m.lora_rank, lora_targets=m.lora_targets, sync_bucket_mb=r.sync_bucket_mb,
@@ -380,6 +385,22 @@ def _train_phase(s: ModelShape, r: RunSettings, dp: int) -> dict[str, float]:
             **teacher}  # the teacher, frozen bf16, sharded over TP and PP like the actor
 
 
+FROZEN = ("reference model", "teacher model")
+
+
+def _logprob_phase(s: ModelShape, r: RunSettings, train: dict[str, float]) -> dict[str, float]:
+    """--offload-frozen: the frozen models come back for their log-probs, a forward pass without gradients: the
+    actor's resident state, the frozen weights, one layer's activations of a micro-batch at a time and the
+    log-prob head. (Taken out of `train`, which the caller then counts without them.)"""
+    tokens = r.micro_batch_size * _sequence_len(r) / r.cp
+    whole = 8 * s.hidden_size
+    per_token = (activation_bytes_per_token_layer(s) - whole) / r.tp + whole / (r.tp if r.sequence_parallel else 1)
+    logits = logprob_head_bytes(tokens, s.vocab_size, s.hidden_size, tp=r.tp, chunk_tokens=r.logprob_chunk_tokens)
+    phase = {k: v for k, v in train.items() if k != "activations + logits"}
+    phase["forward activations + logits"] = per_token * tokens + logits
+    return phase
+
+
 def memory_plan(s: ModelShape, r: RunSettings, cluster: Cluster) -> list[MemoryPlan]:
     """One MemoryPlan per pool of GPUs: colocated has one; disaggregated has training and rollout GPUs."""
     cap = cluster.gpu.memory_bytes
@@ -415,6 +436,12 @@ def memory_plan(s: ModelShape, r: RunSettings, cluster: Cluster) -> list[MemoryP
                         f"PP {r.pp}")
     train = _train_phase(s, r, dp)
     train["CUDA context, NCCL, fragmentation"] = OVERHEAD_BYTES
+    logprob: list[Phase] = []
+    if r.offload_frozen and any(train.get(k) for k in FROZEN):  # the frozen models leave every other phase
+        logprob = [Phase("log-probs (frozen models on)", _logprob_phase(s, r, train))]
+        for k in FROZEN:
+            if k in train:
+                train[k] = 0.0
     host = {"async weight copy (pinned)": async_copy_bytes(s, r)} if r.async_staleness else {}
     # The push, after the update: no activations; buckets on the pushing GPUs (and, colocated, the engine's weights)
     sync = {k: v for k, v in train.items() if k != "activations + logits"}
@@ -422,8 +449,8 @@ def memory_plan(s: ModelShape, r: RunSettings, cluster: Cluster) -> list[MemoryP
         if r.async_staleness:  # the pusher's worker loads the last sync's copy while the actor trains
             train["weight-sync buckets"] = sync_buckets_bytes(s, r, ASYNC_LOADING_BUCKETS)
         sync["weight-sync buckets"] = sync_buckets_bytes(s, r)
-        check("training GPUs", train_gpus, [Phase("training", train), Phase("weight sync", sync)], 0.0, problems,
-              host)
+        check("training GPUs", train_gpus, [*logprob, Phase("training", train), Phase("weight sync", sync)], 0.0,
+              problems, host)
         reserve = DEDICATED_ENGINE_FRACTION * cap
         rollout = {"engine weights": engine_weights, "KV cache": max(0.0, reserve - engine_weights),
                    "CUDA context, NCCL, fragmentation": OVERHEAD_BYTES}
@@ -450,7 +477,7 @@ def memory_plan(s: ModelShape, r: RunSettings, cluster: Cluster) -> list[MemoryP
         if r.offload_optimizer:
             sync["optimizer (fp32 main + Adam)"] = 0.0
     sync.update({"engine weights": engine_weights, "weight-sync buckets": sync_buckets_bytes(s, r)})
-    check("all GPUs", cluster.gpus, [Phase("training (engine released)", train), Phase("weight sync", sync),
+    check("all GPUs", cluster.gpus, [*logprob, Phase("training (engine released)", train), Phase("weight sync", sync),
                                      Phase("rollout", rollout)], kv_pool, problems, host)
     return plans
 
@@ -565,6 +592,8 @@ def fixes(s: ModelShape, r: RunSettings, cluster: Cluster) -> list[str]:
     tries += [("--use-distributed-optimizer", dict(distributed_optimizer=True)),
              ("--offload-optimizer", dict(offload_optimizer=True)),
              ("--offload-optimizer --offload-params", dict(offload_optimizer=True, offload_params=True)),
+             *([("--offload-frozen", dict(offload_frozen=True))]
+               if (r.kl and not r.lora_rank or r.teacher_params) and not r.offload_frozen else []),
              (f"--micro-batch-size {max(1, r.micro_batch_size // 2)}",
               dict(micro_batch_size=max(1, r.micro_batch_size // 2))),
              ("--micro-batch-size 1", dict(micro_batch_size=1))]

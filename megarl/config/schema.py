@@ -362,6 +362,9 @@ class TrainingConfig:
                                  "the rollout engine generates")
     offload_params: bool = _f(False, "colocated mode: move the actor's weights off the GPU too while the engine "
                               "generates")
+    offload_frozen: bool = _f(False, "move the frozen models' weights (the reference, a local --teacher) off the GPU "
+                              "except while they compute their log-probs: they are idle during the rollout, the "
+                              "update and the weight sync")
     critic_lr: float = _f(1e-5, "the critic's Adam learning rate (--advantage-estimator gae); it follows the "
                           "actor's schedule, decaying to critic-lr * min-lr / lr")
 

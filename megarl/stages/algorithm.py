@@ -62,6 +62,14 @@ def _routing(samples: Sequence[Sample], width: int) -> torch.Tensor | None:
     return routing
 
 
+def frozen_models(reference, teacher) -> list[MegatronPolicy]:
+    """The frozen Megatron models that hold weights of their own: the reference (not the LoRA actor's base, which
+    is the actor) and the local teachers (not a served one, whose memory is its server's)."""
+    teachers = getattr(teacher, "teachers", None) or {}
+    return [m for m in (reference, *teachers.values())
+            if isinstance(m, MegatronPolicy) and not m.trainable]
+
+
 class LogProbs(NamedTuple):
     old: torch.Tensor | None  # the actor before this step's updates; None when the ratio's denominator is logp itself
     ref: torch.Tensor | None  # the frozen reference; None without one, and on pipeline stages other than the last
@@ -79,6 +87,10 @@ class AlgorithmStage:
         self.teacher = teacher  # `logprobs(tokens, **kw)`: a frozen MegatronPolicy (--teacher); None without one
         self.estimator = ADVANTAGES.get(cfg.algorithm.advantage_estimator)
         self.options = ADVANTAGES.kwargs_of(cfg, cfg.algorithm.advantage_estimator)  # the estimator's own
+        # --offload-frozen: the frozen Megatron models (the reference, local teachers) hold GPU memory only while
+        # they compute their log-probs; they leave now, before the first rollout.
+        self.frozen = frozen_models(reference, teacher) if cfg.training.offload_frozen else []
+        self.frozen_bytes = sum(model.offload(params=True, optimizer=False) for model in self.frozen)
 
     @staticmethod
     def needs_reference(cfg: Config) -> bool:
@@ -94,6 +106,8 @@ class AlgorithmStage:
         t = self.cfg.training
         kw = dict(micro_batch_size=t.micro_batch_size, temperature=self.cfg.rollout.rollout_temperature,
                   lengths=packed.lengths, max_tokens_per_micro_batch=t.max_tokens_per_micro_batch)
+        for model in self.frozen:  # --offload-frozen: back for their forward passes, away again after them
+            model.onload()
         ref = self.reference.logprobs(packed.tokens, **kw) if self.reference is not None else None
         old = actor.logprobs(packed.tokens, routing=packed.routing, **kw) if t.updates_per_rollout > 1 else None
         teacher, teacher_s = None, 0.0
@@ -101,6 +115,8 @@ class AlgorithmStage:
             start = time.perf_counter()
             teacher = self.teacher.logprobs(packed.tokens, rows=[s.prompt_index for s in samples], **kw)
             teacher_s = time.perf_counter() - start
+        for model in self.frozen:
+            model.offload(params=True, optimizer=False)
         return LogProbs(old=old, ref=ref, teacher=teacher, teacher_s=teacher_s)
 
     def train_batch(self, rollout: RolloutBatch, packed: PackedSamples,

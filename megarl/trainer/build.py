@@ -159,8 +159,14 @@ def start(cfg: Config, checked: Checked) -> TrainingRun:
         pending.start()
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
     teachers = Teachers(models.teacher, [p.teacher for p in prompts]) if models.teacher else None
-    return TrainingRun(cfg, info, say, tokenizer, pad_id, prompts, eval_prompts, sampler, actor,
-                       AlgorithmStage(cfg, info, reference, critic, teacher=teachers), engine, reward,
+    algorithm = AlgorithmStage(cfg, info, reference, critic, teacher=teachers)
+    if t.offload_frozen:
+        say(f"megarl: --offload-frozen: {len(algorithm.frozen)} frozen model(s), {algorithm.frozen_bytes / 2**20:.1f} "
+            "MiB on rank 0, off the device except for their log-probs" if algorithm.frozen else
+            "megarl: --offload-frozen: no frozen model of its own to offload (no reference, or the LoRA actor's "
+            "base; no local teacher)")
+    return TrainingRun(cfg, info, say, tokenizer, pad_id, prompts, eval_prompts, sampler, actor, algorithm, engine,
+                       reward,
                        rollout_fn, collect, sync,
                        start_step, record, pending)
 

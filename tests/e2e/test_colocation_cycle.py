@@ -1,5 +1,6 @@
-"""The colocation cycle through `megarl/train.py` on CPU: offloading the actor between updates and checking each
-weight sync changes nothing about training, and every sync moves exactly the model's parameter bytes.
+"""The colocation cycle through `megarl/train.py` on CPU: offloading the actor between updates (and the frozen
+reference outside its log-probs) and checking each weight sync changes nothing about training, and every sync
+moves exactly the model's parameter bytes.
 
 A random tiny model gets no reward on arithmetic, so weight decay and a KL term make the actor move (the syncs
 carry changed weights, and the losses of steps 2-3 are not zero)."""
@@ -32,18 +33,23 @@ def model(tmp_path_factory) -> Path:
 
 
 def _run(model: Path, out: Path, nproc: int, *extra) -> dict[int, dict]:
-    torchrun(nproc, TRAIN, "recipes/tiny_cpu.sh", "--hf-checkpoint", model, "--prompt-data", model / "train.jsonl",
-             "--eval-data", "", "--max-train-minutes", "0", "--num-steps", 3, "--rollout-batch-size", 4,
-             "--n-samples-per-prompt", 4, "--micro-batch-size", 16, "--lr", "1e-2", "--weight-decay", "0.1",
-             "--kl-coef", "0.1", "--output-dir", out, *extra, timeout=400)
+    proc = torchrun(nproc, TRAIN, "recipes/tiny_cpu.sh", "--hf-checkpoint", model, "--prompt-data",
+                    model / "train.jsonl", "--eval-data", "", "--max-train-minutes", "0", "--num-steps", 3,
+                    "--rollout-batch-size", 4, "--n-samples-per-prompt", 4, "--micro-batch-size", 16, "--lr", "1e-2",
+                    "--weight-decay", "0.1", "--kl-coef", "0.1", "--output-dir", out, *extra, timeout=400)
+    (out / "stdout.txt").write_text(proc.stdout)
     return {row["step"]: row for row in map(json.loads, (out / "metrics.jsonl").read_text().splitlines())}
 
 
 def test_offload_and_verified_sync_leave_training_unchanged(model, tmp_path):
     plain = _run(model, tmp_path / "plain", 1)
-    cycled = _run(model, tmp_path / "cycled", 1, "--offload-optimizer", "--offload-params", "--verify-weight-sync",
-                  "--verify-sync-tolerance", "1e-4", "--sync-bucket-mb", 1)
+    cycled = _run(model, tmp_path / "cycled", 1, "--offload-optimizer", "--offload-params", "--offload-frozen",
+                  "--verify-weight-sync", "--verify-sync-tolerance", "1e-4", "--sync-bucket-mb", 1)
     assert plain[3]["loss"] != 0.0, "all-zero losses would make the comparison vacuous"
+    # --offload-frozen moved the reference (--kl-coef 0.1) off and back every step: all its fp32 bytes
+    reference_mib = model_parameter_count(ModelShape.from_pretrained(model)) * 4 / 2**20
+    assert (f"--offload-frozen: 1 frozen model(s), {reference_mib:.1f} MiB on rank 0"
+            in (tmp_path / "cycled" / "stdout.txt").read_text())
     param_bytes = model_parameter_count(ModelShape.from_pretrained(model)) * 4  # fp32
     for step in (1, 2, 3):
         for key in COMPARED:

@@ -654,10 +654,11 @@ def test_every_moved_flag_keeps_its_spelling_and_lives_in_its_component_section(
 
 
 # Settings added since those configs were saved (their defaults fill them in): tool_use's OpenEnv options, the
-# engine launch timeout, the reward-hacking signals, the engine health options, the teacher's.
+# engine launch timeout, the reward-hacking signals, the engine health options, the teacher's, --offload-frozen.
 ADDED_SINCE = {"openenv", "openenv_url", "openenv_tool", "openenv_timeout", "engine_launch_timeout_seconds",
                "code_signals", "math_signals", "hack_alarm", "hack_window", "stop_on_hacking", "log_hack_samples",
-               "engine_health_timeout", "engine_max_restarts", "teacher", "distill_coef", "distill_only"}
+               "engine_health_timeout", "engine_max_restarts", "teacher", "distill_coef", "distill_only",
+               "offload_frozen"}
 
 
 @pytest.mark.parametrize("run", ["tool_use", "ppo"])

@@ -348,3 +348,30 @@ def test_the_teacher_is_counted_by_hand():
     for ph, ph0 in zip(mem.phases, plain.phases):
         assert ph.components["teacher model"] == 2 * t / 2
         assert ph.total == ph0.total + t
+
+
+def test_offload_frozen_counts_the_reference_only_in_its_log_prob_phase_by_hand():
+    """--offload-frozen: the reference (2P of bf16 weights) is on the GPU for its log-probs only, a phase of its own
+    holding the actor's resident state, the reference, one layer's activations of a micro-batch and the log-prob
+    head; the training, weight sync and rollout phases count it as 0, and nothing else changes."""
+    s = ModelShape.from_hf_config(SMALL)
+    p = _small_params()
+    r = P.RunSettings(kl=True, sync_bucket_mb=1, max_response_len=64)
+    [kept] = P.memory_plan(s, r, P.Cluster(H100, 1))
+    [freed] = P.memory_plan(s, replace(r, offload_frozen=True), P.Cluster(H100, 1))
+    assert [ph.name for ph in freed.phases] == ["log-probs (frozen models on)", "training (engine released)",
+                                                "weight sync", "rollout"]
+    logp, *rest = freed.phases
+    for before, after in zip(kept.phases, rest):
+        assert after.components["reference model"] == 0.0
+        assert {k: v for k, v in after.components.items() if k != "reference model"} == \
+            {k: v for k, v in before.components.items() if k != "reference model"}, after.name
+        assert before.total - after.total == 2 * p
+    tokens = r.micro_batch_size * (r.prompt_len + r.max_response_len)
+    layer = P.activation_bytes_per_token_layer(s) * tokens  # TP 1: every term whole
+    head = P.logprob_head_bytes(tokens, s.vocab_size, s.hidden_size, tp=1, chunk_tokens=0)
+    train = kept.phases[0].components
+    assert logp.components == {"actor weights": train["actor weights"], "gradients (fp32)": 4 * p,
+                               "optimizer (fp32 main + Adam)": 12 * p, "reference model": 2 * p,
+                               "CUDA context, NCCL, fragmentation": 4 * 2**30,
+                               "forward activations + logits": pytest.approx(layer + head)}
