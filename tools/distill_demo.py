@@ -2,7 +2,9 @@
 
     python tools/distill_demo.py --student .cache/starter --teacher .cache/distill_teacher --steps N --out DIR
 
-Three runs of recipes/tiny_cpu.sh (the demo's recipe, its seed and batch), each bound by its step count only:
+The teacher (`make demo-distill` builds it) is the starter after 800 steps of the demo's own recipe, GRPO, exported
+as an HF checkpoint; the student is the starter. Then, each bound by its step count only, on recipes/tiny_cpu.sh
+(the demo's recipe, its seed and batch):
 the teacher's held-out accuracy (`megarl-eval`, whose pass@1 is the trainer's held-out sampled accuracy), N steps of
 on-policy distillation (`--teacher`, `--distill-coef`, `--distill-only`: the teacher's per-token signal alone) and
 N steps of GRPO, both from the student starter. It ends with one line:
