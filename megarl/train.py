@@ -57,8 +57,8 @@ def main(argv: list[str]) -> int:
 
 def run(cfg: Config, checked) -> int:
     from megarl import faults
-    from megarl.metrics import PhaseTimer, eta_seconds, format_step, rollout_sample_rows
-    from megarl.reward.hacking import HackMonitor, flagged_rows
+    from megarl.metrics import PhaseTimer, eta_seconds, format_step
+    from megarl.reward.hacking import HackMonitor
     from megarl.stages import report
     from megarl.stages.algorithm import pack
     from megarl.stages.asynchronous import check_staleness, overlap_metrics
@@ -67,7 +67,7 @@ def run(cfg: Config, checked) -> int:
     from megarl.stages.update import update
     from megarl.trainer import build, checkpoints, evaluate, export, log as run_log
 
-    t, c, lg = cfg.training, cfg.checkpoint, cfg.logging
+    t, lg = cfg.training, cfg.logging
     run = build.start(cfg, checked)  # process groups, data, actor (+ what the algorithm needs), engine, resume
     actor, engine, info, say = run.actor, run.engine, run.info, run.say
     log = run_log.open_log(run)
@@ -118,12 +118,7 @@ def run(cfg: Config, checked) -> int:
             row.update(evaluate.evaluate_between_steps(run, step))  # the last step's evaluation follows the loop
         alarm = hacking.observe(row, row["n_samples"])  # the same row on every rank: the same verdict
         log.write(row)
-        if log.enabled and lg.log_samples_interval and step % lg.log_samples_interval == 0:
-            rows = rollout_sample_rows(step, rollout.samples, run.prompts, lg.log_samples_count, batch,
-                                       run.tokenizer)
-            log.write_samples(step, rows)
-        if log.enabled and lg.log_hack_samples:  # this rank's flagged samples, with their evidence
-            log.write_samples(step, flagged_rows(step, rollout.samples, run.prompts))
+        run_log.write_samples(run, log, step, rollout.samples, batch)  # every Nth step's, and the flagged ones
         elapsed = time.perf_counter() - train_start
         if step % lg.log_interval == 0 or step == t.num_steps:
             left = 60 * t.max_train_minutes - elapsed if t.max_train_minutes > 0 else None
@@ -131,19 +126,10 @@ def run(cfg: Config, checked) -> int:
                 flush=True)
         if alarm:
             say(f"megarl: warning: {alarm}", flush=True)
-        hacked = lg.stop_on_hacking and run.agree_any(alarm is not None)
-        out_of_time = run.agree_any(t.max_train_minutes > 0 and elapsed > 60 * t.max_train_minutes)
-        if c.save and (out_of_time or hacked or step == t.num_steps or
-                       (c.save_interval and step % c.save_interval == 0)):
-            checkpoints.save(run, step)
+        stop = checkpoints.save_when_due(run, step, alarm is not None, elapsed)  # a save, then perhaps a stop
         faults.fire("trainer_sigkill", step)
-        if hacked:
-            say(f"megarl: stopped by --stop-on-hacking after step {step} of {t.num_steps}, checkpoint saved in "
-                f"{c.save}")
-            break
-        if out_of_time:
-            say(f"megarl: stopped by --max-train-minutes {t.max_train_minutes:g} after step {step} of {t.num_steps}: "
-                "the learning-rate schedule, set for all the steps, did not finish")
+        if stop:
+            say(stop)
             break
     train_minutes = (time.perf_counter() - train_start) / 60
     if run.pending is not None:

@@ -9,6 +9,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))  # tests/helpers.py
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # megarl from the checkout
 # The benches' case modules (tools/bench/sandbox_cases.py), last: nothing there may shadow an installed module.
 sys.path.append(str(Path(__file__).resolve().parents[1] / "tools" / "bench"))
+# The planted hacker's catalogue (tests/e2e/hack_catalogue.py), for the tests that read it; last, like the benches'.
+sys.path.append(str(Path(__file__).resolve().parent / "e2e"))
 
 from helpers import build_test_starter, group_of, make_tiny_hf_model
 

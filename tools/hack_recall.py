@@ -28,7 +28,17 @@ import sys
 from collections import Counter
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests" / "e2e"))
+CATALOGUE_FILE = Path(__file__).resolve().parents[1] / "tests" / "e2e" / "hack_catalogue.py"
+
+
+def load_catalogue() -> dict:
+    """The planted hacker's catalogue, imported from its file (no sys.path edit)."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("hack_catalogue", CATALOGUE_FILE)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module.CATALOGUE
 
 
 def read(path: str) -> list[dict]:
@@ -42,7 +52,7 @@ def read(path: str) -> list[dict]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from hack_catalogue import CATALOGUE
+    CATALOGUE = load_catalogue()
 
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--planted", nargs="+", default=[], help="samples.jsonl of planted-hacker runs")

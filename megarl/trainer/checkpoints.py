@@ -49,3 +49,21 @@ def save(run: TrainingRun, step: int) -> None:
     run.algorithm.save(c.save, step, c.keep_last)
     checkpoint.save(c.save, step, run.actor, {"sampler": run.sampler.state_dict()}, keep_last=c.keep_last,
                     rank_state=run.collect.rank_state(), config=run.record)
+
+
+def save_when_due(run: TrainingRun, step: int, alarm: bool, elapsed: float) -> str | None:
+    """Collective, after each step: save when one is due, and say why the run stops here, if it does. It stops after
+    saving when --stop-on-hacking and any rank's hacking alarm went off (`alarm`), or when any rank is past
+    --max-train-minutes after `elapsed` seconds of training; every rank agrees on both."""
+    t, c, lg = run.cfg.training, run.cfg.checkpoint, run.cfg.logging
+    hacked = lg.stop_on_hacking and run.agree_any(alarm)
+    out_of_time = run.agree_any(t.max_train_minutes > 0 and elapsed > 60 * t.max_train_minutes)
+    if c.save and (out_of_time or hacked or step == t.num_steps or
+                   (c.save_interval and step % c.save_interval == 0)):
+        save(run, step)
+    if hacked:
+        return f"megarl: stopped by --stop-on-hacking after step {step} of {t.num_steps}, checkpoint saved in {c.save}"
+    if out_of_time:
+        return (f"megarl: stopped by --max-train-minutes {t.max_train_minutes:g} after step {step} of "
+                f"{t.num_steps}: the learning-rate schedule, set for all the steps, did not finish")
+    return None

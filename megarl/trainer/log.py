@@ -8,7 +8,8 @@ import resource
 
 from megarl.config import SAVED_CONFIG, Config
 from megarl.mcore import parallel
-from megarl.metrics import MetricsLog, held_out_curve, open_sinks, plot_run
+from megarl.metrics import MetricsLog, held_out_curve, open_sinks, plot_run, rollout_sample_rows
+from megarl.reward.hacking import flagged_rows
 from megarl.stages.algorithm import AlgorithmStage
 from megarl.trainer.build import TrainingRun
 
@@ -23,6 +24,17 @@ def open_log(run: TrainingRun) -> MetricsLog:
     if log.enabled:
         (log.dir / SAVED_CONFIG).write_text(json.dumps(run.record, indent=1) + "\n")
     return log
+
+
+def write_samples(run: TrainingRun, log: MetricsLog, step: int, samples, batch) -> None:
+    """samples.jsonl after a step: every --log-samples-interval steps, --log-samples-count of them; with
+    --log-hack-samples, this rank's samples that carried a reward-hacking signal, with their evidence."""
+    lg = run.cfg.logging
+    if log.enabled and lg.log_samples_interval and step % lg.log_samples_interval == 0:
+        log.write_samples(step, rollout_sample_rows(step, samples, run.prompts, lg.log_samples_count, batch,
+                                                    run.tokenizer))
+    if log.enabled and lg.log_hack_samples:
+        log.write_samples(step, flagged_rows(step, samples, run.prompts))
 
 
 def finish(run: TrainingRun, log: MetricsLog, before: dict | None, after: dict | None, minutes: float,

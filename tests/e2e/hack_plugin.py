@@ -18,16 +18,14 @@ verifier judges is the hack, and training goes on as usual. Test-only: it ships 
 
 from __future__ import annotations
 
-import os
 import random
-import sys
 from dataclasses import dataclass, replace
 
 from megarl.registry import option
 from megarl.rollout import ROLLOUTS, register_rollout
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # hack_catalogue, loaded by path as a plugin
-
+# hack_catalogue, beside this file: megarl's plugin loader puts a plugin file's directory on the path, and
+# tests/conftest.py puts tests/e2e there for the tests.
 from hack_catalogue import CATALOGUE, applicable, hack_text  # noqa: F401 - the catalogue, re-exported
 
 

@@ -3,15 +3,11 @@ plugin's catalogue is named by its category, honest programs and answers carry n
 the step's rates, the window's alarm and correlation, and `megarl-verify --audit`."""
 
 import json
-import sys
 
 import numpy as np
 import pytest
 
-from helpers import REPO
-
-sys.path.insert(0, str(REPO / "tests" / "e2e"))
-from hack_catalogue import CATALOGUE, hack_text
+from hack_catalogue import CATALOGUE, hack_text  # tests/e2e, which tests/conftest.py puts on the path
 
 from megarl.metrics import format_step
 from megarl.reward.compose import combine, parse
