@@ -95,10 +95,14 @@ def torchrun(nproc: int, script: str, *args: str, timeout: float = 300, check: b
              root: Path = REPO) -> subprocess.CompletedProcess:
     """Run `script` under torchrun on `nproc` CPU processes; a hang fails after `timeout` seconds. `root`: the
     checkout it runs in (cwd and the first entry of PYTHONPATH), this one unless a test runs another commit."""
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(nproc),
-           "--master-port", str(port or free_port()), script, *map(str, args)]
-    proc = subprocess.run(cmd, cwd=root, env={**env(root), **(extra_env or {})}, capture_output=True, text=True,
-                          timeout=timeout)
+    for _ in range(3):  # a free port can be taken by another job before torchrun binds it: then try another
+        master = str(port or free_port())
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(nproc),
+               "--master-port", master, script, *map(str, args)]
+        proc = subprocess.run(cmd, cwd=root, env={**env(root), **(extra_env or {})}, capture_output=True, text=True,
+                              timeout=timeout)
+        if port or not (proc.returncode and f"port: {master}" in proc.stderr and "EADDRINUSE" in proc.stderr):
+            break
     if check and proc.returncode != 0:
         raise AssertionError(f"{' '.join(cmd)} failed with {proc.returncode}:\n{proc.stdout[-3000:]}\n"
                              f"{proc.stderr[-6000:]}")

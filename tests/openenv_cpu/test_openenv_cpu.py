@@ -85,15 +85,20 @@ def test_two_training_steps_with_an_environment_on_loopback(openenv_python, tmp_
         wait_healthy(url, server)
         out = tmp_path / "run"
         cmd = [str(openenv_python), "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-port",
-               str(free_port()), "megarl/train.py", "recipes/tiny_cpu.sh", "--hf-checkpoint", str(starter),
+               "PORT", "megarl/train.py", "recipes/tiny_cpu.sh", "--hf-checkpoint", str(starter),
                "--prompt-data", str(data), "--eval-data", "", "--max-train-minutes", "0", "--num-steps", "2",
                "--rollout-batch-size", "4", "--n-samples-per-prompt", "4", "--micro-batch-size", "16",
                "--max-response-len", "24", "--plugins", "tests/openenv_cpu/openenv_record_plugin.py",
                "--rollout-function", "recorded_tool_use", "--tool-parser", "guess", "--tool-response-format", "text",
                "--max-turns", "3", "--max-tool-calls", "3", "--openenv-url", url, "--output-dir", str(out),
                "--log-interval", "1"]
-        proc = subprocess.run(cmd, cwd=REPO, env={**env_vars(), "MEGARL_OPENENV_RECORD": str(record)},
-                              capture_output=True, text=True, timeout=500)
+        for _ in range(3):  # a free port can be taken by another job before torchrun binds it: try another
+            port = str(free_port())
+            proc = subprocess.run([port if a == "PORT" else a for a in cmd], cwd=REPO,
+                                  env={**env_vars(), "MEGARL_OPENENV_RECORD": str(record)},
+                                  capture_output=True, text=True, timeout=500)
+            if not (proc.returncode and f"port: {port}" in proc.stderr and "EADDRINUSE" in proc.stderr):
+                break
         assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
         assert [json.loads(line)["step"] for line in (out / "metrics.jsonl").read_text().splitlines()] == [1, 2]
 
