@@ -14,9 +14,9 @@ Faults (`FAULTS`):
   engine_crash        the built-in engine's process (--async-staleness >= 1) is killed with SIGKILL before the
                       step's generation
   engine_hang         the built-in engine's process is stopped with SIGSTOP before the step's generation
-  reward_worker_crash a reward worker (--reward-workers >= 1) kills itself with SIGKILL while it scores the step's
-                      first sample, after verifying it and before answering: the pool replaces it and scores the
-                      sample again (`megarl.reward.pool`)
+  reward_worker_crash a reward worker (--reward-workers >= 1) kills itself with SIGKILL while it scores the first
+                      sample the pool takes up after the fault fired (a sample of the step), after verifying it and
+                      before answering: the pool replaces it and scores the sample again (`megarl.reward.pool`)
 """
 
 from __future__ import annotations

@@ -27,7 +27,9 @@ on a shared file system (`update_weights_from_disk`). A server that refuses a co
 server that refused to join it. The pusher flushes the servers' prefix caches once after its push; SGLang
 refuses `/flush_cache` (400) while any request runs or waits, so the flush is retried for a bounded time. Only one
 data-parallel leader pushes; all of them then meet at a barrier (`LeaderBarrier`), so no leader generates before
-every server holds the new weights.
+every server holds the new weights. Generation and scoring requests are watched: a server that dies or hangs
+(its `/health` unanswered for `--engine-health-timeout`) is named and its request sent to another server, or to it
+again once it answers, up to `--engine-max-restarts` failures (`megarl.rollout.server_health`).
 
 LoRA (`--lora-weight-sync adapter`): the engine is launched with SGLang's LoRA support (`enable_lora`,
 `max_lora_rank`, `lora_target_modules`); the first sync pushes the base weights in buckets, each sync then loads
