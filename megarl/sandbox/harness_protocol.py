@@ -17,10 +17,10 @@ earns nothing. Exit codes are never read.
 A case the sandbox itself failed (`sandbox_error`: its worker, harness or container died or was killed from
 outside, the OOM killer on the host, a full disk) says nothing of the program: it is run again, up to `RERUNS`
 times, on the fresh worker or harness the backend puts in place, with a new secret, and only the last run's verdict
-counts (`CaseResult.reruns` says how many there were). The program cannot cause `sandbox_error`: it runs in other
-processes, under their own limits, and cannot signal the harness or its worker, so a re-run earns it nothing it
-could not earn in the first run. A case still failing after its re-runs keeps `sandbox_error`; the code verifier
-names it as the sandbox's failure, not the program's (`megarl.verifiers.code`).
+counts (`CaseResult.reruns` says how many there were). The program is not meant to be able to cause
+`sandbox_error` (it runs in other processes, under their own limits, and cannot signal the harness or its worker);
+one that found a way would gain nothing by it: a re-run is judged like the first, and a case still failing after
+its re-runs keeps `sandbox_error` and scores 0, named as the sandbox's failure (`megarl.verifiers.code`).
 """
 
 from __future__ import annotations
