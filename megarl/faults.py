@@ -14,6 +14,9 @@ Faults (`FAULTS`):
   engine_crash        the built-in engine's process (--async-staleness >= 1) is killed with SIGKILL before the
                       step's generation
   engine_hang         the built-in engine's process is stopped with SIGSTOP before the step's generation
+  reward_worker_crash a reward worker (--reward-workers >= 1) kills itself with SIGKILL while it scores the first
+                      sample the pool takes up after the fault fired (a sample of the step), after verifying it and
+                      before answering: the pool replaces it and scores the sample again (`megarl.reward.pool`)
 """
 
 from __future__ import annotations
@@ -28,7 +31,9 @@ from functools import lru_cache
 from megarl.errors import ConfigError
 
 ENV = "MEGARL_FAULT"
-FAULTS = ("trainer_sigkill", "kill_during_save", "disk_full_on_save", "slow_node", "engine_crash", "engine_hang")
+FAULTS = ("trainer_sigkill", "kill_during_save", "disk_full_on_save", "slow_node", "engine_crash", "engine_hang",
+          "reward_worker_crash")
+_ARMED: set[str] = set()  # faults fired at this step that a component of this process carries out when it gets there
 
 
 @lru_cache(maxsize=None)
@@ -77,6 +82,18 @@ def fire(name: str, step: int) -> bool:
         raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC) + " (injected by MEGARL_FAULT)")
     elif name == "slow_node":
         time.sleep(float(os.environ.get("MEGARL_FAULT_SLOW_S", "5")))
+    elif name == "reward_worker_crash":
+        _ARMED.add(name)  # the reward pool of this process takes it on its next sample (`take`)
+    return True
+
+
+def take(name: str) -> bool:
+    """Whether fault `name` was fired and not yet carried out; True once only (for the component that carries it
+    out, e.g. the reward pool for reward_worker_crash)."""
+    try:
+        _ARMED.remove(name)  # atomic: of several threads asking at once, one gets it
+    except KeyError:
+        return False
     return True
 
 

@@ -7,8 +7,11 @@
   mix math, code and anything registered.
 - Workers are helper processes (`megarl.verifiers.budget.Guard`); one feeder thread per worker sends it one
   sample at a time. A sample that overruns `timeout_s` gets outcome `timeout`; its worker is killed and
-  replaced. A worker that dies (a crash, `os._exit`, the OOM killer) is replaced too and its sample gets
-  `parse_error` with the reason in `normalized`. Either way every sample gets exactly one result, in input order.
+  replaced. A worker that dies (a crash, `os._exit`, the OOM killer, a kill from outside) is replaced and its
+  sample scored again on the replacement, once (`RESCORES`): a death the sample did not cause costs it nothing,
+  and the result is the one a worker that never died gives (verifiers are deterministic). A sample whose worker
+  dies again gets `parse_error` with the reason in `normalized`: it kills workers itself. Either way every sample
+  gets exactly one result, in input order, and `restarts` counts every worker replaced.
 - Inside a worker a verifier's own budget hop is skipped (`verify_unguarded` when it has one): the pool's kill
   already bounds it, at the smaller of `timeout_s` and the verifier's own budget (`budget_s`, e.g. the math
   verifier's 5 s), so a sample gets the same limit in a worker as in the trainer's process.
@@ -24,14 +27,17 @@ in a sandbox, the programs, tests and sandbox CPU seconds the step's throughput 
 from __future__ import annotations
 
 import os
+import sys
 import threading
 import time
 from typing import Any, Sequence
 
+from megarl import faults
 from megarl.verifiers.budget import BudgetExceeded, Guard, HelperFailed
 from megarl.verifiers.base import OUTCOMES, VERIFIERS, VerifierCapabilities, VerifyResult
 
 Request = tuple[str, str, Any]  # (verifier name, response, ground truth)
+RESCORES = 1  # times a sample whose worker died is scored again on the replacement before it gets parse_error
 
 
 def default_workers() -> int:
@@ -110,24 +116,34 @@ class RewardPool:
         return self._limits[name]
 
     def _score_one(self, guard: Guard, request: Request) -> VerifyResult:
-        guard.last_seconds = 0.0
-        try:
-            name = request[0]
-            call = (*request, self.options.get(name, {}))
-            score, outcome, extracted, normalized, seconds, tests_run, cpu, signals = guard.call(
-                "megarl.reward.pool:_verify_here", call, self._limit(name))
-            result = VerifyResult(score, outcome, extracted, normalized, seconds, tests_run=tests_run,
-                                  sandbox_cpu_seconds=cpu, signals=signals)
-        except BudgetExceeded:
-            self._count_restart()
-            result = VerifyResult(0.0, "timeout")
-        except HelperFailed as e:
-            self._count_restart()
-            result = VerifyResult(0.0, "parse_error", normalized=f"reward worker died: {e}")
-        except Exception as e:  # noqa: BLE001 - the verifier raised: this sample scores 0, the batch goes on
-            result = VerifyResult(0.0, "parse_error", normalized=f"verifier raised {type(e).__name__}: {e}")
-        result.seconds = guard.last_seconds  # the sample's own time, not a replacement worker's start-up
-        return result
+        name = request[0]
+        call = (*request, self.options.get(name, {}))
+        target = "megarl.reward.pool:_verify_here"
+        if faults.take("reward_worker_crash"):  # MEGARL_FAULT: this worker dies with the verdict in hand
+            target = "megarl.reward.pool:_verify_then_die"
+        for attempt in range(RESCORES + 1):
+            guard.last_seconds = 0.0
+            try:
+                score, outcome, extracted, normalized, seconds, tests_run, cpu, signals = guard.call(
+                    target, call, self._limit(name))
+                result = VerifyResult(score, outcome, extracted, normalized, seconds, tests_run=tests_run,
+                                      sandbox_cpu_seconds=cpu, signals=signals)
+            except BudgetExceeded:
+                self._count_restart()
+                result = VerifyResult(0.0, "timeout")
+            except HelperFailed as e:
+                self._count_restart()
+                if attempt < RESCORES:
+                    print(f"megarl: reward worker died scoring a {name!r} sample ({e}): replaced, the sample is "
+                          "scored again", file=sys.stderr, flush=True)
+                    target = "megarl.reward.pool:_verify_here"
+                    continue
+                result = VerifyResult(0.0, "parse_error", normalized=f"reward worker died: {e} (and again when "
+                                                                     "the sample was scored again)")
+            except Exception as e:  # noqa: BLE001 - the verifier raised: this sample scores 0, the batch goes on
+                result = VerifyResult(0.0, "parse_error", normalized=f"verifier raised {type(e).__name__}: {e}")
+            result.seconds = guard.last_seconds  # the sample's own time, not a replacement worker's start-up
+            return result
 
     def _count_restart(self) -> None:
         with self._lock:
@@ -166,6 +182,14 @@ def _verify_here(name: str, response: str, ground_truth: Any, options: dict | No
     r = verify(response, ground_truth)
     return (float(r.score), r.outcome, r.extracted, r.normalized, r.seconds, r.tests_run, r.sandbox_cpu_seconds,
             dict(getattr(r, "signals", None) or {}))
+
+
+def _verify_then_die(*args) -> None:
+    """Runs inside a worker, for MEGARL_FAULT=reward_worker_crash: the work done, the worker dies before it answers."""
+    import signal
+
+    _verify_here(*args)
+    os.kill(os.getpid(), signal.SIGKILL)
 
 
 def batch_health(results: Sequence[VerifyResult], group_size: int | None = None) -> dict:

@@ -172,7 +172,8 @@ def build_sglang(cfg: Config, actor: MegatronPolicy | None = None) -> RolloutEng
                if info.dp_size > 1 else None)
     # The servers' TP size sizes the weight-update group: one trainer rank plus every server's TP ranks.
     servers = SGLangServers(urls, tp_sizes=[own.sglang_tp_size] * len(urls) if own.sglang_tp_size else None,
-                            push=pusher, barrier=barrier)
+                            push=pusher, barrier=barrier, health_timeout_s=r.engine_health_timeout,
+                            max_restarts=r.engine_max_restarts)
     if pusher:
         from megarl.mcore.parallel import default_backend
 

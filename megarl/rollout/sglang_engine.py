@@ -27,7 +27,9 @@ on a shared file system (`update_weights_from_disk`). A server that refuses a co
 server that refused to join it. The pusher flushes the servers' prefix caches once after its push; SGLang
 refuses `/flush_cache` (400) while any request runs or waits, so the flush is retried for a bounded time. Only one
 data-parallel leader pushes; all of them then meet at a barrier (`LeaderBarrier`), so no leader generates before
-every server holds the new weights.
+every server holds the new weights. Generation and scoring requests are watched: a server that dies or hangs
+(its `/health` unanswered for `--engine-health-timeout`) is named and its request sent to another server, or to it
+again once it answers, up to `--engine-max-restarts` failures (`megarl.rollout.server_health`).
 
 LoRA (`--lora-weight-sync adapter`): the engine is launched with SGLang's LoRA support (`enable_lora`,
 `max_lora_rank`, `lora_target_modules`); the first sync pushes the base weights in buckets, each sync then loads
@@ -66,6 +68,7 @@ from typing import Callable, Iterable, Sequence
 import torch
 
 from megarl.rollout.base import Completion, EngineCapabilities, SamplingParams
+from megarl.rollout.server_health import ServerHealth
 from megarl.rollout.sglang_ipc import IpcGather, release_ipc, serialize_bucket
 from megarl.rollout.weight_sync import (DEFAULT_BUCKET_BYTES, WeightBucket, WeightSyncError, adapter_name,
                                         pack_buckets)
@@ -705,10 +708,13 @@ class SGLangServers(EngineCapabilities):
     flush_interval_s = 1.0
 
     def __init__(self, urls: Sequence[str], *, tp_sizes: Sequence[int] | None = None, push: bool = True,
-                 timeout_s: float = 3600.0, barrier: LeaderBarrier | None = None):
+                 timeout_s: float = 3600.0, barrier: LeaderBarrier | None = None, health_timeout_s: float = 60.0,
+                 max_restarts: int = 0):
         if not urls:
             raise ValueError("SGLangServers needs at least one server URL")
         self.urls = [u if u.startswith("http") else f"http://{u}" for u in urls]
+        # generation and scoring are watched (`/health`) and failed over to the other servers (`server_health`)
+        self.health = ServerHealth(self.urls, health_timeout_s, max_restarts)
         self.tp_sizes = list(tp_sizes) if tp_sizes else None
         self.timeout_s = timeout_s
         self.push = push
@@ -727,6 +733,21 @@ class SGLangServers(EngineCapabilities):
 
     def _post(self, url: str, path: str, payload: dict | None = None, timeout: float | None = None):
         return _post(url, path, payload, timeout=self.timeout_s if timeout is None else timeout)
+
+    def _watched(self, url: str, path: str, payload: dict):
+        """A generation request, sent again to another server (or to this one once it answers again) when `url`
+        dies or hangs (`ServerHealth.call`)."""
+        return self.health.call(url, lambda u: self._post(u, path, payload),
+                                lambda e: e.status if isinstance(e, ServerRefused) else None)
+
+    @property
+    def restarts(self) -> int:
+        """Server failures recovered from so far (the row's `engine_restarts`, `megarl.faults.engine_health`)."""
+        return self.health.restarts
+
+    @property
+    def seconds_lost(self) -> float:
+        return self.health.seconds_lost
 
     def _control(self, url: str, path: str, payload: dict | None = None, what: str = "",
                  timeout: float | None = None):
@@ -753,8 +774,8 @@ class SGLangServers(EngineCapabilities):
         per = -(-len(prompts) // len(self.urls)) * params.n
         blocks = [(u, ids[i : i + per], sampling[i : i + per]) for u, i in zip(self.urls, range(0, len(ids), per))]
         answers = _join(_in_threads([
-            lambda u=u, x=x, s=s: self._post(u, "/generate", {"input_ids": x, "sampling_params": s,
-                                                              "return_logprob": True, **self._lora()})
+            lambda u=u, x=x, s=s: self._watched(u, "/generate", {"input_ids": x, "sampling_params": s,
+                                                                 "return_logprob": True, **self._lora()})
             for u, x, s in blocks]))
         outputs = [o for answer in answers for o in (answer if isinstance(answer, list) else [answer])]
         self.aborted += count_aborted(outputs)
@@ -781,7 +802,7 @@ class SGLangServers(EngineCapabilities):
 
     def score(self, sequences: list[list[int]], prompt_lens: list[int], temperature: float = 1.0) -> list[list[float]]:
         check_score_temperature(temperature)
-        answer = self._post(self.urls[0], "/generate", {
+        answer = self._watched(self.urls[0], "/generate", {
             "input_ids": [list(s) for s in sequences], "return_logprob": True, "logprob_start_len": 0,
             "sampling_params": {"max_new_tokens": 1, "temperature": temperature}, **self._lora()})
         answer = answer if isinstance(answer, list) else [answer]

@@ -132,6 +132,7 @@ class CaseResult:
     complete: bool = False  # the harness's final verdict came back
     compile_error: str | None = None
     cpu_s: float | None = None  # what checking cost: the harness's count of CPU seconds, else the sandbox's
+    reruns: int = 0  # times the case ran again because the sandbox failed on it (`harness_protocol.RERUNS`)
 
     @property
     def tests_run(self) -> int:

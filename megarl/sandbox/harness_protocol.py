@@ -13,17 +13,28 @@ Two ways to run a case, by what the backend declares (`Sandbox.harness_server`):
 Either way a verdict counts only on a line that carries this run's secret (`parse_verdict`): the program runs in
 other processes and cannot write to the channel, so printing a fake verdict, exiting early or killing the harness
 earns nothing. Exit codes are never read.
+
+A case the sandbox itself failed (`sandbox_error`: its worker, harness or container died or was killed from
+outside, the OOM killer on the host, a full disk) says nothing of the program: it is run again, up to `RERUNS`
+times, on the fresh worker or harness the backend puts in place, with a new secret, and only the last run's verdict
+counts (`CaseResult.reruns` says how many there were). The program is not meant to be able to cause
+`sandbox_error` (it runs in other processes, under their own limits, and cannot signal the harness or its worker);
+one that found a way would gain nothing by it: a re-run is judged like the first, and a case still failing after
+its re-runs keeps `sandbox_error` and scores 0, named as the sandbox's failure (`megarl.verifiers.code`).
 """
 
 from __future__ import annotations
 
 import json
 import secrets
+import sys
 from typing import Sequence
 
 from megarl.sandbox.base import CaseResult, CodeCase, Job, Limits, RunResult, Sandbox, TestResult
 from megarl.sandbox.guest.harness import DONE, JOB_FILES, PART, verdict_line
 from megarl.sandbox.guest_code import HARNESS_FILES
+
+RERUNS = 2  # times a case the sandbox failed on is run again, each time on a fresh worker, harness or container
 
 # The job's program when the harness is a job: a fresh interpreter for it, since the process a job starts as is a
 # fork of the backend's worker or runner and holds the job (tests included) in its memory and stack frames.
@@ -42,13 +53,25 @@ class HarnessBackend:
 
 
 def run_tests(sandbox: Sandbox, cases: Sequence[CodeCase], persistent: bool = True) -> list[CaseResult]:
-    """`Sandbox.run_tests` by this protocol: one job per case, all through `sandbox.run_many`."""
+    """`Sandbox.run_tests` by this protocol: one job per case, all through `sandbox.run_many`; the cases the
+    sandbox failed on run again (`RERUNS`, see the module docstring)."""
     if not cases:
         return []
     server = persistent and sandbox.harness_server
-    keys = [secrets.token_hex(16) for _ in cases]
-    jobs = [case_job(case, secret, case.limits or sandbox.limits, server) for case, secret in zip(cases, keys)]
-    return [case_result(run, secret) for run, secret in zip(sandbox.run_many(jobs), keys)]
+    results: list[CaseResult | None] = [None] * len(cases)
+    todo = list(range(len(cases)))
+    for attempt in range(RERUNS + 1):
+        keys = [secrets.token_hex(16) for _ in todo]
+        jobs = [case_job(cases[i], secret, cases[i].limits or sandbox.limits, server) for i, secret in zip(todo, keys)]
+        for i, run, secret in zip(todo, sandbox.run_many(jobs), keys):
+            results[i] = case_result(run, secret)
+            results[i].reruns = attempt
+        todo = [i for i in todo if results[i].run.status == "sandbox_error"]
+        if not todo or attempt == RERUNS:
+            return results
+        print(f"megarl: the {sandbox.name} sandbox failed on {len(todo)} code case(s) (first: "
+              f"{results[todo[0]].run.detail}): run again ({attempt + 1} of {RERUNS})", file=sys.stderr, flush=True)
+    return results
 
 
 def case_job(case: CodeCase, secret: str, limits: Limits, server: bool) -> Job:

@@ -201,7 +201,18 @@ class _Worker:
         return RunResult.from_wire(json.loads(self._readline(timeout)))
 
     def _readline(self, timeout: float) -> bytes:
-        return self._lines.readline(timeout, lambda: f"worker exited with status {self.proc.wait()}")
+        """The worker's next line; EOFError as soon as the worker is dead (a process it started may still hold its
+        stdout open: a job's supervisor), TimeoutError after `timeout` s."""
+        deadline = time.monotonic() + timeout
+        while True:
+            try:
+                return self._lines.readline(min(1.0, max(0.0, deadline - time.monotonic())),
+                                            lambda: f"worker exited with status {self.proc.wait()}")
+            except TimeoutError:
+                if self.proc.poll() is not None:
+                    raise EOFError(f"worker exited with status {self.proc.returncode}") from None
+                if time.monotonic() >= deadline:
+                    raise TimeoutError(f"no answer in {timeout:.0f} s") from None
 
     def close(self) -> None:
         try:
@@ -470,6 +481,14 @@ class _Harness:
         if self.pid == 0:  # R: unshares the pid namespace so that its child is pid 1 there, then waits on it
             code = 1
             try:
+                # R keeps none of the worker's pipes: should the worker die (killed from outside), its parent reads
+                # EOF at once, and the harness reads EOF on its case pipe and exits, R with it
+                null = os.open(os.devnull, os.O_RDWR)
+                for fd in (0, 1):
+                    os.dup2(null, fd)
+                os.close(null)
+                os.close(self.case_w)
+                os.close(ans_r)
                 iso_mod.unshare(iso_mod.CLONE_NEWPID)
                 harness = os.fork()
                 if harness == 0:

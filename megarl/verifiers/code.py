@@ -25,8 +25,9 @@ the last ``` block, else the whole text; `first` takes the first block; `none` t
 
 Reward (`reward`): `all` (default) 1.0 only if every test passed; `fraction` the share of tests passed. A
 `check(candidate)` counts as one test. Outcomes: `correct` (all passed), `incorrect`, `no_answer` (no code),
-`parse_error` (the program does not compile), `timeout` (the first failure was a time limit, or the run as a
-whole timed out).
+`parse_error` (the program does not compile, or the sandbox failed on it: a worker, harness or container that
+died or was killed from outside, after the case was run again twice on fresh ones; `normalized` then starts
+"sandbox_error, not the program's"), `timeout` (the first failure was a time limit, or the run as a whole timed out).
 
 Reward hacking: the verdict is what the sandbox's trusted harness proved (`Sandbox.run_tests`, a `CaseResult`):
 only lines carrying a per-run secret, written after each test on a channel the program has no access to, count
@@ -173,6 +174,10 @@ class CodeVerifier:
 
     def _score(self, prepared: tuple[CodeCase, int], case: CaseResult) -> VerifyResult:
         code, n_tests, run = prepared[0].code, prepared[1], case.run
+        if run.status == "sandbox_error":  # still, after its re-runs: the sandbox failed, not the program
+            return VerifyResult(0.0, "parse_error", extracted=code,
+                                normalized=f"sandbox_error, not the program's (after {case.reruns} re-run(s)): "
+                                           f"{run.detail}")
         if not case.proved:
             outcome = "timeout" if run.status == "timeout" else "incorrect"
             return VerifyResult(0.0, outcome, extracted=code,

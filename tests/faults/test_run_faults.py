@@ -10,6 +10,10 @@ faults are chained on one checkpoint directory to keep CI short:
                                  step 3, dies after it; torchrun restarts the worker, which resumes from iter_3 and
                                  finishes
   a truncated file in iter_4     named and skipped; the resume takes iter_3 and logs step 4 as before
+
+and, on a checkpoint directory of its own, reward_worker_crash@2 with --reward-workers 1: the sample is scored
+again on a fresh worker, and the run matches the uninterrupted one (whose rewards come from this process: the same
+verdicts, the verifier being deterministic).
 """
 
 from __future__ import annotations
@@ -134,3 +138,20 @@ def test_disk_full_then_kill_in_save_then_elastic_restart_end_where_an_uninterru
     assert f"iter_0000004: corrupt or partial ({victim.relative_to(ckpt / 'iter_0000004')} holds" in log, log[-3000:]
     assert "at step 3" in log
     _same(_rows(out), baseline, steps=[4])
+
+
+def test_a_reward_worker_killed_mid_scoring_changes_nothing_but_its_count(starter, tmp_path, baseline):
+    t0 = time.monotonic()
+    proc = _torchrun(_args(starter, tmp_path / "out", tmp_path / "ckpt") + ["--reward-workers", "1"],
+                     "reward_worker_crash@2")
+    log = proc.stdout
+    assert proc.returncode == 0, log[-5000:]
+    print(f"4-step run with a reward worker killed at step 2: {time.monotonic() - t0:.0f} s")
+    assert "megarl: fault injected: reward_worker_crash at step 2 on rank 0" in log
+    assert "megarl: reward worker died scoring a 'arithmetic' sample" in log and "scored again" in log
+    rows = _rows(tmp_path / "out")
+    _same(rows, baseline)
+    for r in rows:
+        for key in ("reward_timeout_rate", "reward_parse_error_rate", "reward_no_answer_rate"):
+            assert r[key] == baseline[r["step"]][key], (r["step"], key)
+    assert [r["reward_worker_restarts"] for r in rows] == [0, 1, 0, 0]

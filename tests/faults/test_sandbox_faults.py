@@ -1,0 +1,122 @@
+"""The sandbox running a code case is killed from outside (`sandbox_kill`): the case is run again on a fresh worker,
+harness or container and gets the verdict of a sandbox that never failed, never a failure charged to the program
+(`megarl.sandbox.harness_protocol.RERUNS`); a sandbox that keeps failing is named as the sandbox's failure.
+
+Local backend: the worker process, or its persistent code harness, SIGKILLed while the case's program runs. Docker:
+`docker kill` on the case's container (skipped, with the reason, where no Docker engine or image is at hand)."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import threading
+import time
+
+import pytest
+
+from megarl.sandbox import Limits, RunResult
+from megarl.sandbox.harness_protocol import RERUNS, HarnessBackend
+from megarl.verifiers.code import CodeVerifier
+
+pytestmark = [pytest.mark.faults, pytest.mark.distributed]
+GOLD = {"test": "assert f(1) == 2\nassert f(5) == 6", "entry_point": "f"}
+GOOD = "def f(x):\n    return x + 1\n"
+SLOW = "import time\n\n\ndef f(x):\n    time.sleep(1.5)\n    return x + 1\n"  # the case the sandbox dies under
+
+
+def _descendants(pid: int) -> list[int]:
+    children: dict[int, list[int]] = {}
+    for p in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            with open(f"/proc/{p}/stat") as f:
+                ppid = int(f.read().rsplit(")", 1)[1].split()[1])
+        except (OSError, IndexError, ValueError):
+            continue
+        children.setdefault(ppid, []).append(int(p))
+    out, todo = [], [pid]
+    while todo:
+        for child in children.get(todo.pop(), []):
+            out.append(child)
+            todo.append(child)
+    return out
+
+
+def _harness_pid(worker_pid: int) -> int:
+    for pid in _descendants(worker_pid):
+        try:
+            with open(f"/proc/{pid}/cmdline", "rb") as f:
+                if b"--serve" in f.read():
+                    return pid
+        except OSError:
+            continue
+    raise AssertionError("no persistent code harness under the sandbox worker")
+
+
+@pytest.mark.parametrize("victim", ["worker", "harness"])
+def test_a_local_sandbox_killed_mid_case_runs_the_case_again(victim, capfd):
+    verifier = CodeVerifier(workers=1)
+    sandbox = verifier.sandbox
+    try:
+        assert verifier.verify(GOOD, GOLD).outcome == "correct"  # the worker and its harness are up
+        worker = sandbox._all[0].proc.pid
+        target = worker if victim == "worker" else _harness_pid(worker)
+        killer = threading.Timer(0.7, os.kill, (target, signal.SIGKILL))  # the program sleeps 1.5 s
+        killer.start()
+        t0 = time.monotonic()
+        result = verifier.verify(SLOW, GOLD)
+        seconds = time.monotonic() - t0
+        killer.join()
+        assert (result.outcome, result.score, result.normalized) == ("correct", 1.0, "2/2 tests passed"), result
+        assert not os.path.exists(f"/proc/{target}") or open(f"/proc/{target}/stat").read().split()[2] == "Z"
+        assert "megarl: the local sandbox failed on 1 code case(s) (first: " in capfd.readouterr().err
+        assert verifier.verify(GOOD, GOLD).outcome == "correct"  # the fresh worker serves on
+        print(f"local sandbox {victim} killed mid-case: verdict after {seconds:.1f} s (the case re-run)")
+    finally:
+        sandbox.close()
+
+
+class _Failing(HarnessBackend):
+    """A sandbox whose every run fails, as a worker killed each time would."""
+
+    name = "failing"
+    limits = Limits()
+
+    def __init__(self):
+        self.runs = 0
+
+    def run_many(self, jobs):
+        self.runs += len(jobs)
+        return [RunResult.error("worker failed: worker exited with status -9") for _ in jobs]
+
+
+def test_a_sandbox_that_keeps_failing_is_named_and_not_charged_to_the_program(monkeypatch):
+    failing = _Failing()
+    monkeypatch.setattr(CodeVerifier, "sandbox", property(lambda self: failing))
+    result = CodeVerifier().verify(GOOD, GOLD)
+    assert failing.runs == RERUNS + 1
+    assert result.outcome == "parse_error" and result.score == 0.0
+    assert result.normalized == (f"sandbox_error, not the program's (after {RERUNS} re-run(s)): worker failed: "
+                                 "worker exited with status -9")
+
+
+def test_a_docker_container_killed_mid_case_runs_the_case_again():
+    from megarl.sandbox.docker import DEFAULT_IMAGE, docker_status
+
+    image = os.environ.get("MEGARL_SANDBOX_IMAGE", DEFAULT_IMAGE)
+    reason = docker_status(image)
+    if reason:
+        pytest.skip(f"no Docker engine or sandbox image here: {reason}")
+    verifier = CodeVerifier(backend="docker", image=image, workers=1)
+    sandbox = verifier.sandbox
+    try:
+        assert verifier.verify(GOOD, GOLD).outcome == "correct"
+        up = sandbox.containers()
+        killer = threading.Timer(0.7, lambda: subprocess.run([sandbox.docker, "kill", *up], capture_output=True,
+                                                             timeout=60))
+        killer.start()
+        result = verifier.verify(SLOW, GOLD)
+        killer.join()
+        assert (result.outcome, result.score) == ("correct", 1.0), result
+    finally:
+        sandbox.close()
