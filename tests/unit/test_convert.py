@@ -309,7 +309,8 @@ def test_llama_defaults_and_attention_bias():
 
 
 def test_unsupported_model_type_is_named():
-    with pytest.raises(ValueError, match=r"cfg.json: model_type 'mistral' is not supported; supported: llama, qwen2"):
+    with pytest.raises(ValueError,
+                       match=r"cfg.json: model_type 'mistral' is not supported; supported: deepseek_v3, llama, qwen2"):
         ModelShape.from_hf_config(hf_config(model_type="mistral"), source="cfg.json")
 
 

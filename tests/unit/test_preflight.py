@@ -37,7 +37,7 @@ def check(hf: Path, world: int = 1, **flags):
 
 
 @pytest.mark.parametrize("fields, flags, world, message", [
-    ({"model_type": "gpt_neox"}, {}, 1, "model_type 'gpt_neox' is not supported; supported: llama, qwen2"),
+    ({"model_type": "gpt_neox"}, {}, 1, "model_type 'gpt_neox' is not supported; supported: deepseek_v3, llama, qwen2"),
     ({"use_sliding_window": True, "sliding_window": 32}, {}, 1, "sliding-window attention layers are not supported"),
     ({"layer_types": ["full_attention", "sliding_attention"] * 2}, {}, 1, "sliding-window attention layers"),
     ({"num_key_value_heads": 3, "num_attention_heads": 6, "hidden_size": 96}, {"tensor_model_parallel_size": 2}, 2,
