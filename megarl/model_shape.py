@@ -115,6 +115,8 @@ class ModelShape:
         import torch
 
         inv = 1.0 / (self.rope_theta ** (torch.arange(0, self.head_dim, 2, dtype=torch.float32) / self.head_dim))
+        if self.yarn_factor:
+            return self._yarn_inv_freq(inv)
         if not self.rope_scaling_factor:
             return inv
         low, high, old_ctx = LLAMA3_ROPE["low_freq_factor"], LLAMA3_ROPE["high_freq_factor"], \
@@ -124,6 +126,25 @@ class ModelShape:
         scaled = (1 - smooth) * inv / self.rope_scaling_factor + smooth * inv
         return torch.where(wavelen < old_ctx / high, inv, torch.where(wavelen > old_ctx / low,
                                                                       inv / self.rope_scaling_factor, scaled))
+
+    def _yarn_inv_freq(self, inv):
+        """YaRN (transformers' `_compute_yarn_parameters`, truncated correction range): frequencies of more than
+        `beta_fast` rotations over the original context keep their value, of fewer than `beta_slow` are divided by
+        the factor, and a linear ramp over the dimensions between blends the two."""
+        import math
+
+        import torch
+
+        dim, base, ctx = self.head_dim, self.rope_theta, self.yarn_original_max_position_embeddings
+
+        def correction_dim(rotations: float) -> float:
+            return dim * math.log(ctx / (rotations * 2 * math.pi)) / (2 * math.log(base))
+
+        low = max(math.floor(correction_dim(self.yarn_beta_fast)), 0)
+        high = min(math.ceil(correction_dim(self.yarn_beta_slow)), dim - 1)
+        ramp = ((torch.arange(dim // 2, dtype=torch.float32) - low) / ((high - low) or 0.001)).clamp(0, 1)
+        keep = 1 - ramp
+        return inv / self.yarn_factor * (1 - keep) + inv * keep
 
     @classmethod
     def from_hf_config(cls, cfg: dict, source: str = "config.json") -> "ModelShape":
