@@ -12,7 +12,17 @@ in MLA's RotaryEmbedding) is `cpu_compat`'s:
 - With YaRN, MLA builds `YarnRotaryEmbedding` without `use_cpu_initialization`, which then enters
   `torch.device(torch.cuda.current_device())`: "RuntimeError: Cannot access accelerator device when none is
   available". Without a GPU, `local_spec` hands MLA a subclass that initialises on the CPU.
-The TE spec (a GPU with Transformer Engine) is Megatron's own and needs neither.
+
+And one that is not about building: the local spec makes the down projections (`linear_q_down_proj`,
+`linear_kv_down_proj`) column-parallel, and MLA then gathers their output over TP
+(`gather_from_tensor_model_parallel_region`) and uses the RoPE key `k_pos_emb` sliced from it by this rank's heads
+only. The backward of that gather takes this rank's slice of the gradient and sums nothing, so at TP > 1 the RoPE
+key's gradient holds one rank's heads' contribution: the logits are right, the update is not (measured: at TP 2 x EP 2
+with sequence parallelism the loss equals TP 1's, the weights after one step differ by up to 9e-3). `local_spec`
+gives both down projections megatron's replicated `Linear` instead (as the TE spec's `TELinear(duplicated)`): their
+weight gradients, from this rank's tokens under sequence parallelism, are summed over TP (the parameters are marked
+`sequence_parallel`), and MLA gathers `k_pos_emb` over the sequence, whose backward sums over TP.
+The TE spec (a GPU with Transformer Engine) is Megatron's own and needs none of these.
 """
 
 from __future__ import annotations
@@ -48,6 +58,16 @@ def _cpu_yarn():
     return CpuYarnRotaryEmbedding
 
 
+def _replicated_linear(mla):
+    """The replicated linear layer MLA accepts for its down projections (it checks the class by identity)."""
+    if mla.Linear is not None:
+        return mla.Linear
+    from megatron.core.post_training.modelopt.layers import Linear
+
+    mla.Linear = Linear
+    return Linear
+
+
 def local_spec(*, num_experts: int | None = None, norm=None):
     """Megatron's local GPT layer spec with MLA (its q / kv latent norms included), a mixture of experts with
     `num_experts`; `norm`: the RMSNorm module for every norm of the layer (megarl's, `local_kernels.RMSNorm`), or
@@ -63,6 +83,7 @@ def local_spec(*, num_experts: int | None = None, norm=None):
     layer = spec.submodules
     attention = layer.self_attention.submodules
     attention.core_attention = _mla_dot_product_attention()
+    attention.linear_q_down_proj = attention.linear_kv_down_proj = _replicated_linear(mla)
     if norm is not None:
         layer.input_layernorm = layer.pre_mlp_layernorm = norm
         attention.q_layernorm = attention.kv_layernorm = norm
