@@ -201,7 +201,7 @@ MOE = {"model_type": "qwen3_moe", "head_dim": 16, "num_experts": 4, "num_experts
 
 @pytest.mark.parametrize("fields, flags, world, message", [
     ({}, {"expert_model_parallel_size": 2}, 2, "--expert-model-parallel-size 2 / --expert-tensor-parallel-size 0: "
-     "a qwen2 model has no experts (qwen3_moe has)"),
+     "a qwen2 model has no experts (the families with experts: deepseek_v3, qwen3_moe)"),
     ({}, {"routing_replay": True}, 1, "--routing-replay: a qwen2 model has no routers to replay"),
     (MOE, {"expert_model_parallel_size": 3}, 3, "num_experts = 4 is not divisible by --expert-model-parallel-size 3 "
      "(the largest EP below 3 that divides it: 2)"),
