@@ -83,3 +83,21 @@ def test_deepseek_v3_grpo_step_is_the_same_at_every_split_and_resumes(deepseek, 
         for key, tensor in ref["continued_update"].items():
             assert (got["resumed_update"][key] - tensor).abs().max() < 1e-5, (name, key)
     assert (ref["engine_logprobs"] - ref["actor_logprobs"]).abs().max() < 1e-5
+
+
+def test_deepseek_v3_routing_replay(tmp_path):
+    """Routing replay with DeepSeek's router (8 experts in 4 groups, 2 searched, top-4; 3 sparse layers after a
+    dense one), `worker.py`'s routing_replay scenario: the fp32 engine's recorded experts are the actor's own on
+    every token; with the engine in bf16 some flip, and replay takes the disagreement to 0 and lowers the mean
+    |actor - engine| log-prob."""
+    hf = make_tiny_hf_model(tmp_path / "ds", "deepseek_v3", seed=7, layers=4, n_routed_experts=8,
+                            num_experts_per_tok=4, n_group=4, topk_group=2)
+    torchrun(1, WORKER, "routing_replay", "--hf", hf, "--out", tmp_path, timeout=400)
+    results = torch.load(tmp_path / "routing_replay-rank0.pt", weights_only=False)
+    fp32, bf16 = results["float32"], results["bfloat16"]
+    assert fp32["routing"].shape[2:] == (3, 4)
+    assert fp32["own"]["routing_disagree_sum"] == 0 and fp32["own"]["mismatch_abs_max"] < 1e-5
+    own, replay = bf16["own"], bf16["replay"]
+    assert own["routing_disagree_sum"] > 0, "no expert flipped: the comparison would be vacuous"
+    assert replay["routing_disagree_sum"] == 0 and replay["routing_replayed_sum"] > 0
+    assert replay["mismatch_abs_sum"] / replay["tokens"] < own["mismatch_abs_sum"] / own["tokens"]
