@@ -59,6 +59,10 @@ FAMILY_RULES: Mapping[str, tuple[Rule, ...]] = _FamilyRules()
 _TE_ALIASES = {
     "self_attention.linear_qkv.layer_norm_weight": "input_layernorm.weight",
     "mlp.linear_fc1.layer_norm_weight": "pre_mlp_layernorm.weight",
+    # MLA on the TE spec (megatron-core's `get_gpt_layer_with_transformer_engine_spec(multi_latent_attention=True)`):
+    # the latent norms fold into the up projections. Not run here (no TE on CPU).
+    "self_attention.linear_q_up_proj.layer_norm_weight": "self_attention.q_layernorm.weight",
+    "self_attention.linear_kv_up_proj.layer_norm_weight": "self_attention.kv_layernorm.weight",
 }
 
 
