@@ -1,4 +1,5 @@
-"""The architecture of a Hugging Face Llama / Qwen2 / Qwen3 / Qwen3-MoE checkpoint, read once from its `config.json`.
+"""The architecture of a Hugging Face Llama / Qwen2 / Qwen3 / Qwen3-MoE / DeepSeek-V3 checkpoint, read once from its
+`config.json`.
 
 The single source of these facts for both sides: the Megatron actor (`megarl.mcore`) and the rollout engines,
 which must not depend on each other. Unsupported features fail here, naming the config field.
@@ -14,7 +15,7 @@ from megarl.models import FAMILIES
 
 # The built-in families (`megarl/models/<family>/`), kept for importers; what is supported, plugins included, is
 # `megarl.models.FAMILIES`, whose entries also say which have q/k norms (`ModelFamily.qk_norm`).
-SUPPORTED_FAMILIES = ("llama", "qwen2", "qwen3", "qwen3_moe")
+SUPPORTED_FAMILIES = ("llama", "qwen2", "qwen3", "qwen3_moe", "deepseek_v3")
 QK_NORM_FAMILIES = ("qwen3", "qwen3_moe")  # per-head RMSNorm on queries and keys (`self_attn.q_norm` / `k_norm`)
 # Llama-3.1's RoPE scaling constants; Megatron's GPTModel (`rope_scaling=True`) hard-codes these three and takes
 # only the factor, so a checkpoint with other values is refused rather than silently computed differently.
@@ -44,6 +45,26 @@ class ModelShape:
     moe_ffn_hidden_size: int = 0  # each expert's SwiGLU width
     moe_norm_topk_prob: bool = True  # renormalise the top-k probabilities (False: softmax over all, then top-k)
     moe_layers: tuple[int, ...] = ()  # global indices of the layers whose MLP is the mixture of experts
+    # DeepSeek's router (deepseek_v3): sigmoid scores, a bias that only steers the choice, group-limited top-k,
+    # the chosen scores scaled; and a shared expert every token goes through.
+    moe_score_function: str = "softmax"  # softmax | sigmoid
+    moe_expert_bias: bool = False  # experts are chosen on score + bias (HF `e_score_correction_bias`)
+    moe_num_groups: int = 0  # experts split into this many groups, of which `moe_group_topk` are searched; 0: none
+    moe_group_topk: int = 0
+    moe_routed_scaling_factor: float = 1.0  # multiplies the routed experts' weights
+    moe_shared_ffn_hidden_size: int = 0  # the shared expert's SwiGLU width; 0 = none
+    # Multi-latent attention (deepseek_v3); kv_lora_rank 0 = ordinary attention. head_dim is then the RoPE part.
+    q_lora_rank: int = 0  # the query's low-rank bottleneck; 0 = a full-rank query projection
+    kv_lora_rank: int = 0  # the compressed key/value latent
+    qk_nope_head_dim: int = 0  # each head's query/key width without RoPE (the RoPE part is head_dim)
+    v_head_dim: int = 0
+    # YaRN RoPE scaling (deepseek_v3); factor 0 = none.
+    yarn_factor: float = 0.0
+    yarn_original_max_position_embeddings: int = 0
+    yarn_beta_fast: float = 32.0
+    yarn_beta_slow: float = 1.0
+    yarn_mscale: float = 1.0
+    yarn_mscale_all_dim: float = 0.0
 
     def is_moe_layer(self, layer: int) -> bool:
         return layer in self.moe_layers
@@ -52,8 +73,20 @@ class ModelShape:
     def is_moe(self) -> bool:
         return self.num_experts > 0
 
+    @property
+    def is_mla(self) -> bool:
+        return self.kv_lora_rank > 0
+
     def attention_params(self) -> int:
-        """One layer's attention: q/k/v/o projections, Qwen2's q/k/v biases, Qwen3's q/k norms."""
+        """One layer's attention: q/k/v/o projections, Qwen2's q/k/v biases, Qwen3's q/k norms; MLA's down and
+        up projections and latent norms."""
+        if self.is_mla:
+            h, heads, qk = self.hidden_size, self.num_attention_heads, self.qk_nope_head_dim + self.head_dim
+            q = (h * self.q_lora_rank + self.q_lora_rank + self.q_lora_rank * heads * qk if self.q_lora_rank
+                 else h * heads * qk)
+            kv = (h * (self.kv_lora_rank + self.head_dim) + self.kv_lora_rank
+                  + self.kv_lora_rank * heads * (self.qk_nope_head_dim + self.v_head_dim))
+            return q + kv + heads * self.v_head_dim * h
         q, kv, h = self.num_attention_heads * self.head_dim, self.num_kv_heads * self.head_dim, self.hidden_size
         bias, norms = (q + 2 * kv) if self.qkv_bias else 0, 2 * self.head_dim if self.qk_norm else 0
         return h * (q + 2 * kv) + q * h + bias + norms
@@ -63,7 +96,8 @@ class ModelShape:
         if not self.is_moe_layer(layer):
             return 3 * self.hidden_size * self.ffn_hidden_size
         experts = self.moe_top_k if active else self.num_experts
-        return self.num_experts * self.hidden_size + experts * 3 * self.hidden_size * self.moe_ffn_hidden_size
+        return (self.num_experts * self.hidden_size + experts * 3 * self.hidden_size * self.moe_ffn_hidden_size
+                + 3 * self.hidden_size * self.moe_shared_ffn_hidden_size)
 
     def param_count(self, active: bool = False) -> int:
         """Parameters of the Hugging Face model, tied embeddings counted once; `active`: those one token runs
@@ -81,6 +115,8 @@ class ModelShape:
         import torch
 
         inv = 1.0 / (self.rope_theta ** (torch.arange(0, self.head_dim, 2, dtype=torch.float32) / self.head_dim))
+        if self.yarn_factor:
+            return self._yarn_inv_freq(inv)
         if not self.rope_scaling_factor:
             return inv
         low, high, old_ctx = LLAMA3_ROPE["low_freq_factor"], LLAMA3_ROPE["high_freq_factor"], \
@@ -90,6 +126,25 @@ class ModelShape:
         scaled = (1 - smooth) * inv / self.rope_scaling_factor + smooth * inv
         return torch.where(wavelen < old_ctx / high, inv, torch.where(wavelen > old_ctx / low,
                                                                       inv / self.rope_scaling_factor, scaled))
+
+    def _yarn_inv_freq(self, inv):
+        """YaRN (transformers' `_compute_yarn_parameters`, truncated correction range): frequencies of more than
+        `beta_fast` rotations over the original context keep their value, of fewer than `beta_slow` are divided by
+        the factor, and a linear ramp over the dimensions between blends the two."""
+        import math
+
+        import torch
+
+        dim, base, ctx = self.head_dim, self.rope_theta, self.yarn_original_max_position_embeddings
+
+        def correction_dim(rotations: float) -> float:
+            return dim * math.log(ctx / (rotations * 2 * math.pi)) / (2 * math.log(base))
+
+        low = max(math.floor(correction_dim(self.yarn_beta_fast)), 0)
+        high = min(math.ceil(correction_dim(self.yarn_beta_slow)), dim - 1)
+        ramp = ((torch.arange(dim // 2, dtype=torch.float32) - low) / ((high - low) or 0.001)).clamp(0, 1)
+        keep = 1 - ramp
+        return inv / self.yarn_factor * (1 - keep) + inv * keep
 
     @classmethod
     def from_hf_config(cls, cfg: dict, source: str = "config.json") -> "ModelShape":
@@ -108,7 +163,11 @@ class ModelShape:
             raise ValueError(f"{source}: sliding-window attention layers are not supported; supported: full_attention")
         heads = cfg["num_attention_heads"]
         layers = cfg["num_hidden_layers"]
-        return cls(
+        if spec.read_config is not None:
+            own = spec.read_config(cfg, layers, source)
+        else:
+            own = _moe_fields(cfg, layers, source, family) if spec.moe else {}
+        shared = dict(
             family=family,
             num_layers=layers,
             hidden_size=cfg["hidden_size"],
@@ -118,14 +177,14 @@ class ModelShape:
             ffn_hidden_size=cfg["intermediate_size"],
             vocab_size=cfg["vocab_size"],
             max_position_embeddings=cfg.get("max_position_embeddings", 4096),
-            rope_theta=_rope_theta(cfg, source),
+            rope_theta=_rope_theta(cfg, source, ("default", "yarn") if spec.mla else ("default", "llama3")),
             rope_scaling_factor=_rope_scaling_factor(cfg, source),
             norm_eps=cfg.get("rms_norm_eps", 1e-6),
             tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
             qkv_bias=spec.qkv_bias,  # Qwen2 always has q/k/v biases
             qk_norm=spec.qk_norm,
-            **(_moe_fields(cfg, layers, source, family) if spec.moe else {}),
         )
+        return cls(**{**shared, **own})
 
     @classmethod
     def from_pretrained(cls, path: str | Path) -> "ModelShape":
@@ -167,9 +226,10 @@ def _rope_type(cfg: dict) -> str:
     return rope.get("rope_type", rope.get("type", "default"))
 
 
-def _rope_theta(cfg: dict, source: str) -> float:
-    if _rope_type(cfg) not in ("default", "llama3"):
-        raise ValueError(f"{source}: rope type {_rope_type(cfg)!r} is not supported yet; supported: default, llama3")
+def _rope_theta(cfg: dict, source: str, supported: tuple[str, ...] = ("default", "llama3")) -> float:
+    if _rope_type(cfg) not in supported:
+        raise ValueError(f"{source}: rope type {_rope_type(cfg)!r} is not supported yet; supported: "
+                         f"{', '.join(supported)}")
     return float(_rope_settings(cfg).get("rope_theta", cfg.get("rope_theta", 10000.0)))
 
 

@@ -18,7 +18,9 @@ command line. Memory, in bytes, for P parameters held by one GPU (its TP shard o
   20 bytes per vocabulary entry per token; with --logprob-chunk-tokens three [chunk, vocab / TP] fp32 tensors
   whatever the length. (Before issue 29 the planner counted 10 bytes per entry for full logits, half the measured
   peak; `fixes` now offers --logprob-chunk-tokens when the head is what does not fit.)
-- KV cache per token: 2 (K and V) x layers x kv_heads x head_dim x 2 bytes, sharded over the engine's TP.
+- KV cache per token: 2 (K and V) x layers x kv_heads x head_dim x 2 bytes, sharded over the engine's TP;
+  multi-latent attention (DeepSeek-V3) caches one latent per token and layer, layers x (kv_lora_rank +
+  qk_rope_head_dim) x 2 bytes, on every TP rank (SGLang's MLA cache).
 - reference model (when --kl-coef > 0): its bf16 weights, sharded like the actor.
 - --offload-frozen: the reference's and a local teacher's weights are on the GPU only in a phase of their own, their
   log-probs (the actor's resident state, the frozen weights, one layer's activations of a micro-batch and the
@@ -281,8 +283,25 @@ def adam_state_bytes(params: float, distributed_over: int = 1) -> float:
 
 
 def kv_bytes_per_token(s: ModelShape, bytes_per_value: int = 2) -> int:
-    """K and V for one token in every layer: 2 x layers x kv_heads x head_dim x bytes."""
+    """K and V for one token in every layer: 2 x layers x kv_heads x head_dim x bytes; MLA: the compressed latent
+    and the shared RoPE key, layers x (kv_lora_rank + rope) x bytes."""
+    if s.is_mla:
+        return s.num_layers * (s.kv_lora_rank + s.head_dim) * bytes_per_value
     return 2 * s.num_layers * s.num_kv_heads * s.head_dim * bytes_per_value
+
+
+def _kv_tp(s: ModelShape, engine_tp: int) -> int:
+    """The engine TP ranks its KV cache is split over: KV heads shard over TP, beyond that they are replicated; an
+    MLA latent is on every rank."""
+    return 1 if s.is_mla else min(engine_tp, s.num_kv_heads)
+
+
+def _attention_widths(s: ModelShape) -> tuple[int, int]:
+    """Per token and layer, the widths of the query-key product and of the value product (and output):
+    heads x head_dim each; MLA: heads x (nope + rope) and heads x v_head_dim."""
+    if s.is_mla:
+        return s.num_attention_heads * (s.qk_nope_head_dim + s.head_dim), s.num_attention_heads * s.v_head_dim
+    return s.num_attention_heads * s.head_dim, s.num_attention_heads * s.head_dim
 
 
 SYNC_BUCKETS = 3  # live on a pushing GPU during a push (`sync_buckets_bytes`)
@@ -305,6 +324,9 @@ def async_copy_bytes(s: ModelShape, r: RunSettings) -> float:
 
 
 def activation_bytes_per_token_layer(s: ModelShape) -> int:
+    if s.is_mla:  # q, k (nope + rope each), v and the attention output, after the up-projections
+        qk, v = _attention_widths(s)
+        return 2 * (4 * s.hidden_size + 2 * qk + 2 * v) + 6 * s.ffn_hidden_size
     q, kv = s.num_attention_heads * s.head_dim, s.num_kv_heads * s.head_dim
     return 2 * (4 * s.hidden_size + 2 * q + 2 * kv) + 6 * s.ffn_hidden_size
 
@@ -407,7 +429,7 @@ def memory_plan(s: ModelShape, r: RunSettings, cluster: Cluster) -> list[MemoryP
     total = num_params(s)
     etp = _engine_tp(s, r, cluster)
     samples = r.rollout_batch_size * r.n_samples_per_prompt
-    kv_tp = min(etp, s.num_kv_heads)  # KV heads shard over TP; beyond that they are replicated
+    kv_tp = _kv_tp(s, etp)
     if r.mode == "colocated":
         train_gpus = rollout_gpus = cluster.gpus
     else:
@@ -518,14 +540,14 @@ def step_time(s: ModelShape, r: RunSettings, cluster: Cluster, plans: list[Memor
     waves = max(1, math.ceil(rollout_plan.kv_needed / rollout_plan.kv_pool)) if rollout_plan.kv_pool > 0 else 1
     live = seqs / waves
     prefill = 2 * active * seqs * r.prompt_len / (etp * g.bf16_tflops * 1e12 * 0.5)
-    kv_tp = min(etp, s.num_kv_heads)
+    kv_tp = _kv_tp(s, etp)
     mean_ctx = r.prompt_len + r.max_response_len / 2
     bytes_per_step = weights_bytes(total) / etp + live * mean_ctx * kv_bytes_per_token(s) / kv_tp
     per_step = max(bytes_per_step / (g.hbm_gbps * 1e9 * 0.7), 2 * active * live / (etp * g.bf16_tflops * 1e12 * 0.5))
     rollout = prefill + waves * r.max_response_len * (per_step + 2e-3)  # +2 ms scheduling per step
     tokens = r.rollout_batch_size * r.n_samples_per_prompt * (r.prompt_len + r.mean_response_frac * r.max_response_len)
     passes = 6 + 2 + (2 if r.kl else 0)  # update fwd+bwd, the actor's log-probs, the reference's
-    attention = 2 * s.num_layers * mean_ctx * s.num_attention_heads * s.head_dim  # per token, forward
+    attention = s.num_layers * mean_ctx * sum(_attention_widths(s))  # per token, forward: q k^T and p v
     flops = tokens * (passes * active + passes / 2 * attention) + tokens * 2 * r.teacher_params  # teacher's forward
     dp = max(1, train_gpus // (r.tp * r.pp * r.cp))
     micro = max(1, math.ceil(r.rollout_batch_size * r.n_samples_per_prompt / dp / r.updates_per_rollout

@@ -128,7 +128,8 @@ def _expert_problems(m, shape: ModelShape, where: str, routing_replay: bool = Fa
         problems = []
         if ep > 1 or etp > 1:
             problems.append(f"{where}: --expert-model-parallel-size {ep} / --expert-tensor-parallel-size {etp}: a "
-                            f"{shape.family} model has no experts ({_expert_families()} has); leave them at 1 and 0")
+                            f"{shape.family} model has no experts (the families with experts: "
+                            f"{_expert_families()}); leave them at 1 and 0")
         if routing_replay:
             problems.append(f"{where}: --routing-replay: a {shape.family} model has no routers to replay")
         return problems

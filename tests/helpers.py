@@ -27,9 +27,10 @@ def fixed_batch(vocab: int, seed: int) -> dict:
 
 def make_tiny_hf_model(out: Path, family: str = "qwen2", tie: bool = False, seed: int = 0, layers: int = 2,
                        vocab: int = 96, with_tokenizer: bool = False, rope: dict | None = None, **config) -> Path:
-    """A random Llama/Qwen2/Qwen3/Qwen3-MoE created with `transformers` (no hub) and saved as an HF checkpoint
-    directory; `config`: other config.json fields (heads, widths, experts...). Qwen3 gets an explicit head_dim
-    that is not hidden / heads, and Qwen3-MoE 4 experts (top-2) of width 32 unless `config` says otherwise."""
+    """A random Llama/Qwen2/Qwen3/Qwen3-MoE/DeepSeek-V3 created with `transformers` (no hub) and saved as an HF
+    checkpoint directory; `config`: other config.json fields (heads, widths, experts...). Qwen3 gets an explicit
+    head_dim that is not hidden / heads, Qwen3-MoE 4 experts (top-2) of width 32, DeepSeek-V3 MLA and 4 experts in
+    2 groups with a shared one, unless `config` says otherwise (`ModelFamily.tiny_config`)."""
     import torch
     import transformers
     from transformers import AutoModelForCausalLM
@@ -39,11 +40,11 @@ def make_tiny_hf_model(out: Path, family: str = "qwen2", tie: bool = False, seed
     torch.manual_seed(seed)
     spec = get_family(family)  # megarl/models/<family>/: its transformers config class and tiny settings
     cls = getattr(transformers, spec.hf_config_class)
-    shape = dict(hidden_size=64, intermediate_size=128, num_attention_heads=4, num_key_value_heads=2,
-                 max_position_embeddings=64, **({"rope_parameters": rope} if rope else {}), **spec.tiny_config)
+    shape = {**dict(hidden_size=64, intermediate_size=128, num_attention_heads=4, num_key_value_heads=2,
+                    max_position_embeddings=64, **({"rope_parameters": rope} if rope else {})), **spec.tiny_config}
     cfg = cls(vocab_size=vocab, num_hidden_layers=layers, tie_word_embeddings=tie, **{**shape, **config})
     model = AutoModelForCausalLM.from_config(cfg).float().eval()
-    if spec.qk_norm or spec.moe:
+    if spec.qk_norm or spec.moe or spec.mla:
         randomize_qwen3_norms_and_router(model)
     model.save_pretrained(out)
     if with_tokenizer:
@@ -183,13 +184,17 @@ def group_of(path: Path) -> str:
 
 
 def randomize_qwen3_norms_and_router(model) -> None:
-    """transformers initialises Qwen3's q/k norms to ones (and Qwen3-MoE's router to zeros): random values make a
-    weight-table or routing mistake show in the logits."""
+    """transformers initialises Qwen3's q/k norms and DeepSeek-V3's latent norms to ones (Qwen3-MoE's router to
+    zeros, DeepSeek-V3's router bias too): random values make a weight-table or routing mistake show in the
+    logits."""
     import torch
 
     with torch.no_grad():
         for name, p in model.named_parameters():
-            if name.endswith(("q_norm.weight", "k_norm.weight")):
+            if name.endswith(("q_norm.weight", "k_norm.weight", "q_a_layernorm.weight", "kv_a_layernorm.weight")):
                 p.uniform_(0.5, 1.5)
             elif name.endswith("mlp.gate.weight"):
                 p.normal_(0.0, 0.5)
+        for name, b in model.named_buffers():
+            if name.endswith("mlp.gate.e_score_correction_bias"):
+                b.normal_(0.0, 0.2)

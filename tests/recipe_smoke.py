@@ -50,7 +50,7 @@ REPO = Path(__file__).resolve().parents[1]
 RUNS = ("r1_math", "r1_code", "tiny_cpu", "tiny_cpu_moe", "tiny_cpu_ppo", "tiny_cpu_ppo_rm", "tiny_cpu_tool",
         "tiny_cpu_math", "tiny_cpu_code", "tiny_cpu_rg", "tiny_cpu_lora", "r1_math_lora", "r1_math_distill",
         *(f"r1_math:{m}" for m in ("qwen2.5-7b", "qwen2.5-math-7b", "llama-3.1-8b", "llama-3.1-70b", "qwen3-8b",
-                                   "qwen3-30b-a3b")))
+                                   "qwen3-30b-a3b", "moonlight-16b-a3b")))
 # the recipes' `RECIPE_MODEL` defaults
 DEFAULT_MODEL = {"r1_math": "qwen2.5-math-1.5b", "r1_code": "qwen2.5-7b", "r1_math_lora": "qwen2.5-math-7b",
                  "r1_math_distill": "qwen2.5-math-1.5b"}
@@ -108,6 +108,13 @@ def tiny_config(shape: dict[str, str], vocab: int) -> tuple[str, dict]:
     if family == "qwen3_moe":
         cfg.update(num_experts=8, num_experts_per_tok=2, moe_intermediate_size=32,
                    norm_topk_prob=shape.get("norm_topk_prob", "false") == "true")
+    if family == "deepseek_v3":  # MLA with 8-wide parts, the model file's router and dense-first layout
+        cfg.update(num_key_value_heads=tiny_heads, kv_lora_rank=16, qk_nope_head_dim=8, qk_rope_head_dim=8,
+                   v_head_dim=8, q_lora_rank=16 if "q_lora_rank" in shape else None, n_routed_experts=8,
+                   num_experts_per_tok=2, moe_intermediate_size=32,
+                   **{k: int(shape[k]) for k in ("n_shared_experts", "first_k_dense_replace") if k in shape},
+                   n_group=1, topk_group=1, routed_scaling_factor=float(shape.get("routed_scaling_factor", 1.0)),
+                   norm_topk_prob=shape.get("norm_topk_prob", "true") == "true")
     if family == "llama":
         cfg["rope_scaling"] = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
                                "high_freq_factor": 4.0, "original_max_position_embeddings": 8192}
@@ -138,7 +145,7 @@ def make_gpu_model(model_file: str, out: Path) -> Path:
         config.rope_parameters = {**rope, "rope_theta": fields["rope_theta"]}
     torch.manual_seed(0)
     model = AutoModelForCausalLM.from_config(config)
-    if family in ("qwen3", "qwen3_moe"):
+    if family in ("qwen3", "qwen3_moe", "deepseek_v3"):
         randomize_qwen3_norms_and_router(model)
     return _save(model, tokenizer, out)
 

@@ -19,8 +19,10 @@ fails in three places, each fixed here without editing megatron:
    isinstance() arg 2 must be a type, a tuple of types, or a union". Setting `multi_latent_attention.HAVE_TE =
    False` (nothing of TE is used on CPU) fixes it.
 With the three, a 2-layer MLA GPTModel builds and runs its forward on CPU (the script prints the parameter names,
-the megatron side of DeepSeek-V3's weight table). Not yet checked: logits against transformers'
-DeepseekV3ForCausalLM (installed: transformers 5.x has it), TP 2, the MoE with shared experts and sigmoid router.
+the megatron side of DeepSeek-V3's weight table). megarl's own layer is `megarl/mcore/mla.py` (these shims, YaRN on
+the CPU, and replicated down projections, without which the update at TP > 1 is wrong); the family, checked against
+transformers' DeepseekV3ForCausalLM, is `megarl/models/deepseek_v3/` (docs/guide.md, "DeepSeek-V3 and multi-latent
+attention").
 """
 
 from __future__ import annotations

@@ -59,13 +59,18 @@ FAMILY_RULES: Mapping[str, tuple[Rule, ...]] = _FamilyRules()
 _TE_ALIASES = {
     "self_attention.linear_qkv.layer_norm_weight": "input_layernorm.weight",
     "mlp.linear_fc1.layer_norm_weight": "pre_mlp_layernorm.weight",
+    # MLA on the TE spec (megatron-core's `get_gpt_layer_with_transformer_engine_spec(multi_latent_attention=True)`):
+    # the latent norms fold into the up projections. Not run here (no TE on CPU).
+    "self_attention.linear_q_up_proj.layer_norm_weight": "self_attention.q_layernorm.weight",
+    "self_attention.linear_kv_up_proj.layer_norm_weight": "self_attention.kv_layernorm.weight",
 }
 
 
 def rules_for(shape: ModelShape) -> list[Rule]:
     if shape.family not in FAMILY_RULES:
         raise ValueError(f"no weight table for model family {shape.family!r}; known: {', '.join(FAMILY_RULES)}")
-    flags = {"untied": not shape.tie_word_embeddings, "qkv_bias": shape.qkv_bias}
+    flags = {"untied": not shape.tie_word_embeddings, "qkv_bias": shape.qkv_bias,
+             "q_lora": shape.q_lora_rank > 0, "q_full": shape.q_lora_rank == 0}
     family = FAMILIES.get(shape.family)
     if shape.qk_norm != family.qk_norm or shape.is_moe != family.moe:
         kinds = [FAMILIES.get(n) for n in FAMILIES.names()]
@@ -173,7 +178,7 @@ def global_param_names(model: torch.nn.Module) -> dict[str, str]:
             layer_numbers[local_index] = layer.layer_number - 1  # layer_number is global and 1-based
     first_expert = _first_local_expert(model)
     out = {}
-    for name, _ in model.named_parameters():
+    for name in named_weights(model):
         canonical = name
         m = re.match(r"decoder\.layers\.(\d+)\.(.*)$", name)
         if m:
@@ -187,6 +192,18 @@ def global_param_names(model: torch.nn.Module) -> dict[str, str]:
             canonical = f"decoder.layers.{layer_numbers[int(m[1])]}.{rest}"
         out[name] = canonical
     return out
+
+
+# Buffers that are weights of the checkpoint: DeepSeek-V3's router bias (HF `e_score_correction_bias`), a buffer
+# in both implementations because it steers the choice of experts without a gradient.
+_WEIGHT_BUFFERS = (".mlp.router.expert_bias",)
+
+
+def named_weights(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """The parameters and the weight buffers (`_WEIGHT_BUFFERS`) of `model`, by local name."""
+    weights = dict(model.named_parameters())
+    weights.update((n, b) for n, b in model.named_buffers() if b is not None and n.endswith(_WEIGHT_BUFFERS))
+    return weights
 
 
 def _first_local_expert(model: torch.nn.Module) -> int:
@@ -284,7 +301,7 @@ def load_hf_weights(model: torch.nn.Module, hf_dir: str | Path, shape: ModelShap
     model = unwrap(model)
     rules = rules_for(shape)
     names = global_param_names(model)
-    params = dict(model.named_parameters())
+    params = named_weights(model)
     plan = {}
     for local_name, global_name in names.items():
         if (skip and global_name.startswith(skip)) or is_adapter_param(global_name):
@@ -338,7 +355,7 @@ def iter_hf_weights(model: torch.nn.Module, shape: ModelShape, every_tp_rank: bo
     pp_group, pp_size = ps.get_pipeline_model_parallel_group(), ps.get_pipeline_model_parallel_world_size()
     pp_rank, tp_rank = ps.get_pipeline_model_parallel_rank(), ps.get_tensor_model_parallel_rank()
     rules = rules_for(shape)
-    params = dict(model.named_parameters())
+    params = named_weights(model)
     yields = tp_rank == 0 or every_tp_rank
 
     def this_stage() -> Iterator[tuple[str, torch.Tensor]]:

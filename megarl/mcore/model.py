@@ -1,4 +1,5 @@
-"""Build a Megatron `GPTModel` for a Hugging Face checkpoint's architecture (Llama, Qwen2, Qwen3, Qwen3-MoE)."""
+"""Build a Megatron `GPTModel` for a Hugging Face checkpoint's architecture (Llama, Qwen2, Qwen3, Qwen3-MoE,
+DeepSeek-V3)."""
 
 from __future__ import annotations
 
@@ -43,10 +44,11 @@ def moe_config(shape: ModelShape, tp: int, moe: MoEOptions) -> dict:
         raise ValueError(f"moe_intermediate_size {shape.moe_ffn_hidden_size} is not divisible by "
                          f"--expert-tensor-parallel-size {etp}")
     return dict(
+        **_deepseek_router(shape),
         num_moe_experts=shape.num_experts,
         moe_ffn_hidden_size=shape.moe_ffn_hidden_size,
         moe_router_topk=shape.moe_top_k,
-        moe_router_pre_softmax=not shape.moe_norm_topk_prob,
+        moe_router_pre_softmax=not shape.moe_norm_topk_prob and shape.moe_score_function == "softmax",
         moe_router_dtype="fp32",
         moe_aux_loss_coeff=moe.aux_loss_coeff,
         moe_router_load_balancing_type="aux_loss" if moe.aux_loss_coeff > 0 else "none",
@@ -59,6 +61,25 @@ def moe_config(shape: ModelShape, tp: int, moe: MoEOptions) -> dict:
         # per-layer keys, which layers of two kinds need.
         moe_layer_freq=[int(shape.is_moe_layer(i)) for i in range(shape.num_layers)],
     )
+
+
+def _deepseek_router(shape: ModelShape) -> dict:
+    """DeepSeek's router (`megarl/models/deepseek_v3`): sigmoid scores, the expert bias (a buffer, loaded from HF's
+    `e_score_correction_bias` and kept: an update rate of 0), group-limited top-k, the scaling factor, the shared
+    expert. A sigmoid router with top-k > 1 always renormalises the chosen scores in Megatron."""
+    if shape.moe_score_function == "softmax":
+        return {}
+    if not shape.moe_norm_topk_prob and shape.moe_top_k > 1:
+        raise ValueError(f"a sigmoid router with norm_topk_prob=false is not supported: Megatron renormalises the "
+                         f"{shape.moe_top_k} chosen scores")
+    fields = dict(moe_router_score_function=shape.moe_score_function,
+                  moe_router_enable_expert_bias=shape.moe_expert_bias, moe_router_bias_update_rate=0.0,
+                  moe_router_topk_scaling_factor=shape.moe_routed_scaling_factor)
+    if shape.moe_num_groups:
+        fields.update(moe_router_num_groups=shape.moe_num_groups, moe_router_group_topk=shape.moe_group_topk)
+    if shape.moe_shared_ffn_hidden_size:
+        fields.update(moe_shared_expert_intermediate_size=shape.moe_shared_ffn_hidden_size)
+    return fields
 
 
 def fused_softmax_available() -> bool:
@@ -83,6 +104,7 @@ def transformer_config(shape: ModelShape, *, tp: int, pp: int, params_dtype=torc
     `local_kernels` (the local spec with megarl's kernels, `parallel.layer_spec`) the config routes RoPE to
     megarl's fused RoPE. `moe`: how a mixture-of-experts model is split and routed (`moe_config`)."""
     from megatron.core.transformer import TransformerConfig
+    from megatron.core.transformer.transformer_config import MLATransformerConfig
 
     if shape.num_kv_heads % tp:
         raise ValueError(f"{shape.num_kv_heads} KV heads are not divisible by --tensor-model-parallel-size {tp}")
@@ -123,12 +145,16 @@ def transformer_config(shape: ModelShape, *, tp: int, pp: int, params_dtype=torc
         qk_layernorm=shape.qk_norm,
         **moe_config(shape, tp, moe or MoEOptions()),
     )
-    if local_kernels:
+    if local_kernels and not shape.is_mla:
         from megarl.mcore import local_kernels as kernels
 
         kwargs.update(kernels.transformer_config_overrides())
+    if shape.is_mla:
+        from megarl.mcore import mla
+
+        kwargs.update(mla.config_fields(shape))
     kwargs.update(overrides)
-    return TransformerConfig(**kwargs)
+    return (MLATransformerConfig if shape.is_mla else TransformerConfig)(**kwargs)
 
 
 def recompute_options(granularity: str) -> dict:
@@ -154,9 +180,11 @@ def build_gpt_model(shape: ModelShape, config, *, use_transformer_engine: bool |
 
     if shape.is_moe or (config.sequence_parallel and local_kernels):
         spec = parallel.decoder_block_spec(config, shape.moe_layers, use_transformer_engine,
-                                           local_kernels=local_kernels, qk_layernorm=shape.qk_norm)
+                                           local_kernels=local_kernels, qk_layernorm=shape.qk_norm,
+                                           multi_latent_attention=shape.is_mla)
     else:
-        spec = parallel.layer_spec(use_transformer_engine, local_kernels=local_kernels, qk_layernorm=shape.qk_norm)
+        spec = parallel.layer_spec(use_transformer_engine, local_kernels=local_kernels, qk_layernorm=shape.qk_norm,
+                                   multi_latent_attention=shape.is_mla)
     model = GPTModel(
         config=config,
         transformer_layer_spec=spec,

@@ -64,11 +64,12 @@ def _say_once(message: str) -> None:
 
 
 def layer_spec(use_transformer_engine: bool | None = None, normalization: str = "RMSNorm", local_kernels: bool = False,
-               *, qk_layernorm: bool = False, num_experts: int | None = None):
+               *, qk_layernorm: bool = False, num_experts: int | None = None, multi_latent_attention: bool = False):
     """Megatron's Transformer Engine spec on GPUs with TE installed, its local spec otherwise: with
     `local_kernels`, the local spec with megarl's attention and norms (`megarl/mcore/local_kernels.py`; the config
     needs `local_kernels.transformer_config_overrides()` for its RoPE). `num_experts`: a mixture-of-experts layer
-    (the local spec's `SequentialMLP`, TE's `TEGroupedMLP`); `qk_layernorm`: Qwen3's per-head q/k norms.
+    (the local spec's `SequentialMLP`, TE's `TEGroupedMLP`); `qk_layernorm`: Qwen3's per-head q/k norms;
+    `multi_latent_attention`: DeepSeek-V3's MLA (`megarl.mcore.mla`; with `local_kernels`, megarl's norms only).
 
     The one place the spec is chosen. `None` means "TE when available".
     """
@@ -78,6 +79,15 @@ def layer_spec(use_transformer_engine: bool | None = None, normalization: str = 
     )
 
     moe = dict(num_experts=num_experts, qk_layernorm=qk_layernorm) if num_experts or qk_layernorm else {}
+    if multi_latent_attention:
+        if uses_transformer_engine(use_transformer_engine):
+            return get_gpt_layer_with_transformer_engine_spec(num_experts=num_experts, qk_layernorm=True,
+                                                              multi_latent_attention=True,
+                                                              moe_grouped_gemm=bool(num_experts))
+        from megarl.mcore import local_kernels as kernels
+        from megarl.mcore import mla
+
+        return mla.local_spec(num_experts=num_experts, norm=kernels.RMSNorm if local_kernels else None)
     if uses_transformer_engine(use_transformer_engine):
         return get_gpt_layer_with_transformer_engine_spec(**moe, moe_grouped_gemm=bool(num_experts))
     if local_kernels:
@@ -88,7 +98,7 @@ def layer_spec(use_transformer_engine: bool | None = None, normalization: str = 
 
 
 def decoder_block_spec(config, moe_layers: tuple[int, ...], use_transformer_engine: bool | None = None,
-                       local_kernels: bool = False, qk_layernorm: bool = False):
+                       local_kernels: bool = False, qk_layernorm: bool = False, multi_latent_attention: bool = False):
     """The layers of this rank's pipeline stage, for the cases one layer spec cannot say: a mixture-of-experts
     model (the expert layer's spec where the global layer index is in `moe_layers`, Qwen3-MoE's `mlp_only_layers`
     / `decoder_sparse_step` giving the others a dense MLP), and sequence parallelism on the local spec (the final
@@ -98,9 +108,11 @@ def decoder_block_spec(config, moe_layers: tuple[int, ...], use_transformer_engi
     from megatron.core.transformer.transformer_block import TransformerBlockSubmodules, get_num_layers_to_build
     from megatron.core.transformer.transformer_layer import get_transformer_layer_offset
 
-    dense = layer_spec(use_transformer_engine, local_kernels=local_kernels, qk_layernorm=qk_layernorm)
+    dense = layer_spec(use_transformer_engine, local_kernels=local_kernels, qk_layernorm=qk_layernorm,
+                       multi_latent_attention=multi_latent_attention)
     sparse = layer_spec(use_transformer_engine, local_kernels=local_kernels, qk_layernorm=qk_layernorm,
-                        num_experts=config.num_moe_experts) if moe_layers else dense
+                        num_experts=config.num_moe_experts,
+                        multi_latent_attention=multi_latent_attention) if moe_layers else dense
     offset = get_transformer_layer_offset(config)
     layers = [sparse if offset + i in moe_layers else dense for i in range(get_num_layers_to_build(config))]
     final_norm = transformer_block.LayerNormImpl

@@ -26,8 +26,11 @@ from megarl.model_shape import ModelShape
 class RouterTap:
     """One router's replay slot (the interface of megatron-core's `RouterReplay.get_replay_topk`)."""
 
-    def __init__(self, pre_softmax: bool):
+    def __init__(self, pre_softmax: bool, sigmoid: bool = False):
         self.pre_softmax = pre_softmax  # scores are softmax probabilities (else logits)
+        # scores are sigmoid scores plus the expert bias (DeepSeek): the entropy is that of the scores normalised
+        # to sum 1 (a softmax over numbers in 0..1 would be near-uniform whatever the router does)
+        self.sigmoid = sigmoid
         self.replay = False
         self.target: torch.Tensor | None = None  # [tokens, k] the engine's experts, -1 where it has none
         self.reset()
@@ -50,7 +53,12 @@ class RouterTap:
         known = target[:, 0] >= 0
         used = torch.where(known[:, None], target, experts) if self.replay else experts
         with torch.no_grad():
-            probs = scores.detach().float() if self.pre_softmax else scores.detach().float().softmax(dim=-1)
+            probs = scores.detach().float()
+            if self.sigmoid:
+                probs = probs.clamp_min(0)
+                probs = probs / probs.sum(dim=-1, keepdim=True).clamp_min(1e-30)
+            elif not self.pre_softmax:
+                probs = probs.softmax(dim=-1)
             entropy = -(probs * probs.clamp_min(1e-30).log()).sum(dim=-1)
             target_set = target.sort(dim=-1).values
             own = (experts.sort(dim=-1).values == target_set).all(dim=-1)
@@ -77,7 +85,7 @@ def install_taps(model: torch.nn.Module, shape: ModelShape, pre_softmax: bool) -
         router = getattr(layer.mlp, "router", None)
         if router is None:
             continue
-        tap = RouterTap(pre_softmax)
+        tap = RouterTap(pre_softmax, sigmoid=shape.moe_score_function == "sigmoid")
         router.router_replay = tap
         taps.append((shape.moe_layers.index(layer.layer_number - 1), tap))
     return taps

@@ -18,7 +18,7 @@ Pure Python (no torch): the rollout engines and `megarl-plan` read shapes on hos
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, Mapping
+from typing import Any, Callable, Mapping
 
 from megarl.models.weights import Rule
 from megarl.registry import Registry
@@ -31,16 +31,20 @@ class ModelFamily:
     qkv_bias: bool = False  # q/k/v projections always have biases (Qwen2)
     qk_norm: bool = False  # per-head RMSNorm on queries and keys (Qwen3's `self_attn.q_norm` / `k_norm`)
     moe: bool = False  # a mixture of experts (`config.json`'s expert fields are read: `megarl.model_shape`)
+    mla: bool = False  # multi-latent attention (DeepSeek-V2/V3): low-rank q, compressed KV, a decoupled RoPE part
     hf_config_class: str = ""  # transformers' config class, for the tiny test models (`tests/helpers.py`)
     hf_model_class: str = ""  # transformers' causal LM class, the reference the tests compare logits with
     # config.json fields of the tiny random test model beyond the shared ones (`tests/helpers.make_tiny_hf_model`:
     # 64 wide, 4 heads, 2 KV heads, 2 layers): what makes a tiny model exercise the family's own parts.
     tiny_config: Mapping[str, Any] = field(default_factory=dict)
+    # config.json -> the family's own `ModelShape` fields (its attention, its router), called as
+    # `read_config(cfg, num_layers, source)` in place of the generic experts reader; None: the generic reader.
+    read_config: Callable[[dict, int, str], dict] | None = None
 
 
 FAMILIES: Registry[ModelFamily] = Registry(
     "model family", builtins=("megarl.models.llama", "megarl.models.qwen2", "megarl.models.qwen3",
-                              "megarl.models.qwen3_moe"))
+                              "megarl.models.qwen3_moe", "megarl.models.deepseek_v3"))
 
 
 def register_family(family: ModelFamily) -> ModelFamily:

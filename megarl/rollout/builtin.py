@@ -1,9 +1,10 @@
-"""The built-in rollout engine: Llama / Qwen2 / Qwen3 / Qwen3-MoE decoding in plain PyTorch.
+"""The built-in rollout engine: Llama / Qwen2 / Qwen3 / Qwen3-MoE / DeepSeek-V3 decoding in plain PyTorch.
 
 It lets megarl run, and be tested, with nothing but torch installed (CPU included); SGLang fits behind the same
 protocol for scale. It implements `RolloutEngine` for decoder-only models with RMSNorm, a SwiGLU MLP, default
 RoPE and grouped-query attention (Qwen2 adds q/k/v biases; Qwen3 an RMSNorm over each query and key head; Qwen3-MoE
-a router that sends each token to its top-k SwiGLU experts, `_moe`). It knows nothing of Megatron: weights arrive
+a router that sends each token to its top-k SwiGLU experts, `_moe`; DeepSeek-V3 multi-latent attention, its
+router and a shared expert, from `megarl/models/deepseek_v3/engine.py`). It knows nothing of Megatron: weights arrive
 only as Hugging Face-named tensors, through `update_weights` or a sync's buckets (`load_weight_buckets`).
 
 How one `generate` call runs:
@@ -50,10 +51,12 @@ class KVCache:
     v: torch.Tensor
 
     @classmethod
-    def empty(cls, layers: int, batch: int, kv_heads: int, max_len: int, head_dim: int, **kw) -> KVCache:
+    def empty(cls, layers: int, batch: int, kv_heads: int, max_len: int, head_dim: int, v_head_dim: int = 0,
+              **kw) -> KVCache:
+        """`v_head_dim`: the values' width where it differs from the keys' (MLA); 0 = head_dim."""
         return cls(
             torch.empty(layers, batch, kv_heads, head_dim, max_len, **kw),
-            torch.empty(layers, batch, kv_heads, max_len, head_dim, **kw),
+            torch.empty(layers, batch, kv_heads, max_len, v_head_dim or head_dim, **kw),
         )
 
     def repeat_rows(self, n: int) -> KVCache:
@@ -95,15 +98,19 @@ class _Layer:
     """One decoder layer in the engine's fused layout ([out, in] weights, as F.linear wants)."""
 
     ln1: torch.Tensor
-    wqkv: torch.Tensor  # rows: q heads, then k heads, then v heads
+    wqkv: torch.Tensor | None  # rows: q heads, then k heads, then v heads (None: MLA, `mla`)
     bqkv: torch.Tensor | None
-    wo: torch.Tensor
+    wo: torch.Tensor | None
     ln2: torch.Tensor
     wgu: torch.Tensor  # rows: gate, then up; [experts, 2 * width, hidden] in a mixture-of-experts layer
     wdown: torch.Tensor  # [hidden, width]; [experts, hidden, width] in a mixture-of-experts layer
     qnorm: torch.Tensor | None = None  # Qwen3: RMSNorm weights over each query / key head [head_dim]
     knorm: torch.Tensor | None = None
     router: torch.Tensor | None = None  # [experts, hidden]: a mixture-of-experts layer
+    router_bias: torch.Tensor | None = None  # [experts]: DeepSeek's e_score_correction_bias
+    shared_wgu: torch.Tensor | None = None  # DeepSeek's shared expert: [2 * width, hidden] and [hidden, width]
+    shared_wdown: torch.Tensor | None = None
+    mla: object | None = None  # DeepSeek-V3: `megarl.models.deepseek_v3.engine.MLAWeights`
 
 
 class BuiltinEngine(EngineCapabilities):
@@ -120,6 +127,11 @@ class BuiltinEngine(EngineCapabilities):
         self.device = torch.device(device)
         self.dtype = dtype
         self.weight_version = 0
+        self._mla = None
+        if self.shape.is_mla:
+            from megarl.models.deepseek_v3 import engine as mla
+
+            self._mla = mla
         self._allocate_weights()
         self._params = self._hf_views()
         self._rope = torch.empty(0, 2, self.shape.head_dim, device=self.device, dtype=self.dtype)
@@ -169,15 +181,22 @@ class BuiltinEngine(EngineCapabilities):
             h = s.hidden_size
             if not s.is_moe_layer(i):
                 return dict(wgu=zeros(2 * s.ffn_hidden_size, h), wdown=zeros(h, s.ffn_hidden_size))
-            e, f = s.num_experts, s.moe_ffn_hidden_size
-            return dict(wgu=zeros(e, 2 * f, h), wdown=zeros(e, h, f), router=zeros(e, h))
+            e, f, shared = s.num_experts, s.moe_ffn_hidden_size, s.moe_shared_ffn_hidden_size
+            return dict(wgu=zeros(e, 2 * f, h), wdown=zeros(e, h, f), router=zeros(e, h),
+                        router_bias=zeros(e) if s.moe_expert_bias else None,
+                        shared_wgu=zeros(2 * shared, h) if shared else None,
+                        shared_wdown=zeros(h, shared) if shared else None)
+
+        def attention() -> dict:
+            if self._mla is not None:
+                return dict(wqkv=None, bqkv=None, wo=None, mla=self._mla.allocate(s, zeros))
+            return dict(wqkv=zeros(q + 2 * kv, s.hidden_size), bqkv=zeros(q + 2 * kv) if s.qkv_bias else None,
+                        wo=zeros(s.hidden_size, q))
 
         self.layers = [
             _Layer(
                 ln1=zeros(s.hidden_size),
-                wqkv=zeros(q + 2 * kv, s.hidden_size),
-                bqkv=zeros(q + 2 * kv) if s.qkv_bias else None,
-                wo=zeros(s.hidden_size, q),
+                **attention(),
                 ln2=zeros(s.hidden_size),
                 qnorm=zeros(s.head_dim) if s.qk_norm else None,
                 knorm=zeros(s.head_dim) if s.qk_norm else None,
@@ -196,11 +215,14 @@ class BuiltinEngine(EngineCapabilities):
             p = f"model.layers.{i}."
             views[p + "input_layernorm.weight"] = layer.ln1
             views[p + "post_attention_layernorm.weight"] = layer.ln2
-            for proj, rows in (("q", slice(0, q)), ("k", slice(q, q + kv)), ("v", slice(q + kv, q + 2 * kv))):
-                views[f"{p}self_attn.{proj}_proj.weight"] = layer.wqkv[rows]
-                if layer.bqkv is not None:
-                    views[f"{p}self_attn.{proj}_proj.bias"] = layer.bqkv[rows]
-            views[p + "self_attn.o_proj.weight"] = layer.wo
+            if layer.mla is not None:
+                views.update(self._mla.hf_views(layer.mla, p))
+            else:
+                for proj, rows in (("q", slice(0, q)), ("k", slice(q, q + kv)), ("v", slice(q + kv, q + 2 * kv))):
+                    views[f"{p}self_attn.{proj}_proj.weight"] = layer.wqkv[rows]
+                    if layer.bqkv is not None:
+                        views[f"{p}self_attn.{proj}_proj.bias"] = layer.bqkv[rows]
+                views[p + "self_attn.o_proj.weight"] = layer.wo
             if layer.qnorm is not None:
                 views[p + "self_attn.q_norm.weight"] = layer.qnorm
                 views[p + "self_attn.k_norm.weight"] = layer.knorm
@@ -210,6 +232,13 @@ class BuiltinEngine(EngineCapabilities):
                 views[p + "mlp.down_proj.weight"] = layer.wdown
                 continue
             views[p + "mlp.gate.weight"] = layer.router
+            if layer.router_bias is not None:
+                views[p + "mlp.gate.e_score_correction_bias"] = layer.router_bias
+            if layer.shared_wgu is not None:
+                shared = s.moe_shared_ffn_hidden_size
+                views[p + "mlp.shared_experts.gate_proj.weight"] = layer.shared_wgu[:shared]
+                views[p + "mlp.shared_experts.up_proj.weight"] = layer.shared_wgu[shared:]
+                views[p + "mlp.shared_experts.down_proj.weight"] = layer.shared_wdown
             f = s.moe_ffn_hidden_size
             for e in range(s.num_experts):  # HF's on-disk names: one tensor per expert
                 views[f"{p}mlp.experts.{e}.gate_proj.weight"] = layer.wgu[e, :f]
@@ -280,6 +309,8 @@ class BuiltinEngine(EngineCapabilities):
         inv_freq = s.rope_inv_freq()
         freqs = torch.outer(torch.arange(length, dtype=torch.float32), inv_freq)
         cos, sin = freqs.cos(), freqs.sin()
+        if self._mla is not None:  # YaRN scales cos and sin (by 1 without it)
+            cos, sin = cos * self._mla.rope_scaling(s), sin * self._mla.rope_scaling(s)
         table = torch.stack([torch.cat([cos, cos], dim=-1), torch.cat([-sin, sin], dim=-1)], dim=1)
         self._rope = table.to(self.device, self.dtype)
 
@@ -300,6 +331,8 @@ class BuiltinEngine(EngineCapabilities):
     ) -> torch.Tensor:
         """Self-attention of x [B, T, hidden]. With one layer's cache `kv` (see `KVCache`), the new keys and values
         go to columns start..start+T and attention covers columns 0..start+T."""
+        if layer.mla is not None:
+            return self._mla.attention(self, x, layer.mla, rope, mask, kv, start)
         s = self.shape
         B, T, _ = x.shape
         nq, nkv, hd = s.num_attention_heads, s.num_kv_heads, s.head_dim
@@ -360,13 +393,19 @@ class BuiltinEngine(EngineCapabilities):
 
     def _moe(self, x: torch.Tensor, layer: _Layer, index: int) -> torch.Tensor:
         """Qwen3-MoE's sparse MLP of x [B, T, hidden]: router logits in fp32, a softmax over every expert, the top-k
-        (renormalised with `norm_topk_prob`), and the weighted sum of those experts' SwiGLU outputs."""
+        (renormalised with `norm_topk_prob`), and the weighted sum of those experts' SwiGLU outputs. DeepSeek-V3:
+        its own router (`deepseek_v3.engine.route`), and the shared expert added."""
         s = self.shape
         flat = x.reshape(-1, x.shape[-1])
-        probs = F.linear(flat.float(), layer.router.float()).softmax(dim=-1)
-        weights, experts = torch.topk(probs, s.moe_top_k, dim=-1)
-        if s.moe_norm_topk_prob:
-            weights = weights / weights.sum(dim=-1, keepdim=True)
+        if s.moe_score_function == "sigmoid":
+            logits = F.linear(flat.float(), layer.router.float())
+            weights, experts = self._mla.route(s, logits, layer.router_bias)
+            probs = logits.sigmoid()
+        else:
+            probs = F.linear(flat.float(), layer.router.float()).softmax(dim=-1)
+            weights, experts = torch.topk(probs, s.moe_top_k, dim=-1)
+            if s.moe_norm_topk_prob:
+                weights = weights / weights.sum(dim=-1, keepdim=True)
         self._record_routing(index, experts, probs)
         out = torch.zeros_like(flat)
         f = s.moe_ffn_hidden_size
@@ -375,6 +414,9 @@ class BuiltinEngine(EngineCapabilities):
             gu = F.linear(flat[rows], layer.wgu[e])
             y = F.linear(F.silu(gu[:, :f]) * gu[:, f:], layer.wdown[e])
             out.index_add_(0, rows, y * weights[rows, slot, None].to(y.dtype))
+        if layer.shared_wgu is not None:
+            gu, shared = self._linear(flat, layer.shared_wgu), s.moe_shared_ffn_hidden_size
+            out += self._linear(F.silu(gu[:, :shared]) * gu[:, shared:], layer.shared_wdown)
         return out.view_as(x)
 
     def _record_routing(self, layer: int, experts: torch.Tensor, probs: torch.Tensor) -> None:
@@ -493,9 +535,9 @@ class BuiltinEngine(EngineCapabilities):
         max_len = width + params.max_new_tokens
         self._ensure_rope(max_len)
         key_mask = self._key_mask(pads, max_len)
-        cache = KVCache.empty(
-            s.num_layers, num_prompts, s.num_kv_heads, max_len, s.head_dim, device=self.device, dtype=self.dtype
-        )
+        heads, k_dim, v_dim = self._mla.cache_dims(s) if self._mla is not None else (s.num_kv_heads, s.head_dim, 0)
+        cache = KVCache.empty(s.num_layers, num_prompts, heads, max_len, k_dim, v_dim, device=self.device,
+                              dtype=self.dtype)
         self._route_into = self._prompt_routing = self._routing_buffer(num_prompts, width)
         try:
             logits = self._logits(self._forward(ids, pos, self._prefill_mask(key_mask, width), cache, 0)[:, -1])

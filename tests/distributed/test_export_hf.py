@@ -34,3 +34,26 @@ def test_save_hf_in_shards_loads_back_in_transformers(tp, pp, ep, tiny_qwen2, tm
     tokens = torch.randint(0, ref.config.vocab_size, (2, 10), generator=torch.Generator().manual_seed(0))
     with torch.no_grad():
         assert torch.equal(got(tokens).logits, ref(tokens).logits)
+
+
+@pytest.mark.parametrize("tp,ep", [(1, 2), (2, 1)])
+def test_save_hf_deepseek_v3_is_the_checkpoint_bitwise(tp, ep, tmp_path):
+    """DeepSeek-V3 (MLA, a dense first layer, routed experts in groups, a shared expert and the router's bias, a
+    buffer): `--save-hf` at EP 2 or TP 2 writes exactly the checkpoint's tensors, which load back in transformers."""
+    from transformers import AutoModelForCausalLM
+
+    source = make_tiny_hf_model(tmp_path / "deepseek_v3", "deepseek_v3", layers=3, seed=2)
+    out = tmp_path / "exported"
+    torchrun(max(tp, ep), "tests/distributed/export_worker.py", "--hf", source, "--out", out, "--tp", tp,
+             "--ep", ep, "--shard-bytes", 64 << 10, timeout=240)
+    original = load_file(str(source / "model.safetensors"))
+    exported = {}
+    for shard in out.glob("model-*.safetensors"):
+        exported.update(load_file(str(shard)))
+    assert set(exported) == set(original)
+    assert all(torch.equal(exported[k], v) for k, v in original.items())
+    ref = AutoModelForCausalLM.from_pretrained(source).float().eval()
+    got = AutoModelForCausalLM.from_pretrained(out).float().eval()
+    tokens = torch.randint(0, ref.config.vocab_size, (2, 10), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        assert torch.equal(got(tokens).logits, ref(tokens).logits)

@@ -33,26 +33,36 @@ def _save_tiny_model(path, family: str, tied: bool) -> torch.nn.Module:
     """A tiny random HF model saved to `path`; returned in eval mode as the reference."""
     config_cls = {"qwen2": transformers.Qwen2Config, "llama": transformers.LlamaConfig,
                   "qwen3": transformers.Qwen3Config, "qwen3_moe": transformers.Qwen3MoeConfig,
-                  "qwen3_moe_plain": transformers.Qwen3MoeConfig}[family]
+                  "qwen3_moe_plain": transformers.Qwen3MoeConfig, "deepseek_v3": transformers.DeepseekV3Config,
+                  "deepseek_v3_yarn": transformers.DeepseekV3Config}[family]
     extra = {}
     if family.startswith("qwen3"):
         extra = dict(head_dim=24)  # not hidden / heads: the explicit head_dim is read
     if family.startswith("qwen3_moe"):
         extra.update(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32,
                      norm_topk_prob=family == "qwen3_moe", mlp_only_layers=[1] if family == "qwen3_moe" else [])
+    rope = {"rope_type": "default", "rope_theta": 1000.0}  # not the default, so theta is read
+    if family.startswith("deepseek_v3"):  # MLA; 4 experts, 2 groups (one searched), a shared expert
+        extra = dict(num_key_value_heads=4, q_lora_rank=32, kv_lora_rank=16, qk_rope_head_dim=8, qk_nope_head_dim=16,
+                     v_head_dim=16, n_routed_experts=4, num_experts_per_tok=2, moe_intermediate_size=32,
+                     n_shared_experts=1, n_group=2, topk_group=1, first_k_dense_replace=1,
+                     routed_scaling_factor=2.5)
+    if family == "deepseek_v3_yarn":  # a full-rank query, no groups, YaRN
+        extra.update(q_lora_rank=None, n_group=1, topk_group=1)
+        rope.update(rope_type="yarn", factor=4.0, original_max_position_embeddings=16, mscale=0.8,
+                    mscale_all_dim=1.0)
     config = config_cls(
         vocab_size=VOCAB,
         hidden_size=64,
         intermediate_size=128,
         num_hidden_layers=2,
         num_attention_heads=4,
-        num_key_value_heads=2,
         max_position_embeddings=256,
         tie_word_embeddings=tied,
         bos_token_id=None,
         eos_token_id=None,  # HF would stop (and min_new_tokens would mask) at Llama's default eos 2
-        rope_parameters={"rope_type": "default", "rope_theta": 1000.0},  # not the default, so theta is read
-        **extra,
+        rope_parameters=rope,
+        **{"num_key_value_heads": 2, **extra},
     )
     torch.manual_seed(0)
     model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32)
@@ -60,15 +70,18 @@ def _save_tiny_model(path, family: str, tied: bool) -> torch.nn.Module:
         for name, param in model.named_parameters():
             if "norm" not in name:
                 param.normal_(0, 0.2)
-            elif "q_norm" in name or "k_norm" in name:  # Qwen3's per-head norms: ones would hide a mix-up
+            elif "q_norm" in name or "k_norm" in name or "a_layernorm" in name:  # ones would hide a mix-up
                 param.uniform_(0.5, 1.5)
+        for name, buf in model.named_buffers():
+            if name.endswith("e_score_correction_bias"):  # DeepSeek's router bias: zeros would not steer
+                buf.normal_(0, 0.2)
     model.save_pretrained(path)
     return model.eval()
 
 
 @pytest.fixture(scope="module", params=[("qwen2", False), ("qwen2", True), ("llama", False), ("llama", True),
                                         ("qwen3", True), ("qwen3", False), ("qwen3_moe", False),
-                                        ("qwen3_moe_plain", True)],
+                                        ("qwen3_moe_plain", True), ("deepseek_v3", False), ("deepseek_v3_yarn", True)],
                 ids=lambda p: f"{p[0]}-{'tied' if p[1] else 'untied'}")
 def models(request, tmp_path_factory):
     family, tied = request.param
@@ -315,3 +328,20 @@ def test_stop_strings_need_a_tokenizer_and_are_strings(qwen):
         SamplingParams(stop="</tool_call>")
     with pytest.raises(ValueError, match="SamplingParams.stop must be a tuple of non-empty strings"):
         SamplingParams(stop=("",))
+
+
+@pytest.mark.parametrize("family", ["deepseek_v3", "deepseek_v3_yarn"])
+def test_deepseek_v3_logits_match_hf(family, tmp_path):
+    """MLA (interleaved RoPE, low-rank or full-rank query, YaRN), DeepSeek's router and the shared expert: the
+    engine's full-sequence logits equal transformers' within 1e-5 in fp32, left padding included."""
+    hf = _save_tiny_model(tmp_path, family, family.endswith("yarn"))
+    engine = BuiltinEngine.from_pretrained(tmp_path)
+    ids, pos, pads = engine._left_pad(PROMPTS)
+    width = ids.shape[1]
+    with torch.inference_mode():
+        ours = engine._logits(engine._forward(ids, pos, engine._prefill_mask(engine._key_mask(pads, width), width)))
+        for row, prompt in enumerate(PROMPTS):
+            want = hf(torch.tensor([prompt])).logits[0].float()
+            diff = (ours[row, width - len(prompt):] - want).abs().max().item()
+            print(f"{family} prompt {row}: max |logit - transformers| = {diff:.3g}")
+            assert diff < 1e-5

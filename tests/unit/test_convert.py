@@ -268,7 +268,11 @@ def test_shape_from_hf_config_fields():
         family="qwen2", num_layers=2, hidden_size=64, num_attention_heads=4, num_kv_heads=2, head_dim=16,
         ffn_hidden_size=128, vocab_size=96, max_position_embeddings=64, rope_theta=1000000.0, norm_eps=1e-5,
         tie_word_embeddings=True, qkv_bias=True, rope_scaling_factor=0.0, qk_norm=False, num_experts=0,
-        moe_top_k=0, moe_ffn_hidden_size=0, moe_norm_topk_prob=True, moe_layers=())
+        moe_top_k=0, moe_ffn_hidden_size=0, moe_norm_topk_prob=True, moe_layers=(), moe_score_function="softmax",
+        moe_expert_bias=False, moe_num_groups=0, moe_group_topk=0, moe_routed_scaling_factor=1.0,
+        moe_shared_ffn_hidden_size=0, q_lora_rank=0, kv_lora_rank=0, qk_nope_head_dim=0, v_head_dim=0,
+        yarn_factor=0.0, yarn_original_max_position_embeddings=0, yarn_beta_fast=32.0, yarn_beta_slow=1.0,
+        yarn_mscale=1.0, yarn_mscale_all_dim=0.0)
 
 
 def test_shape_is_frozen():
@@ -309,7 +313,8 @@ def test_llama_defaults_and_attention_bias():
 
 
 def test_unsupported_model_type_is_named():
-    with pytest.raises(ValueError, match=r"cfg.json: model_type 'mistral' is not supported; supported: llama, qwen2"):
+    with pytest.raises(ValueError,
+                       match=r"cfg.json: model_type 'mistral' is not supported; supported: deepseek_v3, llama, qwen2"):
         ModelShape.from_hf_config(hf_config(model_type="mistral"), source="cfg.json")
 
 

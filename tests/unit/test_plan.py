@@ -375,3 +375,28 @@ def test_offload_frozen_counts_the_reference_only_in_its_log_prob_phase_by_hand(
                                "optimizer (fp32 main + Adam)": 12 * p, "reference model": 2 * p,
                                "CUDA context, NCCL, fragmentation": 4 * 2**30,
                                "forward activations + logits": pytest.approx(layer + head)}
+
+
+def test_moonlight_shape_counts_what_transformers_builds_and_caches_the_mla_latent():
+    """Moonlight-16B-A3B (DeepSeek-V3): the planner's parameter count equals transformers' own model of the shape
+    file's config (built on the meta device); ~3B active; SGLang's MLA cache holds one latent of kv_lora_rank +
+    qk_rope_head_dim per token and layer, on every engine TP rank."""
+    import torch
+    import transformers
+
+    from megarl.cli.plan import _SHAPE_DUMP, _value
+
+    proc = subprocess.run(["bash", "-c", _SHAPE_DUMP, "plan", str(REPO / "recipes/models/moonlight-16b-a3b.sh")],
+                          capture_output=True, text=True, check=True)
+    words = proc.stdout.split("\0")[:-1]
+    cfg = {k: _value(v) for k, v in zip(words[::2], words[1::2])}
+    cfg.pop("model_type")
+    rope_theta = cfg.pop("rope_theta")
+    config = transformers.DeepseekV3Config(**cfg, q_lora_rank=None,
+                                           rope_parameters={"rope_type": "default", "rope_theta": rope_theta})
+    with torch.device("meta"):
+        model = transformers.AutoModelForCausalLM.from_config(config)
+    s = shape("moonlight-16b-a3b")
+    assert P.num_params(s) == sum(p.numel() for p in model.parameters())
+    assert 15.9e9 < P.num_params(s) < 16.0e9 and 2.8e9 < P.active_params(s) < 3.0e9
+    assert P.kv_bytes_per_token(s) == 27 * (512 + 64) * 2

@@ -37,7 +37,7 @@ def check(hf: Path, world: int = 1, **flags):
 
 
 @pytest.mark.parametrize("fields, flags, world, message", [
-    ({"model_type": "gpt_neox"}, {}, 1, "model_type 'gpt_neox' is not supported; supported: llama, qwen2"),
+    ({"model_type": "gpt_neox"}, {}, 1, "model_type 'gpt_neox' is not supported; supported: deepseek_v3, llama, qwen2"),
     ({"use_sliding_window": True, "sliding_window": 32}, {}, 1, "sliding-window attention layers are not supported"),
     ({"layer_types": ["full_attention", "sliding_attention"] * 2}, {}, 1, "sliding-window attention layers"),
     ({"num_key_value_heads": 3, "num_attention_heads": 6, "hidden_size": 96}, {"tensor_model_parallel_size": 2}, 2,
@@ -201,7 +201,7 @@ MOE = {"model_type": "qwen3_moe", "head_dim": 16, "num_experts": 4, "num_experts
 
 @pytest.mark.parametrize("fields, flags, world, message", [
     ({}, {"expert_model_parallel_size": 2}, 2, "--expert-model-parallel-size 2 / --expert-tensor-parallel-size 0: "
-     "a qwen2 model has no experts (qwen3_moe has)"),
+     "a qwen2 model has no experts (the families with experts: deepseek_v3, qwen3_moe)"),
     ({}, {"routing_replay": True}, 1, "--routing-replay: a qwen2 model has no routers to replay"),
     (MOE, {"expert_model_parallel_size": 3}, 3, "num_experts = 4 is not divisible by --expert-model-parallel-size 3 "
      "(the largest EP below 3 that divides it: 2)"),
