@@ -294,7 +294,8 @@ class AlgorithmConfig:
                             "response) instead of adding it to the loss")
     distill_coef: float = _f(0.0, "on-policy distillation: weight of the per-token reverse-KL advantage "
                              "-(log p_student - log p_teacher) on the sampled tokens, added to the estimator's "
-                             "advantage (needs --teacher); 0 = off")
+                             "advantage (needs --teacher); with --distill-topk, the weight of the top-K KL loss term "
+                             "instead; 0 = off")
     distill_only: bool = _f(False, "on-policy distillation alone: the advantage is the teacher's per-token signal only "
                             "(rewards are still scored and reported)")
     distill_topk: int = _f(0, "on-policy distillation: K > 0 replaces the sampled-token advantage by the top-K "
