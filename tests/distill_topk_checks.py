@@ -79,3 +79,42 @@ def hand(c: dict) -> tuple[float, np.ndarray, float]:
             np.add.at(g, ids[b, t], w)
             grad[b, t, :REAL] = COEF * g / TEMPERATURE / n
     return loss, grad, kl_sum / n
+
+
+def chunked_vs_full(tp: int, rank: int, group) -> dict[str, float]:
+    """`--logprob-chunk-tokens`' head (`chunked_topk_logprobs`, chunks of 5 of 18 tokens) against the full one
+    (logits = hidden @ W.T, then `topk_label_logprobs`, `label_logprobs`, `position_entropy`) on this TP rank's
+    shard of a [100, 16] output weight (vocabulary 96): the largest |chunked - full| / max(1, max |full|) of the
+    top-K log-probs, log-probs, this rank's part of the hidden-state gradient and its weight-shard gradient, on a
+    loss of all three (with and without the entropy)."""
+    from megarl.mcore.actor import label_logprobs, position_entropy, topk_label_logprobs
+    from megarl.mcore.chunked_logprobs import chunked_topk_logprobs
+
+    g = torch.Generator().manual_seed(4)
+    hidden = torch.randn(B, S - 1, 16, generator=g)
+    shard = (torch.randn(V, 16, generator=g) * 0.5).chunk(tp)[rank].contiguous()
+    labels = torch.randint(0, REAL, (B, S - 1), generator=g)
+    ids = case(seed=0)["teacher_topk_ids"]
+    wa, wb, wc = (torch.randn(B, S - 1, K, generator=g), torch.randn(B, S - 1, generator=g),
+                  torch.randn(B, S - 1, generator=g))
+    out = {}
+    for with_entropy in (True, False):
+        results = []
+        for chunked in (False, True):
+            h, w = hidden.clone().requires_grad_(), shard.clone().requires_grad_()
+            if chunked:
+                logp, ent, topk = chunked_topk_logprobs(h, w, labels, ids, temperature=TEMPERATURE, chunk_tokens=5,
+                                                        vocab_size=REAL, with_entropy=with_entropy, group=group)
+            else:
+                logits = h @ w.t()
+                topk = topk_label_logprobs(logits, ids, TEMPERATURE, REAL)
+                logp = label_logprobs(logits, labels, TEMPERATURE, REAL)
+                ent = position_entropy(logits, TEMPERATURE, REAL) if with_entropy else None
+            loss = (topk * wa).sum() + (logp * wb).sum() + ((ent * wc).sum() if with_entropy else 0.0)
+            loss.backward()
+            results.append([topk.detach(), logp.detach(), h.grad, w.grad])
+        tag = "entropy" if with_entropy else "no_entropy"
+        for part, full, chunk in zip(("topk_logp", "logp", "grad_hidden", "grad_weight"), *results):
+            out[f"{tag}_{part}"] = (full - chunk).abs().max().item() / max(1.0, full.abs().max().item())
+        out[f"{tag}_grad_weight_norm"] = results[0][3].norm().item()
+    return out

@@ -540,10 +540,6 @@ class Config:
         k, m = self.algorithm.distill_topk, self.model
         if not m.teacher:
             raise ConfigError(f"--distill-topk {k} needs --teacher and --distill-coef > 0")
-        if m.logprob_chunk_tokens:
-            raise ConfigError(f"--distill-topk {k} needs the full log-prob head: the student's log-probs at the "
-                              f"teacher's top-K ids are not computed by the chunked one (--logprob-chunk-tokens "
-                              f"{m.logprob_chunk_tokens}); give --logprob-chunk-tokens 0 or --distill-topk 0")
         if m.context_parallel_size > 1:
             raise ConfigError(f"--distill-topk {k} needs --context-parallel-size 1, got {m.context_parallel_size}")
 

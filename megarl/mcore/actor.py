@@ -17,7 +17,7 @@ import torch.distributed as dist
 
 from megarl.mcore import convert, lora
 from megarl.mcore.base_model import LossFn, MegatronModel, OptimConfig
-from megarl.mcore.chunked_logprobs import chunked_logprobs
+from megarl.mcore.chunked_logprobs import chunked_topk_logprobs
 
 __all__ = ["ActorLoss", "AdaptersOff", "LossFn", "MegatronPolicy", "OptimConfig", "label_logprobs",
            "mask_vocab_padding", "position_entropy", "token_entropy", "token_logprobs", "topk_label_logprobs",
@@ -226,19 +226,24 @@ class MegatronPolicy(MegatronModel):
 
     def _head(self, output, mb, labels, temperature, loss_fn, whole):
         """With `logprob_chunk_tokens`, `output` is the hidden states [b, s, h]: log-probs and, when the loss asks
-        for it, the entropy in one chunked pass (differentiated only when the loss says `entropy_grad`)."""
+        for them, the entropy (differentiated only when the loss says `entropy_grad`) and the log-probs at the
+        teacher's top-K ids in one chunked pass."""
         if not self.logprob_chunk_tokens:
             return super()._head(output, mb, labels, temperature, loss_fn, whole)
         from megatron.core import parallel_state
 
         if labels is None:  # without CP: positions 0..S-2 predict tokens 1..S-1
             output, labels = output[:, :-1], mb["tokens"][:, 1:]
-        if loss_fn is not None and ActorLoss.of(loss_fn).needs_topk:  # refused by the config (`--distill-topk`)
-            raise ValueError("--distill-topk needs the full log-prob head: --logprob-chunk-tokens 0")
         entropy = loss_fn is not None and ActorLoss.of(loss_fn).needs_entropy
-        logp, ent = chunked_logprobs(output, self._output_weight(), labels, temperature=temperature,
-                                     chunk_tokens=self.logprob_chunk_tokens, vocab_size=self._vocab_mask,
-                                     with_entropy=entropy, group=parallel_state.get_tensor_model_parallel_group())
+        topk_ids = mb["teacher_topk_ids"] if loss_fn is not None and ActorLoss.of(loss_fn).needs_topk else None
+        if topk_ids is not None and self.config.context_parallel_size > 1:  # refused by the config (--distill-topk)
+            raise ValueError("--distill-topk needs --context-parallel-size 1")
+        logp, ent, topk = chunked_topk_logprobs(output, self._output_weight(), labels, topk_ids,
+                                                temperature=temperature, chunk_tokens=self.logprob_chunk_tokens,
+                                                vocab_size=self._vocab_mask, with_entropy=entropy,
+                                                group=parallel_state.get_tensor_model_parallel_group())
+        if topk is not None:
+            mb = {**mb, "topk_logp": topk}
         if not entropy:
             return whole(logp), mb
         if not (torch.is_grad_enabled() and ActorLoss.of(loss_fn).entropy_grad):

@@ -71,12 +71,12 @@ def test_teacher_logprobs_match_transformers_at_tp1_and_tp2_and_remote_teacher_m
     assert not got_ids[2, 8:].any() and not got_top[2, 8:].any()
 
 
-def test_topk_kl_loss_and_gradient_at_tp2_equal_tp1_and_the_hand_computation(tmp_path):
+def test_topk_kl_loss_and_gradient_at_tp2_equal_tp1_and_the_hand_computation_full_and_chunked(tmp_path):
     import numpy as np
     from distill_topk_checks import hand, case
 
     want_loss, want_grad, want_kl = hand(case(seed=0))
-    got = {}
+    got, chunks = {}, {}
     for nproc, tp in ((1, 1), (2, 2)):
         out = tmp_path / f"tp{tp}"
         out.mkdir()
@@ -84,6 +84,8 @@ def test_topk_kl_loss_and_gradient_at_tp2_equal_tp1_and_the_hand_computation(tmp
         ranks = [torch.load(out / f"topk_loss-rank{r}.pt", weights_only=False) for r in range(nproc)]
         assert len({r["loss"] for r in ranks}) == 1  # every TP rank computes the same loss
         got[tp] = (ranks[0]["loss"], torch.cat([r["grad"] for r in ranks], dim=-1), ranks[0]["kl"])
+        for r, rank in enumerate(ranks):
+            chunks[f"{tp} rank {r}"] = rank["chunked"]
     for tp, (loss, grad, kl) in got.items():
         assert abs(loss - want_loss) < 1e-6 * max(1.0, abs(want_loss)), f"TP {tp}"
         err = np.abs(grad.double().numpy() - want_grad).max()
@@ -91,6 +93,12 @@ def test_topk_kl_loss_and_gradient_at_tp2_equal_tp1_and_the_hand_computation(tmp
         assert kl == pytest.approx(want_kl, rel=1e-6)
     assert abs(got[2][0] - got[1][0]) < 1e-6
     assert (got[2][1] - got[1][1]).abs().max().item() < 1e-7
+    for tp, chunked in chunks.items():  # --logprob-chunk-tokens' head gives the full head's top-K log-probs
+        for key, diff in chunked.items():
+            if key.endswith("_grad_weight_norm"):
+                assert diff > 1.0, f"TP {tp} {key}: the gradient must not be trivially zero"
+            else:
+                assert diff <= 1e-6, f"TP {tp} chunked vs full {key}: {diff}"
 
 
 def test_teacher_with_another_tokenizer_is_refused(models, tmp_path):

@@ -539,11 +539,11 @@ def scenario_teacher(args, info):
 
 def scenario_topk_loss(args, info):
     """--distill-topk's loss term on this TP rank's shard of fixed full logits (`tests/distill_topk_checks.py`):
-    the loss, this shard's gradient, the per-token KL."""
+    the loss, this shard's gradient, the per-token KL; and the chunked head's top-K log-probs against the full one's."""
     from megatron.core import parallel_state
 
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # tests/
-    from distill_topk_checks import case, wired_loss
+    from distill_topk_checks import case, chunked_vs_full, wired_loss
 
     c = case(seed=0)
     width = c["logits"].shape[-1] // args.tp
@@ -552,7 +552,8 @@ def scenario_topk_loss(args, info):
     loss, metrics = wired_loss(shard, c)
     loss.backward()
     return {"loss": loss.item(), "grad": shard.grad.clone(),
-            "kl": float(metrics["distill_topk_kl_sum"] / metrics["distill_topk_tokens"])}
+            "kl": float(metrics["distill_topk_kl_sum"] / metrics["distill_topk_tokens"]),
+            "chunked": chunked_vs_full(args.tp, rank, parallel_state.get_tensor_model_parallel_group())}
 
 
 SCENARIOS = {"mismatch": scenario_mismatch, "padded_vocab": scenario_padded_vocab, "recompute": scenario_recompute,

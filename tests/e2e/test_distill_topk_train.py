@@ -1,5 +1,6 @@
 """`--teacher DIR --distill-topk 4` through `megarl/train.py`: two steps on DP 2 with a tiny random teacher on the
-starter's tokenizer; the top-K KL reaches the loss and the metrics (with --distill-only it is the whole loss)."""
+starter's tokenizer, with the full and the chunked log-prob head; the top-K KL reaches the loss and the metrics
+(with --distill-only it is the whole loss)."""
 
 from __future__ import annotations
 
@@ -12,7 +13,8 @@ from helpers import make_tiny_hf_model, torchrun
 pytestmark = [pytest.mark.distributed, pytest.mark.slow]
 
 
-def test_two_steps_with_a_topk_teacher(starter, tmp_path):
+@pytest.mark.parametrize("chunk", [0, 16], ids=["full_head", "chunked_head"])
+def test_two_steps_with_a_topk_teacher(starter, tmp_path, chunk):
     teacher = make_tiny_hf_model(tmp_path / "teacher", "qwen2", seed=5, vocab=80, hidden_size=96,
                                  intermediate_size=192, with_tokenizer=True)
     out = tmp_path / "run"
@@ -20,7 +22,7 @@ def test_two_steps_with_a_topk_teacher(starter, tmp_path):
     torchrun(2, "megarl/train.py", "recipes/tiny_cpu.sh", "--hf-checkpoint", starter, "--prompt-data",
              starter / "train.jsonl", "--eval-data", "", "--max-train-minutes", "0", "--num-steps", 2,
              "--rollout-batch-size", 4, "--output-dir", out, "--teacher", teacher, "--distill-coef", coef,
-             "--distill-topk", 4, "--distill-only", timeout=400)
+             "--distill-topk", 4, "--distill-only", "--logprob-chunk-tokens", chunk, timeout=400)
     rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     assert len(rows) == 2
     for r in rows:

@@ -8,7 +8,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
-from distill_topk_checks import REAL, case, hand, wired_loss
+from distill_topk_checks import REAL, case, chunked_vs_full, hand, wired_loss
 
 from megarl.errors import ConfigError
 
@@ -25,6 +25,17 @@ def test_wired_topk_loss_and_gradient_match_a_float64_hand_computation(process_g
     assert not logits.grad[..., REAL:].any(), "vocabulary padding got a gradient"
     kl = float(metrics["distill_topk_kl_sum"] / metrics["distill_topk_tokens"])
     assert kl == pytest.approx(want_kl, rel=1e-6) and kl > 0
+
+
+def test_chunked_head_gives_the_full_heads_topk_logprobs_and_gradients_at_tp1(process_group):
+    from megatron.core import parallel_state
+
+    diffs = chunked_vs_full(1, 0, parallel_state.get_tensor_model_parallel_group())
+    for key, diff in diffs.items():
+        if key.endswith("_grad_weight_norm"):
+            assert diff > 1.0, f"{key}: the gradient must not be trivially zero"
+        else:
+            assert diff <= 1e-6, f"chunked vs full {key}: {diff}"
 
 
 def test_vocab_parallel_topk_at_tp1_is_torch_topk_of_the_log_softmax(process_group):
@@ -52,12 +63,9 @@ def test_distill_topk_flag_errors(tmp_path):
         AlgorithmConfig(distill_topk=-1)
     with pytest.raises(ConfigError, match="--distill-topk 4 needs --teacher"):
         parse_args(["recipes/tiny_cpu.sh", "--distill-topk", "4"], check_registries=False)
-    with pytest.raises(ConfigError, match="--distill-topk 4 .*--logprob-chunk-tokens 64"):
-        parse_args(["recipes/tiny_cpu.sh", "--teacher", "http://127.0.0.1:1", "--distill-coef", "0.1",
-                    "--distill-topk", "4", "--logprob-chunk-tokens", "64"], check_registries=False)
     cfg = parse_args(["recipes/tiny_cpu.sh", "--teacher", "http://127.0.0.1:1", "--distill-coef", "0.1",
-                      "--distill-topk", "4"], check_registries=False)
-    assert cfg.algorithm.distill_topk == 4
+                      "--distill-topk", "4", "--logprob-chunk-tokens", "64"], check_registries=False)
+    assert cfg.algorithm.distill_topk == 4 and cfg.model.logprob_chunk_tokens == 64  # both heads compute it
 
     # K larger than the teacher's vocabulary: refused before the teacher is built.
     student = make_tiny_hf_model(tmp_path / "s", with_tokenizer=True)
