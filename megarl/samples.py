@@ -102,6 +102,8 @@ class TrainBatch:
     old_logp: Tensor | None = None  # [B, S - 1] the actor before this step's updates (more than one update)
     ref_logp: Tensor | None = None  # [B, S - 1] the frozen reference (a KL term)
     routing: Tensor | None = None  # [B, S, sparse layers, top-k] the engine's experts (`PackedSamples.routing`)
+    teacher_topk_ids: Tensor | None = None  # [B, S - 1, K] long: the teacher's K most likely tokens (--distill-topk)
+    teacher_topk_logp: Tensor | None = None  # [B, S - 1, K] their log-probs under the teacher
 
     def tensors(self) -> dict[str, Tensor]:
         """The tensors the actor's loss reads, by name (what the Megatron micro-batching slices)."""
@@ -113,4 +115,6 @@ class TrainBatch:
             out["ref_logp"] = self.ref_logp
         if self.routing is not None:
             out["routing"] = self.routing
+        if self.teacher_topk_ids is not None:
+            out["teacher_topk_ids"], out["teacher_topk_logp"] = self.teacher_topk_ids, self.teacher_topk_logp
         return out

@@ -92,17 +92,31 @@ def topk_reverse_kl(student_logits: Tensor, teacher_topk_ids: Tensor, teacher_to
     if teacher_topk_ids.shape[:2] != student_logits.shape[:2] or mask.shape != student_logits.shape[:2]:
         raise ValueError(f"top-k KL: student logits {tuple(student_logits.shape)}, teacher top-k "
                          f"{tuple(teacher_topk_ids.shape)} and mask {tuple(mask.shape)} must share [B, T]")
-    if not 0 < tail_floor < 1:
-        raise ValueError(f"tail_floor must be in (0, 1), got {tail_floor}")
     if temperature <= 0:
         raise ValueError(f"temperature must be > 0, got {temperature}")
+    logp_s = torch.gather(torch.log_softmax(student_logits / temperature, dim=-1), -1, teacher_topk_ids.long())
+    return topk_reverse_kl_from_logprobs(logp_s, teacher_topk_logp, mask, tail_floor)
+
+
+def topk_reverse_kl_from_logprobs(student_topk_logp: Tensor, teacher_topk_logp: Tensor, mask: Tensor,
+                                  tail_floor: float = 1e-8) -> Tensor:
+    """`topk_reverse_kl` from the student's log-probs at the teacher's top-k ids (what a vocab-parallel head gives
+    without the full distribution: `megarl.mcore.actor.topk_label_logprobs`). Shapes: both [B, T, K], `mask`
+    [B, T]; returns [B, T], differentiable in `student_topk_logp`, 0 at masked positions."""
+    _check_same("student/teacher top-k log-probs", student_topk_logp, teacher_topk_logp)
+    if mask.shape != student_topk_logp.shape[:2]:
+        raise ValueError(f"top-k KL: log-probs {tuple(student_topk_logp.shape)} and mask {tuple(mask.shape)} must "
+                         "share [B, T]")
+    if not 0 < tail_floor < 1:
+        raise ValueError(f"tail_floor must be in (0, 1), got {tail_floor}")
     mask = mask.bool()
-    logp_s_all = torch.log_softmax(student_logits / temperature, dim=-1)
-    logp_s = torch.gather(logp_s_all, -1, teacher_topk_ids.long())
-    logp_t = teacher_topk_logp.to(logp_s.dtype)
+    keep = mask.unsqueeze(-1)
+    # Masked positions may hold anything (-inf, garbage ids' log-probs): kept out of every exp and log.
+    logp_s = torch.where(keep, student_topk_logp, torch.zeros_like(student_topk_logp))
+    logp_t = torch.where(keep, teacher_topk_logp.to(logp_s.dtype), torch.zeros_like(logp_s))
     p_s = logp_s.exp()
     head = (p_s * (logp_s - logp_t)).sum(dim=-1)
-    # The tails, in log space: log(1 - sum p) = log1p(-sum p), clamped to the floor.
+    # The tails: 1 - sum p over the top-k, floored (a top-k holding all the mass leaves a bounded term).
     tail_s = (1 - p_s.sum(dim=-1)).clamp(min=tail_floor)
     tail_t = (1 - logp_t.exp().sum(dim=-1)).clamp(min=tail_floor)
     tail = tail_s * (tail_s.log() - tail_t.log())

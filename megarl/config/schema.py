@@ -296,9 +296,15 @@ class AlgorithmConfig:
                             "response) instead of adding it to the loss")
     distill_coef: float = _f(0.0, "on-policy distillation: weight of the per-token reverse-KL advantage "
                              "-(log p_student - log p_teacher) on the sampled tokens, added to the estimator's "
-                             "advantage (needs --teacher); 0 = off")
+                             "advantage (needs --teacher); with --distill-topk, the weight of the top-K KL loss term "
+                             "instead; 0 = off")
     distill_only: bool = _f(False, "on-policy distillation alone: the advantage is the teacher's per-token signal only "
                             "(rewards are still scored and reported)")
+    distill_topk: int = _f(0, "on-policy distillation: K > 0 replaces the sampled-token advantage by the top-K "
+                           "reverse KL to the teacher (its K most likely tokens at every completion position, the "
+                           "rest of the vocabulary one tail bucket), a loss on the student's full distribution "
+                           "weighted by --distill-coef (needs --teacher; a served teacher must give SGLang's "
+                           "input_top_logprobs); 0 = off")
     entropy_coef: float = _f(0.0, "entropy bonus weight (0 = off; entropy is reported either way)")
     loss_aggregation: Literal["token-mean", "seq-mean-token-mean", "seq-mean-token-sum",
                               "seq-mean-token-sum-norm"] = _f(
@@ -320,6 +326,8 @@ class AlgorithmConfig:
             raise ConfigError(f"--kl-coef must be >= 0, got {self.kl_coef}")
         if self.distill_coef < 0:
             raise ConfigError(f"--distill-coef must be >= 0, got {self.distill_coef}")
+        if self.distill_topk < 0:
+            raise ConfigError(f"--distill-topk must be >= 0 (0 = off), got {self.distill_topk}")
         if self.distill_only and self.distill_coef <= 0:
             raise ConfigError("--distill-only needs --distill-coef > 0 (and --teacher)")
         if self.eps_clip <= 0 or self.eps_clip_high <= 0:
@@ -518,6 +526,8 @@ class Config:
         if (self.algorithm.distill_coef > 0) != bool(self.model.teacher):
             raise ConfigError("on-policy distillation needs both --teacher (an HF checkpoint) and --distill-coef > 0, "
                               f"got --teacher {self.model.teacher!r} and --distill-coef {self.algorithm.distill_coef}")
+        if self.algorithm.distill_topk:
+            self._check_distill_topk()
         if self.rollout.lora_weight_sync == "adapter":
             check_adapter_sync(self)  # the sglang backend's rules (`megarl.rollout.slots`)
         if self.checkpoint.save_peft and not self.model.lora_rank:
@@ -527,6 +537,13 @@ class Config:
             resolve = getattr(values, "resolve", None)
             if callable(resolve):
                 resolve(self)
+
+    def _check_distill_topk(self):
+        k, m = self.algorithm.distill_topk, self.model
+        if not m.teacher:
+            raise ConfigError(f"--distill-topk {k} needs --teacher and --distill-coef > 0")
+        if m.context_parallel_size > 1:
+            raise ConfigError(f"--distill-topk {k} needs --context-parallel-size 1, got {m.context_parallel_size}")
 
     def _check_async(self):
         r, t, k = self.rollout, self.training, self.training.async_staleness

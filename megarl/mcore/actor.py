@@ -17,21 +17,25 @@ import torch.distributed as dist
 
 from megarl.mcore import convert, lora
 from megarl.mcore.base_model import LossFn, MegatronModel, OptimConfig
-from megarl.mcore.chunked_logprobs import chunked_logprobs
+from megarl.mcore.chunked_logprobs import chunked_topk_logprobs
 
 __all__ = ["ActorLoss", "AdaptersOff", "LossFn", "MegatronPolicy", "OptimConfig", "label_logprobs",
-           "mask_vocab_padding", "position_entropy", "token_entropy", "token_logprobs"]
+           "mask_vocab_padding", "position_entropy", "token_entropy", "token_logprobs", "topk_label_logprobs",
+           "vocab_parallel_topk"]
 
 
 @dataclass(frozen=True)
 class ActorLoss:
     """A `LossFn` for `MegatronPolicy.train_step` with what it asks of the forward declared: `needs_entropy`, the
     per-token entropy in the micro-batch it is given (`mb["entropy"]`); `entropy_grad`, that entropy differentiated
-    (an entropy bonus) rather than detached (reported only). A plain `LossFn` asks for neither (`ActorLoss.of`)."""
+    (an entropy bonus) rather than detached (reported only); `needs_topk`, the student's log-probs at the teacher's
+    top-K ids. A plain `LossFn` asks for none (`ActorLoss.of`)."""
 
     fn: LossFn
     needs_entropy: bool = False
     entropy_grad: bool = True
+    needs_topk: bool = False  # the student's log-probs at the teacher's top-K ids, `mb["topk_logp"]` [b, S - 1, K]
+    # (differentiated), from `mb["teacher_topk_ids"]` [b, S - 1, K]: on-policy distillation's top-K KL
 
     def __call__(self, logp: torch.Tensor, mb: dict):
         return self.fn(logp, mb)
@@ -96,6 +100,60 @@ def position_entropy(logits: torch.Tensor, temperature: float, vocab_size: int =
     z = reduce_from_tensor_model_parallel_region(e.sum(dim=-1))
     ex = reduce_from_tensor_model_parallel_region((e * x).sum(dim=-1))
     return torch.log(z) + m.squeeze(-1) - ex / z
+
+
+def _vocab_parallel_lse(x: torch.Tensor) -> torch.Tensor:
+    """log sum_j e^(x_j) over the whole vocabulary from this rank's shard x [..., v/tp]: the max and the sum of
+    exponentials all-reduced over the TP group (the sum by an autograd-aware reduction, as `position_entropy`)."""
+    from megatron.core import parallel_state
+    from megatron.core.tensor_parallel.mappings import reduce_from_tensor_model_parallel_region
+
+    m = x.detach().max(dim=-1, keepdim=True).values
+    if parallel_state.get_tensor_model_parallel_world_size() > 1:
+        dist.all_reduce(m, op=dist.ReduceOp.MAX, group=parallel_state.get_tensor_model_parallel_group())
+    return torch.log(reduce_from_tensor_model_parallel_region(torch.exp(x - m).sum(dim=-1))) + m.squeeze(-1)
+
+
+def topk_label_logprobs(logits: torch.Tensor, ids: torch.Tensor, temperature: float,
+                        vocab_size: int = 0) -> torch.Tensor:
+    """log p(ids[b, t, j]) at every position from vocab-parallel logits [b, s, v/tp] and token ids [b, s, K] (the
+    teacher's top-K), [b, s, K], differentiable, without gathering the vocabulary: each id's logit comes from the
+    rank whose shard holds it (0 elsewhere, summed over TP ranks), minus the vocab-parallel logsumexp."""
+    from megatron.core import parallel_state
+    from megatron.core.tensor_parallel.mappings import reduce_from_tensor_model_parallel_region
+
+    x = _scaled(logits, temperature, vocab_size)
+    local = x.shape[-1]
+    local_ids = ids.long() - parallel_state.get_tensor_model_parallel_rank() * local
+    inside = (local_ids >= 0) & (local_ids < local)
+    at = x.gather(-1, local_ids.clamp(0, local - 1))
+    at = reduce_from_tensor_model_parallel_region(torch.where(inside, at, torch.zeros_like(at)))
+    return at - _vocab_parallel_lse(x).unsqueeze(-1)
+
+
+@torch.no_grad()
+def vocab_parallel_topk(logits: torch.Tensor, k: int, temperature: float,
+                        vocab_size: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+    """The K most likely next tokens at every position from vocab-parallel logits [b, s, v/tp]: (ids [b, s, K]
+    long, log-probs [b, s, K] float32), largest first, the same on every TP rank. Each rank's own top-K (global ids)
+    is gathered over the TP group and the top-K of those taken: K * TP candidates a position, never the vocabulary.
+    Padding rows of a padded vocabulary are never chosen."""
+    from megatron.core import parallel_state
+
+    x = _scaled(logits, temperature, vocab_size)
+    lse = _vocab_parallel_lse(x)
+    values, ids = x.topk(min(k, x.shape[-1]), dim=-1)
+    tp = parallel_state.get_tensor_model_parallel_world_size()
+    if tp > 1:
+        ids = ids + parallel_state.get_tensor_model_parallel_rank() * x.shape[-1]
+        group = parallel_state.get_tensor_model_parallel_group()
+        all_values = [torch.empty_like(values) for _ in range(tp)]
+        all_ids = [torch.empty_like(ids) for _ in range(tp)]
+        dist.all_gather(all_values, values.contiguous(), group=group)
+        dist.all_gather(all_ids, ids.contiguous(), group=group)
+        values, pick = torch.cat(all_values, dim=-1).topk(k, dim=-1)
+        ids = torch.cat(all_ids, dim=-1).gather(-1, pick)
+    return ids, values - lse.unsqueeze(-1)
 
 
 class _SumGradOverTP(torch.autograd.Function):
@@ -168,7 +226,8 @@ class MegatronPolicy(MegatronModel):
 
     def _head(self, output, mb, labels, temperature, loss_fn, whole):
         """With `logprob_chunk_tokens`, `output` is the hidden states [b, s, h]: log-probs and, when the loss asks
-        for it, the entropy in one chunked pass (differentiated only when the loss says `entropy_grad`)."""
+        for them, the entropy (differentiated only when the loss says `entropy_grad`) and the log-probs at the
+        teacher's top-K ids in one chunked pass."""
         if not self.logprob_chunk_tokens:
             return super()._head(output, mb, labels, temperature, loss_fn, whole)
         from megatron.core import parallel_state
@@ -176,9 +235,15 @@ class MegatronPolicy(MegatronModel):
         if labels is None:  # without CP: positions 0..S-2 predict tokens 1..S-1
             output, labels = output[:, :-1], mb["tokens"][:, 1:]
         entropy = loss_fn is not None and ActorLoss.of(loss_fn).needs_entropy
-        logp, ent = chunked_logprobs(output, self._output_weight(), labels, temperature=temperature,
-                                     chunk_tokens=self.logprob_chunk_tokens, vocab_size=self._vocab_mask,
-                                     with_entropy=entropy, group=parallel_state.get_tensor_model_parallel_group())
+        topk_ids = mb["teacher_topk_ids"] if loss_fn is not None and ActorLoss.of(loss_fn).needs_topk else None
+        if topk_ids is not None and self.config.context_parallel_size > 1:  # refused by the config (--distill-topk)
+            raise ValueError("--distill-topk needs --context-parallel-size 1")
+        logp, ent, topk = chunked_topk_logprobs(output, self._output_weight(), labels, topk_ids,
+                                                temperature=temperature, chunk_tokens=self.logprob_chunk_tokens,
+                                                vocab_size=self._vocab_mask, with_entropy=entropy,
+                                                group=parallel_state.get_tensor_model_parallel_group())
+        if topk is not None:
+            mb = {**mb, "topk_logp": topk}
         if not entropy:
             return whole(logp), mb
         if not (torch.is_grad_enabled() and ActorLoss.of(loss_fn).entropy_grad):
@@ -198,14 +263,37 @@ class MegatronPolicy(MegatronModel):
 
     def _loss_inputs(self, output: torch.Tensor, mb: dict, loss_fn: LossFn, temperature: float, whole) -> dict:
         """Adds the per-token entropy [b, S - 1] when the loss asks for it (differentiated only when the loss
-        says `entropy_grad`)."""
+        says `entropy_grad`), and the student's log-probs at the teacher's top-K ids when it asks for those."""
         loss = ActorLoss.of(loss_fn)
-        if not loss.needs_entropy:
-            return mb
-        with torch.set_grad_enabled(torch.is_grad_enabled() and loss.entropy_grad):
-            if self.config.context_parallel_size > 1:
-                return {**mb, "entropy": whole(position_entropy(output, temperature, self._vocab_mask))}
-            return {**mb, "entropy": token_entropy(output, temperature, self._vocab_mask)}
+        if loss.needs_entropy:
+            with torch.set_grad_enabled(torch.is_grad_enabled() and loss.entropy_grad):
+                if self.config.context_parallel_size > 1:
+                    entropy = whole(position_entropy(output, temperature, self._vocab_mask))
+                else:
+                    entropy = token_entropy(output, temperature, self._vocab_mask)
+            mb = {**mb, "entropy": entropy}
+        if loss.needs_topk:
+            if self.config.context_parallel_size > 1:  # refused by the config (`--distill-topk`)
+                raise ValueError("--distill-topk needs --context-parallel-size 1")
+            topk = topk_label_logprobs(output[:, :-1], mb["teacher_topk_ids"], temperature, self._vocab_mask)
+            mb = {**mb, "topk_logp": topk}
+        return mb
+
+    def topk_logprobs(self, tokens: torch.Tensor, k: int, *, micro_batch_size: int, temperature: float = 1.0,
+                      **_) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """The K most likely next tokens at every position but the last (`vocab_parallel_topk`): (ids
+        [B, S - 1, K] long, log-probs [B, S - 1, K] float32) on the last pipeline stage, None on the others;
+        fixed micro-batches, context parallelism 1 (a teacher for `--distill-topk`)."""
+        vocab = self._vocab_mask
+
+        def head(output: torch.Tensor, _tokens: torch.Tensor, t: float) -> torch.Tensor:
+            ids, logp = vocab_parallel_topk(output[:, :-1], k, t, vocab)
+            return torch.cat([logp.double(), ids.double()], dim=-1)  # one tensor a micro-batch; ids exact in fp64
+
+        out = self._forward_only(tokens, micro_batch_size=micro_batch_size, temperature=temperature, head=head)
+        if out is None:
+            return None
+        return out[..., k:].long(), out[..., :k].float()
 
     def next_token_distributions(self, tokens: torch.Tensor, temperature: float = 1.0) -> torch.Tensor | None:
         """The whole next-token distribution at every position but the last, as log-probs [B, S - 1, vocab]

@@ -18,6 +18,9 @@ vocabulary shard's): the caller sums it over TP ranks, as `ColumnParallelLinear`
 With x the temperature-scaled logits of one token, lse = log sum_j e^(x_j), p = e^(x - lse), E = sum_j p_j x_j:
     logp = x_label - lse,  H = lse - E,
     d logp / dx_j = [j = label] - p_j,  dH / dx_j = -p_j (x_j - E).
+On-policy distillation's top-K KL (`--distill-topk`) also asks for the log-probs of K given ids a token (the
+teacher's top-K): each is gathered from the same chunk's logits (0 on ranks whose shard does not hold it, summed in
+the same all-reduce), `x_id - lse`, and its gradient adds `[j = id] - p_j` times its own upstream gradient.
 Vocabulary-padding rows (`megarl.preflight.padded_vocab_size`) get the dtype's lowest value, as
 `actor.mask_vocab_padding` gives them, and no gradient.
 """
@@ -27,7 +30,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-__all__ = ["ChunkedLogprobs", "chunked_logprobs"]
+__all__ = ["ChunkedLogprobs", "chunked_logprobs", "chunked_topk_logprobs"]
 
 
 def _all_reduce(t: torch.Tensor, op, group) -> torch.Tensor:
@@ -61,23 +64,30 @@ class _Shard:
 
 
 class ChunkedLogprobs(torch.autograd.Function):
-    """(hidden [N, h], weight [v/tp, h], labels [N]) -> (logp [N], entropy [N]); see the module docstring."""
+    """(hidden [N, h], weight [v/tp, h], labels [N], topk_ids [N, K] or None) -> (logp [N], entropy [N],
+    topk_logp [N, K] (log p of each of `topk_ids`; [N, 0] without them)); see the module docstring."""
 
     @staticmethod
     def forward(ctx, hidden, weight, labels, temperature: float, vocab_size: int, chunk_tokens: int,
-                with_entropy: bool, group):
+                with_entropy: bool, group, topk_ids=None):
         shard = _Shard(weight, vocab_size, group)
         n = hidden.shape[0]
         lse = torch.empty(n, dtype=torch.float32, device=hidden.device)
         logp = torch.empty_like(lse)
         entropy = torch.empty_like(lse) if with_entropy else lse.new_zeros(n)
+        k = 0 if topk_ids is None else topk_ids.shape[1]
+        topk_logp = lse.new_zeros(n, k)
+        base = 3 if with_entropy else 2  # rows of `sums`: sum e, the label's logit, (sum e x,) the top-K's logits
         for a in range(0, n, chunk_tokens):
             b = min(n, a + chunk_tokens)
             x = shard.logits(hidden[a:b], weight, temperature)
             m = _all_reduce(x.max(dim=-1).values, dist.ReduceOp.MAX, group)
             col, inside = shard.label_index(labels[a:b])
-            sums = torch.empty(3 if with_entropy else 2, b - a, dtype=torch.float32, device=x.device)
+            sums = torch.empty(base + k, b - a, dtype=torch.float32, device=x.device)
             sums[1] = x.gather(1, col.unsqueeze(1)).squeeze(1).masked_fill_(~inside, 0.0)
+            if k:  # each id's logit from the rank whose shard holds it, 0 elsewhere (summed below)
+                tcol, tin = shard.label_index(topk_ids[a:b])
+                sums[base:] = x.gather(1, tcol).masked_fill_(~tin, 0.0).t()
             e = x.sub(m.unsqueeze(1)).exp_()
             sums[0] = e.sum(dim=-1)
             if with_entropy:
@@ -88,13 +98,16 @@ class ChunkedLogprobs(torch.autograd.Function):
             logp[a:b] = sums[1] - lse[a:b]
             if with_entropy:
                 entropy[a:b] = lse[a:b] - sums[2] / sums[0]
-        ctx.save_for_backward(hidden, weight, labels, lse, entropy)
+            if k:
+                topk_logp[a:b] = sums[base:].t() - lse[a:b].unsqueeze(1)
+        ctx.save_for_backward(hidden, weight, labels, lse, entropy, topk_ids)
         ctx.shard, ctx.temperature, ctx.chunk_tokens, ctx.with_entropy = shard, temperature, chunk_tokens, with_entropy
-        return logp, entropy
+        return logp, entropy, topk_logp
 
     @staticmethod
-    def backward(ctx, grad_logp, grad_entropy):
-        hidden, weight, labels, lse, entropy = ctx.saved_tensors
+    def backward(ctx, grad_logp, grad_entropy, grad_topk=None):
+        hidden, weight, labels, lse, entropy, topk_ids = ctx.saved_tensors
+        use_topk = topk_ids is not None and grad_topk is not None
         shard, temperature, chunk = ctx.shard, ctx.temperature, ctx.chunk_tokens
         use_entropy = ctx.with_entropy and grad_entropy is not None
         grad_hidden = torch.empty_like(hidden) if ctx.needs_input_grad[0] else None
@@ -107,17 +120,22 @@ class ChunkedLogprobs(torch.autograd.Function):
             b = min(n, a + chunk)
             x = shard.logits(hidden[a:b], weight, temperature)
             g_lp = grad_logp[a:b].float().unsqueeze(1)
+            # d log p(id) / dx_j = [j = id] - p_j: every log-prob's gradient adds to the -p_j term
+            g_p = g_lp + grad_topk[a:b].float().sum(dim=1, keepdim=True) if use_topk else g_lp
             if use_entropy:
                 mean_x = (lse[a:b] - entropy[a:b]).unsqueeze(1)  # E = sum p x = lse - H
                 x.sub_(mean_x)                                   # x - E
                 g = x.sub(entropy[a:b].unsqueeze(1)).exp_()      # p = e^(x - lse) = e^((x - E) - H)
-                x.mul_(grad_entropy[a:b].float().unsqueeze(1)).add_(g_lp)
+                x.mul_(grad_entropy[a:b].float().unsqueeze(1)).add_(g_p)
                 g.mul_(x).neg_()                                 # -p (g_lp + g_H (x - E))
             else:
-                g = x.sub_(lse[a:b].unsqueeze(1)).exp_().mul_(g_lp).neg_()  # -p g_lp
+                g = x.sub_(lse[a:b].unsqueeze(1)).exp_().mul_(g_p).neg_()  # -p g_lp
             del x
             col, inside = shard.label_index(labels[a:b])
             g.scatter_add_(1, col.unsqueeze(1), (g_lp.squeeze(1) * inside).unsqueeze(1))
+            if use_topk:
+                tcol, tin = shard.label_index(topk_ids[a:b])
+                g.scatter_add_(1, tcol, grad_topk[a:b].float() * tin)
             if shard.pad_from is not None:
                 g[:, shard.pad_from:] = 0.0
             g = g.div_(temperature).to(weight.dtype)
@@ -131,7 +149,7 @@ class ChunkedLogprobs(torch.autograd.Function):
                     grad_weight.add_(torch.matmul(g.t(), h))
         if grad_weight is not None:
             grad_weight = grad_weight.to(weight.dtype)
-        return grad_hidden, grad_weight, None, None, None, None, None, None
+        return grad_hidden, grad_weight, None, None, None, None, None, None, None
 
 
 def chunked_logprobs(hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor, *, temperature: float,
@@ -142,10 +160,24 @@ def chunked_logprobs(hidden: torch.Tensor, weight: torch.Tensor, labels: torch.T
     hidden states and the weight. `temperature` <= 0 means 1 (as `actor._scaled`); `vocab_size`: the real vocabulary
     of a padded one (0 = no padding); `group`: the TP group (None or one rank: no all-reduce). The hidden states'
     gradient is this rank's part (see the module docstring)."""
+    logp, entropy, _ = chunked_topk_logprobs(hidden, weight, labels, None, temperature=temperature,
+                                             chunk_tokens=chunk_tokens, vocab_size=vocab_size,
+                                             with_entropy=with_entropy, group=group)
+    return logp, entropy
+
+
+def chunked_topk_logprobs(hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor,
+                          topk_ids: torch.Tensor | None, *, temperature: float, chunk_tokens: int, vocab_size: int = 0,
+                          with_entropy: bool = False, group=None):
+    """`chunked_logprobs` and, with `topk_ids` [..., K] (on-policy distillation's teacher top-K, `--distill-topk`),
+    the log-probs of those ids [..., K] from the same chunks (None without them), differentiable as the rest:
+    (logp, entropy or None, topk_logp or None)."""
     if chunk_tokens < 1:
         raise ValueError(f"chunked log-probs need --logprob-chunk-tokens >= 1, got {chunk_tokens}")
     lead = labels.shape
-    logp, entropy = ChunkedLogprobs.apply(hidden.reshape(-1, hidden.shape[-1]), weight, labels.reshape(-1),
-                                          temperature if temperature > 0 else 1.0, vocab_size, chunk_tokens,
-                                          with_entropy, group)
-    return logp.view(lead), entropy.view(lead) if with_entropy else None
+    ids = None if topk_ids is None else topk_ids.reshape(-1, topk_ids.shape[-1]).long()
+    logp, entropy, topk = ChunkedLogprobs.apply(hidden.reshape(-1, hidden.shape[-1]), weight, labels.reshape(-1),
+                                                temperature if temperature > 0 else 1.0, vocab_size, chunk_tokens,
+                                                with_entropy, group, ids)
+    return (logp.view(lead), entropy.view(lead) if with_entropy else None,
+            None if ids is None else topk.view(*lead, ids.shape[1]))

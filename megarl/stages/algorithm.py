@@ -75,6 +75,7 @@ class LogProbs(NamedTuple):
     ref: torch.Tensor | None  # the frozen reference; None without one, and on pipeline stages other than the last
     teacher: torch.Tensor | None = None  # on-policy distillation's teacher, as `ref`
     teacher_s: float = 0.0  # the teacher's time (its forward passes or its server's answers)
+    teacher_topk: tuple[torch.Tensor, torch.Tensor] | None = None  # --distill-topk: (ids, log-probs) [B, S - 1, K]
 
 
 class AlgorithmStage:
@@ -110,14 +111,19 @@ class AlgorithmStage:
             model.onload()
         ref = self.reference.logprobs(packed.tokens, **kw) if self.reference is not None else None
         old = actor.logprobs(packed.tokens, routing=packed.routing, **kw) if t.updates_per_rollout > 1 else None
-        teacher, teacher_s = None, 0.0
+        teacher, teacher_s, topk = None, 0.0, None
         if self.teacher is not None:  # at the engine's temperature, as the reference and the actor
             start = time.perf_counter()
-            teacher = self.teacher.logprobs(packed.tokens, rows=[s.prompt_index for s in samples], **kw)
+            rows = [s.prompt_index for s in samples]
+            teacher = self.teacher.logprobs(packed.tokens, rows=rows, **kw)
+            if (k := self.cfg.algorithm.distill_topk) > 0:  # fixed micro-batches: one forward, K outputs a position
+                topk = self.teacher.topk_logprobs(packed.tokens, k, rows=rows, lengths=packed.lengths,
+                                                  micro_batch_size=t.micro_batch_size,
+                                                  temperature=self.cfg.rollout.rollout_temperature)
             teacher_s = time.perf_counter() - start
         for model in self.frozen:
             model.offload(params=True, optimizer=False)
-        return LogProbs(old=old, ref=ref, teacher=teacher, teacher_s=teacher_s)
+        return LogProbs(old=old, ref=ref, teacher=teacher, teacher_s=teacher_s, teacher_topk=topk)
 
     def train_batch(self, rollout: RolloutBatch, packed: PackedSamples,
                     logp: LogProbs) -> tuple[TrainBatch, dict[str, float]]:
@@ -129,7 +135,9 @@ class AlgorithmStage:
             metrics = {**metrics, **distill}
         batch = TrainBatch(tokens=packed.tokens, loss_mask=packed.loss_mask, rollout_logp=packed.rollout_logp,
                            lengths=packed.lengths, rewards=rewards, advantages=advantages, old_logp=logp.old,
-                           ref_logp=logp.ref, routing=packed.routing)
+                           ref_logp=logp.ref, routing=packed.routing,
+                           teacher_topk_ids=None if logp.teacher_topk is None else logp.teacher_topk[0],
+                           teacher_topk_logp=None if logp.teacher_topk is None else logp.teacher_topk[1])
         return batch, metrics
 
     def final_rewards(self, samples: Sequence[Sample], packed: PackedSamples, ref: torch.Tensor | None) -> torch.Tensor:
@@ -177,12 +185,21 @@ class AlgorithmStage:
         student's (the policy that sampled them), added to the estimator's advantage, or alone (--distill-only).
         [B, S - 1]; its metrics: the per-token reverse KL to the teacher, the distillation term's share of the
         advantage (mean |distill| / (mean |distill| + mean |outcome|) over the loss tokens), the teacher's time (all
-        of it exposed: the teacher runs between the rollout and the update)."""
+        of it exposed: the teacher runs between the rollout and the update).
+
+        With --distill-topk K > 0 the teacher's signal is the top-K KL, a term of the actor's loss
+        (`megarl.stages.update`), not an advantage: the advantage is the estimator's, or 0 with --distill-only;
+        the sampled tokens' reverse KL is still reported."""
         a = self.cfg.algorithm
         mask = packed.loss_mask.bool()
         if logp.teacher is None:  # not the last pipeline stage: its advantages are never read
             return torch.zeros(mask.shape, dtype=torch.float32), {}
         student, teacher = packed.rollout_logp.double(), logp.teacher.double()
+        if a.distill_topk > 0:
+            kl = reverse_kl_per_token(student, teacher, mask)
+            adv = torch.zeros(mask.shape, dtype=torch.float32) if a.distill_only else advantages
+            return adv, {"distill/reverse_kl": float(kl.sum() / mask.sum().clamp(min=1)),
+                         "distill/teacher_s": logp.teacher_s, "distill/teacher_exposed_s": logp.teacher_s}
         outcome = None if a.distill_only else advantages.double()
         adv = distill_advantages(student, teacher, mask, a.distill_coef, outcome=outcome)
         kl = reverse_kl_per_token(student, teacher, mask)

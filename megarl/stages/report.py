@@ -22,7 +22,9 @@ _SUM_KEYS = ["n_samples", "reward_sum", "correct", "response_tokens", "truncated
              "mismatch_abs_max", "mismatch_kl_sum", "is_weight_sum", "is_weight_max", "is_weight_negmin_max",
              # mixture of experts (`megarl.mcore.routing.take_metrics`)
              "router_tokens", "router_entropy_sum", "routing_disagree_sum", "routing_replayed_sum",
-             "router_imbalance_sum", "router_layers"]
+             "router_imbalance_sum", "router_layers",
+             # on-policy distillation's top-K KL (--distill-topk), the student's before the update
+             "distill_topk_kl_sum", "distill_topk_tokens"]
 _DS_KEYS = ["ds_prompts_drawn", "ds_groups_dropped", "ds_rounds", "ds_groups_filled"]
 # reward health (`megarl.reward.pool.batch_health`): counts add up over ranks, latencies take the worst rank
 _REWARD_KEYS = ["reward_n_timeout", "reward_n_no_answer", "reward_n_parse_error", "reward_worker_restarts",
@@ -86,6 +88,8 @@ def step_metrics(step: int, rollout: RolloutBatch, batch: TrainBatch, update: di
             "routing_topk_disagree_frac": g["routing_disagree_sum"] / g["router_tokens"],
             "routing_replayed_frac": g["routing_replayed_sum"] / g["router_tokens"]}
            if g["router_tokens"] > 0 else {}),
+        **({"distill/topk_kl": g["distill_topk_kl_sum"] / g["distill_topk_tokens"]}
+           if g["distill_topk_tokens"] > 0 else {}),
         **_rm_metrics(g),
         "n_samples": g["n_samples"], **step_rates(g, g["n_samples"]),  # reward hacking (`megarl.reward.hacking`)
         **reward_throughput(*(g[k] for k in _SANDBOX_KEYS)),

@@ -220,15 +220,21 @@ def build_teacher(cfg: Config, info: ParallelInfo, model: dict, say) -> dict | N
     m = cfg.model
     if not m.teacher:
         return None
+    k = cfg.algorithm.distill_topk
     teachers = {}
     for name, source in parse_teachers(m.teacher).items():
         label = f"teacher {name + ' ' if name else ''}"
         if source.startswith(("http://", "https://")):  # a served teacher (SGLang-shaped prompt log-probs)
             say(f"megarl: the {label}is served at {source}")
             teachers[name] = HTTPTeacher(source, timeout_s=cfg.training.distributed_timeout_seconds)
+            if k:
+                teachers[name].check_topk(k)  # refused now, naming --distill-topk, if it gives no top-k
             continue
         check_teacher_tokenizer(m.hf_checkpoint, source)
         shape = read_shape("--teacher", source)
+        if k > shape.vocab_size:
+            raise ConfigError(f"--distill-topk {k} is larger than the {label}{source}'s vocabulary of "
+                              f"{shape.vocab_size} tokens")
         say(f"megarl: building the {label}{source} ({shape.family} {shape.num_layers} layers hidden "
             f"{shape.hidden_size})")
         layout = dict(model, padded_vocab_size=padded_vocab_size(shape.vocab_size, m.make_vocab_size_divisible_by,

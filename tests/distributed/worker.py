@@ -527,11 +527,33 @@ def scenario_teacher(args, info):
 
     cfg = SimpleNamespace(model=SimpleNamespace(teacher=args.hf, hf_checkpoint=args.ckpt,
                                                 make_vocab_size_divisible_by=1),
-                          training=SimpleNamespace(distributed_timeout_seconds=60))
+                          training=SimpleNamespace(distributed_timeout_seconds=60),
+                          algorithm=SimpleNamespace(distill_topk=5))
     teacher = build_teacher(cfg, info, dict(tp=args.tp, pp=args.pp), lambda *a: None)[""]
     tokens = _fixed_tokens(ModelShape.from_pretrained(args.hf).vocab_size).to(parallel_device())
     logprobs = teacher.logprobs(tokens, micro_batch_size=2, temperature=0.7)
-    return {"logprobs": None if logprobs is None else logprobs.cpu()}
+    top = teacher.topk_logprobs(tokens, 5, micro_batch_size=3, temperature=0.7)  # 2 micro-batches, one padded
+    return {"logprobs": None if logprobs is None else logprobs.cpu(),
+            "topk_ids": None if top is None else top[0].cpu(), "topk_logp": None if top is None else top[1].cpu()}
+
+
+def scenario_topk_loss(args, info):
+    """--distill-topk's loss term on this TP rank's shard of fixed full logits (`tests/distill_topk_checks.py`):
+    the loss, this shard's gradient, the per-token KL; and the chunked head's top-K log-probs against the full one's."""
+    from megatron.core import parallel_state
+
+    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # tests/
+    from distill_topk_checks import case, chunked_vs_full, wired_loss
+
+    c = case(seed=0)
+    width = c["logits"].shape[-1] // args.tp
+    rank = parallel_state.get_tensor_model_parallel_rank()
+    shard = c["logits"][..., rank * width: (rank + 1) * width].float().contiguous().requires_grad_(True)
+    loss, metrics = wired_loss(shard, c)
+    loss.backward()
+    return {"loss": loss.item(), "grad": shard.grad.clone(),
+            "kl": float(metrics["distill_topk_kl_sum"] / metrics["distill_topk_tokens"]),
+            "chunked": chunked_vs_full(args.tp, rank, parallel_state.get_tensor_model_parallel_group())}
 
 
 SCENARIOS = {"mismatch": scenario_mismatch, "padded_vocab": scenario_padded_vocab, "recompute": scenario_recompute,
@@ -539,7 +561,7 @@ SCENARIOS = {"mismatch": scenario_mismatch, "padded_vocab": scenario_padded_voca
              "ckpt_save": scenario_ckpt_save, "ckpt_load": scenario_ckpt_load, "dynbatch": scenario_dynbatch,
              "entropy": scenario_entropy, "trl_parity": scenario_trl_parity, "layouts": scenario_layouts,
              "train_layouts": scenario_train_layouts, "routing_replay": scenario_routing_replay,
-             "teacher": scenario_teacher}
+             "teacher": scenario_teacher, "topk_loss": scenario_topk_loss}
 
 
 def main():

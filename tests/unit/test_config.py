@@ -658,7 +658,7 @@ def test_every_moved_flag_keeps_its_spelling_and_lives_in_its_component_section(
 ADDED_SINCE = {"openenv", "openenv_url", "openenv_tool", "openenv_timeout", "engine_launch_timeout_seconds",
                "code_signals", "math_signals", "hack_alarm", "hack_window", "stop_on_hacking", "log_hack_samples",
                "engine_health_timeout", "engine_max_restarts", "teacher", "distill_coef", "distill_only",
-               "offload_frozen"}
+               "offload_frozen", "distill_topk"}
 
 
 @pytest.mark.parametrize("run", ["tool_use", "ppo"])
