@@ -542,8 +542,13 @@ def scenario_topk_loss(args, info):
     the loss, this shard's gradient, the per-token KL; and the chunked head's top-K log-probs against the full one's."""
     from megatron.core import parallel_state
 
-    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # tests/
-    from distill_topk_checks import case, chunked_vs_full, wired_loss
+    import importlib.util
+
+    path = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "distill_topk_checks.py")
+    spec = importlib.util.spec_from_file_location("distill_topk_checks", path)  # tests/, imported by file
+    checks = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(checks)
+    case, chunked_vs_full, wired_loss = checks.case, checks.chunked_vs_full, checks.wired_loss
 
     c = case(seed=0)
     width = c["logits"].shape[-1] // args.tp
