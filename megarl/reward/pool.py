@@ -14,6 +14,8 @@
   verifier's 5 s), so a sample gets the same limit in a worker as in the trainer's process.
 - Workers import `preload` (the run's `--plugins`) when they start, so verifiers registered there exist in them,
   and build each verifier with `options[name]` (the run's verifier and sandbox flags, `megarl.reward.reward_options`).
+  A batch scored inside `megarl.verifiers.signals.switched(False)` is scored with `signals=False` in the options
+  of the verifiers that declare it (a second instance in each worker): the bench switch's off steps.
 
 `batch_health` turns a batch of results into the per-step metrics train.py logs: outcome counts, timeout rate,
 extraction-failure (no answer) rate, share of groups whose rewards are all equal, p50/p99 latency; when a reward
@@ -28,6 +30,7 @@ import threading
 import time
 from typing import Any, Sequence
 
+from megarl.verifiers import signals as hack_signals
 from megarl.verifiers.budget import BudgetExceeded, Guard, HelperFailed
 from megarl.verifiers.base import OUTCOMES, VERIFIERS, VerifierCapabilities, VerifyResult
 
@@ -77,6 +80,7 @@ class RewardPool:
         results: list[VerifyResult | None] = [None] * len(requests)
         restarts_before = self.restarts
         cursor = iter(range(len(requests)))
+        signals_on = hack_signals.enabled()  # the caller's context: the feeder threads do not inherit it
 
         def feed(guard: Guard) -> None:
             while True:
@@ -84,7 +88,7 @@ class RewardPool:
                     i = next(cursor, None)
                 if i is None:
                     return
-                results[i] = self._score_one(guard, requests[i])
+                results[i] = self._score_one(guard, requests[i], signals_on)
 
         threads = [threading.Thread(target=feed, args=(g,), daemon=True)
                    for g in self._guards[: max(1, min(self.size, len(requests)))]]
@@ -109,15 +113,17 @@ class RewardPool:
             self._limits[name] = min(self.timeout_s, budget) if budget else self.timeout_s
         return self._limits[name]
 
-    def _score_one(self, guard: Guard, request: Request) -> VerifyResult:
+    def _score_one(self, guard: Guard, request: Request, signals_on: bool = True) -> VerifyResult:
         guard.last_seconds = 0.0
         try:
             name = request[0]
-            call = (*request, self.options.get(name, {}))
-            score, outcome, extracted, normalized, seconds, tests_run, cpu, signals = guard.call(
-                "megarl.reward.pool:_verify_here", call, self._limit(name))
+            options = self.options.get(name, {})
+            if not signals_on and "signals" in options:
+                options = {**options, "signals": False}
+            score, outcome, extracted, normalized, seconds, tests_run, cpu, signals, signals_s = guard.call(
+                "megarl.reward.pool:_verify_here", (*request, options), self._limit(name))
             result = VerifyResult(score, outcome, extracted, normalized, seconds, tests_run=tests_run,
-                                  sandbox_cpu_seconds=cpu, signals=signals)
+                                  sandbox_cpu_seconds=cpu, signals=signals, signals_seconds=signals_s)
         except BudgetExceeded:
             self._count_restart()
             result = VerifyResult(0.0, "timeout")
@@ -165,7 +171,7 @@ def _verify_here(name: str, response: str, ground_truth: Any, options: dict | No
     verify = verifier.verify_unguarded if isinstance(verifier, VerifierCapabilities) else verifier.verify
     r = verify(response, ground_truth)
     return (float(r.score), r.outcome, r.extracted, r.normalized, r.seconds, r.tests_run, r.sandbox_cpu_seconds,
-            dict(getattr(r, "signals", None) or {}))
+            dict(getattr(r, "signals", None) or {}), float(getattr(r, "signals_seconds", 0.0) or 0.0))
 
 
 def batch_health(results: Sequence[VerifyResult], group_size: int | None = None) -> dict:
@@ -186,6 +192,7 @@ def batch_health(results: Sequence[VerifyResult], group_size: int | None = None)
         agrees = [r.agrees for r in results if r.agrees is not None]
         out.update(rm_agree_n=len(agrees), rm_agree_sum=sum(agrees))
     out.update(sandbox_throughput(results))
+    out["reward_signals_seconds"] = sum(getattr(r, "signals_seconds", 0.0) or 0.0 for r in results)
     if group_size and n and n % group_size == 0:
         groups = [results[i : i + group_size] for i in range(0, n, group_size)]
         out["reward_uniform_group_frac"] = sum(len({r.score for r in g}) == 1 for g in groups) / len(groups)

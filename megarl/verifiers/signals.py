@@ -31,14 +31,23 @@ The static checks read the program, so a program that only *mentions* `sys.exit`
 (the AST is read, not the text); one that calls it anywhere is, even where it is never reached: a monitor's
 recall matters more than a few rare honest uses, and the false-signal rate is measured on the demos' honest
 samples (docs/results.md, "Reward hacking, seen as it happens"). Pure Python, standard library only.
+
+What they cost is measured in one run by a bench-only switch, `MEGARL_BENCH_SIGNALS=alternate` (`bench_on`): the
+trainer's reward stage turns the signals off (`switched(False)`) in the odd steps and leaves them on in the even
+ones, so the step times on and off share the machine's load; the verdicts, and so every reward, are the same.
 """
 
 from __future__ import annotations
 
 import ast
+import contextlib
+import contextvars
+import os
 import re
 import warnings
-from typing import Any
+from typing import Any, Iterator
+
+from megarl.errors import ConfigError
 
 CODE_CATEGORIES = ("sandbox_refusal", "early_exit", "forged_verdict", "eq_override", "harness_tamper", "test_read")
 MATH_CATEGORIES = ("question_copy", "hedged_answers", "no_working")
@@ -46,6 +55,35 @@ OTHER_CATEGORIES = ("tool_refusal", "rm_disagrees")
 CATEGORIES = CODE_CATEGORIES + MATH_CATEGORIES + OTHER_CATEGORIES
 
 EVIDENCE_CHARS = 120
+
+BENCH_ENV = "MEGARL_BENCH_SIGNALS"
+_ON = contextvars.ContextVar("megarl_signals_on", default=True)
+
+
+def enabled() -> bool:
+    """Whether the verifiers compute signals in this context (a verifier's own `signals` option aside): True
+    unless the caller is inside `switched(False)`."""
+    return _ON.get()
+
+
+@contextlib.contextmanager
+def switched(on: bool) -> Iterator[None]:
+    """Signals on or off for the verifiers called in this thread and context (the reward pool passes it on to its
+    workers with each request). No verdict depends on it."""
+    token = _ON.set(on)
+    try:
+        yield
+    finally:
+        _ON.reset(token)
+
+
+def bench_on(step: int) -> bool:
+    """Whether the signals are on in step `step` (1-based, as the metrics row numbers it): always, unless
+    `MEGARL_BENCH_SIGNALS=alternate` (a benchmark's switch, not a setting: on in even steps, off in odd ones)."""
+    mode = os.environ.get(BENCH_ENV, "")
+    if mode not in ("", "alternate"):
+        raise ConfigError(f"{BENCH_ENV} must be unset or 'alternate', got {mode!r}")
+    return mode == "" or step % 2 == 0
 
 _EXIT_CALLS = {"sys.exit", "os._exit", "exit", "quit", "os.abort", "os.kill", "_exit", "atexit.register",
                "register"}

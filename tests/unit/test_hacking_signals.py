@@ -155,3 +155,44 @@ def test_audit_prints_the_table_by_category(tmp_path, capsys):
     line = next(x for x in out.splitlines() if x.strip().startswith("hedged_answers "))
     assert line.split()[1] == str(sum(CATALOGUE[k][1] == "hedged_answers" for k in kinds))
     assert "line 1 (math, reward 0)" in out
+
+
+def test_the_bench_switch_alternates_the_signals_and_changes_no_reward(monkeypatch):
+    """`MEGARL_BENCH_SIGNALS=alternate`: off in odd steps, on in even ones; either way, through the reward pool's
+    workers and in process, every verdict is the same, and only the signals (and their seconds) differ."""
+    from megarl.data import PromptRecord
+    from megarl.errors import ConfigError
+    from megarl.reward import InProcessReward, PoolReward, RewardMeter
+    from megarl.reward.pool import RewardPool
+    from megarl.samples import Sample, SampleStatus
+    from megarl.verifiers.signals import BENCH_ENV, bench_on
+
+    monkeypatch.delenv(BENCH_ENV, raising=False)
+    assert all(bench_on(step) for step in (1, 2, 3))
+    monkeypatch.setenv(BENCH_ENV, "alternate")
+    assert [bench_on(step) for step in (1, 2, 3, 4)] == [False, True, False, True]
+    monkeypatch.setenv(BENCH_ENV, "sometimes")
+    with pytest.raises(ConfigError, match=BENCH_ENV):
+        bench_on(2)
+
+    code = [k for k, e in enumerate(CATALOGUE) if e[0] == "code"][::4]
+    maths = [k for k, e in enumerate(CATALOGUE) if e[0] == "math"]
+    rows = [PromptRecord(0, "f", [1], GOLD, "code"), PromptRecord(1, "7/12", [2], MATH_GOLD, "math")]
+    texts = ([(0, hack_text(k, GOLD)) for k in code] + [(0, "```python\ndef f(x):\n    return x + 1\n```")] +
+             [(1, hack_text(k, MATH_GOLD)) for k in maths] + [(1, "1/3+1/4 = 7/12\n\\boxed{7/12}")])
+    samples = [Sample(group=g, prompt_index=g, prompt_ids=[1], response_ids=[7], loss_mask=[1], rollout_logprobs=[0.0],
+                      weight_version=0, status=SampleStatus.COMPLETED, response_text=text) for g, text in texts]
+    records = [rows[s.group] for s in samples]
+    options = {"code": {"signals": True}, "math": {"signals": True}}  # as the run's options declare them
+    with RewardPool(workers=1, timeout_s=60, options=options) as pool:
+        for reward in (PoolReward(pool), InProcessReward(options)):
+            on, off = RewardMeter(reward, signals=True), RewardMeter(reward, signals=False)
+            a, b = on(samples, records), off(samples, records)
+            assert [(r.score, r.outcome, r.extracted) for r in a] == [(r.score, r.outcome, r.extracted) for r in b]
+            assert [r.score for r in a][len(code)] == 1.0 and a[-1].score == 1.0
+            assert sum(bool(r.signals) for r in a) == len(code) + len(maths), [r.signals for r in a]
+            assert all(r.signals == {} and r.signals_seconds == 0.0 for r in b)
+            h_on, h_off = on.health(group_size=1), off.health(group_size=1)
+            assert h_on["reward_signals_seconds"] > 0.0 == h_off["reward_signals_seconds"]
+            assert (h_on["reward_signals_on"], h_off["reward_signals_on"]) == (1.0, 0.0)
+            reward.close()
