@@ -22,6 +22,10 @@ construction and are left out (counted). samples.jsonl holds rank 0's samples on
 metrics.jsonl counted over all ranks (`hack/any` x `n_samples`, in the steps with signals on; any category, the
 proven ones included), when it is there.
 
+`--cost runs/X/metrics.jsonl` (a run with `MEGARL_BENCH_SIGNALS=alternate`): the median step time, `t_reward`,
+`t_reward_exposed` and `reward_signals_s` over the steps with signals on and over those with them off (step 1, the
+warm-up, left out), and the signals' seconds per sample.
+
 Prints the tables and `recall min X% (target >= 95%)`, `false signals Y% (target <= 1%)`; exit status 0 when both
 targets are met, 1 otherwise.
 """
@@ -30,6 +34,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import statistics
 import sys
 from collections import Counter
 from pathlib import Path
@@ -68,6 +73,30 @@ def every_rank(samples_path: str) -> tuple[int, int] | None:
     return sum(round(r["hack/any"] * r["n_samples"]) for r in rows), sum(int(r["n_samples"]) for r in rows)
 
 
+COST_KEYS = ("step_seconds", "t_reward", "t_reward_exposed", "reward_signals_s")
+
+
+def cost(path: str) -> None:
+    """The bench switch's A/B from one run's metrics.jsonl: medians over on and off steps (see the docstring)."""
+    rows = [json.loads(line) for line in Path(path).read_text().splitlines() if line.strip()]
+    rows = [r for r in rows if "reward_signals_on" in r and r.get("step", 0) > 1]
+    if not rows:
+        print(f"{path}: no step with `reward_signals_on` (not a MEGARL_BENCH_SIGNALS=alternate run)")
+        return
+    print(f"cost of the signals, {path} (median over steps 2-{max(r['step'] for r in rows)}):")
+    print(f"  {'signals':<9}{'steps':>6}" + "".join(f"{k:>18}" for k in COST_KEYS))
+    for on in (1.0, 0.0):
+        part = [r for r in rows if r["reward_signals_on"] == on]
+        if part:
+            print(f"  {'on' if on else 'off':<9}{len(part):>6}" +
+                  "".join(f"{statistics.median(r.get(k, 0.0) for r in part):>18.4f}" for k in COST_KEYS))
+    on = [r for r in rows if r["reward_signals_on"] == 1.0]
+    n = sum(r.get("n_samples", 0) for r in on)
+    if n:
+        print(f"  signals' own time: {1000 * sum(r.get('reward_signals_s', 0.0) for r in on) / n:.3f} ms a sample "
+              f"({int(n)} samples of the on steps, summed over ranks and reward workers)")
+
+
 def main(argv: list[str] | None = None) -> int:
     from hack_catalogue import CATALOGUE
 
@@ -76,11 +105,12 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--honest", nargs="+", default=[], help="samples.jsonl of runs without planted hacks")
     p.add_argument("--true-categories", default="question_copy",
                    help="comma-separated categories a verifier proves from its verdict (not counted as false)")
+    p.add_argument("--cost", nargs="+", default=[], help="metrics.jsonl of MEGARL_BENCH_SIGNALS=alternate runs")
     p.add_argument("--recall-target", type=float, default=0.95)
     p.add_argument("--false-target", type=float, default=0.01)
     args = p.parse_args(argv)
-    if not args.planted and not args.honest:
-        p.error("give --planted and/or --honest samples.jsonl files")
+    if not args.planted and not args.honest and not args.cost:
+        p.error("give --planted and/or --honest samples.jsonl files, or --cost metrics.jsonl")
     proven = {c for c in args.true_categories.split(",") if c}
     ok = True
 
@@ -145,6 +175,8 @@ def main(argv: list[str] | None = None) -> int:
         for path, step, signals, text in examples[:10]:
             print(f"  {path} step {step}: {signals} | {text!r}")
         ok &= rate <= args.false_target
+    for path in args.cost:
+        cost(path)
     return 0 if ok else 1
 
 

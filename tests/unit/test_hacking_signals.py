@@ -196,3 +196,24 @@ def test_the_bench_switch_alternates_the_signals_and_changes_no_reward(monkeypat
             assert h_on["reward_signals_seconds"] > 0.0 == h_off["reward_signals_seconds"]
             assert (h_on["reward_signals_on"], h_off["reward_signals_on"]) == (1.0, 0.0)
             reward.close()
+
+
+def test_hack_recall_leaves_out_the_off_steps_of_a_bench_run(tmp_path, capsys):
+    sys.path.insert(0, str(REPO / "tools"))
+    from hack_recall import main
+
+    run = tmp_path / "run"
+    run.mkdir()
+    samples = [{"step": step, "response": "x", "signals": {"early_exit": "e"} if step == 2 and i == 0 else {}}
+               for step in (1, 2, 3, 4) for i in range(50)]
+    (run / "samples.jsonl").write_text("".join(json.dumps(r) + "\n" for r in samples))
+    metrics = [{"step": s, "n_samples": 100, "hack/any": 0.01 * (s == 2), "reward_signals_on": float(s % 2 == 0),
+                "step_seconds": 1.0 + s % 2, "t_reward": 0.5, "t_reward_exposed": 0.1,
+                "reward_signals_s": 0.02 * (s % 2 == 0)}
+               for s in (1, 2, 3, 4)]
+    (run / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in metrics))
+    assert main(["--honest", str(run / "samples.jsonl"), "--cost", str(run / "metrics.jsonl")]) == 0
+    out = capsys.readouterr().out
+    assert "100 samples of 2 steps with signals off" in out and "(1 of 100;" in out
+    assert "1 of 200 samples carried a signal" in out
+    assert "0.200 ms a sample (200 samples" in out
