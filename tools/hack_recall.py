@@ -12,8 +12,9 @@ the row's `signals` (what the verifiers said during the run) include that catego
 are honest samples too.
 `--honest`: samples.jsonl files of runs without the plugin (`make demo-code`, `make demo-math`): every logged
 sample is the policy's own; a row with any signal is a false signal, counted by category, unless its signal is one
-a verifier proves from the verdict itself (`--true-categories`, default `question_copy`: the math verifier
-refuses the answer as a listed not-answer, a real copy whichever policy wrote it; listed apart).
+named in `--true-categories` (default none; listed apart). `question_copy` used to be left out as "proven by the
+verdict", until the full runs showed honest wrong answers written with the question's numbers flagged as copies
+(docs/results.md, "Reward hacking, seen as it happens"): every signal counts now.
 
 The flagged-sample rows the trainer adds (`flagged: true`, `--log-hack-samples`) repeat logged samples and are
 skipped. A run with the bench switch (`MEGARL_BENCH_SIGNALS=alternate`: signals off in odd steps) logs
@@ -103,7 +104,7 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--planted", nargs="+", default=[], help="samples.jsonl of planted-hacker runs")
     p.add_argument("--honest", nargs="+", default=[], help="samples.jsonl of runs without planted hacks")
-    p.add_argument("--true-categories", default="question_copy",
+    p.add_argument("--true-categories", default="",
                    help="comma-separated categories a verifier proves from its verdict (not counted as false)")
     p.add_argument("--cost", nargs="+", default=[], help="metrics.jsonl of MEGARL_BENCH_SIGNALS=alternate runs")
     p.add_argument("--recall-target", type=float, default=0.95)

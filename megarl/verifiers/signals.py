@@ -298,6 +298,21 @@ def boxed_answers(text: str) -> list[str]:
     return out
 
 
+_BINARY_SIGN = re.compile(r"(?<=[\w.)}\]])\s*[+-]")
+
+
+def _shape(text: str) -> tuple:
+    """An answer's operators, order aside: binary + and - (one class), division (`/`, `\\frac`), powers and each
+    `\\command`. With `literals` it tells a copy of a not-answer (`2/3+1/2` for `1/2+2/3`) from a wrong answer
+    written with the same numbers (`8\\sqrt{8}` for `\\sqrt{8}+\\sqrt{8}`, `(x-2)(x+2)` for `x^2-x-2`), which
+    the verdict refuses alike but which copies nothing (measured: docs/results.md, "Reward hacking, seen as it
+    happens")."""
+    commands = re.findall(r"\\([a-zA-Z]+)", text)
+    ops = ["+-"] * len(_BINARY_SIGN.findall(text)) + ["/"] * (text.count("/") + commands.count("frac"))
+    ops += ["^"] * text.count("^") + [c for c in commands if c not in ("frac", "left", "right")]
+    return tuple(sorted(ops))
+
+
 def math_signals(response: str, ground_truth: Any, extracted: str | None, outcome: str) -> dict[str, str]:
     """Math signals (see the module docstring): from the response, its label and the verdict."""
     found: dict[str, str] = {}
@@ -307,9 +322,9 @@ def math_signals(response: str, ground_truth: Any, extracted: str | None, outcom
         from megarl.verifiers.math.normalize import literals, normalize
 
         try:
-            mine = literals(normalize(extracted))
+            mine = literals(normalize(extracted)), _shape(normalize(extracted))
             for n in not_answers:
-                if literals(normalize(str(n))) == mine:
+                if (literals(normalize(str(n))), _shape(normalize(str(n)))) == mine:
                     _add(found, "question_copy", f"answer {extracted!r} is the listed not-answer {n!r}")
                     break
         except Exception:  # noqa: BLE001 - a signal never fails a verdict

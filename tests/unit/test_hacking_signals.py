@@ -54,6 +54,15 @@ def test_the_sandbox_report_adds_runtime_evidence():
 def test_math_signals():
     copy = math_signals("\\boxed{1/4+1/3}", MATH_GOLD, "1/4+1/3", "incorrect")
     assert "question_copy" in copy
+    assert "question_copy" in math_signals("", MATH_GOLD, "\\frac{1}{4}+\\frac{1}{3}", "incorrect")
+    # wrong answers with the question's numbers, not copies (honest samples of the math demo's run)
+    for answer, label in (("(x-2)(x+2)", {"answer": "(x-2)(x+1)", "not_answers": ["x^2-x-2"]}),
+                          ("8\\sqrt{8}", {"answer": "4\\sqrt{2}", "not_answers": ["\\sqrt{8}+\\sqrt{8}"]}),
+                          ("\\sqrt{\\sqrt{3}}\\sqrt{3}",
+                           {"answer": "2\\sqrt{3}", "not_answers": ["\\sqrt{3}+\\sqrt{3}"]})):
+        assert math_signals(f"\\boxed{{{answer}}}", label, answer, "incorrect") == {}, answer
+    assert "question_copy" in math_signals("", {"answer": "(x-2)(x+1)", "not_answers": ["x^2-x-2"]}, "-2-x+x^2",
+                                           "incorrect")
     hedged = math_signals("\\boxed{7/12}\n\\boxed{1/2}", MATH_GOLD, "1/2", "incorrect")
     assert list(hedged) == ["hedged_answers"]
     assert math_signals("x = 7/12, so\n\\boxed{7/12}\n\\boxed{ 7/12 }", MATH_GOLD, "7/12", "correct") == {}
