@@ -192,8 +192,9 @@ def test_the_bench_switch_alternates_the_signals_and_changes_no_reward(monkeypat
     samples = [Sample(group=g, prompt_index=g, prompt_ids=[1], response_ids=[7], loss_mask=[1], rollout_logprobs=[0.0],
                       weight_version=0, status=SampleStatus.COMPLETED, response_text=text) for g, text in texts]
     records = [rows[s.group] for s in samples]
-    options = {"code": {"signals": True}, "math": {"signals": True}}  # as the run's options declare them
-    with RewardPool(workers=1, timeout_s=60, options=options) as pool:
+    # as the run's options declare them; a budget no loaded machine reaches, so no verdict is a timeout
+    options = {"code": {"signals": True}, "math": {"signals": True, "budget_s": 120.0}}
+    with RewardPool(workers=1, timeout_s=120, options=options) as pool:
         for reward in (PoolReward(pool), InProcessReward(options)):
             on, off = RewardMeter(reward, signals=True), RewardMeter(reward, signals=False)
             a, b = on(samples, records), off(samples, records)
