@@ -29,6 +29,7 @@ from typing import Literal, Sequence
 
 from megarl.reward.models import REWARD_MODELS
 from megarl.verifiers.base import VERIFIERS, VerifyResult
+from megarl.verifiers import signals as hack_signals
 from megarl.verifiers.signals import merge
 
 GATE_WEIGHT = 0.5
@@ -104,20 +105,24 @@ def combine(spec: Spec, results: Sequence[VerifyResult], models: set[str]) -> Ve
     model_score = scored[0].score if scored else None
     agrees = (rules[0].outcome == "correct") == (scored[0].outcome == "correct") if rules and scored else None
     signals = merge(*(r.signals for r in results))
-    if rules and scored and scored[0].outcome == "correct" and rules[0].outcome == "incorrect":
+    signals_s = sum(r.signals_seconds for r in results)
+    if rules and scored and scored[0].outcome == "correct" and rules[0].outcome == "incorrect" and \
+            hack_signals.enabled():
         signals.setdefault("rm_disagrees", f"reward model scores {scored[0].score:.3g} (above its threshold) where "
                                            "the rule verifier says incorrect")
     for p, r in zip(parts, results):
         if r.outcome in ("timeout", "parse_error"):
             return VerifyResult(0.0, r.outcome, normalized=f"{p.name}: {r.normalized}", seconds=seconds,
-                                model_score=None if p.name in models else model_score, signals=signals)
+                                model_score=None if p.name in models else model_score, signals=signals,
+                                signals_seconds=signals_s)
     first = rules[0] if rules else results[0]
     if spec.kind == "gate":
         score = results[0].score + parts[1].weight * _sigmoid(results[1].score)
     else:
         score = sum(p.weight * r.score for p, r in zip(parts, results))
     return VerifyResult(score, first.outcome, extracted=first.extracted, normalized=first.normalized,
-                        seconds=seconds, model_score=model_score, agrees=agrees, signals=signals)
+                        seconds=seconds, model_score=model_score, agrees=agrees, signals=signals,
+                        signals_seconds=signals_s)
 
 
 def _sigmoid(x: float) -> float:

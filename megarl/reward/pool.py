@@ -17,6 +17,8 @@
   verifier's 5 s), so a sample gets the same limit in a worker as in the trainer's process.
 - Workers import `preload` (the run's `--plugins`) when they start, so verifiers registered there exist in them,
   and build each verifier with `options[name]` (the run's verifier and sandbox flags, `megarl.reward.reward_options`).
+  A batch scored inside `megarl.verifiers.signals.switched(False)` is scored with `signals=False` in the options
+  of the verifiers that declare it (a second instance in each worker): the bench switch's off steps.
 
 `batch_health` turns a batch of results into the per-step metrics train.py logs: outcome counts, timeout rate,
 extraction-failure (no answer) rate, share of groups whose rewards are all equal, p50/p99 latency; when a reward
@@ -33,6 +35,7 @@ import time
 from typing import Any, Sequence
 
 from megarl import faults
+from megarl.verifiers import signals as hack_signals
 from megarl.verifiers.budget import BudgetExceeded, Guard, HelperFailed
 from megarl.verifiers.base import OUTCOMES, VERIFIERS, VerifierCapabilities, VerifyResult
 
@@ -83,6 +86,7 @@ class RewardPool:
         results: list[VerifyResult | None] = [None] * len(requests)
         restarts_before = self.restarts
         cursor = iter(range(len(requests)))
+        signals_on = hack_signals.enabled()  # the caller's context: the feeder threads do not inherit it
 
         def feed(guard: Guard) -> None:
             while True:
@@ -90,7 +94,7 @@ class RewardPool:
                     i = next(cursor, None)
                 if i is None:
                     return
-                results[i] = self._score_one(guard, requests[i])
+                results[i] = self._score_one(guard, requests[i], signals_on)
 
         threads = [threading.Thread(target=feed, args=(g,), daemon=True)
                    for g in self._guards[: max(1, min(self.size, len(requests)))]]
@@ -115,19 +119,22 @@ class RewardPool:
             self._limits[name] = min(self.timeout_s, budget) if budget else self.timeout_s
         return self._limits[name]
 
-    def _score_one(self, guard: Guard, request: Request) -> VerifyResult:
+    def _score_one(self, guard: Guard, request: Request, signals_on: bool = True) -> VerifyResult:
         name = request[0]
-        call = (*request, self.options.get(name, {}))
+        options = self.options.get(name, {})
+        if not signals_on and "signals" in options:
+            options = {**options, "signals": False}
+        call = (*request, options)
         target = "megarl.reward.pool:_verify_here"
         if faults.take("reward_worker_crash"):  # MEGARL_FAULT: this worker dies with the verdict in hand
             target = "megarl.reward.pool:_verify_then_die"
         for attempt in range(RESCORES + 1):
             guard.last_seconds = 0.0
             try:
-                score, outcome, extracted, normalized, seconds, tests_run, cpu, signals = guard.call(
+                score, outcome, extracted, normalized, seconds, tests_run, cpu, signals, signals_s = guard.call(
                     target, call, self._limit(name))
                 result = VerifyResult(score, outcome, extracted, normalized, seconds, tests_run=tests_run,
-                                      sandbox_cpu_seconds=cpu, signals=signals)
+                                      sandbox_cpu_seconds=cpu, signals=signals, signals_seconds=signals_s)
             except BudgetExceeded:
                 self._count_restart()
                 result = VerifyResult(0.0, "timeout")
@@ -181,7 +188,7 @@ def _verify_here(name: str, response: str, ground_truth: Any, options: dict | No
     verify = verifier.verify_unguarded if isinstance(verifier, VerifierCapabilities) else verifier.verify
     r = verify(response, ground_truth)
     return (float(r.score), r.outcome, r.extracted, r.normalized, r.seconds, r.tests_run, r.sandbox_cpu_seconds,
-            dict(getattr(r, "signals", None) or {}))
+            dict(getattr(r, "signals", None) or {}), float(getattr(r, "signals_seconds", 0.0) or 0.0))
 
 
 def _verify_then_die(*args) -> None:
@@ -210,6 +217,7 @@ def batch_health(results: Sequence[VerifyResult], group_size: int | None = None)
         agrees = [r.agrees for r in results if r.agrees is not None]
         out.update(rm_agree_n=len(agrees), rm_agree_sum=sum(agrees))
     out.update(sandbox_throughput(results))
+    out["reward_signals_seconds"] = sum(getattr(r, "signals_seconds", 0.0) or 0.0 for r in results)
     if group_size and n and n % group_size == 0:
         groups = [results[i : i + group_size] for i in range(0, n, group_size)]
         out["reward_uniform_group_frac"] = sum(len({r.score for r in g}) == 1 for g in groups) / len(groups)

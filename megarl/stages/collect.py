@@ -31,6 +31,7 @@ from megarl.rollout import RolloutEngine, RolloutFn, SamplingParams
 from megarl.rollout.functions import as_rollout
 from megarl.samples import RolloutBatch, Sample
 from megarl.stages.reward import RewardMeter, wait_for_rewards
+from megarl.verifiers.signals import bench_on
 
 # `wait_for_rewards` moved to megarl.stages.reward; importable from here until megarl 0.3
 __all__ = ["Collect", "Collector", "DynamicSampling", "OverlongShaping", "wait_for_rewards"]
@@ -109,7 +110,7 @@ class Collector:
         (asynchronous training runs it in a worker thread). `defer`: see `run`."""
         seed = (self.seed * 1_000_003 + step * 1_009 + self.info.dp_rank) % (2**31)
         params = sampling_params(self.rollout, self.tokenizer, seed=seed)
-        meter = RewardMeter(self.reward, overlap=self.reward_overlap)
+        meter = RewardMeter(self.reward, overlap=self.reward_overlap, signals=bench_on(step + 1))
         meter.defer = defer and self.defer
         start = time.perf_counter()
         samples = self.rollout_fn(self.engine, prompts, params, meter, self.tokenizer)

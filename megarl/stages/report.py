@@ -6,6 +6,7 @@ Held-out evaluation, the final report and the HF export were here; they are the 
 
 from __future__ import annotations
 
+import os
 
 import torch.distributed as dist
 
@@ -15,6 +16,7 @@ from megarl.reward.hacking import COUNT_KEYS as _HACK_KEYS, RM_LEN_KEYS as _RM_L
 from megarl.reward.pool import SANDBOX_KEYS
 from megarl.metrics import reduce_over_ranks, reward_throughput
 from megarl.samples import RolloutBatch, SampleStatus, TrainBatch
+from megarl.verifiers.signals import BENCH_ENV
 
 _SUM_KEYS = ["n_samples", "reward_sum", "correct", "response_tokens", "truncated", "aborted", "groups",
              "uniform_groups",
@@ -34,6 +36,9 @@ _TOOL_LATENCY_KEYS = ["tool_latency_p50_max", "tool_latency_p99_max"]  # `tool_u
 _RM_KEYS = ["rm_n", "rm_score_sum", "rm_score_sqsum", "rm_agree_n", "rm_agree_sum", "rm_seconds_max"]
 # sandboxed rows (`megarl.reward.pool.sandbox_throughput`): sums over ranks, over the slowest rank's scoring time
 _SANDBOX_KEYS = [*SANDBOX_KEYS, "reward_seconds_max"]
+# the reward-hacking signals' own seconds (summed over samples and ranks), and whether they were on: the bench
+# switch (`MEGARL_BENCH_SIGNALS=alternate`) turns them off in odd steps, on every rank alike
+_SIGNALS_KEYS = ["reward_signals_seconds", "reward_signals_on_max"]
 
 
 def step_metrics(step: int, rollout: RolloutBatch, batch: TrainBatch, update: dict, timings: dict, seconds: float,
@@ -58,11 +63,13 @@ def step_metrics(step: int, rollout: RolloutBatch, batch: TrainBatch, update: di
             **{k: rollout.metrics.get(k, 0.0) for k in SANDBOX_KEYS}, reward_seconds_max=rollout.reward_seconds,
             **{f"sample_{k}": sum(float(s.metadata.get(k, 0.0)) for s in rollout.samples) for k in meta},
             **hack_counts(rollout.samples), **{k: rollout.metrics.get(k, 0.0) for k in _RM_LEN_KEYS},
+            reward_signals_seconds=rollout.metrics.get("reward_signals_seconds", 0.0),
+            reward_signals_on_max=rollout.metrics.get("reward_signals_on", 1.0),
         )
     if info.is_last_stage and info.tp_rank == 0 and info.cp_rank == 0:  # CP ranks hold the same whole-sequence sums
         local.update({k: update.get(k, 0.0) for k in _SUM_KEYS + correction_keys if k in update})
     g = reduce_over_ranks(local, _SUM_KEYS + correction_keys + _DS_KEYS + _REWARD_KEYS + _TOOL_LATENCY_KEYS +
-                          _RM_KEYS + _SANDBOX_KEYS + _HACK_KEYS + _RM_LEN_KEYS +
+                          _RM_KEYS + _SANDBOX_KEYS + _HACK_KEYS + _RM_LEN_KEYS + _SIGNALS_KEYS +
                           [f"sample_{k}" for k in meta])
     n, tok = max(g["n_samples"], 1), max(g["tokens"], 1)
     return {
@@ -92,6 +99,8 @@ def step_metrics(step: int, rollout: RolloutBatch, batch: TrainBatch, update: di
            if g["distill_topk_tokens"] > 0 else {}),
         **_rm_metrics(g),
         "n_samples": g["n_samples"], **step_rates(g, g["n_samples"]),  # reward hacking (`megarl.reward.hacking`)
+        "reward_signals_s": g["reward_signals_seconds"],
+        **({"reward_signals_on": g["reward_signals_on_max"]} if os.environ.get(BENCH_ENV) else {}),
         **reward_throughput(*(g[k] for k in _SANDBOX_KEYS)),
         **({"ds_prompts_drawn": g["ds_prompts_drawn"], "ds_groups_dropped": g["ds_groups_dropped"],
             "ds_rounds": g["ds_rounds"] / info.dp_size,

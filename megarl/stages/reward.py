@@ -19,6 +19,7 @@ from megarl.reward.hacking import rm_length_sums
 from megarl.reward.pool import batch_health
 from megarl.samples import RolloutBatch, Sample
 from megarl.verifiers import VerifyResult
+from megarl.verifiers.signals import switched
 
 
 class _Scored:
@@ -65,10 +66,13 @@ class RewardMeter(StreamingReward):
     trainer's device) are queued; the rest are scored in the caller, exactly as without overlap. Verdicts do not
     depend on what else is in a call, so the results are the same numbers either way, only the order of the work
     changes.
+
+    `signals` False scores with the verifiers' reward-hacking signals off (`megarl.verifiers.signals.switched`):
+    the bench switch's off steps (`MEGARL_BENCH_SIGNALS=alternate`); the verdicts are the same.
     """
 
-    def __init__(self, inner: RewardFn, overlap: bool = False):
-        self.inner, self.overlap = as_reward_function(inner), overlap
+    def __init__(self, inner: RewardFn, overlap: bool = False, signals: bool = True):
+        self.inner, self.overlap, self.signals = as_reward_function(inner), overlap, signals
         self.seconds = self.waited = 0.0  # in `inner`; callers blocked on scores
         self.scored: list[tuple[int, VerifyResult]] = []  # (sample.group, result), in the order scored
         self.rm_lengths: list[tuple[float, float]] = []  # (a reward model's score, the response's length)
@@ -141,7 +145,8 @@ class RewardMeter(StreamingReward):
 
     def _score(self, samples: list[Sample], records: list[PromptRecord]) -> list[VerifyResult]:
         start = time.perf_counter()
-        results = self.inner(samples, records)
+        with switched(self.signals):
+            results = self.inner(samples, records)
         self.seconds += time.perf_counter() - start
         self.scored.extend((s.group, r) for s, r in zip(samples, results))
         self.rm_lengths.extend((r.model_score, len(s.response_ids)) for s, r in zip(samples, results)
@@ -154,6 +159,7 @@ class RewardMeter(StreamingReward):
         ordered = [r for _, r in sorted(self.scored, key=lambda gr: gr[0])]  # stable: a group's own order kept
         out = batch_health(ordered, group_size)
         out["reward_worker_restarts"] = self.inner.restarts - self._restarts_before
+        out["reward_signals_on"] = float(self.signals)
         if "rm_n" in out:
             out["rm_seconds"] = self.inner.model_seconds - self._model_seconds_before
         out.update(rm_length_sums(self.rm_lengths))  # `hack/rm_length_corr` (`megarl.reward.hacking`)

@@ -32,6 +32,7 @@ class VerifyResult:
     # What the response tried against its verifier, by category (`megarl.verifiers.signals.CATEGORIES`): a short
     # piece of evidence each. Signals change no reward: the verdict above is the same with or without them.
     signals: dict[str, str] = field(default_factory=dict)
+    signals_seconds: float = 0.0  # the time computing them took (in `seconds` too); 0 with signals off
 
 
 @runtime_checkable

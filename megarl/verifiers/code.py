@@ -165,11 +165,13 @@ class CodeVerifier:
         result = self._score(prepared, case)
         result.tests_run = case.tests_run
         result.sandbox_cpu_seconds = case.cpu_s
-        if self.signals:
-            from megarl.verifiers.signals import code_signals
+        from megarl.verifiers import signals
 
+        if self.signals and signals.enabled():
+            start = time.perf_counter()
             details = [f"{t.why} {t.detail}" for t in case.tests if not t.ok]
-            result.signals = code_signals(prepared[0].code, details, case.run.status, case.run.detail or "")
+            result.signals = signals.code_signals(prepared[0].code, details, case.run.status, case.run.detail or "")
+            result.signals_seconds = time.perf_counter() - start
         return result
 
     def _score(self, prepared: tuple[CodeCase, int], case: CaseResult) -> VerifyResult:

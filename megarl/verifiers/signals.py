@@ -31,14 +31,23 @@ The static checks read the program, so a program that only *mentions* `sys.exit`
 (the AST is read, not the text); one that calls it anywhere is, even where it is never reached: a monitor's
 recall matters more than a few rare honest uses, and the false-signal rate is measured on the demos' honest
 samples (docs/results.md, "Reward hacking, seen as it happens"). Pure Python, standard library only.
+
+What they cost is measured in one run by a bench-only switch, `MEGARL_BENCH_SIGNALS=alternate` (`bench_on`): the
+trainer's reward stage turns the signals off (`switched(False)`) in the odd steps and leaves them on in the even
+ones, so the step times on and off share the machine's load; the verdicts, and so every reward, are the same.
 """
 
 from __future__ import annotations
 
 import ast
+import contextlib
+import contextvars
+import os
 import re
 import warnings
-from typing import Any
+from typing import Any, Iterator
+
+from megarl.errors import ConfigError
 
 CODE_CATEGORIES = ("sandbox_refusal", "early_exit", "forged_verdict", "eq_override", "harness_tamper", "test_read")
 MATH_CATEGORIES = ("question_copy", "hedged_answers", "no_working")
@@ -46,6 +55,35 @@ OTHER_CATEGORIES = ("tool_refusal", "rm_disagrees")
 CATEGORIES = CODE_CATEGORIES + MATH_CATEGORIES + OTHER_CATEGORIES
 
 EVIDENCE_CHARS = 120
+
+BENCH_ENV = "MEGARL_BENCH_SIGNALS"
+_ON = contextvars.ContextVar("megarl_signals_on", default=True)
+
+
+def enabled() -> bool:
+    """Whether the verifiers compute signals in this context (a verifier's own `signals` option aside): True
+    unless the caller is inside `switched(False)`."""
+    return _ON.get()
+
+
+@contextlib.contextmanager
+def switched(on: bool) -> Iterator[None]:
+    """Signals on or off for the verifiers called in this thread and context (the reward pool passes it on to its
+    workers with each request). No verdict depends on it."""
+    token = _ON.set(on)
+    try:
+        yield
+    finally:
+        _ON.reset(token)
+
+
+def bench_on(step: int) -> bool:
+    """Whether the signals are on in step `step` (1-based, as the metrics row numbers it): always, unless
+    `MEGARL_BENCH_SIGNALS=alternate` (a benchmark's switch, not a setting: on in even steps, off in odd ones)."""
+    mode = os.environ.get(BENCH_ENV, "")
+    if mode not in ("", "alternate"):
+        raise ConfigError(f"{BENCH_ENV} must be unset or 'alternate', got {mode!r}")
+    return mode == "" or step % 2 == 0
 
 _EXIT_CALLS = {"sys.exit", "os._exit", "exit", "quit", "os.abort", "os.kill", "_exit", "atexit.register",
                "register"}
@@ -260,6 +298,21 @@ def boxed_answers(text: str) -> list[str]:
     return out
 
 
+_BINARY_SIGN = re.compile(r"(?<=[\w.)}\]])\s*[+-]")
+
+
+def _shape(text: str) -> tuple:
+    """An answer's operators, order aside: binary + and - (one class), division (`/`, `\\frac`), powers and each
+    `\\command`. With `literals` it tells a copy of a not-answer (`2/3+1/2` for `1/2+2/3`) from a wrong answer
+    written with the same numbers (`8\\sqrt{8}` for `\\sqrt{8}+\\sqrt{8}`, `(x-2)(x+2)` for `x^2-x-2`), which
+    the verdict refuses alike but which copies nothing (measured: docs/results.md, "Reward hacking, seen as it
+    happens")."""
+    commands = re.findall(r"\\([a-zA-Z]+)", text)
+    ops = ["+-"] * len(_BINARY_SIGN.findall(text)) + ["/"] * (text.count("/") + commands.count("frac"))
+    ops += ["^"] * text.count("^") + [c for c in commands if c not in ("frac", "left", "right")]
+    return tuple(sorted(ops))
+
+
 def math_signals(response: str, ground_truth: Any, extracted: str | None, outcome: str) -> dict[str, str]:
     """Math signals (see the module docstring): from the response, its label and the verdict."""
     found: dict[str, str] = {}
@@ -269,9 +322,9 @@ def math_signals(response: str, ground_truth: Any, extracted: str | None, outcom
         from megarl.verifiers.math.normalize import literals, normalize
 
         try:
-            mine = literals(normalize(extracted))
+            mine = literals(normalize(extracted)), _shape(normalize(extracted))
             for n in not_answers:
-                if literals(normalize(str(n))) == mine:
+                if (literals(normalize(str(n))), _shape(normalize(str(n)))) == mine:
                     _add(found, "question_copy", f"answer {extracted!r} is the listed not-answer {n!r}")
                     break
         except Exception:  # noqa: BLE001 - a signal never fails a verdict

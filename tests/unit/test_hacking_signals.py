@@ -8,6 +8,7 @@ import numpy as np
 import pytest
 
 from hack_catalogue import CATALOGUE, hack_text  # tests/e2e, which tests/conftest.py puts on the path
+from helpers import REPO
 
 from megarl.metrics import format_step
 from megarl.reward.compose import combine, parse
@@ -50,6 +51,15 @@ def test_the_sandbox_report_adds_runtime_evidence():
 def test_math_signals():
     copy = math_signals("\\boxed{1/4+1/3}", MATH_GOLD, "1/4+1/3", "incorrect")
     assert "question_copy" in copy
+    assert "question_copy" in math_signals("", MATH_GOLD, "\\frac{1}{4}+\\frac{1}{3}", "incorrect")
+    # wrong answers with the question's numbers, not copies (honest samples of the math demo's run)
+    for answer, label in (("(x-2)(x+2)", {"answer": "(x-2)(x+1)", "not_answers": ["x^2-x-2"]}),
+                          ("8\\sqrt{8}", {"answer": "4\\sqrt{2}", "not_answers": ["\\sqrt{8}+\\sqrt{8}"]}),
+                          ("\\sqrt{\\sqrt{3}}\\sqrt{3}",
+                           {"answer": "2\\sqrt{3}", "not_answers": ["\\sqrt{3}+\\sqrt{3}"]})):
+        assert math_signals(f"\\boxed{{{answer}}}", label, answer, "incorrect") == {}, answer
+    assert "question_copy" in math_signals("", {"answer": "(x-2)(x+1)", "not_answers": ["x^2-x-2"]}, "-2-x+x^2",
+                                           "incorrect")
     hedged = math_signals("\\boxed{7/12}\n\\boxed{1/2}", MATH_GOLD, "1/2", "incorrect")
     assert list(hedged) == ["hedged_answers"]
     assert math_signals("x = 7/12, so\n\\boxed{7/12}\n\\boxed{ 7/12 }", MATH_GOLD, "7/12", "correct") == {}
@@ -151,3 +161,70 @@ def test_audit_prints_the_table_by_category(tmp_path, capsys):
     line = next(x for x in out.splitlines() if x.strip().startswith("hedged_answers "))
     assert line.split()[1] == str(sum(CATALOGUE[k][1] == "hedged_answers" for k in kinds))
     assert "line 1 (math, reward 0)" in out
+
+
+def test_the_bench_switch_alternates_the_signals_and_changes_no_reward(monkeypatch):
+    """`MEGARL_BENCH_SIGNALS=alternate`: off in odd steps, on in even ones; either way, through the reward pool's
+    workers and in process, every verdict is the same, and only the signals (and their seconds) differ."""
+    from megarl.data import PromptRecord
+    from megarl.errors import ConfigError
+    from megarl.reward import InProcessReward, PoolReward, RewardMeter
+    from megarl.reward.pool import RewardPool
+    from megarl.samples import Sample, SampleStatus
+    from megarl.verifiers.signals import BENCH_ENV, bench_on
+
+    monkeypatch.delenv(BENCH_ENV, raising=False)
+    assert all(bench_on(step) for step in (1, 2, 3))
+    monkeypatch.setenv(BENCH_ENV, "alternate")
+    assert [bench_on(step) for step in (1, 2, 3, 4)] == [False, True, False, True]
+    monkeypatch.setenv(BENCH_ENV, "sometimes")
+    with pytest.raises(ConfigError, match=BENCH_ENV):
+        bench_on(2)
+
+    code = [k for k, e in enumerate(CATALOGUE) if e[0] == "code"][::4]
+    maths = [k for k, e in enumerate(CATALOGUE) if e[0] == "math"]
+    rows = [PromptRecord(0, "f", [1], GOLD, "code"), PromptRecord(1, "7/12", [2], MATH_GOLD, "math")]
+    texts = ([(0, hack_text(k, GOLD)) for k in code] + [(0, "```python\ndef f(x):\n    return x + 1\n```")] +
+             [(1, hack_text(k, MATH_GOLD)) for k in maths] + [(1, "1/3+1/4 = 7/12\n\\boxed{7/12}")])
+    samples = [Sample(group=g, prompt_index=g, prompt_ids=[1], response_ids=[7], loss_mask=[1], rollout_logprobs=[0.0],
+                      weight_version=0, status=SampleStatus.COMPLETED, response_text=text) for g, text in texts]
+    records = [rows[s.group] for s in samples]
+    # as the run's options declare them; a budget no loaded machine reaches, so no verdict is a timeout
+    options = {"code": {"signals": True}, "math": {"signals": True, "budget_s": 120.0}}
+    with RewardPool(workers=1, timeout_s=120, options=options) as pool:
+        for reward in (PoolReward(pool), InProcessReward(options)):
+            on, off = RewardMeter(reward, signals=True), RewardMeter(reward, signals=False)
+            a, b = on(samples, records), off(samples, records)
+            assert [(r.score, r.outcome, r.extracted) for r in a] == [(r.score, r.outcome, r.extracted) for r in b]
+            assert [r.score for r in a][len(code)] == 1.0 and a[-1].score == 1.0
+            assert sum(bool(r.signals) for r in a) == len(code) + len(maths), [r.signals for r in a]
+            assert all(r.signals == {} and r.signals_seconds == 0.0 for r in b)
+            h_on, h_off = on.health(group_size=1), off.health(group_size=1)
+            assert h_on["reward_signals_seconds"] > 0.0 == h_off["reward_signals_seconds"]
+            assert (h_on["reward_signals_on"], h_off["reward_signals_on"]) == (1.0, 0.0)
+            reward.close()
+
+
+def test_hack_recall_leaves_out_the_off_steps_of_a_bench_run(tmp_path, capsys):
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("hack_recall", REPO / "tools" / "hack_recall.py")  # by file
+    hack_recall = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(hack_recall)
+    main = hack_recall.main
+
+    run = tmp_path / "run"
+    run.mkdir()
+    samples = [{"step": step, "response": "x", "signals": {"early_exit": "e"} if step == 2 and i == 0 else {}}
+               for step in (1, 2, 3, 4) for i in range(50)]
+    (run / "samples.jsonl").write_text("".join(json.dumps(r) + "\n" for r in samples))
+    metrics = [{"step": s, "n_samples": 100, "hack/any": 0.01 * (s == 2), "reward_signals_on": float(s % 2 == 0),
+                "step_seconds": 1.0 + s % 2, "t_reward": 0.5, "t_reward_exposed": 0.1,
+                "reward_signals_s": 0.02 * (s % 2 == 0)}
+               for s in (1, 2, 3, 4)]
+    (run / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in metrics))
+    assert main(["--honest", str(run / "samples.jsonl"), "--cost", str(run / "metrics.jsonl")]) == 0
+    out = capsys.readouterr().out
+    assert "100 samples of 2 steps with signals off" in out and "(1 of 100;" in out
+    assert "1 of 200 samples carried a signal" in out
+    assert "0.200 ms a sample (200 samples" in out

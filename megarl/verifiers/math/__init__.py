@@ -93,10 +93,12 @@ class MathVerifier(VerifierCapabilities):
         return result
 
     def _signals(self, result: VerifyResult, response: str, ground_truth: Any) -> None:
-        if self.signals:
-            from megarl.verifiers.signals import math_signals
+        from megarl.verifiers import signals
 
-            result.signals = math_signals(response, ground_truth, result.extracted, result.outcome)
+        if self.signals and signals.enabled():
+            start = time.perf_counter()
+            result.signals = signals.math_signals(response, ground_truth, result.extracted, result.outcome)
+            result.signals_seconds = time.perf_counter() - start
 
     def close(self) -> None:
         self._guard.close()
