@@ -202,7 +202,8 @@ _WEIGHT_BUFFERS = (".mlp.router.expert_bias",)
 def named_weights(model: torch.nn.Module) -> dict[str, torch.Tensor]:
     """The parameters and the weight buffers (`_WEIGHT_BUFFERS`) of `model`, by local name."""
     weights = dict(model.named_parameters())
-    weights.update((n, b) for n, b in model.named_buffers() if b is not None and n.endswith(_WEIGHT_BUFFERS))
+    buffers = model.named_buffers() if hasattr(model, "named_buffers") else ()  # a stand-in may have none
+    weights.update((n, b) for n, b in buffers if b is not None and n.endswith(_WEIGHT_BUFFERS))
     return weights
 
 

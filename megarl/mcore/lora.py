@@ -230,7 +230,7 @@ def attach(model: torch.nn.Module, shape, opts: LoRAOptions) -> list[LoRAAdapter
     if shape.is_moe and set(opts.targets) & set(MLP_TARGETS):
         raise ValueError(f"--lora-target-modules {','.join(opts.targets)}: a mixture-of-experts model's MLP "
                          f"targets are its experts; choose among {','.join(ATTENTION_TARGETS + EXPERT_TARGETS)}")
-    if shape.is_mla and set(opts.targets) & {"q_proj", "k_proj", "v_proj"}:
+    if getattr(shape, "is_mla", False) and set(opts.targets) & {"q_proj", "k_proj", "v_proj"}:
         raise ValueError(f"--lora-target-modules {','.join(opts.targets)}: multi-latent attention ({shape.family}) "
                          "has no q/k/v projections (its own, q_a/q_b/kv_a/kv_b, are not adapted by megarl); "
                          f"choose among o_proj,{','.join(EXPERT_TARGETS)}")

@@ -145,16 +145,16 @@ def transformer_config(shape: ModelShape, *, tp: int, pp: int, params_dtype=torc
         qk_layernorm=shape.qk_norm,
         **moe_config(shape, tp, moe or MoEOptions()),
     )
-    if local_kernels and not shape.is_mla:
+    if local_kernels and not getattr(shape, "is_mla", False):
         from megarl.mcore import local_kernels as kernels
 
         kwargs.update(kernels.transformer_config_overrides())
-    if shape.is_mla:
+    if getattr(shape, "is_mla", False):
         from megarl.mcore import mla
 
         kwargs.update(mla.config_fields(shape))
     kwargs.update(overrides)
-    return (MLATransformerConfig if shape.is_mla else TransformerConfig)(**kwargs)
+    return (MLATransformerConfig if getattr(shape, "is_mla", False) else TransformerConfig)(**kwargs)
 
 
 def recompute_options(granularity: str) -> dict:
@@ -181,10 +181,10 @@ def build_gpt_model(shape: ModelShape, config, *, use_transformer_engine: bool |
     if shape.is_moe or (config.sequence_parallel and local_kernels):
         spec = parallel.decoder_block_spec(config, shape.moe_layers, use_transformer_engine,
                                            local_kernels=local_kernels, qk_layernorm=shape.qk_norm,
-                                           multi_latent_attention=shape.is_mla)
+                                           multi_latent_attention=getattr(shape, "is_mla", False))
     else:
         spec = parallel.layer_spec(use_transformer_engine, local_kernels=local_kernels, qk_layernorm=shape.qk_norm,
-                                   multi_latent_attention=shape.is_mla)
+                                   multi_latent_attention=getattr(shape, "is_mla", False))
     model = GPTModel(
         config=config,
         transformer_layer_spec=spec,
