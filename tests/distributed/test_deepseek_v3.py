@@ -8,6 +8,8 @@ Layouts are "model,TP,PP,EP,expert-TP,dispatcher,SP" as in test_qwen3.py, run by
 
 from __future__ import annotations
 
+import os
+
 import pytest
 import torch
 from helpers import hf_reference, make_tiny_hf_model, torchrun
@@ -60,6 +62,10 @@ def test_deepseek_v3_logits_and_export_match_hf(deepseek, tmp_path):
             assert torch.equal(exported[key], tensor), f"{name}: {key} did not round-trip exactly"
 
 
+@pytest.mark.skipif(os.environ.get("MEGARL_DEEPSEEK_FULL") != "1",
+                    reason="GRPO steps at four splits and a resume (minutes on 2 cores), out of make test for CI's "
+                           "time (the logits test and tests/e2e/test_moe_train.py's two steps stay); "
+                           "MEGARL_DEEPSEEK_FULL=1 runs it")
 def test_deepseek_v3_grpo_step_is_the_same_at_every_split_and_resumes(deepseek, tmp_path):
     """One GRPO update of the same batch at EP 2, EP 1 and TP 2 x EP 2 with sequence parallelism: the same loss,
     gradient norm and weights (the router bias untouched). The EP 2 actor's checkpoint resumes at EP 1 and at TP 2
@@ -85,6 +91,10 @@ def test_deepseek_v3_grpo_step_is_the_same_at_every_split_and_resumes(deepseek, 
     assert (ref["engine_logprobs"] - ref["actor_logprobs"]).abs().max() < 1e-5
 
 
+@pytest.mark.skipif(os.environ.get("MEGARL_DEEPSEEK_FULL") != "1",
+                    reason="GRPO steps at four splits and a resume (minutes on 2 cores), out of make test for CI's "
+                           "time (the logits test and tests/e2e/test_moe_train.py's two steps stay); "
+                           "MEGARL_DEEPSEEK_FULL=1 runs it")
 def test_deepseek_v3_routing_replay(tmp_path):
     """Routing replay with DeepSeek's router (8 experts in 4 groups, 2 searched, top-4; 3 sparse layers after a
     dense one), `worker.py`'s routing_replay scenario: the fp32 engine's recorded experts are the actor's own on

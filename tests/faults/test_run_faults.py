@@ -97,6 +97,9 @@ def _same(rows: list[dict], baseline: dict, steps=range(1, STEPS + 1)) -> None:
             assert r[key] == baseline[r["step"]][key], (r["step"], key)
 
 
+@pytest.mark.skipif(os.environ.get("MEGARL_FAULTS_LONG") != "1",
+                    reason="four fault runs after each other (~2 min on 2 cores), kept out of make test for CI's time; "
+                           "MEGARL_FAULTS_LONG=1 runs it")
 def test_disk_full_then_kill_in_save_then_elastic_restart_end_where_an_uninterrupted_run_ends(starter, tmp_path,
                                                                                              baseline):
     out, ckpt = tmp_path / "out", tmp_path / "ckpt"
