@@ -388,16 +388,22 @@ def _engine_tp(s: ModelShape, r: RunSettings, cluster: Cluster) -> int:
     return tp
 
 
+def _micro_batch_bytes(s: ModelShape, r: RunSettings) -> tuple[float, float, float]:
+    """(tokens, one layer's activation bytes a token, the log-prob head's bytes) of one micro-batch on this rank."""
+    tokens = r.micro_batch_size * _sequence_len(r) / r.cp  # this rank's share of each sequence
+    whole = 8 * s.hidden_size  # the norms' inputs and outputs: TP-sharded only with sequence parallelism
+    per_token = (activation_bytes_per_token_layer(s) - whole) / r.tp + whole / (r.tp if r.sequence_parallel else 1)
+    logits = logprob_head_bytes(tokens, s.vocab_size, s.hidden_size, tp=r.tp, chunk_tokens=r.logprob_chunk_tokens)
+    return tokens, per_token, logits
+
+
 def _train_phase(s: ModelShape, r: RunSettings, dp: int) -> dict[str, float]:
     p = stage_params(s, r.tp, r.pp, r.ep, r.etp)
     samples_per_rank = r.rollout_batch_size * r.n_samples_per_prompt / dp / r.updates_per_rollout
     micro_batches = max(1, math.ceil(samples_per_rank / r.micro_batch_size))
-    tokens = r.micro_batch_size * _sequence_len(r) / r.cp  # this rank's share of each sequence
+    tokens, per_token, logits = _micro_batch_bytes(s, r)
     in_flight = min(r.pp, micro_batches)
-    whole = 8 * s.hidden_size  # the norms' inputs and outputs: TP-sharded only with sequence parallelism
-    per_token = (activation_bytes_per_token_layer(s) - whole) / r.tp + whole / (r.tp if r.sequence_parallel else 1)
     layers = math.ceil(s.num_layers / r.pp) * per_token * tokens * in_flight
-    logits = logprob_head_bytes(tokens, s.vocab_size, s.hidden_size, tp=r.tp, chunk_tokens=r.logprob_chunk_tokens)
     trained = lora_stage_params(s, r) if r.lora_rank else p  # LoRA: the adapters only; the base is frozen
     teacher = {"teacher model": weights_bytes(r.teacher_params) / (r.tp * r.pp)} if r.teacher_params else {}
     return {"actor weights": weights_bytes(p + (trained if r.lora_rank else 0)), "gradients (fp32)": 4 * trained,
@@ -414,10 +420,7 @@ def _logprob_phase(s: ModelShape, r: RunSettings, train: dict[str, float]) -> di
     """--offload-frozen: the frozen models come back for their log-probs, a forward pass without gradients: the
     actor's resident state, the frozen weights, one layer's activations of a micro-batch at a time and the
     log-prob head. (Taken out of `train`, which the caller then counts without them.)"""
-    tokens = r.micro_batch_size * _sequence_len(r) / r.cp
-    whole = 8 * s.hidden_size
-    per_token = (activation_bytes_per_token_layer(s) - whole) / r.tp + whole / (r.tp if r.sequence_parallel else 1)
-    logits = logprob_head_bytes(tokens, s.vocab_size, s.hidden_size, tp=r.tp, chunk_tokens=r.logprob_chunk_tokens)
+    tokens, per_token, logits = _micro_batch_bytes(s, r)
     phase = {k: v for k, v in train.items() if k != "activations + logits"}
     phase["forward activations + logits"] = per_token * tokens + logits
     return phase
