@@ -1,18 +1,24 @@
 """Build the tiny starter model of the CPU demo: a 2-layer Qwen2 that knows the arithmetic format but is only
 partly right, so that GRPO has something visible to improve in minutes on 2 cores.
 
-    python tools/make_starter_model.py --out DIR [--family qwen2|qwen3|qwen3_moe] [--steps 1760] [--seed 0]
+    python tools/make_starter_model.py --out DIR [--family qwen2|qwen3|qwen3_moe|deepseek_v3] [--steps 1760]
+                                       [--seed 0]
                                        [--minutes M]
 
 `--family` picks the architecture, the same width and depth in each: Qwen2 (the demo's), Qwen3 (per-head q/k
 norms), or Qwen3-MoE (4 experts of width 512 per layer, each token through 2 of them: the dense MLP's 1,024
-active width; `recipes/tiny_cpu_moe.sh` trains it with expert parallelism).
+active width; `recipes/tiny_cpu_moe.sh` trains it with expert parallelism), or DeepSeek-V3 (multi-latent attention
+with a low-rank query; a dense first layer, then 4 routed experts of width 512, 2 per token in one of 2 groups by
+DeepSeek's sigmoid router, plus a shared expert of width 512; `recipes/models/tiny_deepseek_v3.sh`).
 
 The Qwen3-MoE starter is sparsely upcycled (Komatsuzaki et al. 2022, "Sparse Upcycling"; Qwen1.5-MoE was made
 from a dense Qwen the same way): a dense Qwen3 whose MLP is one expert wide (512) is pre-trained for `--steps`
 steps, then every expert of every layer becomes a copy of that layer's MLP and every other weight is carried over.
 With top-2 routing and `norm_topk_prob` the two routing weights of a token sum to 1, so the MoE computes exactly
-the dense model's function (the build checks the logits agree within 1e-4, a test within 1e-5). Why:
+the dense model's function (the build checks the logits agree within 1e-4, a test within 1e-5). The DeepSeek-V3
+starter is upcycled the same way from a dense DeepSeek-V3 (MLA, both layers dense, MLP 512): the second layer's MLP
+becomes the shared expert and each routed expert with its output halved (`down_proj` x 0.5), and with the routing
+weights renormalised and scaled by 1 (`routed_scaling_factor`) shared + routed again give the dense output. Why:
 - Speed. transformers runs a MoE's experts one after another: on 2 shared cores pre-training the MoE itself took
   ~2.8 s a step (~80 minutes for 1,760 steps); the dense model one expert wide took 0.36 s a step with one
   thread (10.5 minutes for 1,760 steps, same machine and load; `make demo-moe` builds it with OMP_NUM_THREADS=1,
@@ -68,9 +74,16 @@ NOISE_P = 0.5  # share of training answers replaced by a near miss
 STEPS = 1760  # ~3 minutes on 2 idle cores
 MAX_NEW_TOKENS = 6  # answers have at most 3 digits, then EOS; a little slack to see rambling
 VOCAB_MULTIPLE = 16
-FAMILIES = ("qwen2", "qwen3", "qwen3_moe")
+FAMILIES = ("qwen2", "qwen3", "qwen3_moe", "deepseek_v3")
+UPCYCLED = ("qwen3_moe", "deepseek_v3")  # pre-trained dense, then each MLP copied into the experts
 MLP_WIDTH = 1024
 EXPERTS, EXPERTS_PER_TOKEN, EXPERT_WIDTH = 4, 2, 512  # Qwen3-MoE: 2 of 4 experts per token, the MLP's active width
+# DeepSeek-V3's multi-latent attention at the others' width and heads: a low-rank query (rank 128), a 64-wide key-value
+# latent, per head a 48-wide key part without position and a 16-wide rotary part (64 in all, Qwen3's head_dim), values
+# 64 wide; 2 expert groups of which the router keeps 1 (DeepSeek's group-limited routing).
+DEEPSEEK_V3 = dict(q_lora_rank=128, kv_lora_rank=64, qk_nope_head_dim=48, qk_rope_head_dim=16, v_head_dim=64,
+                   n_routed_experts=EXPERTS, num_experts_per_tok=EXPERTS_PER_TOKEN, moe_intermediate_size=EXPERT_WIDTH,
+                   n_shared_experts=1, n_group=2, topk_group=1, norm_topk_prob=True, routed_scaling_factor=1.0)
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -87,13 +100,18 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return p.parse_args(argv)
 
 
-def build_model(tokenizer, family: str = "qwen2", mlp_width: int = MLP_WIDTH, positions: int = 64, hidden: int = 256):
+def build_model(tokenizer, family: str = "qwen2", mlp_width: int | None = None, positions: int = 64, hidden: int = 256,
+                dense: bool = False):
     """A 2-layer Qwen2 (~2M parameters): on 2 cores a smaller model trains into a useful start fastest. Qwen3 and
     Qwen3-MoE keep its width, depth and heads (see the module docstring); `mlp_width` is the dense MLP's width,
     `positions` the longest prompt + response (64 covers arithmetic) and `hidden` the width: the code starter's
-    sequences are ten times as long, so it is narrower to stay as cheap a step."""
-    from transformers import AutoModelForCausalLM, Qwen2Config, Qwen3Config, Qwen3MoeConfig
+    sequences are ten times as long, so it is narrower to stay as cheap a step. `dense`: DeepSeek-V3 with every layer
+    dense (`first_k_dense_replace` = the layers), the model its starter is upcycled from. The dense MLP is
+    `MLP_WIDTH` wide by default, DeepSeek-V3's one expert wide (`EXPERT_WIDTH`), as its first layer stays dense."""
+    from transformers import AutoModelForCausalLM, DeepseekV3Config, Qwen2Config, Qwen3Config, Qwen3MoeConfig
 
+    if mlp_width is None:
+        mlp_width = EXPERT_WIDTH if family == "deepseek_v3" else MLP_WIDTH
     vocab = len(tokenizer)
     padded = math.ceil(vocab / VOCAB_MULTIPLE) * VOCAB_MULTIPLE
     cls, extra = Qwen2Config, {}
@@ -103,13 +121,15 @@ def build_model(tokenizer, family: str = "qwen2", mlp_width: int = MLP_WIDTH, po
         cls = Qwen3MoeConfig
         extra.update(num_experts=EXPERTS, num_experts_per_tok=EXPERTS_PER_TOKEN, moe_intermediate_size=EXPERT_WIDTH,
                      norm_topk_prob=True, router_aux_loss_coef=0.0)
+    if family == "deepseek_v3":
+        cls, extra = DeepseekV3Config, dict(DEEPSEEK_V3, first_k_dense_replace=2 if dense else 1)
     config = cls(
         vocab_size=padded,
         tokenizer_vocab_size=vocab,  # ids >= this are padding rows of the embedding, never produced by the tokenizer
         hidden_size=hidden,
         num_hidden_layers=2,
         num_attention_heads=4,
-        num_key_value_heads=2,
+        num_key_value_heads=4 if family == "deepseek_v3" else 2,  # MLA: every head reads the shared latent
         intermediate_size=mlp_width,
         max_position_embeddings=positions,
         tie_word_embeddings=False,
@@ -148,6 +168,48 @@ def upcycle(dense, moe) -> None:
             raise ValueError(f"upcycling: no dense weight for {name}")
         done.add(name)
     unused = {n for n in source if not n.endswith(("gate_proj.weight", "up_proj.weight", "down_proj.weight"))} - done
+    if unused:
+        raise ValueError(f"upcycling: dense weights left out: {sorted(unused)}")
+
+
+@torch.no_grad()
+def upcycle_deepseek_v3(dense, moe) -> None:
+    """Sparse upcycling of a DeepSeek-V3, in place: `dense` is a DeepSeek-V3 whose layers are all dense (MLP as wide
+    as an expert), `moe` the same shape with MoE layers from `first_k_dense_replace` on. In each MoE layer the shared
+    expert and every routed expert become the dense MLP with its output halved (`down_proj` x 0.5); with the routing
+    weights renormalised and `routed_scaling_factor` 1 the routed half sums to half the MLP, so the layer computes
+    `dense`'s function. The attention (MLA), norms, embeddings and the dense layers are copied; the routers keep
+    their initialisation and the expert bias its zeros (transformers 5.x keeps the routed experts fused, as in
+    `upcycle`)."""
+    cfg = moe.config
+    if not cfg.norm_topk_prob or cfg.routed_scaling_factor != 1.0 or cfg.n_shared_experts != 1 \
+            or cfg.moe_intermediate_size != dense.config.intermediate_size:
+        raise ValueError("upcycling DeepSeek-V3 needs norm_topk_prob, routed_scaling_factor 1, one shared expert and "
+                         f"experts as wide as the dense MLP ({cfg.moe_intermediate_size} vs "
+                         f"{dense.config.intermediate_size})")
+    source, target = dense.state_dict(), moe.state_dict()
+    done = set()
+
+    def mlp(prefix: str, w: str) -> torch.Tensor:  # the dense layer's MLP
+        return source[f"{prefix}mlp.{w}_proj.weight"]
+
+    for name, tensor in target.items():
+        prefix, _, leaf = name.rpartition("mlp.")
+        if name in source:
+            tensor.copy_(source[name])
+            done.add(name)
+        elif leaf == "experts.gate_up_proj":
+            tensor.copy_(torch.cat([mlp(prefix, "gate"), mlp(prefix, "up")]).expand_as(tensor))
+        elif leaf == "experts.down_proj":
+            tensor.copy_((0.5 * mlp(prefix, "down")).expand_as(tensor))
+        elif leaf.startswith("shared_experts."):
+            w = leaf.split(".")[1][: -len("_proj")]
+            tensor.copy_(0.5 * mlp(prefix, w) if w == "down" else mlp(prefix, w))
+        elif leaf not in ("gate.weight", "gate.e_score_correction_bias"):  # the router: no dense counterpart
+            raise ValueError(f"upcycling: no dense weight for {name}")
+        if prefix and "mlp." in name and name not in source:
+            done.update(f"{prefix}mlp.{w}_proj.weight" for w in ("gate", "up", "down"))
+    unused = set(source) - done
     if unused:
         raise ValueError(f"upcycling: dense weights left out: {sorted(unused)}")
 
@@ -295,8 +357,13 @@ def build(tmp: Path, args: argparse.Namespace) -> None:
     torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "2")))
     train, heldout = split_problems(seed=args.split_seed)
     tokenizer = build_tokenizer(tmp)
-    upcycled = args.family == "qwen3_moe"  # pre-trained dense, one expert wide; see the module docstring
-    model = build_model(tokenizer, "qwen3", EXPERT_WIDTH) if upcycled else build_model(tokenizer, args.family)
+    upcycled = args.family in UPCYCLED  # pre-trained dense, one expert wide; see the module docstring
+    if args.family == "deepseek_v3":
+        model = build_model(tokenizer, "deepseek_v3", dense=True)
+    elif upcycled:
+        model = build_model(tokenizer, "qwen3", EXPERT_WIDTH)
+    else:
+        model = build_model(tokenizer, args.family)
     print(f"parameters: {count_parameters(model):,}  vocab: {len(tokenizer)} -> {model.config.vocab_size}", flush=True)
     print(f"problems: {len(train)} train, {len(heldout)} held out", flush=True)
 
@@ -305,7 +372,7 @@ def build(tmp: Path, args: argparse.Namespace) -> None:
     seconds = time.perf_counter() - start
     print(f"pre-trained {steps} steps in {seconds:.1f} s ({seconds / max(steps, 1):.3f} s/step)")
     if upcycled:
-        model = upcycle_checked(model, tokenizer, heldout, args.seed)
+        model = upcycle_checked(model, tokenizer, heldout, args.seed, args.family)
 
     model.save_pretrained(str(tmp), safe_serialization=True)
     write_jsonl(tmp / "train.jsonl", train)
@@ -318,11 +385,11 @@ def build(tmp: Path, args: argparse.Namespace) -> None:
     print(f"held-out sampled accuracy {sampled:.2%} (T=1, 4 per prompt; clean format {sampled_clean:.2%})")
 
 
-def upcycle_checked(dense, tokenizer, problems: list[Problem], seed: int):
-    """The Qwen3-MoE upcycled from `dense`, after checking that both give the same logits on `problems`."""
+def upcycle_checked(dense, tokenizer, problems: list[Problem], seed: int, family: str = "qwen3_moe"):
+    """The MoE (`family`) upcycled from `dense`, after checking that both give the same logits on `problems`."""
     torch.manual_seed(seed)  # the routers' initialisation
-    moe = build_model(tokenizer, "qwen3_moe")
-    upcycle(dense, moe)
+    moe = build_model(tokenizer, family)
+    (upcycle_deepseek_v3 if family == "deepseek_v3" else upcycle)(dense, moe)
     ids = torch.tensor([tokenizer(p.prompt, add_special_tokens=False)["input_ids"] for p in problems
                         if len(p.prompt) == len(problems[0].prompt)])
     dense.eval()

@@ -128,6 +128,51 @@ def test_the_upcycled_starter_is_what_the_moe_recipe_runs(tmp_path):
     assert cfg.model.expert_model_parallel_size == 2 and cfg.algorithm.routing_replay
 
 
+def test_the_upcycled_deepseek_v3_computes_the_dense_models_function_and_is_what_its_recipe_runs(tmp_path):
+    """DeepSeek-V3 (MLA): the dense model with every weight random; upcycled, its MoE layer's shared expert and
+    routed experts each carry half the MLP's output, the router's renormalised top-2 weights sum to 1: the same
+    logits within 1e-5 after a save and load by transformers, while the grouped router already picks different
+    groups for different tokens. recipes/tiny_cpu_deepseek_v3.sh reads it as a deepseek_v3 with a dense first layer
+    and 4 experts (top-2) in 1 of 2 groups, with a shared expert one expert wide."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from megarl.arguments import parse_args
+    from megarl.preflight import check_run
+    from megarl.tasks.arithmetic import build_tokenizer, split_problems
+
+    tokenizer = build_tokenizer(tmp_path / "tokenizer")
+    dense = starter.build_model(tokenizer, "deepseek_v3", dense=True)
+    assert dense.config.first_k_dense_replace == dense.config.num_hidden_layers == 2
+    gen = torch.Generator().manual_seed(0)
+    with torch.no_grad():
+        for p in dense.parameters():
+            p.copy_(torch.rand(p.shape, generator=gen) + 0.5 if p.dim() == 1 else
+                    torch.randn(p.shape, generator=gen) * 0.1)
+    _, heldout = split_problems(seed=0)
+    moe = starter.upcycle_checked(dense, tokenizer, heldout, seed=0, family="deepseek_v3")
+    out = tmp_path / "starter_deepseek_v3"
+    moe.save_pretrained(out)
+    tokenizer.save_pretrained(out)
+    tokens = torch.randint(0, len(tokenizer), (4, 16), generator=torch.Generator().manual_seed(2))
+    loaded = AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32)
+    assert (_logits(loaded, tokens) - _logits(dense, tokens)).abs().max() < 1e-5
+    layer = loaded.model.layers[1].mlp
+    down = dense.model.layers[1].mlp.down_proj.weight
+    assert torch.equal(layer.shared_experts.down_proj.weight, 0.5 * down)
+    assert all(torch.equal(layer.experts.down_proj[e], 0.5 * down) for e in range(starter.EXPERTS))
+    hidden = loaded.model.embed_tokens(tokens).reshape(-1, loaded.config.hidden_size)
+    _, _, chosen = layer.gate(hidden)
+    assert len({tuple(sorted(r)) for r in chosen.tolist()}) == 2  # both groups of 2 experts are chosen by some token
+    cfg = parse_args([str(REPO / "recipes/tiny_cpu_deepseek_v3.sh"), "--hf-checkpoint", str(out)],
+                     check_registries=False)
+    _, shape, _ = check_run(cfg, world_size=2)
+    assert (shape.family, shape.num_experts, shape.moe_top_k, shape.moe_layers) == ("deepseek_v3", 4, 2, (1,))
+    assert (shape.moe_num_groups, shape.moe_group_topk, shape.moe_routed_scaling_factor) == (2, 1, 1.0)
+    assert shape.moe_shared_ffn_hidden_size == shape.moe_ffn_hidden_size == dense.config.intermediate_size
+    assert cfg.model.expert_model_parallel_size == 2 and cfg.algorithm.routing_replay
+
+
 @pytest.mark.slow
 def test_a_build_stopped_by_sigterm_leaves_no_partial_directory(tmp_path):
     """kill (SIGTERM) in the middle of a build: the partial directory is removed and nothing is written."""
