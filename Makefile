@@ -1,6 +1,6 @@
-# megarl developer entry points: `make venv`, `make demo`, `make demo-lora`, `make demo-moe`, `make demo-tool`,
-# `make demo-rm`, `make demo-math`, `make demo-code`, `make demo-rg`, `make lint`, `make test`, `make test-fast`,
-# `make clean`, `make sglang-env`, `make vllm-env`, `make verifiers-env`, `make openenv-env`, `make gpu-wheels`,
+# megarl developer entry points: `make venv`, `make demo`, `make demo-lora`, `make demo-moe`, `make demo-deepseek`,
+# `make demo-tool`, `make demo-rm`, `make demo-math`, `make demo-code`, `make demo-rg`, `make lint`, `make test`,
+# `make test-fast`, `make clean`, `make sglang-env`, `make vllm-env`, `make verifiers-env`, `make openenv-env`, `make gpu-wheels`,
 # `make gpu-check`, `make gpu-check-dry`.
 #
 # torch is installed before megarl, and only ever at a pinned version, because an unpinned `pip install torch`
@@ -30,6 +30,7 @@ REWARD_TRUNK := .cache/reward_trunk/config.json
 # Pre-training is bound by its step count only (no wall-time budget), so every machine builds the same starter.
 STARTER_STEPS ?= 1760
 MOE_STARTER := .cache/starter_moe/config.json
+DEEPSEEK_STARTER := .cache/starter_deepseek_v3/config.json
 TOOL_STARTER := .cache/tool-starter/config.json
 TOOL_STARTER_STEPS ?= 1200
 MATH_STARTER := .cache/math-starter/config.json
@@ -48,7 +49,7 @@ DISTILL_STEPS ?= 200
 # Deferred (=), so torch is imported only when the venv is being (re)built.
 HOST_HAS_CUDA_TORCH = $(shell $(PYTHON) -c 'import torch; print(int(torch.version.cuda is not None))' 2>/dev/null || echo 0)
 
-.PHONY: venv demo demo-distill demo-lora demo-moe demo-tool demo-math demo-code demo-rg demo-rm lint test test-fast sandbox-image \
+.PHONY: venv demo demo-distill demo-lora demo-moe demo-deepseek demo-tool demo-math demo-code demo-rg demo-rm lint test test-fast sandbox-image \
 	sglang-env vllm-env verifiers-env openenv-env gpu-wheels gpu-check gpu-check-dry clean distclean
 
 venv: $(STAMP)
@@ -103,6 +104,12 @@ $(MOE_STARTER): | $(STAMP)
 
 demo-moe: venv $(MOE_STARTER)
 	$(VENV)/bin/torchrun --nproc-per-node $(NPROC) megarl/train.py recipes/tiny_cpu_moe.sh
+
+$(DEEPSEEK_STARTER): | $(STAMP)
+	OMP_NUM_THREADS=1 $(VPY) tools/make_starter_model.py --family deepseek_v3 --out $(dir $@) --steps $(STARTER_STEPS)
+
+demo-deepseek: venv $(DEEPSEEK_STARTER)
+	$(VENV)/bin/torchrun --nproc-per-node $(NPROC) megarl/train.py recipes/tiny_cpu_deepseek_v3.sh
 
 $(TOOL_STARTER): | $(STAMP)
 	$(VPY) tools/make_tool_starter_model.py --out $(dir $@) --steps $(TOOL_STARTER_STEPS)

@@ -5,8 +5,8 @@ on one CPU process, with a tiny random model of the recipe's own family and a fe
 
 The one way a smoke run departs from the recipe (docs/guide.md, "Recipe smoke runs"):
 - environment variables point the recipe's own path variables at what this file makes: `MODEL_DIR` (the GPU model
-  files), `STARTER_DIR` / `MOE_STARTER_DIR` / `TOOL_STARTER_DIR` / `REWARD_MODEL_DIR` / `MATH_STARTER_DIR` /
-  `CODE_STARTER_DIR` / `RG_STARTER_DIR` (the CPU demos), `DATA_DIR`;
+  files), `STARTER_DIR` / `MOE_STARTER_DIR` / `DEEPSEEK_STARTER_DIR` / `TOOL_STARTER_DIR` / `REWARD_MODEL_DIR` /
+  `MATH_STARTER_DIR` / `CODE_STARTER_DIR` / `RG_STARTER_DIR` (the CPU demos), `DATA_DIR`;
 - `OVERRIDES`, given on the command line after the recipe (where flags override a recipe), change the device,
   the backend and the sizes only: CPU layout (TP = PP = EP = 1, local layers, fp32), the built-in engine, 2 steps
   of 2 prompts with 8-token responses, and where the run writes.
@@ -45,10 +45,11 @@ from helpers import free_port, randomize_qwen3_norms_and_router  # tests/ (this 
 REPO = Path(__file__).resolve().parents[1]
 
 # Every shipped recipe, and every GPU model file through the math recipe (r1_code runs with its default model). The
-# demos' model files, tiny_qwen2.sh and tiny_qwen3_moe.sh, run in the demos that source them (tiny_cpu.sh,
-# tiny_cpu_moe.sh): the starters' 64 positions cannot hold r1_math's prompts.
-RUNS = ("r1_math", "r1_code", "tiny_cpu", "tiny_cpu_moe", "tiny_cpu_ppo", "tiny_cpu_ppo_rm", "tiny_cpu_tool",
-        "tiny_cpu_math", "tiny_cpu_code", "tiny_cpu_rg", "tiny_cpu_lora", "r1_math_lora", "r1_math_distill",
+# demos' model files, tiny_qwen2.sh, tiny_qwen3_moe.sh and tiny_deepseek_v3.sh, run in the demos that source them
+# (tiny_cpu.sh, tiny_cpu_moe.sh, tiny_cpu_deepseek_v3.sh): the starters' 64 positions cannot hold r1_math's prompts.
+RUNS = ("r1_math", "r1_code", "tiny_cpu", "tiny_cpu_moe", "tiny_cpu_deepseek_v3", "tiny_cpu_ppo", "tiny_cpu_ppo_rm",
+        "tiny_cpu_tool", "tiny_cpu_math", "tiny_cpu_code", "tiny_cpu_rg", "tiny_cpu_lora", "r1_math_lora",
+        "r1_math_distill",
         *(f"r1_math:{m}" for m in ("qwen2.5-7b", "qwen2.5-math-7b", "llama-3.1-8b", "llama-3.1-70b", "qwen3-8b",
                                    "qwen3-30b-a3b", "moonlight-16b-a3b")))
 # the recipes' `RECIPE_MODEL` defaults
@@ -331,6 +332,9 @@ def prepare(run: str, shared: Path) -> tuple[Path, dict[str, str]]:
     elif name == "tiny_cpu_moe":
         moe = _made(("starter", "qwen3_moe"), shared, lambda out: make_starter(out, "qwen3_moe"))
         env["MOE_STARTER_DIR"] = str(moe)
+    elif name == "tiny_cpu_deepseek_v3":
+        starter = _made(("starter", "deepseek_v3"), shared, lambda out: make_starter(out, "deepseek_v3"))
+        env["DEEPSEEK_STARTER_DIR"] = str(starter)
     else:
         env["STARTER_DIR"] = str(_made(("starter", "qwen2"), shared, make_starter))
         if name == "tiny_cpu_ppo_rm":
