@@ -350,8 +350,11 @@ class Program:
         return message if isinstance(message, tuple) and message else ("bad_value", "a malformed answer")
 
     def _death(self) -> str:
-        """How the program process ended, when it has (its pipe may close before it exits)."""
-        if self.pid > 0 and select.select([self.pidfd], [], [], 0.2)[0]:
+        """How the program process ended, when it has (its pipe may close before it exits). The wait is bounded at
+        2 s and ends when the process does: a process killed out of memory holding ~1 GB took over 0.2 s to exit on
+        busy cores (load 10+), and was then reported as having closed its pipe; only a program that closes its
+        pipe and lives on pays the whole wait."""
+        if self.pid > 0 and select.select([self.pidfd], [], [], 2.0)[0]:
             status, oom = self.spawner.status(self.pid)
             if oom:
                 return "the program was killed: out of memory (the case's memory limit)"
