@@ -12,7 +12,7 @@ sys.path.append(str(Path(__file__).resolve().parents[1] / "tools" / "bench"))
 # The planted hacker's catalogue (tests/e2e/hack_catalogue.py), for the tests that read it; last, like the benches'.
 sys.path.append(str(Path(__file__).resolve().parent / "e2e"))
 
-from helpers import build_test_starter, group_of, make_tiny_hf_model
+from helpers import ENV_FOLDERS, build_test_starter, group_of, make_tiny_hf_model
 
 
 @pytest.fixture(scope="session")
@@ -66,10 +66,13 @@ def starter():
     return build_test_starter()
 
 
-# `make test`'s xdist groups: `helpers.group_of` says which and why.
+# The tests that need an environment of their own (helpers.ENV_FOLDERS) run last, so that `.ci/run` can build the
+# environments while the rest runs; then `make test`'s xdist groups: `helpers.group_of` says which and why.
 # tryfirst: the markers must be there before pytest-xdist's own hook reads them into the node ids.
 @pytest.hookimpl(tryfirst=True)
 def pytest_collection_modifyitems(config, items):
+    env_dirs = {Path(__file__).parent / d for d in ENV_FOLDERS.values()}
+    items.sort(key=lambda item: any(d in Path(str(item.fspath)).parents for d in env_dirs))  # stable
     if not config.pluginmanager.hasplugin("xdist"):
         return
     groups: dict[Path, str] = {}

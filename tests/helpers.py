@@ -7,6 +7,7 @@ import os
 import re
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
@@ -175,6 +176,28 @@ def make_tiny_reward_model(out, seed: int):
 # containers, which another file's sandbox running beside them would change.
 _HOST_STATE = re.compile(r"sandbox|harness|docker|pgrep|/proc/")
 HOST_GROUP = "host-sandboxes"
+# The folders whose tests need an environment of their own (`make sglang-env` ...), by environment name: `.ci/run`
+# builds the environments while the rest of the suite runs, and these tests run last (tests/conftest.py).
+ENV_FOLDERS = {"sglang": "sglang_cpu", "vllm": "vllm_cpu", "verifiers": "verifiers_env", "openenv": "openenv_cpu"}
+ENV_BUILDS = "MEGARL_ENV_BUILDS"
+
+
+def wait_for_env_build(name: str, timeout_s: float = 1800.0) -> None:
+    """Wait for `.ci/run`'s build of environment `name` to end, when one is under way: $MEGARL_ENV_BUILDS names a
+    folder with a `<name>.status` per build (`building`, then `ready` or `failed`; its log beside it). Without the
+    variable, or once the build has ended, return at once: the caller then finds the environment or skips saying
+    why, as before. A build still running after `timeout_s` fails the test naming it, rather than hang."""
+    folder = os.environ.get(ENV_BUILDS)
+    if not folder:
+        return
+    status = Path(folder) / f"{name}.status"
+    deadline = time.monotonic() + timeout_s
+    while status.exists() and status.read_text().strip() == "building":
+        if time.monotonic() > deadline:
+            raise AssertionError(f"the {name} environment's build has not ended in {timeout_s:.0f} s "
+                                 f"({status}; its log: {status.with_suffix('.log')})")
+        time.sleep(2)
+
 
 
 def group_of(path: Path) -> str:

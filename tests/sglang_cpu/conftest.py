@@ -17,12 +17,14 @@ import time
 from pathlib import Path
 
 import pytest
+from helpers import wait_for_env_build
 
 from sglang_env import HERE, REPO, env_python, sglang_env_vars, skip_reason
 
 
 @pytest.fixture(scope="session")
 def sglang_python() -> Path:
+    wait_for_env_build("sglang")
     python = env_python()
     if python is None:
         pytest.skip(skip_reason())

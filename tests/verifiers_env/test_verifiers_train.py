@@ -9,12 +9,11 @@ import json
 
 import pytest
 from helpers import make_tiny_hf_model, metrics_by_step, torchrun
-from verifiers_testenv import HERE, first_line_reward, skip_reason, with_chat_template
+from verifiers_testenv import HERE, first_line_reward, with_chat_template
 
 from megarl.tasks.arithmetic import all_problems, build_tokenizer, write_jsonl
 
-pytestmark = [pytest.mark.distributed, pytest.mark.slow,
-              pytest.mark.skipif(skip_reason() is not None, reason=skip_reason() or "")]
+pytestmark = [pytest.mark.distributed, pytest.mark.slow]  # the environment: conftest.py
 
 
 def test_two_training_steps_on_verifiers_episodes(tmp_path):

@@ -11,12 +11,14 @@ engine thread: the machines these run on are small and shared.
 from pathlib import Path
 
 import pytest
+from helpers import wait_for_env_build
 
 from vllm_env import HERE, env_dir, env_python
 
 
 @pytest.fixture(scope="session")
 def vllm_python() -> Path:
+    wait_for_env_build("vllm")
     python = env_python()
     if python is None:
         pytest.skip(f"no vLLM CPU environment at {env_dir()}: `make vllm-env` builds it (about 8 minutes and "
