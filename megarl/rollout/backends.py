@@ -213,7 +213,9 @@ def build_vllm(cfg: Config, actor: MegatronPolicy | None = None) -> RolloutEngin
         from megarl.rollout.vllm_servers import VLLMServers
 
         return VLLMServers(cfg.rollout.rollout_servers.split(","), push=dist.get_rank() == 0,
-                           timeout_s=cfg.training.distributed_timeout_seconds)
+                           timeout_s=cfg.training.distributed_timeout_seconds,
+                           health_timeout_s=cfg.rollout.engine_health_timeout,
+                           max_restarts=cfg.rollout.engine_max_restarts)
     config = json.loads((Path(cfg.model.hf_checkpoint) / "config.json").read_text())
     return VLLMEngine.launch(cfg.model.hf_checkpoint, dtype="bfloat16" if cfg.model.bf16 else "float32",
                              seed=cfg.training.seed, tokenizer=cfg.rollout.rollout_function != "single_turn",
