@@ -11,9 +11,9 @@ Faults (`FAULTS`):
                       files and before the checkpoint is published (the rename)
   disk_full_on_save   the step's checkpoint save fails on the rank with ENOSPC, as on a full disk
   slow_node           the rank sleeps MEGARL_FAULT_SLOW_S seconds (default 5) before the step: the others wait
-  engine_crash        the built-in engine's process (--async-staleness >= 1) is killed with SIGKILL before the
-                      step's generation
-  engine_hang         the built-in engine's process is stopped with SIGSTOP before the step's generation
+  engine_crash        the built-in engine's process (--async-staleness >= 1), or the in-process SGLang CPU
+                      engine's scheduler and detokenizer, killed with SIGKILL before the step's generation
+  engine_hang         the same processes stopped with SIGSTOP before the step's generation
   reward_worker_crash a reward worker (--reward-workers >= 1) kills itself with SIGKILL while it scores the first
                       sample the pool takes up after the fault fired (a sample of the step), after verifying it and
                       before answering: the pool replaces it and scores the sample again (`megarl.reward.pool`)
@@ -116,11 +116,13 @@ def take(name: str) -> bool:
 
 
 def break_engine(engine, name: str) -> None:
-    """engine_crash / engine_hang on the built-in engine's own process, wherever `engine` wraps it."""
+    """engine_crash / engine_hang on the engine's own processes, wherever `engine` wraps it: the built-in engine's
+    process, or SGLang's CPU engine's scheduler and detokenizer."""
     while not hasattr(engine, "kill_for_fault"):
         if not hasattr(engine, "inner"):
             raise ConfigError(f"{ENV}: {name} needs the built-in engine in a process of its own (--rollout-backend "
-                              "builtin with --async-staleness >= 1)")
+                              "builtin with --async-staleness >= 1) or SGLang's CPU engine (--rollout-backend "
+                              "sglang without a GPU)")
         engine = engine.inner
     engine.kill_for_fault(hang=name == "engine_hang")
 
