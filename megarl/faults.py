@@ -22,8 +22,12 @@ Faults (`FAULTS`):
                       with the case handed to it and unanswered, as the OOM killer or a node fault would: the local
                       backend's worker process and everything under it (its persistent harness, the program), or
                       the Docker backend's container (`docker kill`). The sandbox replaces it and runs the case
-                      again (`megarl.sandbox.harness_protocol.RERUNS`); the row counts it in
-                      `reward_sandbox_reruns`. See `kill_sandbox` for how the moment is caught
+                      again (local: `megarl.sandbox.harness_protocol.RERUNS`, counted in the row's
+                      `reward_sandbox_reruns`; Docker: inside its pool, uncounted). `kill_sandbox` says how the
+                      moment is caught; a sandbox not started yet leaves the fault to the next code sample
+
+How each fault is detected, how long the recovery takes and how the run compares with an uninterrupted one, as
+measured: docs/results.md, "Runs that survive faults".
 """
 
 from __future__ import annotations
@@ -142,23 +146,49 @@ _LOCAL_WORKER = b"from megarl.sandbox.local import worker_main"
 _DOCKER_LABEL = b"megarl.sandbox"
 
 
-def kill_sandbox(timeout_s: float = 120.0) -> threading.Thread | None:
-    """sandbox_kill, carried out from outside the sandbox: the sandbox processes this process started (local
-    workers, `docker run` clients; found in /proc by their command lines) are stopped (SIGSTOP) now, before the
-    case is handed over; the thread returned then waits for the first of them whose stdin pipe holds more than it
-    held when stopped (the case, written and not yet read) and kills it: a local worker with SIGKILL, together
-    with every process under it; a container with `docker kill`. The others go on (SIGCONT) at once, and all of
-    them after `timeout_s` if no case came. Join the thread after the case's verdict. None (and the fault left
-    armed for the next code sample) when no sandbox process is up yet: a backend that starts lazily."""
-    hosts = _sandbox_hosts()
-    if not hosts:
-        arm("sandbox_kill")
-        return None
+class SandboxKill:
+    """sandbox_kill, carried out from outside the sandbox (`kill_sandbox` starts it): the sandbox processes this
+    process started (local workers, `docker run` clients; found in /proc by their command lines) are stopped
+    (SIGSTOP) before the case is handed over; a thread then waits for the first of them whose request pipe holds
+    more than it held when stopped (the case, written and not yet read) and kills it: a local worker with SIGKILL,
+    together with every process under it; a container with `docker kill`. The others go on (SIGCONT) at once;
+    all of them at `finish()` (after the verdict) or after `timeout_s` if no case reached them."""
+
+    def __init__(self, watched: dict, timeout_s: float):
+        self.watched, self._finished = watched, threading.Event()
+        self._thread = threading.Thread(target=self._kill_when_handed, args=(timeout_s,), daemon=True,
+                                        name="megarl-sandbox-kill")
+        self._thread.start()
+
+    def finish(self) -> None:
+        self._finished.set()
+        self._thread.join()
+
+    def _kill_when_handed(self, timeout_s: float) -> None:
+        deadline = time.monotonic() + timeout_s
+        try:
+            while time.monotonic() < deadline and not self._finished.is_set():
+                for pid, (container, fd, before) in self.watched.items():
+                    if _unread(fd) > before:
+                        _kill_host(pid, container)
+                        return
+                time.sleep(0.002)
+            print("megarl: sandbox_kill: no code case reached a stopped sandbox process: nothing killed",
+                  file=sys.stderr, flush=True)
+        finally:
+            for pid, (_, fd, _) in self.watched.items():
+                os.close(fd)
+                _resume(pid)
+
+
+def kill_sandbox(timeout_s: float = 120.0) -> SandboxKill | None:
+    """Start sandbox_kill on the sandbox that takes the next case (`SandboxKill`); None, and the fault left armed
+    for the next code sample, when no sandbox process of this process is up yet (a backend that starts lazily)."""
     writers = _pipe_writers()
     watched = {}
-    for pid, container in hosts:
+    for pid, container in _sandbox_hosts():
         fd = next((writers[ino] for ino in _pipes_of(pid) if ino in writers), None)
-        if fd is None:  # not its request pipe's writer (another thread's sandbox is starting): not this one
+        if fd is None:  # no request pipe of ours (not yet handed over by a starting backend): not one to watch
             continue
         try:
             os.kill(pid, signal.SIGSTOP)
@@ -166,27 +196,10 @@ def kill_sandbox(timeout_s: float = 120.0) -> threading.Thread | None:
             continue
         fd = os.dup(fd)
         watched[pid] = (container, fd, _unread(fd))
-    thread = threading.Thread(target=_kill_when_handed, args=(watched, timeout_s), daemon=True,
-                              name="megarl-sandbox-kill")
-    thread.start()
-    return thread
-
-
-def _kill_when_handed(watched: dict, timeout_s: float) -> None:
-    deadline = time.monotonic() + timeout_s
-    try:
-        while time.monotonic() < deadline:
-            for pid, (container, fd, before) in watched.items():
-                if _unread(fd) > before:
-                    _kill_host(pid, container)
-                    return
-            time.sleep(0.002)
-        print(f"megarl: sandbox_kill: no code case reached a sandbox within {timeout_s:g} s: nothing killed",
-              file=sys.stderr, flush=True)
-    finally:
-        for pid, (_, fd, _) in watched.items():
-            os.close(fd)
-            _resume(pid)
+    if not watched:
+        arm("sandbox_kill")
+        return None
+    return SandboxKill(watched, timeout_s)
 
 
 def _kill_host(pid: int, container: tuple[str, str] | None) -> None:

@@ -141,7 +141,7 @@ class CodeVerifier:
         killer = faults.kill_sandbox() if cases and faults.take("sandbox_kill") else None
         checked = iter(self.sandbox.run_tests(cases, persistent=self.persistent_harness) if cases else [])
         if killer is not None:
-            killer.join()
+            killer.finish()
         results = []
         for p in prepared:
             result = self._judge(p, next(checked)) if isinstance(p, tuple) else p
