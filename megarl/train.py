@@ -92,6 +92,7 @@ def run(cfg: Config, checked) -> int:
                 faults.break_engine(engine, fault)
         if faults.fire("reward_worker_crash", step + 1) and cfg.reward.reward_workers == 0:
             raise ConfigError(f"{faults.ENV}: reward_worker_crash needs reward workers (--reward-workers >= 1)")
+        faults.fire("sandbox_kill", step + 1)  # the first code sample's sandbox, wherever it is scored
         rollout = run.collect(step)  # generate and score (asynchronous: take the batch made K steps ago)
         timer.add(t_generate=rollout.generate_seconds)
         if run.pending is not None:

@@ -172,13 +172,14 @@ class RolloutConfig:
         _moved("rollout", name)
 
     engine_health_timeout: float = _f(
-        60.0, "seconds without a heartbeat from the built-in engine's own process (--async-staleness >= 1) before it "
-        "counts as hung and is restarted (a dead one is found within a second); with --rollout-servers (SGLang), "
-        "how long a server's /health may take to answer while it generates before it counts as hung")
+        60.0, "seconds without a heartbeat from the built-in engine's own process (--async-staleness >= 1), or "
+        "without CPU used by SGLang's CPU engine's processes while a call waits, before the engine counts as hung "
+        "and is restarted (a dead one is found within a second); with --rollout-servers (SGLang, vLLM), how long a "
+        "server's /health may take to answer while it generates before it counts as hung")
     engine_max_restarts: int = _f(
-        0, "restarts of a dead or hung built-in engine process (given the current weights, the request in flight "
-        "sent again), or failures of SGLang --rollout-servers (the request sent to another server, or again once "
-        "the server answers), before the run stops naming it and its last error; 0 = stop at the first")
+        0, "restarts of a dead or hung built-in engine process or SGLang CPU engine (given the current weights, the "
+        "request in flight sent again), or failures of --rollout-servers (the request sent to another server, or "
+        "again once the server answers), before the run stops naming it and its last error; 0 = stop at the first")
 
     def __post_init__(self):
         _positive(self, "n_samples_per_prompt", "max_response_len", "sync_bucket_mb",

@@ -128,13 +128,16 @@ class RewardPool:
         target = "megarl.reward.pool:_verify_here"
         if faults.take("reward_worker_crash"):  # MEGARL_FAULT: this worker dies with the verdict in hand
             target = "megarl.reward.pool:_verify_then_die"
+        elif name == "code" and faults.take("sandbox_kill"):  # MEGARL_FAULT: this worker's sandbox is killed
+            target = "megarl.reward.pool:_verify_killing_sandbox"
         for attempt in range(RESCORES + 1):
             guard.last_seconds = 0.0
             try:
-                score, outcome, extracted, normalized, seconds, tests_run, cpu, signals, signals_s = guard.call(
-                    target, call, self._limit(name))
+                score, outcome, extracted, normalized, seconds, tests_run, cpu, reruns, signals, signals_s = \
+                    guard.call(target, call, self._limit(name))
                 result = VerifyResult(score, outcome, extracted, normalized, seconds, tests_run=tests_run,
-                                      sandbox_cpu_seconds=cpu, signals=signals, signals_seconds=signals_s)
+                                      sandbox_cpu_seconds=cpu, sandbox_reruns=reruns, signals=signals,
+                                      signals_seconds=signals_s)
             except BudgetExceeded:
                 self._count_restart()
                 result = VerifyResult(0.0, "timeout")
@@ -188,7 +191,8 @@ def _verify_here(name: str, response: str, ground_truth: Any, options: dict | No
     verify = verifier.verify_unguarded if isinstance(verifier, VerifierCapabilities) else verifier.verify
     r = verify(response, ground_truth)
     return (float(r.score), r.outcome, r.extracted, r.normalized, r.seconds, r.tests_run, r.sandbox_cpu_seconds,
-            dict(getattr(r, "signals", None) or {}), float(getattr(r, "signals_seconds", 0.0) or 0.0))
+            int(getattr(r, "sandbox_reruns", 0) or 0), dict(getattr(r, "signals", None) or {}),
+            float(getattr(r, "signals_seconds", 0.0) or 0.0))
 
 
 def _verify_then_die(*args) -> None:
@@ -197,6 +201,13 @@ def _verify_then_die(*args) -> None:
 
     _verify_here(*args)
     os.kill(os.getpid(), signal.SIGKILL)
+
+
+def _verify_killing_sandbox(*args) -> tuple:
+    """Runs inside a worker, for MEGARL_FAULT=sandbox_kill: the sample's code verifier has its sandbox killed from
+    outside mid-case (`faults.kill_sandbox`)."""
+    faults.arm("sandbox_kill")
+    return _verify_here(*args)
 
 
 def batch_health(results: Sequence[VerifyResult], group_size: int | None = None) -> dict:
@@ -208,6 +219,7 @@ def batch_health(results: Sequence[VerifyResult], group_size: int | None = None)
     out["reward_timeout_rate"] = out["reward_n_timeout"] / n if n else 0.0
     out["reward_no_answer_rate"] = out["reward_n_no_answer"] / n if n else 0.0
     out["reward_parse_error_rate"] = out["reward_n_parse_error"] / n if n else 0.0
+    out["reward_sandbox_reruns"] = sum(getattr(r, "sandbox_reruns", 0) or 0 for r in results)
     seconds = sorted(r.seconds for r in results)
     out["reward_latency_p50"] = _quantile(seconds, 0.50)
     out["reward_latency_p99"] = _quantile(seconds, 0.99)

@@ -161,7 +161,9 @@ def build_sglang(cfg: Config, actor: MegatronPolicy | None = None) -> RolloutEng
         return SGLangEngine.launch(cfg.model.hf_checkpoint, tp_size=tp, device="cuda" if gpu else "cpu",
                                    base_gpu_id=torch.cuda.current_device() if gpu else 0,
                                    mem_fraction=own.sglang_mem_fraction, dtype="bfloat16" if cfg.model.bf16 else "auto",
-                                   seed=cfg.training.seed, tokenizer=r.rollout_function != "single_turn", **lora)
+                                   seed=cfg.training.seed, tokenizer=r.rollout_function != "single_turn",
+                                   health_timeout_s=r.engine_health_timeout, max_restarts=r.engine_max_restarts,
+                                   timeout_s=cfg.training.distributed_timeout_seconds, **lora)
     from megarl.mcore.parallel import parallel_info
 
     pusher = dist.get_rank() == 0  # every DP leader generates; one rank pushes weights for all
@@ -213,7 +215,9 @@ def build_vllm(cfg: Config, actor: MegatronPolicy | None = None) -> RolloutEngin
         from megarl.rollout.vllm_servers import VLLMServers
 
         return VLLMServers(cfg.rollout.rollout_servers.split(","), push=dist.get_rank() == 0,
-                           timeout_s=cfg.training.distributed_timeout_seconds)
+                           timeout_s=cfg.training.distributed_timeout_seconds,
+                           health_timeout_s=cfg.rollout.engine_health_timeout,
+                           max_restarts=cfg.rollout.engine_max_restarts)
     config = json.loads((Path(cfg.model.hf_checkpoint) / "config.json").read_text())
     return VLLMEngine.launch(cfg.model.hf_checkpoint, dtype="bfloat16" if cfg.model.bf16 else "float32",
                              seed=cfg.training.seed, tokenizer=cfg.rollout.rollout_function != "single_turn",

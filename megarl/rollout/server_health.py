@@ -56,7 +56,10 @@ class ServerHealth:
         self.probe_s = probe_s if probe_s is not None else min(5.0, health_timeout_s / 2)
         self.down: dict[str, str] = {}  # url -> its last error
         self.restarts = 0  # server failures recovered from (the requests sent again): `engine_restarts`
-        self.seconds_lost = 0.0  # from each failure's first sign to the answer of the request sent again
+        # wall time during which a request was held up by a failure: from its first sign to the answer of the
+        # request sent again, counted once however many requests were held up together
+        self.seconds_lost = 0.0
+        self._held_up, self._held_since = 0, 0.0
         self._lock = threading.Lock()
 
     def probe(self, url: str, timeout: float | None = None) -> None:
@@ -74,18 +77,25 @@ class ServerHealth:
     def call(self, url: str, request: Callable[[str], object], refused: Callable[[BaseException], int | None]):
         """`request(url)`, watched: sent again to another server (or to this one once it answers again) when `url`
         goes down. `refused(e)` is the HTTP status of an error answer (None: not one)."""
-        first_failure = None
-        while True:
-            try:
-                value = self._watched(url, request, refused)
-            except ServerDown as e:
-                first_failure = time.monotonic() if first_failure is None else first_failure
-                url = self._failed(e)
-                continue
-            if first_failure is not None:
+        held_up = False
+        try:
+            while True:
+                try:
+                    return self._watched(url, request, refused)
+                except ServerDown as e:
+                    if not held_up:
+                        held_up = True
+                        with self._lock:
+                            self._held_up += 1
+                            if self._held_up == 1:
+                                self._held_since = time.monotonic()
+                    url = self._failed(e)
+        finally:
+            if held_up:
                 with self._lock:
-                    self.seconds_lost += time.monotonic() - first_failure
-            return value
+                    self._held_up -= 1
+                    if self._held_up == 0:
+                        self.seconds_lost += time.monotonic() - self._held_since
 
     def _watched(self, url: str, request: Callable[[str], object], refused) -> object:
         if url in self.down:

@@ -45,6 +45,15 @@ no reproducible seeded sampling (deterministic inference is refused for its torc
 repeats) and no LoRA (its LoRA layers pin memory: refused up front); the run's log says the first two at launch.
 The tests run it for real (tests/sglang_cpu, docs/guide.md "SGLang on CPU").
 
+Health, where the engine is not colocated (the CPU engine): its scheduler and detokenizer processes are watched
+(`megarl.rollout.sglang_health`: a process gone, or a call unanswered while they use no CPU for
+`--engine-health-timeout`); a dead or hung engine is killed, launched again, given the weights of the last sync
+(the adapter keeps a CPU copy of its buckets) and its version, and the generate or score call in flight is sent
+again, up to `--engine-max-restarts` times (`restarts` and `seconds_lost`: the row's `engine_restarts` and
+`engine_seconds_lost`); after that the run stops naming the engine and its last error. A weight sync is not sent
+again: an engine that dies during one stops the run. Colocated on a GPU nothing is watched yet (the restart would
+need the trainer's IPC handles again; not built without a GPU to test it on).
+
 Log-probs: SGLang reports log softmax(logits / temperature) of the sampled token, before top-k / top-p, which is
 `Completion.logprobs`' definition (leave SGLANG_RETURN_ORIGINAL_LOGPROB unset). The engine knows nothing of
 Megatron; `sglang` itself is imported only when an engine is launched or a bucket serialized.
@@ -68,7 +77,9 @@ from typing import Callable, Iterable, Sequence
 import torch
 
 from megarl.rollout.base import Completion, EngineCapabilities, SamplingParams
+from megarl.rollout.engine_process import EngineDeadError
 from megarl.rollout.server_health import ServerHealth
+from megarl.rollout.sglang_health import EngineWatch, fresh_event_loop, sigquit_noted
 from megarl.rollout.sglang_ipc import IpcGather, release_ipc, serialize_bucket
 from megarl.rollout.weight_sync import (DEFAULT_BUCKET_BYTES, WeightBucket, WeightSyncError, adapter_name,
                                         pack_buckets)
@@ -297,12 +308,19 @@ class SGLangEngine(EngineCapabilities):
 
     def __init__(self, engine, *, tp_size: int = 1, colocated: bool = True, dtype: torch.dtype | None = None,
                  serialize: Callable[[WeightBucket, int], list] | None = None, ipc: IpcGather | None = None,
-                 tokenizer: bool = True):
+                 tokenizer: bool = True, watch: EngineWatch | None = None,
+                 relaunch: Callable[[], tuple[object, EngineWatch]] | None = None, max_restarts: int = 0,
+                 timeout_s: float = 3600.0):
         """`tokenizer`: whether the engine was launched with its tokenizer, which stop strings need.
         `ipc`: the trainer ranks on the engine's GPUs, which make one payload each (at `tp_size` > 1; the weight
         sync attaches them with `use_ipc`); `serialize(bucket, tp_size)`: the per-TP-rank payloads of a bucket,
-        instead of `ipc` (tests)."""
+        instead of `ipc` (tests). `watch`: the engine's processes, whose health every call is checked against;
+        `relaunch()`: a fresh engine and its watch, for up to `max_restarts` restarts (module docstring, Health);
+        `timeout_s`: the longest a watched call may take."""
         self.engine = engine
+        self.watch, self.relaunch, self.max_restarts, self.timeout_s = watch, relaunch, max_restarts, timeout_s
+        self.restarts, self.seconds_lost = 0, 0.0  # the row's engine_restarts, engine_seconds_lost
+        self._kept: list[WeightBucket] = []  # the last sync's buckets, on the CPU, for a restarted engine
         self.tokenizer = tokenizer
         self.dtype = dtype  # weights are sent in this dtype (None: as the actor holds them)
         self.tp_size = tp_size
@@ -321,7 +339,8 @@ class SGLangEngine(EngineCapabilities):
     def launch(cls, hf_dir: str, *, tp_size: int = 1, base_gpu_id: int = 0, mem_fraction: float = 0.5,
                dtype: str = "bfloat16", seed: int | None = 0, colocated: bool | None = None, tokenizer: bool = False,
                ipc: IpcGather | None = None, lora_rank: int = 0, lora_targets: Sequence[str] = (),
-               device: str = "cuda", **server_args) -> SGLangEngine:
+               device: str = "cuda", health_timeout_s: float = 60.0, max_restarts: int = 0,
+               timeout_s: float = 3600.0, **server_args) -> SGLangEngine:
         """`tokenizer`: load SGLang's tokenizer and detokenizer, which matching `SamplingParams.stop` needs.
         `lora_rank` > 0: SGLang's LoRA support on, for adapters of that rank on `lora_targets` (HF projection
         names), loaded at each sync (`load_lora_adapter`, --lora-weight-sync adapter).
@@ -332,7 +351,9 @@ class SGLangEngine(EngineCapabilities):
         that supports it); pass `enable_deterministic_inference=False` to trade the reproducibility for speed.
 
         `device`: "cuda", or "cpu" (SGLang's CPU engine, `cpu_engine_args`, never colocated).
-        `colocated` (None: on a GPU only) launches with SGLang's memory saver, for the release/resume cycle."""
+        `colocated` (None: on a GPU only) launches with SGLang's memory saver, for the release/resume cycle.
+        Not colocated, the engine is watched and restarted (`health_timeout_s`, `max_restarts`: the module
+        docstring's Health); `timeout_s`: the longest a call on it may take."""
         if device == "cpu":
             if lora_rank:
                 raise ValueError(CPU_LORA_REFUSED)
@@ -348,14 +369,26 @@ class SGLangEngine(EngineCapabilities):
         server_args.setdefault("enable_deterministic_inference", seed is not None)
         if lora_rank:
             server_args.update(enable_lora=True, max_lora_rank=lora_rank, lora_target_modules=list(lora_targets))
-        with _engine_environment():
-            engine = sglang.Engine(model_path=str(hf_dir), tp_size=tp_size, base_gpu_id=base_gpu_id,
-                                   mem_fraction_static=mem_fraction, dtype=dtype,
-                                   random_seed=0 if seed is None else seed,
-                                   enable_memory_saver=colocated, skip_tokenizer_init=not tokenizer,
-                                   log_level="error", **server_args)
+        if not colocated:  # SGLang's watchdog would kill the trainer's process tree when a child dies
+            server_args["custom_sigquit_handler"] = sigquit_noted
+
+        def start():
+            with _engine_environment():
+                return sglang.Engine(model_path=str(hf_dir), tp_size=tp_size, base_gpu_id=base_gpu_id,
+                                     mem_fraction_static=mem_fraction, dtype=dtype,
+                                     random_seed=0 if seed is None else seed,
+                                     enable_memory_saver=colocated, skip_tokenizer_init=not tokenizer,
+                                     log_level="error", **server_args)
+
+        health = {}
+        if colocated:
+            engine = start()
+        else:
+            engine, watch = EngineWatch.launched(start, health_timeout_s)
+            health = dict(watch=watch, relaunch=lambda: EngineWatch.launched(start, health_timeout_s),
+                          max_restarts=max_restarts, timeout_s=timeout_s)
         return cls(engine, tp_size=tp_size, colocated=colocated, tokenizer=tokenizer, ipc=ipc,
-                   dtype=getattr(torch, dtype) if dtype in ("bfloat16", "float16", "float32") else None)
+                   dtype=getattr(torch, dtype) if dtype in ("bfloat16", "float16", "float32") else None, **health)
 
     @property
     def ipc_tp_size(self) -> int:
@@ -397,8 +430,8 @@ class SGLangEngine(EngineCapabilities):
             raise ValueError("SamplingParams.stop: this SGLang engine was launched without its tokenizer "
                              "(skip_tokenizer_init), so it cannot match stop strings; launch it with tokenizer=True")
         ids, sampling = expand_requests(prompts, params)
-        outputs = self.engine.generate(input_ids=ids, sampling_params=sampling, return_logprob=True,
-                                       **self._lora(len(ids)))
+        outputs = self._call("generate", lambda e: e.generate(input_ids=ids, sampling_params=sampling,
+                                                              return_logprob=True, **self._lora(len(ids))))
         self.aborted += count_aborted(outputs)
         return group([to_completion(o, self.weight_version) for o in outputs], params.n)
 
@@ -406,19 +439,18 @@ class SGLangEngine(EngineCapabilities):
         """Log-probs of each sequence's tokens after its prompt (one prefill, one throwaway new token); at
         temperature 1 only (`check_score_temperature`)."""
         check_score_temperature(temperature)
-        outputs = self.engine.generate(input_ids=[list(s) for s in sequences],
-                                       sampling_params={"max_new_tokens": 1, "temperature": temperature},
-                                       return_logprob=True, logprob_start_len=0, **self._lora(len(sequences)))
+        outputs = self._call("score", lambda e: e.generate(
+            input_ids=[list(s) for s in sequences], sampling_params={"max_new_tokens": 1, "temperature": temperature},
+            return_logprob=True, logprob_start_len=0, **self._lora(len(sequences))))
         return [input_logprobs(o, len(s), p) for o, s, p in zip(outputs, sequences, prompt_lens)]
 
     def score_topk(self, sequences: list[list[int]], prompt_lens: list[int],
                    k: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
         """The engine's k likeliest next tokens and their log-probs at each token after its prompt, at temperature
         1: per sequence (ids, log-probs) [len(seq) - prompt_len, k] (`megarl.rollout.mismatch.topk_mismatch`)."""
-        outputs = self.engine.generate(input_ids=[list(s) for s in sequences],
-                                       sampling_params={"max_new_tokens": 1, "temperature": 1.0},
-                                       return_logprob=True, logprob_start_len=0, top_logprobs_num=k,
-                                       **self._lora(len(sequences)))
+        outputs = self._call("score_topk", lambda e: e.generate(
+            input_ids=[list(s) for s in sequences], sampling_params={"max_new_tokens": 1, "temperature": 1.0},
+            return_logprob=True, logprob_start_len=0, top_logprobs_num=k, **self._lora(len(sequences))))
         return [input_top_logprobs(o, len(s), p) for o, s, p in zip(outputs, sequences, prompt_lens)]
 
     # -- the colocation cycle --------------------------------------------------------------------------------
@@ -440,34 +472,42 @@ class SGLangEngine(EngineCapabilities):
         """Resume the weights' memory if released, then push every bucket without flushing the cache per bucket."""
         session = hasattr(self.engine, "begin_weight_update")
         buckets = iter(buckets)
+        kept: list[WeightBucket] = []
         try:
             if WEIGHTS in self._released:
                 _check(self.engine.resume_memory_occupation(tags=[WEIGHTS]), "resume_memory_occupation(weights)")
                 self._released.discard(WEIGHTS)
             if session:
-                _check(self.engine.begin_weight_update(), "begin_weight_update")
+                _check(self._call("begin_weight_update", lambda e: e.begin_weight_update(), resend=False),
+                       "begin_weight_update")
             try:
                 for bucket in buckets:
                     payloads = self._payloads(bucket)
                     if len(payloads) != self.tp_size:
                         raise WeightSyncError(f"{len(payloads)} IPC payloads for an engine at TP {self.tp_size}: "
                                               "SGLang needs one per TP rank")
-                    result = self.engine.update_weights_from_tensor(named_tensors=payloads,
-                                                                    load_format="flattened_bucket", flush_cache=False)
+                    result = self._call("update_weights_from_tensor", lambda e, p=payloads: (
+                        e.update_weights_from_tensor(named_tensors=p, load_format="flattened_bucket",
+                                                     flush_cache=False)), resend=False)
                     _check(result, "update_weights_from_tensor")
+                    if self.relaunch is not None:  # what a restarted engine loads (the weights are on the CPU)
+                        kept.append(WeightBucket(bucket.flat.detach().to("cpu", copy=True), list(bucket.slots)))
                     del payloads
                     release_ipc()  # the engine has loaded this bucket and closed its handles (slime: per chunk)
                     if self.ipc is not None:
                         self.ipc.loaded()  # the other ranks drop their copies
             finally:
                 if session:
-                    _check(self.engine.end_weight_update(), "end_weight_update")
+                    _check(self._call("end_weight_update", lambda e: e.end_weight_update(), resend=False),
+                           "end_weight_update")
         except BaseException as e:
             if self.ipc is not None:  # the other ranks on the engine's GPUs learn it where they wait, and raise
                 _close_quietly(self.ipc, f"{type(e).__name__}: {e}", buckets, e)
             raise
         if self.ipc is not None:
             self.ipc.close()
+        if self.relaunch is not None:
+            self._kept = kept
         self.weight_version = version
 
     def load_lora_adapter(self, tensors: dict[str, torch.Tensor], config: dict, version: int) -> None:
@@ -496,7 +536,7 @@ class SGLangEngine(EngineCapabilities):
         if tags:
             _check(self.engine.resume_memory_occupation(tags=tags), f"resume_memory_occupation({','.join(tags)})")
             self._released.clear()
-        self.engine.flush_cache()
+        self._call("flush_cache", lambda e: e.flush_cache())
 
     def update_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]], version: int | None = None) -> None:
         if self.ipc is not None:
@@ -508,6 +548,65 @@ class SGLangEngine(EngineCapabilities):
 
     def shutdown(self) -> None:
         self.engine.shutdown()
+
+    # -- health (not colocated) ------------------------------------------------------------------------------
+
+    def _call(self, what: str, call: Callable[[object], object], resend: bool = True):
+        """`call(engine)`, on a watched engine through its watch (`EngineWatch.call`): restarted when it dies or
+        hangs (at most `max_restarts` times in the run) and the call made again on the new one (`resend`; a
+        weight-sync call is not: it stops the run). Unwatched (colocated), made directly."""
+        if self.watch is None:
+            return call(self.engine)
+        failed_at = None
+        while True:
+            try:
+                if failed_at is not None:
+                    self._restart()
+                value = self.watch.call(lambda: call(self.engine), what, self.timeout_s)
+                if failed_at is not None:
+                    self.seconds_lost += time.monotonic() - failed_at
+                    print(f"megarl: sglang: the engine was restarted ({self.watch.name()}); engine_restarts "
+                          f"{self.restarts}, {self.seconds_lost:.1f} s lost in all", file=sys.stderr, flush=True)
+                return value
+            except EngineDeadError as e:
+                if not resend or self.relaunch is None or self.restarts >= self.max_restarts:
+                    why = "" if resend else f", a {what!r} call of a weight sync, which is not sent again"
+                    raise EngineDeadError(f"the SGLang engine stopped the run after {self.restarts} restart(s) "
+                                          f"(--engine-max-restarts {self.max_restarts}{why}); its last error: "
+                                          f"{e}") from None
+                self.restarts += 1
+                failed_at = time.monotonic() if failed_at is None else failed_at
+                print(f"megarl: sglang: {e}: restarting the engine (restart {self.restarts} of "
+                      f"{self.max_restarts}), with weights version {self.weight_version}; the {what!r} call is "
+                      "sent again", file=sys.stderr, flush=True)
+
+    def _restart(self) -> None:
+        """A fresh engine holding the weights of the last sync (or the checkpoint's, before any) and its version,
+        the dead one's processes killed."""
+        self.watch.kill(self.engine)
+        fresh_event_loop()
+        self.engine, self.watch = self.relaunch()
+        session = hasattr(self.engine, "begin_weight_update")
+        if self._kept:
+            if session:
+                _check(self.watch.call(self.engine.begin_weight_update, "begin_weight_update", self.timeout_s),
+                       "begin_weight_update")
+            for bucket in self._kept:
+                payloads = self._payloads(bucket)
+                _check(self.watch.call(lambda p=payloads: self.engine.update_weights_from_tensor(
+                    named_tensors=p, load_format="flattened_bucket", flush_cache=False),
+                    "update_weights_from_tensor", self.timeout_s), "update_weights_from_tensor")
+                release_ipc()
+            if session:
+                _check(self.watch.call(self.engine.end_weight_update, "end_weight_update", self.timeout_s),
+                       "end_weight_update")
+
+    def kill_for_fault(self, hang: bool = False) -> None:
+        """MEGARL_FAULT engine_crash (SIGKILL) or engine_hang (SIGSTOP) of the engine's processes."""
+        if self.watch is None:
+            raise EngineDeadError("engine_crash / engine_hang: a colocated SGLang engine is not watched (only "
+                                  "SGLang's CPU engine, beside the actor, is)")
+        self.watch.kill_for_fault(hang)
 
 
 # ---------------------------------------------------------------------------------------------------------

@@ -18,12 +18,20 @@ in-process engine), and the prefix cache is reset (`/reset_prefix_cache`). The w
 own (`/update_weight_version`), which it stamps on its answers. Bytes over HTTP are fine for the models one trains
 on a CPU; on GPU servers vLLM's NCCL engine is the fast path, not wired in yet (it needs a GPU to test).
 
+Health: generation and scoring requests are watched as SGLang servers' are (`megarl.rollout.server_health`): a
+server whose connection fails (it died) or whose `/health` does not answer within `--engine-health-timeout` (it
+hung) is named, and its requests go to the next server that is up, or to it again once it answers; each request
+carries its own seed, so one sent again samples what the lost one would have. Failures count in `engine_restarts`
+and `engine_seconds_lost`; past `--engine-max-restarts` the run stops naming the server and its last error. The
+weight syncs are not failed over: a server that dies during one fails it.
+
 Memory: nothing to release; the servers have machines of their own.
 """
 
 from __future__ import annotations
 
 import base64
+import http.client
 import json
 import os
 import sys
@@ -35,6 +43,7 @@ from typing import Iterable, Sequence
 import torch
 
 from megarl.rollout.base import Completion, EngineCapabilities, SamplingParams
+from megarl.rollout.server_health import ServerHealth
 from megarl.rollout.vllm_engine import check_truncation, to_payload
 from megarl.rollout.weight_sync import DEFAULT_BUCKET_BYTES, WeightBucket, pack_buckets
 
@@ -63,7 +72,15 @@ def vllm_serve_command(model: str, port: int, *, host: str = "127.0.0.1", dtype:
 
 
 class ServerError(RuntimeError):
-    """A vLLM server answered an error status, or did not answer in time."""
+    """A vLLM server answered an error status (`status`), or did not answer in time."""
+
+    def __init__(self, message: str, status: int | None = None):
+        super().__init__(message)
+        self.status = status
+
+
+class ServerUnreachable(ServerError, ConnectionError):
+    """The connection to a vLLM server failed or timed out: a dead or hung server, to `ServerHealth`."""
 
 
 def _call(url: str, path: str, payload: dict | None = None, timeout: float = 600.0, method: str = "POST"):
@@ -77,9 +94,10 @@ def _call(url: str, path: str, payload: dict | None = None, timeout: float = 600
         text = e.read().decode(errors="replace").strip()
         hint = (" (the developer endpoints need the server started with VLLM_SERVER_DEV_MODE=1: "
                 "megarl.rollout.vllm_servers.vllm_serve_command)" if e.code == 404 else "")
-        raise ServerError(f"vLLM at {where} answered HTTP {e.code}: {text[:2000]}{hint}") from None
-    except (urllib.error.URLError, TimeoutError, OSError) as e:
-        raise ServerError(f"vLLM at {where} did not answer within {timeout:g} s: {e}") from None
+        raise ServerError(f"vLLM at {where} answered HTTP {e.code}: {text[:2000]}{hint}", e.code) from None
+    except (urllib.error.URLError, TimeoutError, OSError, http.client.HTTPException) as e:
+        raise ServerUnreachable(f"vLLM at {where} did not answer within {timeout:g} s: {type(e).__name__}: {e}") \
+            from None
     return json.loads(body) if body.strip() else {}
 
 
@@ -123,10 +141,13 @@ class VLLMServers(EngineCapabilities):
     scores_topk = True
     dtype = None  # weights travel as the actor holds them; each server casts to its own dtype
 
-    def __init__(self, urls: Sequence[str], *, push: bool = True, timeout_s: float = 3600.0, threads: int = 64):
+    def __init__(self, urls: Sequence[str], *, push: bool = True, timeout_s: float = 3600.0, threads: int = 64,
+                 health_timeout_s: float = 60.0, max_restarts: int = 0):
         if not urls:
             raise ValueError("VLLMServers needs at least one server URL")
         self.urls = [u if u.startswith("http") else f"http://{u}" for u in urls]
+        # generation and scoring are watched (`/health`) and failed over to the other servers (`server_health`)
+        self.health = ServerHealth(self.urls, health_timeout_s, max_restarts, what="vLLM server")
         self.push = push
         self.takes_buckets = push
         self.timeout_s = timeout_s
@@ -134,10 +155,23 @@ class VLLMServers(EngineCapabilities):
         self.aborted = 0  # requests the servers aborted so far
         self.pool = ThreadPoolExecutor(max_workers=threads, thread_name_prefix="megarl-vllm")
 
+    def _watched(self, url: str, payload: dict) -> dict:
+        """A request to the tokens endpoint, sent again to another server (or to this one once it answers again)
+        when `url` dies or hangs (`ServerHealth.call`)."""
+        return self.health.call(url, lambda u: _call(u, "/inference/v1/generate", payload, timeout=self.timeout_s),
+                                lambda e: e.status if isinstance(e, ServerError) else None)
+
+    @property
+    def restarts(self) -> int:
+        """Server failures recovered from so far (the row's `engine_restarts`, `megarl.faults.engine_health`)."""
+        return self.health.restarts
+
+    @property
+    def seconds_lost(self) -> float:
+        return self.health.seconds_lost
+
     def _generate_one(self, url: str, prompt: Sequence[int], sampling: dict) -> dict:
-        answer = _call(url, "/inference/v1/generate", {"token_ids": list(prompt), "sampling_params": sampling},
-                       timeout=self.timeout_s)
-        return answer["choices"][0]
+        return self._watched(url, {"token_ids": list(prompt), "sampling_params": sampling})["choices"][0]
 
     def generate(self, prompts: Sequence[Sequence[int]], params: SamplingParams) -> list[list[Completion]]:
         if not prompts:
@@ -155,10 +189,10 @@ class VLLMServers(EngineCapabilities):
         return [completions[i : i + params.n] for i in range(0, len(completions), params.n)]
 
     def _prompt_logprobs(self, sequence: Sequence[int], k: int) -> list:
-        answer = _call(self.urls[0], "/inference/v1/generate", {
+        answer = self._watched(self.urls[0], {
             "token_ids": list(sequence),
             "sampling_params": {"max_tokens": 1, "temperature": 1.0, "prompt_logprobs": k, "detokenize": False,
-                                "ignore_eos": True}}, timeout=self.timeout_s)
+                                "ignore_eos": True}})
         entries = answer.get("prompt_logprobs")
         if entries is None or len(entries) != len(sequence):
             raise RuntimeError(f"vLLM scored {0 if entries is None else len(entries)} prompt tokens of a "

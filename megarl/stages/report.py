@@ -30,7 +30,7 @@ _SUM_KEYS = ["n_samples", "reward_sum", "correct", "response_tokens", "truncated
 _DS_KEYS = ["ds_prompts_drawn", "ds_groups_dropped", "ds_rounds", "ds_groups_filled"]
 # reward health (`megarl.reward.pool.batch_health`): counts add up over ranks, latencies take the worst rank
 _REWARD_KEYS = ["reward_n_timeout", "reward_n_no_answer", "reward_n_parse_error", "reward_worker_restarts",
-                "reward_latency_p50_max", "reward_latency_p99_max"]
+                "reward_sandbox_reruns", "reward_latency_p50_max", "reward_latency_p99_max"]
 _TOOL_LATENCY_KEYS = ["tool_latency_p50_max", "tool_latency_p99_max"]  # `tool_use`'s, the worst rank's
 # reward models (when rows name one): score sums, agreement with the rule, the seconds of the slowest rank
 _RM_KEYS = ["rm_n", "rm_score_sum", "rm_score_sqsum", "rm_agree_n", "rm_agree_sum", "rm_seconds_max"]
@@ -80,6 +80,7 @@ def step_metrics(step: int, rollout: RolloutBatch, batch: TrainBatch, update: di
         "uniform_group_frac": g["uniform_groups"] / max(g["groups"], 1),
         "reward_timeout_rate": g["reward_n_timeout"] / n, "reward_no_answer_rate": g["reward_n_no_answer"] / n,
         "reward_parse_error_rate": g["reward_n_parse_error"] / n, "reward_worker_restarts": g["reward_worker_restarts"],
+        "reward_sandbox_reruns": g["reward_sandbox_reruns"],
         "reward_latency_p50": g["reward_latency_p50_max"], "reward_latency_p99": g["reward_latency_p99_max"],
         "loss": g["loss_num"] / max(g["loss_den"], 1e-12), "kl": g["kl_sum"] / tok,
         "clip_frac": g["clip_frac_sum"] / tok, "grad_norm": update["grad_norm"], "lr": update["lr"],

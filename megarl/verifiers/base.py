@@ -29,6 +29,9 @@ class VerifyResult:
     # program; None where nothing ran in a sandbox. The reward stage adds them up into tests/s and CPU per program.
     tests_run: int | None = None
     sandbox_cpu_seconds: float | None = None
+    # Times the check was run again because the sandbox failed under it (its worker, harness or container died or
+    # was killed from outside; `megarl.sandbox.harness_protocol.RERUNS`): the row's `reward_sandbox_reruns`.
+    sandbox_reruns: int = 0
     # What the response tried against its verifier, by category (`megarl.verifiers.signals.CATEGORIES`): a short
     # piece of evidence each. Signals change no reward: the verdict above is the same with or without them.
     signals: dict[str, str] = field(default_factory=dict)

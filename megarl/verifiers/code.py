@@ -55,6 +55,7 @@ import time
 from dataclasses import dataclass
 from typing import Any, Literal, Sequence
 
+from megarl import faults
 from megarl.errors import ConfigError
 from megarl.registry import option
 
@@ -136,7 +137,11 @@ class CodeVerifier:
         start = time.perf_counter()
         prepared = [self._prepare(response, gold) for response, gold in pairs]
         cases = [p[0] for p in prepared if isinstance(p, tuple)]
+        # MEGARL_FAULT=sandbox_kill: the sandbox is killed from outside once the case is handed to it
+        killer = faults.kill_sandbox() if cases and faults.take("sandbox_kill") else None
         checked = iter(self.sandbox.run_tests(cases, persistent=self.persistent_harness) if cases else [])
+        if killer is not None:
+            killer.finish()
         results = []
         for p in prepared:
             result = self._judge(p, next(checked)) if isinstance(p, tuple) else p
@@ -165,6 +170,7 @@ class CodeVerifier:
         result = self._score(prepared, case)
         result.tests_run = case.tests_run
         result.sandbox_cpu_seconds = case.cpu_s
+        result.sandbox_reruns = case.reruns
         from megarl.verifiers import signals
 
         if self.signals and signals.enabled():

@@ -62,3 +62,100 @@ def test_a_crashed_then_a_hung_engine_process_is_restarted_with_its_weights_and_
             remote.generate(PROMPTS, params)
     finally:
         remote.shutdown()
+
+
+# The in-process SGLang engine's health (`SGLangEngine` over `megarl.rollout.sglang_health`), on a stand-in whose
+# "scheduler" is a child process holding the weights (SGLang itself: tests/sglang_cpu/test_engine_faults.py).
+_SCHEDULER = """
+import json, sys
+shift = 0
+for line in sys.stdin:
+    req = json.loads(line)
+    if "load" in req:
+        shift = req["load"]
+        print(json.dumps("ok"), flush=True)
+        continue
+    out = []
+    for ids, s in zip(req["input_ids"], req["sampling_params"]):
+        toks = [(sum(ids) + shift + k) % 50 for k in range(s["max_new_tokens"])]
+        out.append({"output_ids": toks, "meta_info": {"output_token_logprobs": [[-0.5, t] for t in toks],
+                                                      "finish_reason": {"type": "length"}}})
+    print(json.dumps(out), flush=True)
+"""
+
+
+class _StandInEngine:
+    """`sglang.Engine`'s calls the adapter makes, answered by a child process (`_SCHEDULER`)."""
+
+    def __init__(self):
+        import subprocess
+        import sys
+
+        self.proc = subprocess.Popen([sys.executable, "-c", _SCHEDULER], stdin=subprocess.PIPE,
+                                     stdout=subprocess.PIPE, text=True)
+
+    def _ask(self, request):
+        self.proc.stdin.write(json.dumps(request) + "\n")
+        self.proc.stdin.flush()
+        return json.loads(self.proc.stdout.readline())
+
+    def generate(self, input_ids, sampling_params, return_logprob=True, **_):
+        return self._ask({"input_ids": input_ids, "sampling_params": sampling_params})
+
+    def update_weights_from_tensor(self, named_tensors, load_format, flush_cache):
+        return self._ask({"load": named_tensors[0]})
+
+    def flush_cache(self):
+        pass
+
+    def shutdown(self):
+        self.proc.kill()
+        self.proc.wait()
+
+
+def test_a_watched_sglang_engine_is_restarted_with_its_weights_and_the_call_sent_again(capfd):
+    from megarl.rollout.sglang_engine import SGLangEngine
+    from megarl.rollout.sglang_health import EngineWatch
+
+    engines = []  # (stand-in, its watch) of every launch, for the clean-up
+
+    def launch():
+        engines.append(EngineWatch.launched(_StandInEngine, health_timeout_s=2.0))
+        return engines[-1]
+
+    engine = SGLangEngine(*launch()[:1], colocated=False, watch=engines[0][1], relaunch=launch, max_restarts=2,
+                          timeout_s=60, serialize=lambda b, tp: [int(b.flat.sum())])
+    try:
+        weights = {"w": torch.full((4,), 3.0)}  # the stand-in's "weights": a shift of every token
+        push(engine, weights.items(), 5, bucket_bytes=1 << 20)
+        params = SamplingParams(n=2, temperature=0.0, max_new_tokens=5)
+        expected = _tokens(engine.generate(PROMPTS, params))
+        assert expected != _tokens(SGLangEngine(_StandInEngine()).generate(PROMPTS, params)), "weights matter"
+
+        engine.kill_for_fault(hang=False)
+        t0 = time.monotonic()
+        assert _tokens(engine.generate(PROMPTS, params)) == expected
+        crash_s = time.monotonic() - t0
+        assert engine.restarts == 1 and engine.weight_version == 5 and engine.watch is engines[1][1]
+
+        engine.kill_for_fault(hang=True)
+        t0 = time.monotonic()
+        assert _tokens(engine.generate(PROMPTS, params)) == expected
+        hang_s = time.monotonic() - t0
+        assert engine.restarts == 2 and 2.0 <= hang_s < 30, hang_s
+        err = capfd.readouterr().err
+        assert "died during the 'generate' call: its process" in err
+        assert "is hung: the 'generate' call unanswered and no CPU used by its processes for" in err
+
+        engine.kill_for_fault(hang=False)
+        with pytest.raises(EngineDeadError, match=r"the SGLang engine stopped the run after 2 restart\(s\) "
+                                                   r"\(--engine-max-restarts 2\); its last error: the SGLang engine "
+                                                   r"\(scheduler and detokenizer pids \d+\) died during the "
+                                                   r"'generate' call"):
+            engine.generate(PROMPTS, params)
+        with capfd.disabled():
+            print(f"watched SGLang stand-in: crash answered after {crash_s:.1f} s, hang (timeout 2 s) after "
+                  f"{hang_s:.1f} s; {engine.seconds_lost:.1f} s lost in all")
+    finally:
+        for e, _ in engines:
+            e.shutdown()

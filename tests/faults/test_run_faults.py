@@ -13,7 +13,8 @@ faults are chained on one checkpoint directory to keep CI short:
 
 and, on a checkpoint directory of its own, reward_worker_crash@2 with --reward-workers 1: the sample is scored
 again on a fresh worker, and the run matches the uninterrupted one (whose rewards come from this process: the same
-verdicts, the verifier being deterministic).
+verdicts, the verifier being deterministic). sandbox_kill@2 runs on code rows (the starter's prompts, each answer
+checked by a program's stdout in the local sandbox) against an uninterrupted run of its own on the same rows.
 """
 
 from __future__ import annotations
@@ -158,3 +159,44 @@ def test_a_reward_worker_killed_mid_scoring_changes_nothing_but_its_count(starte
         for key in ("reward_timeout_rate", "reward_parse_error_rate", "reward_no_answer_rate"):
             assert r[key] == baseline[r["step"]][key], (r["step"], key)
     assert [r["reward_worker_restarts"] for r in rows] == [0, 1, 0, 0]
+
+
+def _code_rows(starter: Path, out: Path) -> Path:
+    """The starter's prompts as code rows (as tests/e2e/test_code_rewards.py makes them): its answer, a number, is
+    a program printing nothing, which passes the rows expecting no output and fails those expecting "odd"."""
+    rows = [json.loads(line) for line in (starter / "train.jsonl").read_text().splitlines()[:64]]
+    gold = [{"inputs": [""], "outputs": ["odd\n" if int(r["answer"]) % 2 else ""], "time_s": 2} for r in rows]
+    out.write_text("".join(json.dumps({"prompt": r["prompt"], "answer": g, "verifier": "code"}) + "\n"
+                           for r, g in zip(rows, gold)))
+    return out
+
+
+def test_a_sandbox_killed_mid_case_changes_nothing_but_its_count(starter, tmp_path):
+    data = _code_rows(starter, tmp_path / "code.jsonl")
+    steps = 3
+
+    def run(name: str, fault: str = "") -> tuple[_Done, list[dict]]:
+        args = _args(starter, tmp_path / name, tmp_path / f"{name}-ckpt") + [
+            "--prompt-data", data, "--reward-workers", "1", "--num-steps", steps]
+        t0 = time.monotonic()
+        done = _torchrun(args, fault)
+        assert done.returncode == 0, done.stdout[-5000:]
+        print(f"{steps}-step code run{' with ' + fault if fault else ''}: {time.monotonic() - t0:.0f} s")
+        return done, _rows(tmp_path / name)
+
+    _, baseline = run("uninterrupted")
+    assert [r["reward_sandbox_reruns"] for r in baseline] == [0] * steps
+    assert any(0 < r["reward_mean"] < 1 for r in baseline), "rewards all equal would make the comparison vacuous"
+    proc, rows = run("killed", "sandbox_kill@2")
+    log = proc.stdout
+    assert "megarl: fault injected: sandbox_kill at step 2 on rank 0" in log
+    assert "megarl: sandbox_kill: SIGKILLed the local sandbox's worker (pid " in log
+    assert "megarl: the local sandbox failed on 1 code case(s) (first: worker failed: " in log
+    _same(rows, {r["step"]: r for r in baseline}, steps=range(1, steps + 1))
+    for r, b in zip(rows, baseline):
+        for key in ("reward_timeout_rate", "reward_parse_error_rate", "reward_no_answer_rate"):
+            assert r[key] == b[key], (r["step"], key)
+    assert [r["reward_sandbox_reruns"] for r in rows] == [0, 1, 0]
+    assert [r["reward_worker_restarts"] for r in rows] == [0, 0, 0]
+    print("t_reward per step, uninterrupted / sandbox killed at step 2:",
+          [round(r["t_reward"], 2) for r in baseline], [round(r["t_reward"], 2) for r in rows])

@@ -3,7 +3,9 @@ harness or container and gets the verdict of a sandbox that never failed, never 
 (`megarl.sandbox.harness_protocol.RERUNS`); a sandbox that keeps failing is named as the sandbox's failure.
 
 Local backend: the worker process, or its persistent code harness, SIGKILLed while the case's program runs. Docker:
-`docker kill` on the case's container (skipped, with the reason, where no Docker engine or image is at hand)."""
+`docker kill` on the case's container (skipped, with the reason, where no Docker engine or image is at hand).
+And the named fault (`MEGARL_FAULT=sandbox_kill@S`, `megarl.faults.kill_sandbox`) on either backend: the sandbox
+killed with the case handed to it; a whole run with it is in test_run_faults.py."""
 
 from __future__ import annotations
 
@@ -15,6 +17,7 @@ import time
 
 import pytest
 
+from megarl import faults
 from megarl.sandbox import Limits, RunResult
 from megarl.sandbox.harness_protocol import RERUNS, HarnessBackend
 from megarl.verifiers.code import CodeVerifier
@@ -118,5 +121,50 @@ def test_a_docker_container_killed_mid_case_runs_the_case_again():
         result = verifier.verify(SLOW, GOLD)
         killer.join()
         assert (result.outcome, result.score) == ("correct", 1.0), result
+    finally:
+        sandbox.close()
+
+
+def _docker_or_skip() -> str:
+    from megarl.sandbox.docker import DEFAULT_IMAGE, docker_status
+
+    image = os.environ.get("MEGARL_SANDBOX_IMAGE", DEFAULT_IMAGE)
+    reason = docker_status(image)
+    if reason:
+        pytest.skip(f"no Docker engine or sandbox image here: {reason}")
+    return image
+
+
+@pytest.mark.parametrize("backend", ["local", "docker"])
+def test_the_sandbox_kill_fault_kills_the_case_s_sandbox_and_the_case_runs_again(backend, monkeypatch, capfd):
+    kwargs = {"backend": "docker", "image": _docker_or_skip()} if backend == "docker" else {}
+    verifier = CodeVerifier(workers=1, **kwargs)
+    sandbox = verifier.sandbox
+    try:
+        unharmed = verifier.verify(GOOD, GOLD)  # the sandbox (and its harness pool) up before the fault
+        assert (unharmed.outcome, unharmed.sandbox_reruns) == ("correct", 0), unharmed
+        before = set(sandbox.containers()) if backend == "docker" else set()
+        monkeypatch.setenv(faults.ENV, "sandbox_kill@2")
+        assert faults.fire("sandbox_kill", 2)
+        t0 = time.monotonic()
+        result = verifier.verify(GOOD, GOLD)
+        seconds = time.monotonic() - t0
+        assert (result.outcome, result.score, result.normalized) == ("correct", 1.0, "2/2 tests passed"), result
+        assert not faults.take("sandbox_kill")
+        err = capfd.readouterr().err
+        assert "megarl: fault injected: sandbox_kill at step 2 on rank 0" in err
+        if backend == "local":  # the case run again by the harness protocol (`RERUNS`), counted in the row
+            assert result.sandbox_reruns == 1
+            assert "megarl: sandbox_kill: SIGKILLed the local sandbox's worker (pid " in err, err
+        else:  # the Docker pool runs it again on a fresh container itself (`_drive_all`), uncounted so far
+            killed = [name for name in before if f"SIGKILLed container {name} " in err]
+            assert len(killed) == 1, err
+            assert killed[0] not in sandbox.containers()
+        assert "a code case handed to it and unanswered" in err
+        again = verifier.verify(GOOD, GOLD)  # the replacement serves on, the fault spent
+        assert (again.outcome, again.sandbox_reruns) == ("correct", 0)
+        with capfd.disabled():
+            print(f"sandbox_kill on the {backend} sandbox: the verdict {seconds:.2f} s after the case was handed "
+                  f"over (unharmed {unharmed.seconds:.2f} s, then {again.seconds:.2f} s)")
     finally:
         sandbox.close()

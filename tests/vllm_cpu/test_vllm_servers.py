@@ -14,7 +14,8 @@ from helpers import build_test_starter, free_port, make_tiny_hf_model, torchrun
 from vllm_env import REPO, vllm_env_vars
 
 from megarl.rollout.base import SamplingParams
-from megarl.rollout.vllm_servers import ServerError, VLLMServers
+from megarl.rollout.server_health import ServerDeadError
+from megarl.rollout.vllm_servers import VLLMServers
 
 PROMPTS = [[1, 2, 3, 4], [5, 6, 7], [8, 9, 10, 11, 12]]
 
@@ -135,8 +136,9 @@ def test_refusals_name_the_problem(served):
         servers.generate(PROMPTS, SamplingParams(stop=("</tool>",)))
     with pytest.raises(ValueError, match="top_k"):
         servers.generate(PROMPTS, SamplingParams(temperature=1.0, top_k=5))
-    dead = VLLMServers([f"127.0.0.1:{free_port()}"], timeout_s=2)
-    with pytest.raises(ServerError, match="did not answer within 2 s"):
+    dead = VLLMServers([f"127.0.0.1:{free_port()}"], timeout_s=2)  # --engine-max-restarts 0: the first failure
+    with pytest.raises(ServerDeadError, match=r"vLLM server http://127\.0\.0\.1:\d+ stopped the run after 0 server "
+                                              r"failure\(s\) .* did not answer within 2 s"):
         dead.generate(PROMPTS[:1], SamplingParams(max_new_tokens=2))
 
 
