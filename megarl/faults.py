@@ -19,11 +19,12 @@ Faults (`FAULTS`):
                       before answering: the pool replaces it and scores the sample again (`megarl.reward.pool`)
   sandbox_kill        the sandbox that takes the first code sample scored after the fault fired (in a reward
                       worker with --reward-workers >= 1, else in the trainer's process) is SIGKILLed from outside,
-                      with the case handed to it and unanswered, as the OOM killer or a node fault would: the local
-                      backend's worker process and everything under it (its persistent harness, the program), or
-                      the Docker backend's container (`docker kill`). The sandbox replaces it and runs the case
-                      again (local: `megarl.sandbox.harness_protocol.RERUNS`, counted in the row's
-                      `reward_sandbox_reruns`; Docker: inside its pool, uncounted). `kill_sandbox` says how the
+                      as the OOM killer or a node fault would: the local backend's worker process and everything
+                      under it (its persistent harness, the program), with the case handed to it and unanswered;
+                      the Docker backend's containers (`docker kill`) just before the case is handed over, so the
+                      case meets a dead container. The sandbox replaces it and runs the case again (local:
+                      `megarl.sandbox.harness_protocol.RERUNS`, counted in the row's `reward_sandbox_reruns`;
+                      Docker: inside its pool, uncounted). `kill_sandbox` says how the
                       moment is caught; a sandbox not started yet leaves the fault to the next code sample
 
 How each fault is detected, how long the recovery takes and how the run compares with an uninterrupted one, as
@@ -181,12 +182,21 @@ class SandboxKill:
                 _resume(pid)
 
 
-def kill_sandbox(timeout_s: float = 120.0) -> SandboxKill | None:
+def kill_sandbox(timeout_s: float = 120.0) -> SandboxKill | _Killed | None:
     """Start sandbox_kill on the sandbox that takes the next case (`SandboxKill`); None, and the fault left armed
     for the next code sample, when no sandbox process of this process is up yet (a backend that starts lazily)."""
+    hosts = _sandbox_hosts()
+    containers = [(pid, container) for pid, container in hosts if container is not None]
+    if containers:
+        # Docker: killed before the case is handed over. Stopping the `docker run` clients as below stalls the
+        # Docker pool itself (measured: the case then timed out and nothing was killed), so the case meets a
+        # dead container instead, which the pool finds and replaces (`DockerSandbox._drive_all`).
+        for pid, container in containers:
+            _kill_host(pid, container, handed=False)
+        return _Killed()
     writers = _pipe_writers()
     watched = {}
-    for pid, container in _sandbox_hosts():
+    for pid, container in hosts:
         fd = next((writers[ino] for ino in _pipes_of(pid) if ino in writers), None)
         if fd is None:  # no request pipe of ours (not yet handed over by a starting backend): not one to watch
             continue
@@ -202,7 +212,14 @@ def kill_sandbox(timeout_s: float = 120.0) -> SandboxKill | None:
     return SandboxKill(watched, timeout_s)
 
 
-def _kill_host(pid: int, container: tuple[str, str] | None) -> None:
+class _Killed:
+    """A sandbox_kill carried out at once (the Docker backend's): nothing to wait for."""
+
+    def finish(self) -> None:
+        pass
+
+
+def _kill_host(pid: int, container: tuple[str, str] | None, handed: bool = True) -> None:
     if container is None:
         victims = [pid, *_descendants(pid)]  # read before the kill: orphans are re-parented after it
         for victim in victims:
@@ -215,8 +232,8 @@ def _kill_host(pid: int, container: tuple[str, str] | None) -> None:
         docker, name = container
         done = subprocess.run([docker, "kill", name], capture_output=True, text=True, timeout=60)
         what = f"container {name} (docker kill: {(done.stdout or done.stderr).strip() or done.returncode})"
-    print(f"megarl: sandbox_kill: SIGKILLed {what}, a code case handed to it and unanswered", file=sys.stderr,
-          flush=True)
+    when = "a code case handed to it and unanswered" if handed else "just before a code case is handed to it"
+    print(f"megarl: sandbox_kill: SIGKILLed {what}, {when}", file=sys.stderr, flush=True)
 
 
 def _sandbox_hosts() -> list[tuple[int, tuple[str, str] | None]]:
