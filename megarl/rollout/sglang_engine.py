@@ -385,8 +385,9 @@ class SGLangEngine(EngineCapabilities):
             engine = start()
         else:
             engine, watch = EngineWatch.launched(start, health_timeout_s)
-            health = dict(watch=watch, relaunch=lambda: EngineWatch.launched(start, health_timeout_s),
-                          max_restarts=max_restarts, timeout_s=timeout_s)
+            if watch is not None:
+                health = dict(watch=watch, relaunch=lambda: EngineWatch.launched(start, health_timeout_s),
+                              max_restarts=max_restarts, timeout_s=timeout_s)
         return cls(engine, tp_size=tp_size, colocated=colocated, tokenizer=tokenizer, ipc=ipc,
                    dtype=getattr(torch, dtype) if dtype in ("bfloat16", "float16", "float32") else None, **health)
 

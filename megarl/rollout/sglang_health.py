@@ -50,13 +50,17 @@ class EngineWatch:
         self.pids, self.health_timeout_s, self.what = list(pids), health_timeout_s, what
 
     @classmethod
-    def launched(cls, launch: Callable[[], object], health_timeout_s: float) -> tuple[object, "EngineWatch"]:
-        """`launch()` (an `sglang.Engine`), and the watch of the processes it started."""
+    def launched(cls, launch: Callable[[], object], health_timeout_s: float) -> tuple[object, "EngineWatch | None"]:
+        """`launch()` (an `sglang.Engine`), and the watch of the processes it started; None, said on stderr, for
+        an engine that started none (a stand-in `sglang.Engine`, as the contract tests' fakes): its calls are
+        made unwatched, as a colocated engine's are."""
         before = set(_children().get(os.getpid(), []))
         engine = launch()
         pids = [p for p in _children().get(os.getpid(), []) if p not in before and not _is_helper(p)]
         if not pids:
-            raise RuntimeError("the SGLang engine started no process of its own that megarl can watch")
+            print("megarl: sglang: the engine started no process of its own that megarl can watch: its health is "
+                  "not probed (--engine-health-timeout does not apply)", file=sys.stderr, flush=True)
+            return engine, None
         return engine, cls(pids, health_timeout_s)
 
     def name(self) -> str:
