@@ -275,6 +275,8 @@ class _WorkerSide:
             self.cgroups["harness"].set_limit(2 * HARNESS_MB)
         self.job_memory_mb = 0
         self.seccomp = iso_mod.seccomp_program(deny_memfd=not self.cgroups) if iso.seccomp else None
+        self.supervised = iso_mod.seccomp_program(deny_memfd=not self.cgroups, notify=True) \
+            if iso.seccomp_notify else None
         self.base_vsize = address_space_base()
         gc.freeze()  # what exists now is never scanned by a job's collector: fewer copy-on-write page copies per fork
         self.pidns_fd = None
@@ -346,7 +348,8 @@ class _WorkerSide:
         detail = f"wall-clock limit of {lim['wall_s']} s" if status == "timeout" else final.get("error", "")
         return {"status": status, "exit_code": 0 if status == "ok" else None, "detail": detail,
                 "wall_s": round(time.monotonic() - start, 4), "cpu_s": final.get("cpu_s", 0.0),
-                "stdout": server_verdict(job["stdin"].strip(), final, results)}
+                "stdout": server_verdict(job["stdin"].strip(), final, results),
+                "seccomp_denied": final.get("seccomp_denied", {})}
 
     def drop_harness(self) -> None:
         if self.harness is not None:
@@ -394,7 +397,8 @@ class _WorkerSide:
             if workdir is None:
                 workdir = self._private_tmp(job)
             cleanup = None if self.iso.pid_ns else self._kill_uid
-            result = run_program(job, workdir, self.base_vsize, confine=self._confine, cleanup=cleanup)
+            result = run_program(job, workdir, self.base_vsize, confine=self._confine, cleanup=cleanup,
+                                 denials=iso_mod.DenialCounter if self.supervised is not None else None)
             os.write(w, json.dumps(result).encode())
             code = 0
         finally:
@@ -413,9 +417,9 @@ class _WorkerSide:
         self._chown_tree(_WORK)
         return _WORK
 
-    def _confine(self) -> None:
+    def _confine(self, handoff: int | None) -> None:
         """In P, after fork: the job's cgroup, a high OOM score, then drop privileges, Landlock, close every fd
-        above 2, seccomp."""
+        above 2, seccomp (its listener sent to I on `handoff`, where the filter has a supervisor)."""
         if "job" in self.cgroups:
             self.cgroups["job"].enter()
         try:
@@ -424,7 +428,7 @@ class _WorkerSide:
         except OSError:
             pass
         writes = [_TMP, _SHM, os.devnull] if self.private_tmp else [os.getcwd(), os.devnull]
-        iso_mod.Confinement(self.iso, self.read_fds, writes, self.seccomp).apply()
+        iso_mod.Confinement(self.iso, self.read_fds, writes, self.seccomp, self.supervised).apply((), handoff)
         if "random" in sys.modules:  # a fork shares the worker's generator state: reseed from the kernel
             sys.modules["random"].seed()
 
@@ -589,4 +593,10 @@ def probe_and_enter(uid: int) -> iso_mod.HostIsolation:
         lambda: (iso_mod.prctl(iso_mod.PR_SET_NO_NEW_PRIVS, 1), iso_mod.seccomp_install(iso_mod.seccomp_program())))
     if not iso.seccomp:
         iso.warnings.append("no seccomp filter on this host/architecture")
+    else:
+        why = iso_mod.why_no_seccomp_notify()
+        iso.seccomp_notify = not why
+        if why:
+            iso.warnings.append(f"no seccomp user notification ({why}): the program filter refuses what it did, "
+                                "but its refusals are not counted for the reward-hacking signals")
     return iso

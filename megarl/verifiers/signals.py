@@ -273,10 +273,21 @@ def scan_run(details: list[str], status: str = "", run_detail: str = "") -> dict
     return found
 
 
-def code_signals(code: str, details: list[str], status: str = "", run_detail: str = "") -> dict[str, str]:
-    found = scan_program(code)
-    for k, v in scan_run(details, status, run_detail).items():
-        found.setdefault(k, v)
+def seccomp_evidence(denied: dict[str, int]) -> str:
+    """`seccomp denied: ptrace x3, socket(AF_INET) x1`: the refusals the kernel notified, most frequent first."""
+    ranked = sorted(denied.items(), key=lambda kv: (-kv[1], kv[0]))
+    return _short("seccomp denied: " + ", ".join(f"{name} x{n}" for name, n in ranked))
+
+
+def code_signals(code: str, details: list[str], status: str = "", run_detail: str = "",
+                 denied: dict[str, int] | None = None) -> dict[str, str]:
+    """The signals of a code sample: its source, what the sandbox reported, and `denied`, the syscalls the
+    program filter refused it as the kernel counted them (`RunResult.seccomp_denied`), whose evidence comes first
+    in `sandbox_refusal`: it is what the program did, not what its text or stderr suggests."""
+    found = {"sandbox_refusal": seccomp_evidence(denied)} if denied else {}
+    for part in (scan_program(code), scan_run(details, status, run_detail)):
+        for k, v in part.items():
+            found.setdefault(k, v)
     return found
 
 

@@ -1,0 +1,88 @@
+"""What supervising the seccomp denials costs: the code verifier's time per case, one case at a time.
+
+    python tools/bench/seccomp_denials.py [--rounds 40] [--json out.json]
+
+One worker, one case at a time (`CodeVerifier(workers=1).verify`), for: an honest program; the code hacks of the
+planted hacker's catalogue (`tests/e2e/hack_catalogue.py`, the red-team patterns) and a program that calls ptrace
+by number through ctypes; each both with the worker's persistent harness and with the harness as a job per case;
+and a plain job (`LocalSandbox.run(Job("print(1)"))`). Prints the median and p90 milliseconds per case of each
+group, and the denials the kernel reported for the ctypes program (absent before the supervisor existed). Run it
+on the commit before and after a change, alternately, on the same machine: the load of shared cores moves the
+absolute figures more than the change does.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "tests" / "e2e"))
+
+from hack_catalogue import CATALOGUE, hack_text
+
+from megarl.sandbox import Job, Limits
+from megarl.sandbox.local import LocalSandbox
+from megarl.verifiers.code import CodeVerifier
+
+GOLD = {"test": "assert f(1) == 2\nassert f(2) == 3\n", "entry_point": "f"}
+HONEST = "def f(x):\n    return x + 1\n"
+# ptrace(PTRACE_ATTACH, 1) by number: no `import ctypes` for the static check to read
+BY_NUMBER = ("m = __import__('ct' + 'ypes')\nm.CDLL(None).syscall(101, 16, 1, 0, 0)\n"
+             "def f(x):\n    return x + 1\n")
+
+
+def _ms(samples: list[float]) -> dict:
+    samples = sorted(samples)
+    return {"median_ms": round(1000 * statistics.median(samples), 2),
+            "p90_ms": round(1000 * samples[int(0.9 * (len(samples) - 1))], 2), "n": len(samples)}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--rounds", type=int, default=40)
+    ap.add_argument("--json", default="")
+    args = ap.parse_args()
+    hacks = [hack_text(k, GOLD) for k, e in enumerate(CATALOGUE) if e[0] == "code"
+             if "fork bomb" not in e[2]]  # (a fork bomb's time is its process limit's, not the check's)
+    out = {}
+    for persistent in (True, False):
+        verifier = CodeVerifier(workers=1, persistent_harness=persistent, time_s=2.0)
+        mode = "persistent harness" if persistent else "harness as a job"
+        verifier.verify(HONEST, GOLD)  # start the worker (and its harness)
+        times: dict[str, list[float]] = {"honest": [], "red-team": [], "ctypes ptrace": []}
+        last = None
+        for _ in range(args.rounds):
+            for group, programs in (("honest", [HONEST]), ("ctypes ptrace", [BY_NUMBER]),
+                                    ("red-team", hacks[: max(1, len(hacks) // 4)])):
+                for program in programs:
+                    start = time.perf_counter()
+                    result = verifier.verify(program, GOLD)
+                    times[group].append(time.perf_counter() - start)
+                    if group == "ctypes ptrace":
+                        last = result
+            hacks = hacks[len(hacks) // 4:] + hacks[: len(hacks) // 4]  # a quarter of the catalogue per round
+        for group, samples in times.items():
+            out[f"{mode}: {group}"] = _ms(samples)
+        out[f"{mode}: ctypes ptrace verdict"] = [last.score, last.outcome, last.signals.get("sandbox_refusal")]
+        verifier.sandbox.close()
+    sandbox = LocalSandbox(workers=1, limits=Limits(wall_s=5, cpu_s=5))
+    sandbox.run(Job("print(1)"))
+    samples = []
+    for _ in range(args.rounds * 2):
+        start = time.perf_counter()
+        sandbox.run(Job("print(1)"))
+        samples.append(time.perf_counter() - start)
+    out["plain job print(1)"] = _ms(samples)
+    sandbox.close()
+    for key, value in out.items():
+        print(f"{key:45s} {value}")
+    if args.json:
+        Path(args.json).write_text(json.dumps(out, indent=1))
+
+
+if __name__ == "__main__":
+    main()
