@@ -46,6 +46,8 @@ UID_BASE = 1_600_000_000  # job uids from here: far above any account, so a job'
 _START_TIMEOUT_S = 30.0
 _WARNED: set[str] = set()
 _UID_SLOTS = itertools.count()
+_LIVE_SLOTS: set[int] = set()  # the uid slots (mod 16) of this process's sandboxes until their close()
+_SLOTS_LOCK = threading.Lock()
 
 
 @register_sandbox("local")
@@ -113,9 +115,19 @@ class LocalSandbox(HarnessBackend):
         this process: by start order; of others: by pid), so RLIMIT_NPROC and the uid sweep never count or
         reach another's jobs, and nothing run for one sandbox (e.g. its persistent code harnesses) is taken
         for another's leftovers."""
-        if self._uid_slot is None:
-            self._uid_slot = next(_UID_SLOTS)
-        base = self.uid_base + (os.getpid() % 400_000) * 16 * 256 + (self._uid_slot % 16) * 256
+        if self._uid_slot is None:  # the next slot in turn that no open sandbox of this process holds: the 17th
+            # sandbox of a process would otherwise share the uids and the memory cgroup of the 1st, and closing
+            # either removed the other's empty cgroups (a case's), failing its next case
+            with _SLOTS_LOCK:
+                for _ in range(16):
+                    slot = next(_UID_SLOTS) % 16
+                    if slot not in _LIVE_SLOTS:
+                        break
+                else:
+                    raise RuntimeError("more than 16 local sandboxes open at once in one process")
+                _LIVE_SLOTS.add(slot)
+                self._uid_slot = slot
+        base = self.uid_base + (os.getpid() % 400_000) * 16 * 256 + self._uid_slot * 256
         return [base + i for i in range(self.workers)]
 
     def run(self, job: Job) -> RunResult:
@@ -166,6 +178,10 @@ class LocalSandbox(HarnessBackend):
                 os.close(self._cgroup.dir_fd)
                 cgroups.remove_cgroup_tree(self._cgroup.path)
                 self._cgroup = None
+            if self._uid_slot is not None:
+                with _SLOTS_LOCK:
+                    _LIVE_SLOTS.discard(self._uid_slot)
+                self._uid_slot = None
 
     def __del__(self):
         try:
