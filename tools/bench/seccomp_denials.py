@@ -20,19 +20,22 @@ loop does it between requests, then closed).
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import json
+import math
 import statistics
-import sys
 import time
 from pathlib import Path
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "tests" / "e2e"))
-
-from hack_catalogue import CATALOGUE, hack_text
 
 from megarl.sandbox import Job, Limits
 from megarl.sandbox.local import LocalSandbox
 from megarl.verifiers.code import CodeVerifier
+
+_spec = importlib.util.spec_from_file_location(
+    "hack_catalogue", Path(__file__).resolve().parents[2] / "tests" / "e2e" / "hack_catalogue.py")
+_catalogue = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(_catalogue)
+CATALOGUE, hack_text = _catalogue.CATALOGUE, _catalogue.hack_text
 
 GOLD = {"test": "assert f(1) == 2\nassert f(2) == 3\n", "entry_point": "f"}
 HONEST = "def f(x):\n    return x + 1\n"
@@ -44,7 +47,7 @@ BY_NUMBER = ("m = __import__('ct' + 'ypes')\nm.CDLL(None).syscall(101, 16, 1, 0,
 def _ms(samples: list[float]) -> dict:
     samples = sorted(samples)
     return {"median_ms": round(1000 * statistics.median(samples), 2),
-            "p90_ms": round(1000 * samples[int(0.9 * (len(samples) - 1))], 2), "n": len(samples)}
+            "p90_ms": round(1000 * samples[max(0, math.ceil(0.9 * len(samples)) - 1)], 2), "n": len(samples)}
 
 
 def spawn_cost(n: int) -> dict:
