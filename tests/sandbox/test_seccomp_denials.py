@@ -94,6 +94,19 @@ def test_a_plain_job_gets_the_counts_and_the_same_errnos():
         sandbox.close()
 
 
+def test_the_report_is_bounded_whatever_the_program_names(verifiers):
+    """socket() of 200 made-up families: 200 kinds a count could keep; the report keeps DENIED_KINDS, the rest
+    counted as "other", and the case is judged as usual."""
+    program = ("m = __import__('ct' + 'ypes')\nlibc = m.CDLL(None)\nfor family in range(1000, 1200):\n"
+               "    libc.syscall(41, family, 1, 0)\n" + HONEST)
+    result = verifiers[True, True].verify(program, GOLD)
+    assert (result.score, result.outcome) == (1.0, "correct")
+    case = verifiers[True, True].sandbox.run_tests([verifiers[True, True]._prepare(program, GOLD)[0]])[0]
+    denied = case.run.seccomp_denied
+    assert len(denied) == iso_mod.DENIED_KINDS and sum(denied.values()) == 200
+    assert denied["other"] == 200 - (iso_mod.DENIED_KINDS - 1) and denied["socket(family 1000)"] == 1
+
+
 def _descendants(pid: int) -> list[int]:
     children: dict[int, list[int]] = {}
     for entry in filter(str.isdigit, os.listdir("/proc")):

@@ -525,6 +525,7 @@ def denied_name(nr: int, args: tuple[int, ...]) -> str:
 
 
 _NAMES_BY_NR: dict[str, dict[int, str]] = {}
+DENIED_KINDS = 32  # distinct names a count keeps, "other" included
 
 
 class DenialCounter:
@@ -600,6 +601,8 @@ class DenialCounter:
         except OSError:  # ENOENT: gone before the answer; the syscall never returned
             return
         key = denied_name(nr, tuple(args))
+        if key not in self.counts and len(self.counts) >= DENIED_KINDS - 1:
+            key = "other"  # a program may name endless kinds (socket families, x32 numbers): a bounded report
         self.counts[key] = self.counts.get(key, 0) + 1
 
     def _drop(self, fd: int) -> None:
