@@ -76,6 +76,10 @@ class RunResult:
     cpu_s: float = 0.0
     peak_mb: float = 0.0  # peak resident memory of the job's largest process
     detail: str = ""  # why, for statuses other than ok / nonzero_exit
+    # The syscalls the program filter refused the job's processes, as the kernel notified the sandbox's supervisor
+    # (`ptrace`, `socket(AF_INET)`, `clone(NEWUSER)` -> count); {} where there were none or nothing counts them
+    # (see `megarl/sandbox/guest/isolation.py`). A record, never a verdict: the program saw the same refusals.
+    seccomp_denied: dict[str, int] = field(default_factory=dict)
 
     @property
     def ok(self) -> bool:

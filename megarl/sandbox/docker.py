@@ -213,6 +213,10 @@ class DockerSandbox(HarnessBackend):
                                   f"up fresh namespaces per case ({'; '.join(missing)}): program processes share the "
                                   "container's pid counter and /tmp, cleaned between cases", RuntimeWarning,
                                   stacklevel=3)
+                if not self.spawner.get("denials_counted"):
+                    warnings.warn("megarl sandbox (docker backend): no seccomp user notification in the harness "
+                                  "containers: the program filter refuses what it refused before, but the refusals "
+                                  "are not counted for the reward-hacking signals", RuntimeWarning, stacklevel=3)
                 self._harness_idle = idle
         return self._harness_idle
 
@@ -504,7 +508,8 @@ class _HarnessContainer(_Container):
     def _result(wire: dict, final: dict, results: list, status: str, detail: str, start: float) -> RunResult:
         return RunResult(status=status, exit_code=0 if status == "ok" else None, detail=detail,
                          wall_s=round(time.monotonic() - start, 4), cpu_s=final.get("cpu_s", 0.0),
-                         stdout=server_verdict(wire["stdin"].strip(), final, results))
+                         stdout=server_verdict(wire["stdin"].strip(), final, results),
+                         seccomp_denied=final.get("seccomp_denied", {}))
 
     def died(self, wire: dict, error: _Died, kills: int) -> RunResult:
         """The case's verdict: the tests that passed before the container died, then a `memory_limit` failure (see

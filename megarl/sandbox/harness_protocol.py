@@ -127,7 +127,8 @@ def parse_verdict(stdout: str, secret: str) -> dict | None:
 def server_verdict(secret: str, final: dict, results: list) -> str:
     """The verdict line a backend writes for a case its persistent harness ran: the results the harness answered
     (a line each) and its final line, signed with the run's secret, which only the backend holds. `cpu_s` goes to
-    `RunResult.cpu_s` instead, and the harness's bookkeeping (`done`, `oom_kills`) stays out."""
-    payload = {k: v for k, v in final.items() if k not in ("done", "oom_kills", "cpu_s")}
+    `RunResult.cpu_s` instead, the seccomp refusals to `RunResult.seccomp_denied`, and the harness's bookkeeping
+    (`done`, `oom_kills`) stays out."""
+    payload = {k: v for k, v in final.items() if k not in ("done", "oom_kills", "cpu_s", "seccomp_denied")}
     payload["results"] = results
     return verdict_line(secret, json.dumps(payload))

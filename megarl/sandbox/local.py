@@ -46,6 +46,8 @@ UID_BASE = 1_600_000_000  # job uids from here: far above any account, so a job'
 _START_TIMEOUT_S = 30.0
 _WARNED: set[str] = set()
 _UID_SLOTS = itertools.count()
+_LIVE_SLOTS: set[int] = set()  # the uid slots (mod 16) of this process's sandboxes until their close()
+_SLOTS_LOCK = threading.Lock()
 
 
 @register_sandbox("local")
@@ -113,9 +115,19 @@ class LocalSandbox(HarnessBackend):
         this process: by start order; of others: by pid), so RLIMIT_NPROC and the uid sweep never count or
         reach another's jobs, and nothing run for one sandbox (e.g. its persistent code harnesses) is taken
         for another's leftovers."""
-        if self._uid_slot is None:
-            self._uid_slot = next(_UID_SLOTS)
-        base = self.uid_base + (os.getpid() % 400_000) * 16 * 256 + (self._uid_slot % 16) * 256
+        if self._uid_slot is None:  # the next slot in turn that no open sandbox of this process holds: the 17th
+            # sandbox of a process would otherwise share the uids and the memory cgroup of the 1st, and closing
+            # either removed the other's empty cgroups (a case's), failing its next case
+            with _SLOTS_LOCK:
+                for _ in range(16):
+                    slot = next(_UID_SLOTS) % 16
+                    if slot not in _LIVE_SLOTS:
+                        break
+                else:
+                    raise RuntimeError("more than 16 local sandboxes open at once in one process")
+                _LIVE_SLOTS.add(slot)
+                self._uid_slot = slot
+        base = self.uid_base + (os.getpid() % 400_000) * 16 * 256 + self._uid_slot * 256
         return [base + i for i in range(self.workers)]
 
     def run(self, job: Job) -> RunResult:
@@ -166,6 +178,10 @@ class LocalSandbox(HarnessBackend):
                 os.close(self._cgroup.dir_fd)
                 cgroups.remove_cgroup_tree(self._cgroup.path)
                 self._cgroup = None
+            if self._uid_slot is not None:
+                with _SLOTS_LOCK:
+                    _LIVE_SLOTS.discard(self._uid_slot)
+                self._uid_slot = None
 
     def __del__(self):
         try:
@@ -275,6 +291,8 @@ class _WorkerSide:
             self.cgroups["harness"].set_limit(2 * HARNESS_MB)
         self.job_memory_mb = 0
         self.seccomp = iso_mod.seccomp_program(deny_memfd=not self.cgroups) if iso.seccomp else None
+        self.supervised = iso_mod.seccomp_program(deny_memfd=not self.cgroups, notify=True) \
+            if iso.seccomp_notify else None
         self.base_vsize = address_space_base()
         gc.freeze()  # what exists now is never scanned by a job's collector: fewer copy-on-write page copies per fork
         self.pidns_fd = None
@@ -346,7 +364,8 @@ class _WorkerSide:
         detail = f"wall-clock limit of {lim['wall_s']} s" if status == "timeout" else final.get("error", "")
         return {"status": status, "exit_code": 0 if status == "ok" else None, "detail": detail,
                 "wall_s": round(time.monotonic() - start, 4), "cpu_s": final.get("cpu_s", 0.0),
-                "stdout": server_verdict(job["stdin"].strip(), final, results)}
+                "stdout": server_verdict(job["stdin"].strip(), final, results),
+                "seccomp_denied": final.get("seccomp_denied", {})}
 
     def drop_harness(self) -> None:
         if self.harness is not None:
@@ -394,7 +413,8 @@ class _WorkerSide:
             if workdir is None:
                 workdir = self._private_tmp(job)
             cleanup = None if self.iso.pid_ns else self._kill_uid
-            result = run_program(job, workdir, self.base_vsize, confine=self._confine, cleanup=cleanup)
+            result = run_program(job, workdir, self.base_vsize, confine=self._confine, cleanup=cleanup,
+                                 denials=iso_mod.DenialCounter if self.supervised is not None else None)
             os.write(w, json.dumps(result).encode())
             code = 0
         finally:
@@ -413,9 +433,9 @@ class _WorkerSide:
         self._chown_tree(_WORK)
         return _WORK
 
-    def _confine(self) -> None:
+    def _confine(self, handoff: int | None) -> None:
         """In P, after fork: the job's cgroup, a high OOM score, then drop privileges, Landlock, close every fd
-        above 2, seccomp."""
+        above 2, seccomp (its listener sent to I on `handoff`, where the filter has a supervisor)."""
         if "job" in self.cgroups:
             self.cgroups["job"].enter()
         try:
@@ -424,7 +444,7 @@ class _WorkerSide:
         except OSError:
             pass
         writes = [_TMP, _SHM, os.devnull] if self.private_tmp else [os.getcwd(), os.devnull]
-        iso_mod.Confinement(self.iso, self.read_fds, writes, self.seccomp).apply()
+        iso_mod.Confinement(self.iso, self.read_fds, writes, self.seccomp, self.supervised).apply((), handoff)
         if "random" in sys.modules:  # a fork shares the worker's generator state: reseed from the kernel
             sys.modules["random"].seed()
 
@@ -589,4 +609,10 @@ def probe_and_enter(uid: int) -> iso_mod.HostIsolation:
         lambda: (iso_mod.prctl(iso_mod.PR_SET_NO_NEW_PRIVS, 1), iso_mod.seccomp_install(iso_mod.seccomp_program())))
     if not iso.seccomp:
         iso.warnings.append("no seccomp filter on this host/architecture")
+    else:
+        why = iso_mod.why_no_seccomp_notify()
+        iso.seccomp_notify = not why
+        if why:
+            iso.warnings.append(f"no seccomp user notification ({why}): the program filter refuses what it did, "
+                                "but its refusals are not counted for the reward-hacking signals")
     return iso

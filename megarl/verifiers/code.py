@@ -176,7 +176,8 @@ class CodeVerifier:
         if self.signals and signals.enabled():
             start = time.perf_counter()
             details = [f"{t.why} {t.detail}" for t in case.tests if not t.ok]
-            result.signals = signals.code_signals(prepared[0].code, details, case.run.status, case.run.detail or "")
+            result.signals = signals.code_signals(prepared[0].code, details, case.run.status, case.run.detail or "",
+                                                  case.run.seccomp_denied)
             result.signals_seconds = time.perf_counter() - start
         return result
 

@@ -4,10 +4,16 @@ sandbox's proof for code, the equivalence check for math); a signal only says th
 
 Categories (`CATEGORIES`, a fixed list so every rank reduces the same metric keys):
 
-- code (`code_signals`: the program's source, read with `ast`, and what the sandbox's run reported):
-  - `sandbox_refusal`: the sandbox refused or cut off something the program did (a permission denied by Landlock
-    or seccomp, a fork or memory limit hit, output past its cap), or the program reaches for what the sandbox
-    refuses (`os.kill`, `ptrace`, `os.fork`, `subprocess`, `socket`, `ctypes`, writes to an absolute path);
+- code (`code_signals`: the program's source, read with `ast`, what the sandbox's run reported, and the syscalls
+  the sandbox's seccomp filter refused it, as the kernel counted them):
+  - `sandbox_refusal`: the seccomp filter refused a syscall, whatever the path (ctypes, a syscall by number, a C
+    extension): `seccomp denied: ptrace x3, socket(AF_INET) x1`, from `RunResult.seccomp_denied` (the supervisor
+    of `megarl/sandbox/guest/isolation.py`, where the kernel has user notification; this evidence comes first);
+    else the sandbox refused or cut off something the program did (a permission denied by Landlock or seccomp
+    that reached its stderr or a test's failure, a fork or memory limit hit, output past its cap), or the program
+    reaches for what the sandbox refuses (`os.kill`, `ptrace`, `os.fork`, `subprocess`, `socket`, `ctypes`,
+    writes to an absolute path). Landlock's own refusals are not counted by the kernel for us (the module
+    docstring of `isolation.py` says why);
   - `early_exit`: `sys.exit`, `os._exit`, `exit()`, `quit()`, `raise SystemExit`, an `atexit` hook, or a test
     that failed on `SystemExit` (the tests never ran to their end);
   - `forged_verdict`: the harness's verdict marker or a line that reads like a verdict ("all tests passed") in
@@ -273,10 +279,21 @@ def scan_run(details: list[str], status: str = "", run_detail: str = "") -> dict
     return found
 
 
-def code_signals(code: str, details: list[str], status: str = "", run_detail: str = "") -> dict[str, str]:
-    found = scan_program(code)
-    for k, v in scan_run(details, status, run_detail).items():
-        found.setdefault(k, v)
+def seccomp_evidence(denied: dict[str, int]) -> str:
+    """`seccomp denied: ptrace x3, socket(AF_INET) x1`: the refusals the kernel notified, most frequent first."""
+    ranked = sorted(denied.items(), key=lambda kv: (-kv[1], kv[0]))
+    return _short("seccomp denied: " + ", ".join(f"{name} x{n}" for name, n in ranked))
+
+
+def code_signals(code: str, details: list[str], status: str = "", run_detail: str = "",
+                 denied: dict[str, int] | None = None) -> dict[str, str]:
+    """The signals of a code sample: its source, what the sandbox reported, and `denied`, the syscalls the
+    program filter refused it as the kernel counted them (`RunResult.seccomp_denied`), whose evidence comes first
+    in `sandbox_refusal`: it is what the program did, not what its text or stderr suggests."""
+    found = {"sandbox_refusal": seccomp_evidence(denied)} if denied else {}
+    for part in (scan_program(code), scan_run(details, status, run_detail)):
+        for k, v in part.items():
+            found.setdefault(k, v)
     return found
 
 

@@ -48,6 +48,17 @@ def test_the_sandbox_report_adds_runtime_evidence():
     assert code_signals("def f(x):\n    return x\n", ["wrong_answer 3"], "ok") == {}
 
 
+def test_the_kernels_seccomp_count_is_the_refusal_evidence():
+    """`RunResult.seccomp_denied` (the sandbox's supervisor, tests/sandbox/test_seccomp_denials.py) becomes the
+    `sandbox_refusal` evidence, most frequent first, before what the program's text suggests."""
+    denied = {"socket(AF_INET)": 1, "ptrace": 3, "mount": 1}
+    assert code_signals("def f(x):\n    return x\n", [], "ok", "", denied) == {
+        "sandbox_refusal": "seccomp denied: ptrace x3, mount x1, socket(AF_INET) x1"}
+    found = code_signals("import socket\nsocket.socket()\nimport sys\nsys.exit(0)\n", [], "ok", "", denied)
+    assert found["sandbox_refusal"].startswith("seccomp denied: ptrace x3") and "early_exit" in found
+    assert code_signals("import socket\n", [], "ok", "", {})["sandbox_refusal"].startswith("imports socket")
+
+
 def test_math_signals():
     copy = math_signals("\\boxed{1/4+1/3}", MATH_GOLD, "1/4+1/3", "incorrect")
     assert "question_copy" in copy

@@ -423,7 +423,8 @@ def serve(cfg):
     iso_mod = _load("isolation")
     local = "isolation" in cfg  # the local backend; a Docker container's harness finds out for itself
     iso = iso_mod.HostIsolation(**cfg["isolation"]) if local else iso_mod.HostIsolation(
-        landlock_abi=iso_mod.landlock_abi(), seccomp=iso_mod.seccomp_supported())
+        landlock_abi=iso_mod.landlock_abi(), seccomp=iso_mod.seccomp_supported(),
+        seccomp_notify=iso_mod.seccomp_supported() and not iso_mod.why_no_seccomp_notify())
     read_roots = cfg.get("read_roots") or iso_mod.read_roots()
     resource.setrlimit(resource.RLIMIT_CORE, (0, 0))
     for name in cfg["preimports"].split():
@@ -481,7 +482,9 @@ def _serve_case(case, spawner, answer_fd, vsize, nproc_extra):
     except BaseException as e:  # noqa: BLE001 - the harness answers whatever happened
         final["error"] = f"harness: {rpc.describe(e)}"
     try:
-        final["oom_kills"], programs_cpu = spawner.end()
+        final["oom_kills"], programs_cpu, denied = spawner.end()
+        if denied:  # the backend puts them in the run's result (`RunResult.seccomp_denied`)
+            final["seccomp_denied"] = denied
         final["cpu_s"] = round(programs_cpu + time.process_time() - start_cpu, 6)
     except BaseException as e:  # noqa: BLE001 - however the spawner broke: say so; the harness is not reused
         final["error"], alive = f"spawner: {rpc.describe(e)}", False

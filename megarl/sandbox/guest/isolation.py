@@ -1,14 +1,43 @@
 """Kernel isolation primitives for the local backend, through ctypes: namespaces, Landlock, seccomp, capabilities.
 
-`probe()` finds out what this host allows (run once per worker, at start); `JobConfiner` applies it to one job's
-process after fork. Nothing here imports anything beyond the standard library.
+`local.probe_and_enter()` finds out what this host allows (run once per worker, at start); `Confinement` applies it
+to one job's process after fork. Nothing here imports anything beyond the standard library.
+
+Seccomp refusals, counted (`DenialCounter`). The program filter refuses silently: a program that calls a refused
+syscall through a path no reading of its text sees (ctypes, a syscall by number, a C extension) would leave no
+trace. Where the kernel has SECCOMP_RET_USER_NOTIF (Linux >= 5.0), the refusals go to a supervisor in the process
+that forked the program (the harness's spawner; the local worker's or the Docker runner's job supervisor), which
+answers EPERM, as the filter did, and counts them by syscall for the reward-hacking signals
+(`RunResult.seccomp_denied`). What it does not change: what is refused and with which errno (so no verdict
+changes), and it adds nothing to a program that calls no refused syscall but a socket pair per program process
+to hand over the listener. What it does not see: refusals of other layers (Landlock, below; a missing capability,
+e.g. `setuid`; resource limits), clone3's ENOSYS and memfd_create's EPERM (left silent on purpose, see
+`seccomp_program`), the counts of a case cut off at its wall-clock limit (its harness is killed with them), and,
+in Docker harness containers, the syscalls the container's own seccomp profile refuses as well (`ptrace`, `bpf`,
+SysV IPC...: the engine's filter answers ERRNO, which takes precedence over our USER_NOTIF, so only `socket`,
+`clone`/`unshare` with namespace flags, `setns`, `mount`, `umount2`, `pivot_root` and x32 numbers are counted
+there).
+
+Landlock refusals are not counted. Linux >= 6.15 logs them, but only through the audit subsystem, and that is not
+usable by the sandbox: audit is off on the hosts measured (AUDIT_GET: enabled=0, no auditd), turning it on is a
+host-wide switch that needs CAP_AUDIT_CONTROL, reading its records needs CAP_AUDIT_READ in the initial user
+namespace (an unprivileged user, or root of a user namespace, gets EPERM for both, measured on 6.18), and the
+kernel multicasts them only to sockets of the initial network namespace, where our workers are not. So what
+Landlock alone refuses leaves no count: reads outside the Python install and system libraries, writes outside
+the job's tmpfs, and signals or abstract-socket connects outside its domain, when made through a path computed at
+run time and the error caught by the program (the static check sees literal paths, the stderr check sees
+uncaught PermissionErrors only). Where the harness gives programs a minimal root (no host paths at all) most of
+those fail with ENOENT before Landlock is asked.
 """
 
 from __future__ import annotations
 
 import ctypes
+import fcntl
 import os
 import platform
+import select
+import socket
 import stat
 import struct
 import sys
@@ -290,6 +319,7 @@ def denied_syscall_names() -> list[str]:
 
 _RET_ALLOW, _RET_KILL = 0x7FFF0000, 0x80000000
 _RET_ERRNO = 0x00050000
+_RET_USER_NOTIF = 0x7FC00000
 EPERM, ENOSYS = 1, 38
 _LD_W_ABS, _JEQ_K, _JGE_K, _JSET_K, _RET_K = 0x20, 0x15, 0x35, 0x45, 0x06
 AF_UNIX = 1
@@ -324,15 +354,21 @@ class _Bpf:
         return b"".join(out)
 
 
-def seccomp_program(deny_memfd: bool = False) -> bytes:
+def seccomp_program(deny_memfd: bool = False, notify: bool = False) -> bytes:
     """The filter every program (and the harness) runs under: EPERM for the deny list, for socket() of any
     family (no network, no host unix socket: socketpair(AF_UNIX) still works), for clone() with a namespace flag,
     and for memfd_create when `deny_memfd` (where no cgroup counts a memfd's pages); ENOSYS for clone3 (its flags
-    are behind a pointer, so glibc falls back to clone); kill on a foreign ABI."""
+    are behind a pointer, so glibc falls back to clone); kill on a foreign ABI.
+
+    With `notify` the refusals that say a program reached for what it must not have (the deny list, socket(),
+    socketpair() of another family, clone() with a namespace flag, x32 numbers) go to a supervisor instead
+    (SECCOMP_RET_USER_NOTIF, see `DenialCounter`), which answers EPERM as the filter does without it. Two stay
+    silent: clone3's ENOSYS (every thread an honest program starts tries it first) and memfd_create's EPERM
+    (refused for memory accounting, not as an escape; the code harness itself tries it)."""
     audit_arch, nr_socket, nr_socketpair, nr_clone, nr_clone3, nr_memfd = _SECCOMP_ARCH[platform.machine()]
     arch = _ARCH_INDEX[platform.machine()]
     deny = {nrs[arch] for nrs in _SYSCALLS.values() if nrs[arch] is not None}
-    deny = sorted(deny | {nr_socket} | ({nr_memfd} if deny_memfd else set()))
+    deny = sorted(deny | {nr_socket})
     p = _Bpf()
     p.op(_LD_W_ABS, 4)  # seccomp_data.arch
     p.op(_JEQ_K, audit_arch, None, "kill")
@@ -340,6 +376,8 @@ def seccomp_program(deny_memfd: bool = False) -> bytes:
     p.op(_JGE_K, 0x40000000, "eperm")  # x32 syscalls on x86_64; no such numbers elsewhere
     for nr in deny:
         p.op(_JEQ_K, nr, "eperm")
+    if deny_memfd:
+        p.op(_JEQ_K, nr_memfd, "quiet")
     p.op(_JEQ_K, nr_clone3, "enosys")
     p.op(_JEQ_K, nr_socketpair, "socketpair")
     p.op(_JEQ_K, nr_clone, None, "allow")
@@ -351,6 +389,8 @@ def seccomp_program(deny_memfd: bool = False) -> bytes:
     p.label("allow")
     p.op(_RET_K, _RET_ALLOW)
     p.label("eperm")
+    p.op(_RET_K, _RET_USER_NOTIF if notify else _RET_ERRNO | EPERM)
+    p.label("quiet")
     p.op(_RET_K, _RET_ERRNO | EPERM)
     p.label("enosys")
     p.op(_RET_K, _RET_ERRNO | ENOSYS)
@@ -359,11 +399,228 @@ def seccomp_program(deny_memfd: bool = False) -> bytes:
     return p.assemble()
 
 
+def sock_fprog(program: bytes):
+    """A pointer to a `struct sock_fprog` of `program`, made ahead of a fork (it keeps its buffer alive)."""
+    fprog = _SockFprog(len(program) // 8)
+    fprog.buf = ctypes.create_string_buffer(program, len(program))
+    fprog.filter = ctypes.cast(fprog.buf, ctypes.c_void_p)
+    return ctypes.byref(fprog)
+
+
 def seccomp_install(program: bytes) -> None:
     """Needs no_new_privs (or CAP_SYS_ADMIN)."""
-    buf = ctypes.create_string_buffer(program, len(program))
-    fprog = _SockFprog(len(program) // 8, ctypes.cast(buf, ctypes.c_void_p))
-    _check(_libc.prctl(PR_SET_SECCOMP, 2, ctypes.byref(fprog), 0, 0), "seccomp")
+    _check(_libc.prctl(PR_SET_SECCOMP, 2, sock_fprog(program), 0, 0), "seccomp")
+
+
+# ---- the supervisor of the filter's refusals ------------------------------------------------------------------
+
+_NR_SECCOMP = {"x86_64": 317, "aarch64": 277}
+_SET_MODE_FILTER, _FLAG_NEW_LISTENER = 1, 1 << 3
+# _IOWR('!', 0, struct seccomp_notif) and _IOWR('!', 1, struct seccomp_notif_resp): 80 and 24 bytes
+_NOTIF_RECV, _NOTIF_SEND = 0xC0502100, 0xC0182101
+_NOTIF = struct.Struct("=QIIiIQ6Q")  # id, pid, flags, then seccomp_data: nr, arch, instruction pointer, args
+_RESP = struct.Struct("=QqiI")  # id, val, error (a negative errno), flags
+
+
+def seccomp_install_listener(fprog) -> int:
+    """Install the filter `fprog` (a pointer to a sock_fprog) with a new listener: the fd of its notifications
+    (close-on-exec). Needs no_new_privs; fails (EBUSY) where a filter already in force has a listener."""
+    return _check(_libc.syscall(_NR_SECCOMP[platform.machine()], _SET_MODE_FILTER, _FLAG_NEW_LISTENER, fprog),
+                  "seccomp listener")
+
+
+class _IoVec(ctypes.Structure):
+    _fields_ = [("base", ctypes.c_void_p), ("len", ctypes.c_size_t)]
+
+
+class _CmsgFd(ctypes.Structure):  # struct cmsghdr + one int: CMSG_SPACE(sizeof(int)) bytes
+    _fields_ = [("len", ctypes.c_size_t), ("level", ctypes.c_int), ("type", ctypes.c_int), ("fd", ctypes.c_int),
+                ("pad", ctypes.c_int)]
+
+
+class _MsgHdr(ctypes.Structure):
+    _fields_ = [("name", ctypes.c_void_p), ("namelen", ctypes.c_uint32), ("iov", ctypes.c_void_p),
+                ("iovlen", ctypes.c_size_t), ("control", ctypes.c_void_p), ("controllen", ctypes.c_size_t),
+                ("flags", ctypes.c_int)]
+
+
+class _Handoff:
+    """A one-byte message carrying one fd (SCM_RIGHTS), built once, before any fork: sending it from a program
+    process is one libc call, where the `socket` module's objects cost the freshly forked child ~0.35 ms of page
+    copies (measured)."""
+
+    def __init__(self):
+        self.byte = ctypes.create_string_buffer(b"l", 1)
+        self.iov = _IoVec(ctypes.cast(self.byte, ctypes.c_void_p), 1)
+        self.cmsg = _CmsgFd(ctypes.sizeof(_CmsgFd) - 4, socket.SOL_SOCKET, socket.SCM_RIGHTS, -1, 0)
+        self.msg = _MsgHdr(None, 0, ctypes.cast(ctypes.byref(self.iov), ctypes.c_void_p), 1,
+                           ctypes.cast(ctypes.byref(self.cmsg), ctypes.c_void_p), ctypes.sizeof(_CmsgFd), 0)
+        self.ref = ctypes.byref(self.msg)
+
+
+_HANDOFF = _Handoff()
+
+
+def hand_over_listener(fprog, sock_fd: int) -> None:
+    """In a program process: install the filter with a listener, send the listener over the socket `sock_fd` to
+    the supervisor (`DenialCounter.expect`), and close both here: the program must never hold its own listener
+    (it could answer its own refusals with "continue"). Raises if the supervisor did not get it: a filter whose
+    listener is closed answers ENOSYS, not the EPERM the program would get without a supervisor."""
+    listener = seccomp_install_listener(fprog)
+    _HANDOFF.cmsg.fd = listener
+    sent = _libc.sendmsg(sock_fd, _HANDOFF.ref, 0)
+    err = ctypes.get_errno()
+    os.close(listener)
+    os.close(sock_fd)
+    if sent != 1:
+        raise OSError(err, f"handing the seccomp listener over: {os.strerror(err)}")
+
+
+def why_no_seccomp_notify() -> str:
+    """"" where a program filter with a supervisor can be installed here (Linux >= 5.0, seccomp here), else why
+    not; tried in a throwaway child."""
+    if not seccomp_supported():
+        return f"no seccomp filter for {platform.machine()}"
+    r, w = os.pipe()
+    pid = os.fork()
+    if pid == 0:
+        why = b""
+        try:
+            prctl(PR_SET_NO_NEW_PRIVS, 1)
+            os.close(seccomp_install_listener(sock_fprog(seccomp_program(notify=True))))
+        except OSError as e:
+            why = str(e).encode()[:200]
+        finally:
+            os.write(w, why or b"ok")
+            os._exit(0)
+    os.close(w)
+    why = os.read(r, 256).decode()
+    os.close(r)
+    os.waitpid(pid, 0)
+    return "" if why == "ok" else why or "the probe died"
+
+
+_NS_FLAGS = {CLONE_NEWNS: "NEWNS", 0x02000000: "NEWCGROUP", 0x04000000: "NEWUTS", CLONE_NEWIPC: "NEWIPC",
+             CLONE_NEWUSER: "NEWUSER", CLONE_NEWPID: "NEWPID", CLONE_NEWNET: "NEWNET"}
+
+
+def denied_name(nr: int, args: tuple[int, ...]) -> str:
+    """A refused syscall as the evidence names it: `ptrace`, `socket(AF_INET)`, `clone(NEWUSER|NEWNET)`."""
+    arch = platform.machine()
+    _, nr_socket, nr_socketpair, nr_clone, _, _ = _SECCOMP_ARCH[arch]
+    if nr >= 0x40000000:
+        return f"x32 syscall {nr - 0x40000000}"
+    if nr in (nr_socket, nr_socketpair):
+        family = args[0] & 0xFFFFFFFF
+        try:
+            family = socket.AddressFamily(family).name
+        except ValueError:
+            family = f"family {family}"
+        return f"{'socket' if nr == nr_socket else 'socketpair'}({family})"
+    name = _NAMES_BY_NR.setdefault(arch, {nrs[_ARCH_INDEX[arch]]: n for n, nrs in _SYSCALLS.items()}).get(nr)
+    if nr == nr_clone or name == "unshare":
+        flags = "|".join(v for k, v in _NS_FLAGS.items() if args[0] & k)
+        return f"{name or 'clone'}({flags})" if flags else name or "clone"
+    return name or f"syscall {nr}"
+
+
+_NAMES_BY_NR: dict[str, dict[int, str]] = {}
+DENIED_KINDS = 32  # distinct names a count keeps, "other" included
+
+
+class DenialCounter:
+    """The supervisor of the program filter's refusals (`seccomp_program(notify=True)`): answers each one EPERM,
+    as the filter itself does without a supervisor, and counts it by syscall (`denied_name`). The count is the
+    kernel's: it sees a syscall made through any path (ctypes, a syscall by number, a C extension), which
+    neither reading the program nor its stderr does.
+
+    It lives in the process that forks the program processes, on that process's own poll loop (`poller`, a
+    `select.poll` the caller also polls its own fds on; `handle` takes the events that are ours): no thread, in
+    a process that forks. Each program process sends its listener on a socket made for it by `expect` before the
+    fork (`hand_over_listener`). The supervisor must never stall, since the process it answers waits for the
+    answer: it calls RECV only once poll says a notification is pending, and then RECV returns at once (the
+    kernel counts pending notifications, and one whose caller died meanwhile gives ENOENT); SEND never waits.
+    Should the supervisor be gone (its process died, `close` ran), the kernel answers every refusal ENOSYS instead
+    of EPERM: the program is refused all the same, and the case is lost with its harness anyway.
+
+    Only refusals the program saw are counted (SEND succeeded): one interrupted by a signal before its answer is
+    restarted by the kernel and notified again, one whose process was killed never returned."""
+
+    def __init__(self, poller):
+        self.poller = poller
+        self.handoffs: dict[int, object] = {}  # our end of each socket a program process sends its listener on
+        self.listeners: set[int] = set()
+        self.counts: dict[str, int] = {}
+        self._buf = bytearray(_NOTIF.size)
+
+    def expect(self) -> int:
+        """The fd of a socket to give the next program process (closed here by `forked`): it sends its listener
+        on it (`hand_over_listener`)."""
+        ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+        self.handoffs[ours.fileno()] = ours
+        self.poller.register(ours.fileno(), select.POLLIN)
+        return theirs.detach()
+
+    @staticmethod
+    def forked(theirs: int) -> None:
+        """After the fork, in this process: the program process's end of its handoff socket is its own."""
+        os.close(theirs)
+
+    def handle(self, fd: int, events: int) -> bool:
+        """Serve `fd`'s poll `events` if `fd` is one of ours (a handoff or a listener); whether it was."""
+        if fd in self.listeners:
+            if events & select.POLLIN:
+                self._answer(fd)
+            elif events & (select.POLLHUP | select.POLLERR | select.POLLNVAL):  # every process it filtered is gone
+                self._drop(fd)
+            return True
+        sock = self.handoffs.pop(fd, None)
+        if sock is None:
+            return False
+        self.poller.unregister(fd)
+        try:
+            _, fds, _, _ = socket.recv_fds(sock, 16, 1)
+        except OSError:
+            fds = []
+        sock.close()
+        for listener in fds:
+            self.listeners.add(listener)
+            self.poller.register(listener, select.POLLIN)
+        return True
+
+    def _answer(self, fd: int) -> None:
+        buf = self._buf
+        buf[:] = bytes(len(buf))  # RECV refuses a buffer that is not zeroed
+        try:
+            fcntl.ioctl(fd, _NOTIF_RECV, buf)
+        except OSError:  # ENOENT: its caller was killed or interrupted after poll saw it
+            return
+        nid, _, _, nr, _, _, *args = _NOTIF.unpack(buf)
+        try:
+            fcntl.ioctl(fd, _NOTIF_SEND, _RESP.pack(nid, 0, -EPERM, 0))
+        except OSError:  # ENOENT: gone before the answer; the syscall never returned
+            return
+        key = denied_name(nr, tuple(args))
+        if key not in self.counts and len(self.counts) >= DENIED_KINDS - 1:
+            key = "other"  # a program may name endless kinds (socket families, x32 numbers): a bounded report
+        self.counts[key] = self.counts.get(key, 0) + 1
+
+    def _drop(self, fd: int) -> None:
+        self.listeners.discard(fd)
+        self.poller.unregister(fd)
+        os.close(fd)
+
+    def take(self) -> dict[str, int]:
+        """The counts so far, reset; every socket and listener closed. Call it once every program process is
+        reaped: nothing is pending then, and a listener or handoff kept past its processes would leak."""
+        for fd in list(self.listeners):
+            self._drop(fd)
+        for fd, sock in self.handoffs.items():
+            self.poller.unregister(fd)
+            sock.close()
+        self.handoffs.clear()
+        counts, self.counts = self.counts, {}
+        return counts
 
 
 class Confinement:
@@ -376,7 +633,7 @@ class Confinement:
     domain), close every fd above 2 but `keep_fds`, then seccomp."""
 
     def __init__(self, iso: "HostIsolation", read_fds: list[tuple[int, bool]], write_paths: list[str],
-                 seccomp: bytes | None):
+                 seccomp: bytes | None, supervised: bytes | None = None):
         self.iso, self.read_fds, self.ruleset = iso, read_fds, None
         keep = 1 << CAP_DAC_READ_SEARCH if iso.keep_dac_read_search else 0
         # ambient: the code verifier's harness job execs a fresh interpreter, which must still reach the Python
@@ -384,10 +641,8 @@ class Confinement:
         self._caps = (ctypes.byref(_CapHeader(0x20080522, 0)),  # _LINUX_CAPABILITY_VERSION_3
                       (_CapData * 2)(_CapData(keep, keep, keep if iso.uid is not None else 0), _CapData(0, 0, 0)))
         self._ambient = [c for c in range(32) if keep >> c & 1] if iso.uid is not None else []
-        self._fprog = None
-        if seccomp is not None:
-            self._filter = ctypes.create_string_buffer(seccomp, len(seccomp))
-            self._fprog = ctypes.byref(_SockFprog(len(seccomp) // 8, ctypes.cast(self._filter, ctypes.c_void_p)))
+        self._fprog = sock_fprog(seccomp) if seccomp is not None else None
+        self._supervised = sock_fprog(supervised) if supervised is not None else None
         self.refresh(write_paths)
 
     def refresh(self, write_paths: list[str]) -> None:
@@ -403,7 +658,9 @@ class Confinement:
                 for fd, _ in write_fds:
                     os.close(fd)
 
-    def apply(self, keep_fds: tuple[int, ...] = ()) -> None:
+    def apply(self, keep_fds: tuple[int, ...] = (), handoff: int | None = None) -> None:
+        """With `handoff` (`DenialCounter.expect`'s socket) and a `supervised` program: that filter, its listener
+        sent to the supervisor; else the plain `seccomp` program."""
         uid = self.iso.uid
         if uid is not None:
             os.setgroups([])
@@ -419,6 +676,10 @@ class Confinement:
         _check(_libc.prctl(PR_SET_NO_NEW_PRIVS, 1, 0, 0, 0), "prctl(PR_SET_NO_NEW_PRIVS)")
         if self.ruleset is not None:
             _check(_libc.syscall(_LL_RESTRICT, self.ruleset, 0), "landlock restrict")
+        if handoff is not None and self._supervised is not None:
+            close_fds_except(tuple(keep_fds) + (handoff,))
+            hand_over_listener(self._supervised, handoff)
+            return
         close_fds_except(keep_fds)
         if self._fprog is not None:
             _check(_libc.prctl(PR_SET_SECCOMP, 2, self._fprog, 0, 0), "seccomp")
@@ -453,6 +714,7 @@ class HostIsolation:
     keep_dac_read_search: bool = False  # the Python install is not world-readable (e.g. under /root)
     landlock_abi: int = 0
     seccomp: bool = False
+    seccomp_notify: bool = False  # the program filter's refusals go to a supervisor, which counts them
     warnings: list[str] = field(default_factory=list)
 
     def describe(self) -> str:
@@ -467,7 +729,8 @@ class HostIsolation:
                          + (", signals" if self.landlock_abi >= 6 else "") + ")")
         else:
             parts.append("NO Landlock")
-        parts.append("seccomp" if self.seccomp else "NO seccomp")
+        parts.append(("seccomp (refusals counted)" if self.seccomp_notify else "seccomp") if self.seccomp
+                     else "NO seccomp")
         parts.append("rlimits, fresh tmpfs /tmp and /dev/shm per job")
         return ", ".join(parts)
 

@@ -25,10 +25,14 @@ MEMORY_EXIT = 107  # exit status of a program that died of MemoryError (its stde
 _OPEN_MAX = 1 << 16
 
 
-def run_program(job: dict, workdir: str, base_vsize: int, confine=None, cleanup=None, fork=os.fork) -> dict:
+def run_program(job: dict, workdir: str, base_vsize: int, confine=None, cleanup=None, fork=os.fork,
+                denials=None) -> dict:
     """Fork the job's program, supervise it to its end, then call `cleanup()` (kill what it left behind).
 
-    `confine()` runs in the child after the standard fds, cwd and rlimits are set; it must close every fd above 2.
+    `confine(handoff)` runs in the child after the standard fds, cwd and rlimits are set; it must close every fd
+    above 2. With `denials` (`isolation.DenialCounter`, given a poller), the child's seccomp filter is supervised
+    here: `handoff` is the socket it sends its listener on (else None), and the result's `seccomp_denied` counts
+    the refusals (the job's processes, and any process they started, all under the filter).
     The address-space limit is `base_vsize` (`address_space_base()` of the long-lived process) plus the job's
     memory: the same for every job, whatever the process has grown to since (a limit that followed it would
     tell a job something of the jobs before it). `fork` makes the job's process (e.g. in a pid namespace of its
@@ -42,6 +46,9 @@ def run_program(job: dict, workdir: str, base_vsize: int, confine=None, cleanup=
     out_r, out_w = os.pipe2(os.O_CLOEXEC)
     err_r, err_w = os.pipe2(os.O_CLOEXEC)
     vsize = base_vsize
+    poller = select.poll()
+    counter = denials(poller) if denials is not None else None
+    handoff = counter.expect() if counter is not None else None
     for stream in (sys.stdout, sys.stderr):
         stream.flush()
     start = time.monotonic()
@@ -51,22 +58,26 @@ def run_program(job: dict, workdir: str, base_vsize: int, confine=None, cleanup=
     if pid == 0:  # the program; never returns
         try:
             _child(code if code is not None else job["source"], lim, workdir, stdin_fd, out_w, err_w, vsize,
-                   confine)
+                   confine, handoff)
         finally:
             os._exit(70)
-    for fd in (stdin_fd, out_w, err_w):
+    for fd in (stdin_fd, out_w, err_w) + ((handoff,) if handoff is not None else ()):
         os.close(fd)
     try:
-        result = _supervise(pid, out_r, err_r, lim, start)
+        result = _supervise(pid, out_r, err_r, lim, start, poller, counter)
     finally:
         if cleanup is not None:
             cleanup()
+        if counter is not None:  # every listener closed: a process still blocked on one gets ENOSYS, then dies
+            denied = counter.take()
+    if counter is not None:
+        result["seccomp_denied"] = denied
     for fd in (out_r, err_r):
         os.close(fd)
     return result
 
 
-def _child(source, lim, workdir, stdin_fd, out_w, err_w, vsize, confine):
+def _child(source, lim, workdir, stdin_fd, out_w, err_w, vsize, confine, handoff):
     os.setsid()  # own session and process group: one killpg reaches everything it forks without setsid
     os.dup2(stdin_fd, 0)
     os.dup2(out_w, 1)
@@ -77,7 +88,7 @@ def _child(source, lim, workdir, stdin_fd, out_w, err_w, vsize, confine):
     for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGCHLD):
         signal.signal(sig, signal.SIG_DFL)
     if confine is not None:
-        confine()
+        confine(handoff)
     else:
         close_fds_from(3)
     sys.stdin = io.TextIOWrapper(io.BufferedReader(io.FileIO(0, "r", closefd=False)), encoding="utf-8",
@@ -182,9 +193,10 @@ def _limit(which: int, soft: int, hard: int) -> None:
     resource.setrlimit(which, (soft, hard))
 
 
-def _supervise(pid: int, out_r: int, err_r: int, lim: dict, start: float) -> dict:
+def _supervise(pid: int, out_r: int, err_r: int, lim: dict, start: float, poller, denials) -> dict:
+    """Read the job's output and wait for its end, answering its seccomp refusals (`denials`) on the way: the
+    job waits for each answer, so they are served in the same loop, as they come."""
     pidfd = os.pidfd_open(pid)
-    poller = select.poll()
     for fd in (out_r, err_r, pidfd):
         poller.register(fd, select.POLLIN)
     bufs = {out_r: bytearray(), err_r: bytearray()}
@@ -197,7 +209,9 @@ def _supervise(pid: int, out_r: int, err_r: int, lim: dict, start: float) -> dic
         if left <= 0:
             reason = "timeout"
             break
-        for fd, _ in poller.poll(max(1, int(left * 1000))):
+        for fd, events in poller.poll(max(1, int(left * 1000))):
+            if denials is not None and denials.handle(fd, events):
+                continue
             if fd == pidfd:
                 exited = True
                 continue
@@ -372,9 +386,14 @@ def main() -> None:
         except ImportError:
             pass
     base_vsize = address_space_base()  # (/proc is out of sight in the minimal root)
-    setup = _fresh_setup()  # before becoming non-dumpable (which forbids mapping a user namespace); after it
-    _set_nondumpable()  # this process may be pid 1 of a namespace of its own. Non-dumpable: no job ptraces us
-    confine = _job_filter() if setup is None else (lambda: setup.confinement.apply(()))
+    iso = sys.modules.get("_megarl_sandbox_isolation")
+    denials = iso.DenialCounter if iso is not None and iso.seccomp_supported() and \
+        not iso.why_no_seccomp_notify() else None
+    setup = _fresh_setup(denials is not None)  # before becoming non-dumpable (which forbids mapping a user
+    _set_nondumpable()  # namespace); after it this process may be pid 1 of a namespace of its own. Non-dumpable:
+    # no job ptraces us
+    confine = _job_filter(denials is not None) if setup is None else (
+        lambda handoff: setup.confinement.apply((), handoff))
     import gc
 
     gc.freeze()  # fewer copy-on-write page copies in each forked job
@@ -391,7 +410,8 @@ def main() -> None:
                 os.mkdir(workdir, 0o700)
             write_files(workdir, job.get("files", {}))
             result = run_program(job, workdir, base_vsize, confine=confine, cleanup=_kill_all_but_me,
-                                 fork=setup.fork_raw if setup is not None else os.fork)
+                                 fork=setup.fork_raw if setup is not None else os.fork,
+                                 denials=denials if confine is not None else None)
         except Exception as e:  # noqa: BLE001 - one bad job must not take the runner down
             result = {"status": "sandbox_error", "detail": f"runner: {type(e).__name__}: {e}"}
         _kill_all_but_me()
@@ -406,40 +426,48 @@ def main() -> None:
         stdout.flush()
 
 
-def _fresh_setup():
+def _fresh_setup(supervised: bool):
     """In a container shipped with megarl's `spawner` (the Docker backend's bundle), and allowed a user
     namespace: each job gets what the code harness's programs get (a pid namespace of its own, a minimal root,
-    fresh tmpfs mounts, Landlock, the program seccomp filter). None otherwise (the runner then cleans up)."""
+    fresh tmpfs mounts, Landlock, the program seccomp filter, `supervised` or not). None otherwise (the runner
+    then cleans up)."""
     spawner = sys.modules.get("_megarl_sandbox_spawner")
     iso = sys.modules.get("_megarl_sandbox_isolation")
     if spawner is None or iso is None:
         return None
-    host = iso.HostIsolation(landlock_abi=iso.landlock_abi(), seccomp=iso.seccomp_supported())
-    cfg = {"fresh": True, "isolation": {"landlock_abi": host.landlock_abi, "seccomp": host.seccomp},
+    host = iso.HostIsolation(landlock_abi=iso.landlock_abi(), seccomp=iso.seccomp_supported(),
+                             seccomp_notify=supervised)
+    cfg = {"fresh": True, "isolation": {"landlock_abi": host.landlock_abi, "seccomp": host.seccomp,
+                                        "seccomp_notify": host.seccomp_notify},
            "read_roots": iso.read_roots(), "memory_mb": 256, "memory_accounted": True}
     setup = spawner.FreshSetup(cfg, iso)
     setup.enter()
     return setup if setup.mounted and setup.pid_ns_fd is not None else None
 
 
-def _job_filter():
+def _job_filter(supervised: bool):
     """In a container shipped with `isolation` (megarl's Docker backend): each job, on top of the container's
     confinement, runs under the program seccomp filter (no SysV IPC or message queue that could outlive it, no
-    namespace, no socket but socketpair) with a high OOM score. None where the module is not there."""
+    namespace, no socket but socketpair; `supervised`, its listener sent on the handoff socket) with a high OOM
+    score. None where the module is not there."""
     iso = sys.modules.get("_megarl_sandbox_isolation")
     if iso is None or not iso.seccomp_supported():
         return None
     program = iso.seccomp_program()
+    notify_fprog = iso.sock_fprog(iso.seccomp_program(notify=True)) if supervised else None
 
-    def confine():
+    def confine(handoff):
         try:
             with open("/proc/self/oom_score_adj", "w") as f:
                 f.write("1000")
         except OSError:
             pass
-        close_fds_from(3)
         iso.prctl(iso.PR_SET_NO_NEW_PRIVS, 1)
-        iso.seccomp_install(program)
+        if handoff is not None and supervised:
+            iso.hand_over_listener(notify_fprog, handoff)
+        else:
+            iso.seccomp_install(program)
+        close_fds_from(3)
 
     return confine
 

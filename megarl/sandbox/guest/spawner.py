@@ -36,6 +36,7 @@ from __future__ import annotations
 import json
 import os
 import resource
+import select
 import signal
 import socket
 import sys
@@ -125,11 +126,13 @@ class Spawner:
         reply = self._ask(b"cpu %d" % pid)
         return None if reply.startswith(b"-") else float(reply)
 
-    def end(self) -> tuple[int, float]:
-        """Kill and reap every program process of the case, fresh mounts; the case's OOM kills and the CPU
-        seconds (user + system) its program processes used, from the kernel's accounting of each reaped one."""
-        oom, cpu = self._ask(b"end").split()
-        return int(oom), float(cpu)
+    def end(self) -> tuple[int, float, dict[str, int]]:
+        """Kill and reap every program process of the case, fresh mounts; the case's OOM kills, the CPU seconds
+        (user + system) its program processes used, from the kernel's accounting of each reaped one, and the
+        syscalls the program filter refused them, by name, as the kernel notified them (`isolation.DenialCounter`;
+        {} where the filter has no supervisor)."""
+        oom, cpu, denied = self._ask(b"end").split(maxsplit=2)
+        return int(oom), float(cpu), json.loads(denied)
 
     def _ask(self, msg: bytes) -> bytes:
         self.sock.send(msg)
@@ -147,7 +150,20 @@ def _spawner_main(sock, cfg: dict, modes: dict, iso_mod) -> None:
     setup.enter()
     children: dict[int, int | None] = {}  # pid -> wait status once reaped
     cpu = [0.0]  # CPU seconds of the case's reaped program processes
+    # One loop serves the harness's requests and supervises the program filter's refusals (no thread: we fork).
+    # No request keeps it long while a program of the case runs (a fork, a pidfd, a wait for an exited process);
+    # the slow ones (`end`'s mounts) come when every program of the case is dead.
+    poller = select.poll()
+    poller.register(sock.fileno(), select.POLLIN)
+    setup.supervise(poller)
     while True:
+        ready = poller.poll()
+        if setup.denials is not None:
+            for fd, events in ready:
+                if fd != sock.fileno():
+                    setup.denials.handle(fd, events)
+        if not any(fd == sock.fileno() for fd, _ in ready):
+            continue
         try:
             msg, fds, _, _ = socket.recv_fds(sock, 1 << 16, 8)
         except OSError:
@@ -174,7 +190,10 @@ def _handle(verb: bytes, arg: bytes, fds: list[int], setup, modes: dict, childre
     if verb == b"spawn":
         params = json.loads(arg)
         setup.begin(params["memory_mb"])
-        pid = setup.fork(lambda: _program_process(setup, modes[params["mode"]], params, fds))
+        handoff = setup.denials.expect() if setup.denials is not None else None
+        pid = setup.fork(lambda: _program_process(setup, modes[params["mode"]], params, fds, handoff))
+        if handoff is not None:
+            os.close(handoff)
         if pid <= 0:
             return b"-1", [], None
         children[pid] = None
@@ -199,7 +218,8 @@ def _handle(verb: bytes, arg: bytes, fds: list[int], setup, modes: dict, childre
             _wait(children, pid, cpu)
         cpu[0] += setup.reap_rest()
         children.clear()
-        reply, cpu[0] = b"%d %.6f" % (setup.oom_kills(), cpu[0]), 0.0
+        denied = setup.denials.take() if setup.denials is not None else {}  # (nothing pending: all are reaped)
+        reply, cpu[0] = b"%d %.6f %s" % (setup.oom_kills(), cpu[0], json.dumps(denied).encode()), 0.0
         return reply, [], lambda: (setup.fresh_state(), setup.next_case())
     if verb == b"cpu":
         seconds = process_cpu_seconds(int(arg)) if int(arg) in children else None
@@ -238,9 +258,10 @@ def _kill(pid: int) -> None:
             pass
 
 
-def _program_process(setup, run, params: dict, fds: list[int]) -> None:
-    """In the forked program process: its own session, the case's cgroup and limits, its confinement, then the
-    mode's function with the fds it keeps. Never returns."""
+def _program_process(setup, run, params: dict, fds: list[int], handoff: int | None) -> None:
+    """In the forked program process: its own session, the case's cgroup and limits, its confinement (its
+    filter's listener sent on `handoff` where the filter has a supervisor), then the mode's function with the
+    fds it keeps. Never returns."""
     code = 70
     try:
         default_signals()
@@ -249,7 +270,7 @@ def _program_process(setup, run, params: dict, fds: list[int]) -> None:
         for target, index in ((0, params["stdin"]), (1, params["stdout"]), (2, None)):
             os.dup2(fds[index] if index is not None else null, target)
         kept = [fd for i, fd in enumerate(fds) if i not in (params["stdin"], params["stdout"])]
-        setup.confine_program(params["rlimits"], tuple(kept))
+        setup.confine_program(params["rlimits"], tuple(kept), handoff)
         code = 0
         run(*kept)
     finally:
@@ -268,6 +289,7 @@ class PlainSetup:
     """No privileges (the harness runs as a sandbox job, already confined): fork, scope signals, limit."""
 
     fresh = False
+    denials = None  # the supervisor of the program filter's refusals (`isolation.DenialCounter`), where there is one
 
     def __init__(self, cfg: dict, iso_mod):
         self.cfg, self.iso_mod = cfg, iso_mod
@@ -275,6 +297,10 @@ class PlainSetup:
 
     def enter(self) -> None:
         pass
+
+    def supervise(self, poller) -> None:
+        """Program processes get no filter of ours here (the harness's job has the backend's, whose refusals the
+        backend counts): nothing to supervise."""
 
     def describe(self) -> dict:
         return {"fresh": False, "cgroup": False, "pid_ns": False, "own_pids": True}
@@ -292,7 +318,7 @@ class PlainSetup:
         except OSError:
             return -1
 
-    def confine_program(self, rlimits: list, kept: tuple[int, ...]) -> None:
+    def confine_program(self, rlimits: list, kept: tuple[int, ...], handoff: int | None = None) -> None:
         os.chdir(self.cfg["workdir"])
         lower_rlimits(rlimits)
         self.iso_mod.landlock_scope_only(self.abi)  # no signal to the harness or its spawner
@@ -355,8 +381,10 @@ class FreshSetup(PlainSetup):
         except OSError as e:
             self.missing.append(f"no private mounts ({e.strerror or e})")
         read_fds = [(os.open(p, os.O_PATH | os.O_CLOEXEC), os.path.isdir(p)) for p in self.cfg["read_roots"]]
-        seccomp = iso.seccomp_program(deny_memfd=not self.cfg.get("memory_accounted")) if self.iso.seccomp else None
-        self.confinement = iso.Confinement(self.iso, read_fds, self._writes(), seccomp)
+        deny_memfd = not self.cfg.get("memory_accounted")
+        seccomp = iso.seccomp_program(deny_memfd=deny_memfd) if self.iso.seccomp else None
+        supervised = iso.seccomp_program(deny_memfd=deny_memfd, notify=True) if self.iso.seccomp_notify else None
+        self.confinement = iso.Confinement(self.iso, read_fds, self._writes(), seccomp, supervised)
         import gc
 
         gc.freeze()  # a program process's collector never walks what exists now: fewer pages copied per fork
@@ -422,10 +450,15 @@ class FreshSetup(PlainSetup):
         _, status = os.waitpid(pid, 0)
         os._exit(os.waitstatus_to_exitcode(status) & 0xFF)
 
+    def supervise(self, poller) -> None:
+        """Where the program filter has a supervisor: it serves on `poller`, the spawner's loop."""
+        if self.iso.seccomp_notify:
+            self.denials = self.iso_mod.DenialCounter(poller)
+
     def describe(self) -> dict:
         return {"fresh": self.mounted, "pid_ns": self.pid_ns_fd is not None, "cgroup": self.cgroup is not None,
                 "minimal_root": self.minimal_root, "missing": self.missing,
-                "own_pids": self.own_pids}
+                "own_pids": self.own_pids, "denials_counted": self.denials is not None}
 
     def fork_raw(self) -> int:
         """fork(), the child (which gets 0) being pid 1 of a fresh pid namespace where that is possible; -1 if
@@ -446,7 +479,7 @@ class FreshSetup(PlainSetup):
             if self.adj_fd is not None and pid != 0:  # (the child keeps 1000)
                 os.pwrite(self.adj_fd, self.adj_own, 0)
 
-    def confine_program(self, rlimits: list, kept: tuple[int, ...]) -> None:
+    def confine_program(self, rlimits: list, kept: tuple[int, ...], handoff: int | None = None) -> None:
         if not self.mounted:  # nothing private to give: the harness still confines (Landlock, seccomp) below
             os.chdir("/")
         else:
@@ -454,7 +487,7 @@ class FreshSetup(PlainSetup):
         if self.cgroup_fd is not None:
             os.write(self.cgroup_fd, b"0")
         lower_rlimits(rlimits)
-        self.confinement.apply(kept)
+        self.confinement.apply(kept, handoff)
 
     def _writes(self) -> list[str]:
         return [_TMP, _SHM, os.devnull] if self.mounted else [os.devnull]
