@@ -45,6 +45,7 @@ import threading
 import time
 from functools import lru_cache
 
+from megarl import procs
 from megarl.errors import ConfigError
 
 ENV = "MEGARL_FAULT"
@@ -221,7 +222,7 @@ class _Killed:
 
 def _kill_host(pid: int, container: tuple[str, str] | None, handed: bool = True) -> None:
     if container is None:
-        victims = [pid, *_descendants(pid)]  # read before the kill: orphans are re-parented after it
+        victims = [pid, *procs.descendants(pid)]  # read before the kill: orphans are re-parented after it
         for victim in victims:
             try:
                 os.kill(victim, signal.SIGKILL)
@@ -240,7 +241,7 @@ def _sandbox_hosts() -> list[tuple[int, tuple[str, str] | None]]:
     """(pid, None) of the local sandbox workers this process started; (pid, (docker, container name)) of its
     `docker run` clients."""
     out = []
-    for pid in _children().get(os.getpid(), []):
+    for pid in procs.children().get(os.getpid(), []):
         try:
             with open(f"/proc/{pid}/cmdline", "rb") as f:
                 argv = f.read().split(b"\0")
@@ -250,27 +251,6 @@ def _sandbox_hosts() -> list[tuple[int, tuple[str, str] | None]]:
             out.append((pid, None))
         elif len(argv) > 1 and argv[1] == b"run" and _DOCKER_LABEL in argv and b"--name" in argv:
             out.append((pid, (argv[0].decode(), argv[argv.index(b"--name") + 1].decode())))
-    return out
-
-
-def _children() -> dict[int, list[int]]:
-    children: dict[int, list[int]] = {}
-    for p in filter(str.isdigit, os.listdir("/proc")):
-        try:
-            with open(f"/proc/{p}/stat") as f:
-                ppid = int(f.read().rsplit(")", 1)[1].split()[1])
-        except (OSError, IndexError, ValueError):
-            continue
-        children.setdefault(ppid, []).append(int(p))
-    return children
-
-
-def _descendants(pid: int) -> list[int]:
-    children, out, todo = _children(), [], [pid]
-    while todo:
-        for child in children.get(todo.pop(), []):
-            out.append(child)
-            todo.append(child)
     return out
 
 

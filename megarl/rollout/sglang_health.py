@@ -30,6 +30,7 @@ import threading
 import time
 from typing import Callable
 
+from megarl import procs
 from megarl.rollout.engine_process import EngineDeadError
 
 PROBE_S = 1.0  # how often a call's engine processes are looked at
@@ -54,9 +55,9 @@ class EngineWatch:
         """`launch()` (an `sglang.Engine`), and the watch of the processes it started; None, said on stderr, for
         an engine that started none (a stand-in `sglang.Engine`, as the contract tests' fakes): its calls are
         made unwatched, as a colocated engine's are."""
-        before = set(_children().get(os.getpid(), []))
+        before = set(procs.children().get(os.getpid(), []))
         engine = launch()
-        pids = [p for p in _children().get(os.getpid(), []) if p not in before and not _is_helper(p)]
+        pids = [p for p in procs.children().get(os.getpid(), []) if p not in before and not _is_helper(p)]
         if not pids:
             print("megarl: sglang: the engine started no process of its own that megarl can watch: its health is "
                   "not probed (--engine-health-timeout does not apply)", file=sys.stderr, flush=True)
@@ -139,13 +140,7 @@ class EngineWatch:
                 pass
 
     def _all(self) -> list[int]:
-        children = _children()
-        out, todo = list(self.pids), list(self.pids)
-        while todo:
-            for child in children.get(todo.pop(), []):
-                out.append(child)
-                todo.append(child)
-        return out
+        return [*self.pids, *procs.descendants(*self.pids)]
 
 
 def fresh_event_loop() -> None:
@@ -173,13 +168,3 @@ def _stat(pid: int) -> tuple[str, int] | None:
     return fields[0], int(fields[11]) + int(fields[12])
 
 
-def _children() -> dict[int, list[int]]:
-    children: dict[int, list[int]] = {}
-    for p in filter(str.isdigit, os.listdir("/proc")):
-        try:
-            with open(f"/proc/{p}/stat") as f:
-                ppid = int(f.read().rsplit(")", 1)[1].split()[1])
-        except (OSError, IndexError, ValueError):
-            continue
-        children.setdefault(ppid, []).append(int(p))
-    return children

@@ -18,7 +18,7 @@ import time
 
 import pytest
 
-from megarl import faults
+from megarl import faults, procs
 from megarl.sandbox import Limits, RunResult
 from megarl.sandbox.harness_protocol import RERUNS, HarnessBackend
 from megarl.verifiers.code import CodeVerifier
@@ -29,25 +29,8 @@ GOOD = "def f(x):\n    return x + 1\n"
 SLOW = "import time\n\n\ndef f(x):\n    time.sleep(1.5)\n    return x + 1\n"  # the case the sandbox dies under
 
 
-def _descendants(pid: int) -> list[int]:
-    children: dict[int, list[int]] = {}
-    for p in filter(str.isdigit, os.listdir("/proc")):
-        try:
-            with open(f"/proc/{p}/stat") as f:
-                ppid = int(f.read().rsplit(")", 1)[1].split()[1])
-        except (OSError, IndexError, ValueError):
-            continue
-        children.setdefault(ppid, []).append(int(p))
-    out, todo = [], [pid]
-    while todo:
-        for child in children.get(todo.pop(), []):
-            out.append(child)
-            todo.append(child)
-    return out
-
-
 def _harness_pid(worker_pid: int) -> int:
-    for pid in _descendants(worker_pid):
+    for pid in procs.descendants(worker_pid):
         try:
             with open(f"/proc/{pid}/cmdline", "rb") as f:
                 if b"--serve" in f.read():

@@ -12,6 +12,7 @@ import struct
 
 import pytest
 
+from megarl import procs
 from megarl.sandbox import Job, Limits
 from megarl.sandbox.guest import isolation as iso_mod
 from megarl.sandbox.local import LocalSandbox, probe_and_enter
@@ -107,28 +108,11 @@ def test_the_report_is_bounded_whatever_the_program_names(verifiers):
     assert denied["other"] == 200 - (iso_mod.DENIED_KINDS - 1) and denied["socket(family 1000)"] == 1
 
 
-def _descendants(pid: int) -> list[int]:
-    children: dict[int, list[int]] = {}
-    for entry in filter(str.isdigit, os.listdir("/proc")):
-        try:
-            with open(f"/proc/{entry}/stat") as f:
-                ppid = int(f.read().rsplit(")", 1)[1].split()[1])
-        except (OSError, IndexError, ValueError):
-            continue
-        children.setdefault(ppid, []).append(int(entry))
-    out, todo = [], [pid]
-    while todo:
-        p = todo.pop()
-        out.append(p)
-        todo.extend(children.get(p, []))
-    return out
-
-
 def _held(pid: int) -> tuple[int, int, int]:
     """(fds, seccomp listeners among them, threads) of the worker and every process below it (its harness and the
     harness's spawner, between cases)."""
     fds = listeners = threads = 0
-    for p in _descendants(pid):
+    for p in [pid, *procs.descendants(pid)]:
         try:
             names = os.listdir(f"/proc/{p}/fd")
             threads += len(os.listdir(f"/proc/{p}/task"))

@@ -1,0 +1,30 @@
+"""Processes seen from /proc (Linux): whose child each process is, and everything under a process. For what
+watches processes it did not start itself or whose grandchildren it does not hold: the fault injection
+(`megarl.faults`), the SGLang engine's health probe (`megarl.rollout.sglang_health`), the tests of both."""
+
+from __future__ import annotations
+
+import os
+
+
+def children() -> dict[int, list[int]]:
+    """pid -> the pids whose parent it is, read now (a process that ends meanwhile is left out)."""
+    out: dict[int, list[int]] = {}
+    for p in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            with open(f"/proc/{p}/stat") as f:
+                ppid = int(f.read().rsplit(")", 1)[1].split()[1])  # after the command name, which may hold ")"
+        except (OSError, IndexError, ValueError):
+            continue
+        out.setdefault(ppid, []).append(int(p))
+    return out
+
+
+def descendants(*pids: int) -> list[int]:
+    """Every process under `pids` (children, theirs, ...), not `pids` themselves."""
+    tree, out, todo = children(), [], list(pids)
+    while todo:
+        for child in tree.get(todo.pop(), []):
+            out.append(child)
+            todo.append(child)
+    return out
