@@ -170,3 +170,20 @@ class ServerHealth:
 
 def _timed_out(e: BaseException) -> bool:
     return isinstance(e, TimeoutError) or isinstance(getattr(e, "reason", None), TimeoutError)
+
+
+class WatchedServers:
+    """What servers watched by `self.health` (a `ServerHealth`) report in the row: `engine_restarts` and
+    `engine_seconds_lost` (`megarl.faults.engine_health`)."""
+
+    health: ServerHealth
+
+    @property
+    def restarts(self) -> int:
+        """Server failures recovered from so far."""
+        return self.health.restarts
+
+    @property
+    def seconds_lost(self) -> float:
+        return self.health.seconds_lost
+

@@ -78,7 +78,7 @@ import torch
 
 from megarl.rollout.base import Completion, EngineCapabilities, SamplingParams
 from megarl.rollout.engine_process import EngineDeadError
-from megarl.rollout.server_health import ServerHealth
+from megarl.rollout.server_health import ServerHealth, WatchedServers
 from megarl.rollout.sglang_health import EngineWatch, fresh_event_loop, sigquit_noted
 from megarl.rollout.sglang_ipc import IpcGather, release_ipc, serialize_bucket
 from megarl.rollout.weight_sync import (DEFAULT_BUCKET_BYTES, WeightBucket, WeightSyncError, adapter_name,
@@ -794,7 +794,7 @@ class LeaderBarrier:
             time.sleep(self.poll_s)
 
 
-class SGLangServers(EngineCapabilities):
+class SGLangServers(WatchedServers, EngineCapabilities):
     """A `RolloutEngine` over SGLang HTTP servers (disaggregated mode; see the module docstring).
 
     `tp_sizes[i]` is server i's tensor-parallel size (asked from the server when not given): its TP ranks join
@@ -839,15 +839,6 @@ class SGLangServers(EngineCapabilities):
         dies or hangs (`ServerHealth.call`)."""
         return self.health.call(url, lambda u: self._post(u, path, payload),
                                 lambda e: e.status if isinstance(e, ServerRefused) else None)
-
-    @property
-    def restarts(self) -> int:
-        """Server failures recovered from so far (the row's `engine_restarts`, `megarl.faults.engine_health`)."""
-        return self.health.restarts
-
-    @property
-    def seconds_lost(self) -> float:
-        return self.health.seconds_lost
 
     def _control(self, url: str, path: str, payload: dict | None = None, what: str = "",
                  timeout: float | None = None):

@@ -43,7 +43,7 @@ from typing import Iterable, Sequence
 import torch
 
 from megarl.rollout.base import Completion, EngineCapabilities, SamplingParams
-from megarl.rollout.server_health import ServerHealth
+from megarl.rollout.server_health import ServerHealth, WatchedServers
 from megarl.rollout.vllm_engine import check_truncation, to_payload
 from megarl.rollout.weight_sync import DEFAULT_BUCKET_BYTES, WeightBucket, pack_buckets
 
@@ -133,7 +133,7 @@ def encode_bucket(bucket: WeightBucket) -> str:
     return json.dumps({"data": base64.b64encode(data).decode(), "slots": slots})
 
 
-class VLLMServers(EngineCapabilities):
+class VLLMServers(WatchedServers, EngineCapabilities):
     """A `RolloutEngine` over `vllm serve` servers (see the module docstring). With several data-parallel
     leaders one pushes (`push=True`) and the others only generate."""
 
@@ -160,15 +160,6 @@ class VLLMServers(EngineCapabilities):
         when `url` dies or hangs (`ServerHealth.call`)."""
         return self.health.call(url, lambda u: _call(u, "/inference/v1/generate", payload, timeout=self.timeout_s),
                                 lambda e: e.status if isinstance(e, ServerError) else None)
-
-    @property
-    def restarts(self) -> int:
-        """Server failures recovered from so far (the row's `engine_restarts`, `megarl.faults.engine_health`)."""
-        return self.health.restarts
-
-    @property
-    def seconds_lost(self) -> float:
-        return self.health.seconds_lost
 
     def _generate_one(self, url: str, prompt: Sequence[int], sampling: dict) -> dict:
         return self._watched(url, {"token_ids": list(prompt), "sampling_params": sampling})["choices"][0]
