@@ -65,7 +65,7 @@ def test_a_crashed_then_a_hung_engine_process_is_restarted_with_its_weights_and_
 
 
 # The in-process SGLang engine's health (`SGLangEngine` over `megarl.rollout.sglang_health`), on a stand-in whose
-# "scheduler" is a child process holding the weights (SGLang itself: tests/sglang_cpu/test_engine_faults.py).
+# "scheduler" is a child process holding the weights (SGLang itself: tests/sglang_cpu/test_sglang_engine_faults.py).
 _SCHEDULER = """
 import json, sys
 shift = 0

@@ -1,6 +1,6 @@
 """The in-process SGLang CPU engine's health (`SGLangEngine` with `megarl.rollout.sglang_health`) against SGLang
 0.5.23 itself: its scheduler killed mid-generate (restarted), then stopped (found hung, one restart more than the
-run allows). Run by worker.py in the SGLang environment; test_engine_faults.py says what it proves."""
+run allows). Run by worker.py in the SGLang environment; test_sglang_engine_faults.py says what it proves."""
 
 import contextlib
 import io
