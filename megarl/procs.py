@@ -28,3 +28,16 @@ def descendants(*pids: int) -> list[int]:
             out.append(child)
             todo.append(child)
     return out
+
+
+def exiting(code: int) -> int:
+    """`code`, with the interpreter's final garbage collection made cheap: for the end of a process that imported
+    torch and megatron-core, once its run is over and closed (logs, engines, workers and process groups closed by
+    the caller). Their hundreds of thousands of objects made the collections that Python runs at exit take ~1 s of
+    every such process (1.3 s -> 0.25 s from main's return to the process's end, measured on a training run).
+    `gc.freeze()` leaves them out of those collections; objects are still freed by their reference counts and exit
+    handlers still run (objects alive at exit were never promised a `__del__`)."""
+    import gc
+
+    gc.freeze()
+    return code

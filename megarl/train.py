@@ -147,4 +147,6 @@ def run(cfg: Config, checked) -> int:
 
 
 if __name__ == "__main__":  # dist_checkpointing's save spawns helpers: keep the guard
-    sys.exit(main(sys.argv[1:]))
+    from megarl.procs import exiting
+
+    sys.exit(exiting(main(sys.argv[1:])))

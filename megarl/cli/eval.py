@@ -371,4 +371,6 @@ def _cell(figure: dict) -> str:
 
 
 if __name__ == "__main__":  # dist_checkpointing spawns helpers: keep the guard
-    sys.exit(main())
+    from megarl.procs import exiting
+
+    sys.exit(exiting(main()))
