@@ -22,6 +22,7 @@ import time
 from megarl.arguments import help_text, parse_args
 from megarl.config import Config
 from megarl.errors import CheckpointError, ConfigError
+from megarl.procs import exiting
 
 
 def main(argv: list[str]) -> int:
@@ -39,9 +40,9 @@ def main(argv: list[str]) -> int:
     except ConfigError as e:
         rank = os.environ.get("RANK", "0")
         if rank != "0":
-            # Every rank sees the same config, so rank 0 says it once: the others wait for torchrun to stop them
-            # once rank 0 has exited, and speak only if it does not (an error of their own: a path not mounted).
-            # 20 s: on a loaded machine (a test suite on two workers) rank 0's exit took more than 5 s to reach them.
+            # Every rank sees the same config, so rank 0 says it once: the others wait for torchrun to stop them once
+            # rank 0 has exited, and speak only if it does not (an error of their own: a path not mounted). 20 s: on a
+            # loaded machine (a test suite on two workers) rank 0's exit took more than 5 s to reach them.
             time.sleep(20)
         print(f"megarl: error: {e}" if rank == "0" else f"megarl: rank {rank}: error: {e}", file=sys.stderr)
         return 2
@@ -137,7 +138,6 @@ def run(cfg: Config, checked) -> int:
     train_minutes = (time.perf_counter() - train_start) / 60
     if run.pending is not None:
         run.pending.cancel()  # batches made ahead for steps that will not run
-
     export.export(run)  # --save-hf, --save-peft
     enter_rollout(actor, engine, t, run.sync)  # the last sync's probe is checked before the evaluation generates
     eval_after = evaluate.evaluate(run) if run.eval_prompts else None
@@ -147,6 +147,4 @@ def run(cfg: Config, checked) -> int:
 
 
 if __name__ == "__main__":  # dist_checkpointing's save spawns helpers: keep the guard
-    from megarl.procs import exiting
-
-    sys.exit(exiting(main(sys.argv[1:])))
+    sys.exit(exiting(main(sys.argv[1:])))  # exiting: the exit's last collections made cheap (one run a process)

@@ -571,7 +571,8 @@ SCENARIOS = {"mismatch": scenario_mismatch, "padded_vocab": scenario_padded_voca
 
 def main():
     p = argparse.ArgumentParser()
-    p.add_argument("scenario", choices=sorted(SCENARIOS))
+    p.add_argument("scenarios", help=f"one or more of {sorted(SCENARIOS)}, comma-separated: run in this order, in one "
+                   "process group, each from the random state the first one started with")
     p.add_argument("--hf", required=True)
     p.add_argument("--out", required=True)
     p.add_argument("--tp", type=int, default=1)
@@ -580,12 +581,34 @@ def main():
     p.add_argument("--ckpt", default="")
     p.add_argument("--layouts", default="", help="m,tp,pp,ep,etp,dispatcher,sp;... (scenarios layouts, train_layouts)")
     args = p.parse_args()
+    names = args.scenarios.split(",")
+    unknown = [n for n in names if n not in SCENARIOS]
+    if unknown:
+        p.error(f"unknown scenario(s) {unknown}; choose from {sorted(SCENARIOS)}")
     info = _setup(args)
-    result = SCENARIOS[args.scenario](args, info)
-    torch.save({"info": info, **result}, os.path.join(args.out, f"{args.scenario}-rank{info.rank}.pt"))
     from megarl.mcore import parallel
 
+    # Each scenario starts where a process of its own would: the same torch and model-parallel RNG states (the
+    # scenarios build their models from the checkpoint, so nothing else carries over but megatron's caches).
+    start = _random_state()
+    for name in names:
+        _restore_random_state(start)
+        result = SCENARIOS[name](args, info)
+        torch.save({"info": info, **result}, os.path.join(args.out, f"{name}-rank{info.rank}.pt"))
     parallel.destroy()
+
+
+def _random_state():
+    from megatron.core import tensor_parallel
+
+    return torch.random.get_rng_state(), tensor_parallel.get_cuda_rng_tracker().get_states()
+
+
+def _restore_random_state(state) -> None:
+    from megatron.core import tensor_parallel
+
+    torch.random.set_rng_state(state[0])
+    tensor_parallel.get_cuda_rng_tracker().set_states(state[1])
 
 
 if __name__ == "__main__":
