@@ -1,6 +1,7 @@
 """Processes seen from /proc (Linux): whose child each process is, and everything under a process. For what
 watches processes it did not start itself or whose grandchildren it does not hold: the fault injection
-(`megarl.faults`), the SGLang engine's health probe (`megarl.rollout.sglang_health`), the tests of both."""
+(`megarl.faults`), the SGLang engine's health probe (`megarl.rollout.sglang_health`), the tests of both. And
+`exiting`, the end of a process's life: for train.py's and megarl-eval's `__main__`."""
 
 from __future__ import annotations
 

@@ -74,5 +74,5 @@ class _DeferMegatronCompile(importlib.abc.MetaPathFinder):
         return spec
 
 
-if "megatron.core.jit" not in sys.modules and not any(isinstance(f, _DeferMegatronCompile) for f in sys.meta_path):
+if "megatron.core.jit" not in sys.modules:  # (this module's body runs once a process)
     sys.meta_path.insert(0, _DeferMegatronCompile())
