@@ -94,15 +94,26 @@ def env(root: Path = REPO) -> dict:
 
 def torchrun(nproc: int, script: str, *args: str, timeout: float = 300, check: bool = True,
              port: int | None = None, extra_env: dict | None = None,
-             root: Path = REPO) -> subprocess.CompletedProcess:
+             root: Path = REPO, fork: bool = True) -> subprocess.CompletedProcess:
     """Run `script` under torchrun on `nproc` CPU processes; a hang fails after `timeout` seconds. `root`: the
-    checkout it runs in (cwd and the first entry of PYTHONPATH), this one unless a test runs another commit."""
+    checkout it runs in (cwd and the first entry of PYTHONPATH), this one unless a test runs another commit.
+    `fork`: torchrun's workers forked from a process that imported torch, megatron-core and transformers once
+    (tests/forkrun.py says how and what stays the same); False, another checkout or MEGARL_TESTS_REAL_TORCHRUN=1
+    run the real `python -m torch.distributed.run`, each worker a fresh interpreter."""
+    import tempfile
+
+    import forkrun
+
+    fork = fork and root == REPO and os.environ.get("MEGARL_TESTS_REAL_TORCHRUN", "") in ("", "0")
     for _ in range(3):  # a free port can be taken by another job before torchrun binds it: then try another
         master = str(port or free_port())
-        cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(nproc),
-               "--master-port", master, script, *map(str, args)]
-        proc = subprocess.run(cmd, cwd=root, env={**env(root), **(extra_env or {})}, capture_output=True, text=True,
-                              timeout=timeout)
+        argv = ["--nproc-per-node", str(nproc), "--master-port", master, script, *map(str, args)]
+        cmd = [sys.executable, "-m", "torch.distributed.run", *argv]
+        run_env = {**env(root), **(extra_env or {})}
+        if fork:
+            proc = forkrun.torchrun(argv, run_env, str(root), timeout, tempfile.gettempdir(), env(root))
+        else:
+            proc = subprocess.run(cmd, cwd=root, env=run_env, capture_output=True, text=True, timeout=timeout)
         if port or not (proc.returncode and f"port: {master}" in proc.stderr and "EADDRINUSE" in proc.stderr):
             break
     if check and proc.returncode != 0:

@@ -31,7 +31,8 @@ def first(starter, tmp_path_factory):
             "--rollout-batch-size", 4, "--n-samples-per-prompt", 4, "--micro-batch-size", 16, "--save", ckpt,
             "--load", ckpt, "--save-interval", 1, "--output-dir", out, "--log-interval", 1]
     # PYTHONWARNINGS empty: the warnings a user sees by default (the test helpers silence them otherwise)
-    proc = torchrun(2, TRAIN, *argv, "--num-steps", 2, timeout=400, extra_env={"PYTHONWARNINGS": ""})
+    proc = torchrun(2, TRAIN, *argv, "--num-steps", 2, timeout=400, extra_env={"PYTHONWARNINGS": ""},
+                    fork=False)  # the README's command itself: torchrun starting fresh interpreters
     return {"argv": [str(a) for a in argv], "proc": proc, "ckpt": ckpt, "out": out, "root": root, "data": data}
 
 
