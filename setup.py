@@ -59,8 +59,8 @@ setup(
         # reasoning-gym's procedural tasks (`megarl-prepare-data reasoning-gym`, the `reasoning_gym` verifier); the
         # version whose scorers the verifier's tests compare against. No torch, no network at import or use.
         "rg": ["reasoning-gym==0.1.25"],
-        # nemo-run 0.11 imports a leptonai API that 0.47 removed; 0.11.1 is the version the launcher's tests run (uv's resolver
-        # otherwise settles for nemo-run 0.4 and leptonai 0.21 where pip picks 0.11.1 and 0.27)
+        # nemo-run 0.11 imports a leptonai API that 0.47 removed; 0.11.1 is the version the launcher's tests run
+        # (uv's resolver otherwise settles for nemo-run 0.4 and leptonai 0.21 where pip picks 0.11.1 and 0.27)
         "nemo-run": ["nemo-run>=0.11.1", "leptonai<0.47"],
         # The optional integrations too, so that their tests run; trl for the loss-parity test and tools/bench/step.py;
         # nemo-run (~40 s to install) for the launcher's dry-run tests.
