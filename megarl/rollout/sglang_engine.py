@@ -50,9 +50,11 @@ Health, where the engine is not colocated (the CPU engine): its scheduler and de
 `--engine-health-timeout`); a dead or hung engine is killed, launched again, given the weights of the last sync
 (the adapter keeps a CPU copy of its buckets) and its version, and the generate or score call in flight is sent
 again, up to `--engine-max-restarts` times (`restarts` and `seconds_lost`: the row's `engine_restarts` and
-`engine_seconds_lost`); after that the run stops naming the engine and its last error. A weight sync is not sent
-again: an engine that dies during one stops the run. Colocated on a GPU nothing is watched yet (the restart would
-need the trainer's IPC handles again; not built without a GPU to test it on).
+`engine_seconds_lost`); after that the run stops naming the engine and its last error. An engine that dies or
+hangs during a weight sync is restarted the same way and starts with the sync's new weights (`_load_restartable`:
+the buckets are copied to the CPU before the push), so a sync is neither lost nor half applied. Colocated on a GPU
+nothing is watched yet (the restart would need the trainer's IPC handles again; not built without a GPU to test
+it on).
 
 Log-probs: SGLang reports log softmax(logits / temperature) of the sampled token, before top-k / top-p, which is
 `Completion.logprobs`' definition (leave SGLANG_RETURN_ORIGINAL_LOGPROB unset). The engine knows nothing of
@@ -321,6 +323,7 @@ class SGLangEngine(EngineCapabilities):
         self.watch, self.relaunch, self.max_restarts, self.timeout_s = watch, relaunch, max_restarts, timeout_s
         self.restarts, self.seconds_lost = 0, 0.0  # the row's engine_restarts, engine_seconds_lost
         self._kept: list[WeightBucket] = []  # the last sync's buckets, on the CPU, for a restarted engine
+        self._kept_version = 0  # their version (0: none kept, the checkpoint's weights)
         self.tokenizer = tokenizer
         self.dtype = dtype  # weights are sent in this dtype (None: as the actor holds them)
         self.tp_size = tp_size
@@ -470,17 +473,19 @@ class SGLangEngine(EngineCapabilities):
             self._released = set(tags)
 
     def load_weight_buckets(self, buckets: Iterable[WeightBucket], version: int) -> None:
-        """Resume the weights' memory if released, then push every bucket without flushing the cache per bucket."""
+        """Resume the weights' memory if released, then push every bucket without flushing the cache per bucket.
+        A watched engine that can be relaunched (the CPU engine beside the actor) is synced by `_load_restartable`."""
+        if self.watch is not None and self.relaunch is not None and self.ipc is None:
+            self._load_restartable(buckets, version)
+            return
         session = hasattr(self.engine, "begin_weight_update")
         buckets = iter(buckets)
-        kept: list[WeightBucket] = []
         try:
             if WEIGHTS in self._released:
                 _check(self.engine.resume_memory_occupation(tags=[WEIGHTS]), "resume_memory_occupation(weights)")
                 self._released.discard(WEIGHTS)
             if session:
-                _check(self._call("begin_weight_update", lambda e: e.begin_weight_update(), resend=False),
-                       "begin_weight_update")
+                _check(self._call("begin_weight_update", lambda e: e.begin_weight_update()), "begin_weight_update")
             try:
                 for bucket in buckets:
                     payloads = self._payloads(bucket)
@@ -489,27 +494,57 @@ class SGLangEngine(EngineCapabilities):
                                               "SGLang needs one per TP rank")
                     result = self._call("update_weights_from_tensor", lambda e, p=payloads: (
                         e.update_weights_from_tensor(named_tensors=p, load_format="flattened_bucket",
-                                                     flush_cache=False)), resend=False)
+                                                     flush_cache=False)))
                     _check(result, "update_weights_from_tensor")
-                    if self.relaunch is not None:  # what a restarted engine loads (the weights are on the CPU)
-                        kept.append(WeightBucket(bucket.flat.detach().to("cpu", copy=True), list(bucket.slots)))
                     del payloads
                     release_ipc()  # the engine has loaded this bucket and closed its handles (slime: per chunk)
                     if self.ipc is not None:
                         self.ipc.loaded()  # the other ranks drop their copies
             finally:
                 if session:
-                    _check(self._call("end_weight_update", lambda e: e.end_weight_update(), resend=False),
-                           "end_weight_update")
+                    _check(self._call("end_weight_update", lambda e: e.end_weight_update()), "end_weight_update")
         except BaseException as e:
             if self.ipc is not None:  # the other ranks on the engine's GPUs learn it where they wait, and raise
                 _close_quietly(self.ipc, f"{type(e).__name__}: {e}", buckets, e)
             raise
         if self.ipc is not None:
             self.ipc.close()
-        if self.relaunch is not None:
-            self._kept = kept
         self.weight_version = version
+
+    def _load_restartable(self, buckets: Iterable[WeightBucket], version: int) -> None:
+        """The sync of a watched engine that can be relaunched: every bucket copied to the CPU first (what a
+        restarted engine loads), then pushed in one watched call. An engine that dies or hangs during it is
+        restarted (`_call`, within --engine-max-restarts) and loads these new weights as it starts, so a sync is
+        neither lost nor half applied; past the restarts the run stops, naming the sync."""
+        kept = [WeightBucket(b.flat.detach().to("cpu", copy=True), list(b.slots)) for b in buckets]
+        previous = self._kept, self._kept_version
+        self._kept, self._kept_version = kept, version  # from here on a restarted engine starts with these
+        restarts = self.restarts
+        try:
+            # after a restart the fresh engine already holds `kept`: nothing is sent twice
+            self._call(f"weight sync to version {version}",
+                       lambda e: None if self.restarts != restarts else self._push(e, kept))
+        except BaseException:
+            self._kept, self._kept_version = previous
+            raise
+        self.weight_version = version
+
+    def _push(self, engine, buckets: Sequence[WeightBucket]) -> None:
+        """`buckets` into `engine`, in one weight-update session where it has them."""
+        session = hasattr(engine, "begin_weight_update")
+        if session:
+            _check(engine.begin_weight_update(), "begin_weight_update")
+        for bucket in buckets:
+            payloads = self._payloads(bucket)
+            if len(payloads) != self.tp_size:
+                raise WeightSyncError(f"{len(payloads)} payloads for an engine at TP {self.tp_size}: SGLang needs "
+                                      "one per TP rank")
+            _check(engine.update_weights_from_tensor(named_tensors=payloads, load_format="flattened_bucket",
+                                                     flush_cache=False), "update_weights_from_tensor")
+            del payloads
+            release_ipc()
+        if session:
+            _check(engine.end_weight_update(), "end_weight_update")
 
     def load_lora_adapter(self, tensors: dict[str, torch.Tensor], config: dict, version: int) -> None:
         """Load the adapters of `version` (PEFT-named, whole: SGLang shards them over its TP ranks itself) as
@@ -552,10 +587,10 @@ class SGLangEngine(EngineCapabilities):
 
     # -- health (not colocated) ------------------------------------------------------------------------------
 
-    def _call(self, what: str, call: Callable[[object], object], resend: bool = True):
+    def _call(self, what: str, call: Callable[[object], object]):
         """`call(engine)`, on a watched engine through its watch (`EngineWatch.call`): restarted when it dies or
-        hangs (at most `max_restarts` times in the run) and the call made again on the new one (`resend`; a
-        weight-sync call is not: it stops the run). Unwatched (colocated), made directly."""
+        hangs (at most `max_restarts` times in the run, and only with `relaunch`) and the call made again on the
+        new one (a weight sync: `_load_restartable`). Unwatched (colocated), made directly."""
         if self.watch is None:
             return call(self.engine)
         failed_at = None
@@ -570,15 +605,14 @@ class SGLangEngine(EngineCapabilities):
                           f"{self.restarts}, {self.seconds_lost:.1f} s lost in all", file=sys.stderr, flush=True)
                 return value
             except EngineDeadError as e:
-                if not resend or self.relaunch is None or self.restarts >= self.max_restarts:
-                    why = "" if resend else f", a {what!r} call of a weight sync, which is not sent again"
+                if self.relaunch is None or self.restarts >= self.max_restarts:
                     raise EngineDeadError(f"the SGLang engine stopped the run after {self.restarts} restart(s) "
-                                          f"(--engine-max-restarts {self.max_restarts}{why}); its last error: "
+                                          f"(--engine-max-restarts {self.max_restarts}); its last error: "
                                           f"{e}") from None
                 self.restarts += 1
                 failed_at = time.monotonic() if failed_at is None else failed_at
                 print(f"megarl: sglang: {e}: restarting the engine (restart {self.restarts} of "
-                      f"{self.max_restarts}), with weights version {self.weight_version}; the {what!r} call is "
+                      f"{self.max_restarts}), with weights version {self._kept_version}; the {what!r} call is "
                       "sent again", file=sys.stderr, flush=True)
 
     def _restart(self) -> None:
@@ -587,20 +621,9 @@ class SGLangEngine(EngineCapabilities):
         self.watch.kill(self.engine)
         fresh_event_loop()
         self.engine, self.watch = self.relaunch()
-        session = hasattr(self.engine, "begin_weight_update")
         if self._kept:
-            if session:
-                _check(self.watch.call(self.engine.begin_weight_update, "begin_weight_update", self.timeout_s),
-                       "begin_weight_update")
-            for bucket in self._kept:
-                payloads = self._payloads(bucket)
-                _check(self.watch.call(lambda p=payloads: self.engine.update_weights_from_tensor(
-                    named_tensors=p, load_format="flattened_bucket", flush_cache=False),
-                    "update_weights_from_tensor", self.timeout_s), "update_weights_from_tensor")
-                release_ipc()
-            if session:
-                _check(self.watch.call(self.engine.end_weight_update, "end_weight_update", self.timeout_s),
-                       "end_weight_update")
+            self.watch.call(lambda: self._push(self.engine, self._kept),
+                            f"weight load (version {self._kept_version})", self.timeout_s)
 
     def kill_for_fault(self, hang: bool = False) -> None:
         """MEGARL_FAULT engine_crash (SIGKILL) or engine_hang (SIGSTOP) of the engine's processes."""

@@ -159,3 +159,49 @@ def test_a_watched_sglang_engine_is_restarted_with_its_weights_and_the_call_sent
     finally:
         for e, _ in engines:
             e.shutdown()
+
+
+@pytest.mark.parametrize("hang", [False, True], ids=["crash", "hang"])
+def test_an_sglang_engine_that_fails_during_a_weight_sync_starts_again_with_the_new_weights(capfd, hang):
+    from megarl.rollout.sglang_engine import SGLangEngine
+    from megarl.rollout.sglang_health import EngineWatch
+
+    engines, loads = [], []
+
+    def launch():
+        engines.append(EngineWatch.launched(_StandInEngine, health_timeout_s=2.0))
+        return engines[-1]
+
+    def serialize(bucket, tp):  # the second sync's bucket, on its way to the first engine: the engine fails
+        loads.append(len(engines))
+        if len(loads) == 2:
+            engine.kill_for_fault(hang=hang)
+        return [int(bucket.flat.sum())]
+
+    engine = SGLangEngine(*launch()[:1], colocated=False, watch=engines[0][1], relaunch=launch, max_restarts=1,
+                          timeout_s=60, serialize=serialize)
+    reference = SGLangEngine(_StandInEngine(), serialize=lambda b, tp: [int(b.flat.sum())])
+    try:
+        params = SamplingParams(n=2, temperature=0.0, max_new_tokens=5)
+        push(engine, {"w": torch.full((4,), 3.0)}.items(), 5, bucket_bytes=1 << 20)
+        before = _tokens(engine.generate(PROMPTS, params))
+        push(engine, {"w": torch.full((4,), 7.0)}.items(), 6, bucket_bytes=1 << 20)
+        assert engine.restarts == 1 and engine.weight_version == 6 and engine.watch is engines[1][1]
+        assert loads == [1, 1, 2]  # the new engine loaded the sync's weights as it started, and nothing twice
+        push(reference, {"w": torch.full((4,), 7.0)}.items(), 6, bucket_bytes=1 << 20)
+        after = _tokens(engine.generate(PROMPTS, params))
+        assert after == _tokens(reference.generate(PROMPTS, params)) != before
+        err = capfd.readouterr().err
+        assert ("is hung: the" if hang else "died during the") + " 'weight sync to version 6' call" in err
+        assert "restarting the engine (restart 1 of 1), with weights version 6" in err
+
+        engine.kill_for_fault(hang=False)  # no restart left: the run stops naming the sync
+        with pytest.raises(EngineDeadError, match=r"the SGLang engine stopped the run after 1 restart\(s\) "
+                                                   r"\(--engine-max-restarts 1\); its last error: .* died during "
+                                                   r"the 'weight sync to version 7' call"):
+            push(engine, {"w": torch.full((4,), 9.0)}.items(), 7, bucket_bytes=1 << 20)
+        assert engine.weight_version == 6
+    finally:
+        reference.shutdown()
+        for e, _ in engines:
+            e.shutdown()
