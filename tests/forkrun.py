@@ -30,6 +30,7 @@ import select
 import signal
 import subprocess
 import sys
+import threading
 import time
 import weakref
 
@@ -206,6 +207,7 @@ class Server:
     """One server for this test process, started at its first launch and ended with it (its stdin closes)."""
 
     _proc: subprocess.Popen | None = None
+    env: dict | None = None  # the environment it was started in
 
     @classmethod
     def get(cls, env: dict, cwd: str) -> subprocess.Popen:
@@ -219,7 +221,7 @@ class Server:
             if "ready" not in reply:
                 proc.kill()
                 raise RuntimeError(f"the fork server did not start (exit code {proc.wait()})")
-            cls._proc = proc
+            cls._proc, cls.env = proc, dict(env)
             atexit.register(cls._stop, proc)
         return cls._proc
 
@@ -252,11 +254,34 @@ def _read(proc: subprocess.Popen, timeout: float) -> dict:
     return json.loads(line)
 
 
+# Read when an interpreter starts or the preloaded modules are imported: a launch that sets them otherwise than the
+# server's environment runs the real torchrun (PYTHONPATH and OMP_NUM_THREADS are applied to each launch).
+_READ_AT_START = ("PYTHON", "HF_", "HUGGINGFACE", "TRANSFORMERS", "MKL_", "KMP_", "LD_", "MPL")
+_lock = threading.Lock()
+
+
+def _env_differs(env: dict, server_env: dict) -> list[str]:
+    keys = {k for k in {*env, *server_env} if k.startswith(_READ_AT_START) and k != "PYTHONPATH"}
+    return sorted(k for k in keys if env.get(k) != server_env.get(k))
+
+
 def torchrun(argv: list[str], env: dict, cwd: str, timeout: float, tmp: str,
-             server_env: dict) -> subprocess.CompletedProcess:
+             server_env: dict) -> subprocess.CompletedProcess | None:
     """`python -m torch.distributed.run *argv` in `env` and `cwd` (its workers forked, see above): what
     subprocess.run would give, or subprocess.TimeoutExpired after `timeout` seconds with the launch's process group
-    killed. `server_env`: the environment the server starts in, at the first launch."""
+    killed. `server_env`: the environment the server starts in, at the first launch. None where a fork cannot
+    stand in for the real thing: the launch sets what an interpreter reads at its start (PYTHONWARNINGS, say)
+    otherwise, or another thread of this process has a launch running."""
+    if _env_differs(env, Server.env or server_env) or not _lock.acquire(blocking=False):
+        return None
+    try:
+        return _launch(argv, env, cwd, timeout, tmp, server_env)
+    finally:
+        _lock.release()
+
+
+def _launch(argv: list[str], env: dict, cwd: str, timeout: float, tmp: str,
+            server_env: dict) -> subprocess.CompletedProcess:
     proc = Server.get(server_env, cwd)
     base = os.path.join(tmp, f"forkrun-{os.getpid()}-{time.monotonic_ns()}")
     path = [p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p] + _site_path()

@@ -110,9 +110,8 @@ def torchrun(nproc: int, script: str, *args: str, timeout: float = 300, check: b
         argv = ["--nproc-per-node", str(nproc), "--master-port", master, script, *map(str, args)]
         cmd = [sys.executable, "-m", "torch.distributed.run", *argv]
         run_env = {**env(root), **(extra_env or {})}
-        if fork:
-            proc = forkrun.torchrun(argv, run_env, str(root), timeout, tempfile.gettempdir(), env(root))
-        else:
+        proc = forkrun.torchrun(argv, run_env, str(root), timeout, tempfile.gettempdir(), env(root)) if fork else None
+        if proc is None:
             proc = subprocess.run(cmd, cwd=root, env=run_env, capture_output=True, text=True, timeout=timeout)
         if port or not (proc.returncode and f"port: {master}" in proc.stderr and "EADDRINUSE" in proc.stderr):
             break

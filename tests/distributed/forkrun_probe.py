@@ -24,7 +24,8 @@ seen = {"argv": sys.argv, "name": __name__, "file": __file__, "path0": sys.path[
         "env": {k: os.environ.get(k) for k in keys}, "threads": torch.get_num_threads(),
         "sigterm": str(signal.getsignal(signal.SIGTERM)), "sigint": str(signal.getsignal(signal.SIGINT)),
         "sigpipe": str(signal.getsignal(signal.SIGPIPE)), "all_reduce": total.item(),
-        "main_module": sys.modules["__main__"].__dict__.get("__file__")}
+        "main_module": sys.modules["__main__"].__dict__.get("__file__"),
+        "forked": "megatron.core" in sys.modules}  # imported by the fork server, never by this script
 with open(f"{out}/rank{rank}.json", "w") as f:
     json.dump(seen, f)
 with open(f"{out}/rank{rank}.pid", "w") as f:

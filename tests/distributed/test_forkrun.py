@@ -18,11 +18,12 @@ pytestmark = [pytest.mark.distributed]
 PROBE = "tests/distributed/forkrun_probe.py"
 
 
-def _launch(tmp_path, name: str, mode: str, fork: bool, **kw) -> tuple[subprocess.CompletedProcess, dict]:
+def _launch(tmp_path, name: str, mode: str, fork: bool, env: dict | None = None,
+            **kw) -> tuple[subprocess.CompletedProcess, dict]:
     out = tmp_path / name
     out.mkdir()
     extra = {"PROBE_VAR": "from-the-launch", "PROBE_PATH": str(tmp_path), "OMP_NUM_THREADS": "2",
-             "PYTHONPATH": os.pathsep.join([str(tmp_path), str(REPO)])}
+             "PYTHONPATH": os.pathsep.join([str(tmp_path), str(REPO)]), **(env or {})}
     proc = torchrun(2, PROBE, out, mode, check=False, fork=fork, extra_env=extra, **kw)
     seen = {}
     for rank in (0, 1):
@@ -45,6 +46,8 @@ def test_a_forked_worker_sees_what_a_fresh_one_sees(tmp_path):
     real, real_seen = _launch(tmp_path, "real", "ok", fork=False)
     forked, forked_seen = _launch(tmp_path, "forked", "ok", fork=True)
     assert real.returncode == forked.returncode == 0, forked.stderr[-3000:]
+    assert [s.pop("forked") for s in (real_seen[0], real_seen[1], forked_seen[0], forked_seen[1])] == \
+        [False, False, True, True]
     assert real_seen == forked_seen
     assert forked_seen[0]["name"] == "__main__" and forked_seen[0]["env"]["PROBE_VAR"] == "from-the-launch"
     assert forked_seen[0]["threads"] == 2 and forked_seen[0]["all_reduce"] == 3.0 and forked_seen[1]["atexit"]
@@ -79,3 +82,8 @@ def test_a_hung_launch_times_out_and_leaves_no_worker(tmp_path):
     # the server goes on: the next launch runs
     proc, seen = _launch(tmp_path, "after", "ok", fork=True)
     assert proc.returncode == 0 and seen[1]["all_reduce"] == 3.0
+
+
+def test_a_launch_that_sets_what_an_interpreter_reads_at_start_runs_the_real_torchrun(tmp_path):
+    proc, seen = _launch(tmp_path, "warnings", "ok", fork=True, env={"PYTHONWARNINGS": "default"})
+    assert proc.returncode == 0 and seen[0]["forked"] is False and seen[1]["forked"] is False
