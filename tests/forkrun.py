@@ -43,9 +43,25 @@ PRELOAD = ("megarl.mcore", "torch", "torch.distributed.run", "torch.distributed.
 
 
 # ---------------------------------------------------------------------------------------------------- the server
+def _handlers() -> dict:
+    """This process's signal handlers, where they can be set."""
+    return {s: signal.getsignal(s) for s in signal.valid_signals()
+            if s not in (signal.SIGKILL, signal.SIGSTOP) and signal.getsignal(s) is not None}
+
+
+def _fresh_interpreter(ignored: set[int]) -> dict:
+    """The handlers `python` starts with when its parent ignores `ignored` (an ignored signal stays ignored across
+    exec, every other is reset): SIGINT raises KeyboardInterrupt unless ignored, SIGPIPE and SIGXFSZ are ignored."""
+    fresh = {s: signal.SIG_IGN if int(s) in ignored else signal.SIG_DFL for s in _handlers()}
+    fresh[signal.SIGINT] = signal.SIG_IGN if int(signal.SIGINT) in ignored else signal.default_int_handler
+    fresh[signal.SIGPIPE] = fresh[signal.SIGXFSZ] = signal.SIG_IGN
+    return fresh
+
+
 def _serve() -> None:
     import importlib
 
+    at_start = _handlers()
     for name in PRELOAD:
         try:
             importlib.import_module(name)
@@ -58,8 +74,7 @@ def _serve() -> None:
     if threading.active_count() != 1 or tasks != 1:
         raise SystemExit(f"forkrun: the preloaded modules started threads ({tasks}: {threading.enumerate()}); "
                          "a fork would copy one of them only")
-    handlers = {s: signal.getsignal(s) for s in signal.valid_signals()
-                if s not in (signal.SIGKILL, signal.SIGSTOP) and signal.getsignal(s) is not None}
+    imported = {s: h for s, h in _handlers().items() if at_start.get(s) != h}  # what the preloaded modules set
     gc.freeze()  # the preloaded objects stay out of every later collection (and their pages shared with the forks)
     out = sys.stdout
     out.write(json.dumps({"ready": os.getpid()}) + "\n")
@@ -68,7 +83,7 @@ def _serve() -> None:
         req = json.loads(line)
         pid = os.fork()
         if pid == 0:
-            _agent(req, handlers)  # never returns
+            _agent(req, imported)  # never returns
         out.write(json.dumps({"pid": pid}) + "\n")
         out.flush()
         _, status = os.waitpid(pid, 0)
@@ -76,7 +91,7 @@ def _serve() -> None:
         out.flush()
 
 
-def _agent(req: dict, handlers: dict) -> None:
+def _agent(req: dict, imported: dict) -> None:
     code = 1
     try:
         os.setsid()  # the launch's own process group: a timeout kills the agent, its workers and their children
@@ -104,7 +119,11 @@ def _agent(req: dict, handlers: dict) -> None:
             return config, _run_script, [args.training_script, *args.training_script_args]
 
         trun.config_from_args = config_from_args
-        _HANDLERS.update(handlers)
+        # the agent starts with the handlers of an interpreter the launching process starts now (and the preloaded
+        # modules'); torchrun then installs its own (SIGTERM, SIGINT, SIGHUP, SIGQUIT), and a worker gets what exec
+        # and an interpreter's start make of those (`_run_script`)
+        _IMPORTED.update(imported)
+        _set({**_fresh_interpreter(set(req["ignored"])), **imported})
         sys.argv = ["torchrun", *req["argv"]]
         trun.main(req["argv"])  # torchrun's own main: @record, its failure summary, SystemExit on a failed worker
         code = 0
@@ -117,16 +136,23 @@ def _agent(req: dict, handlers: dict) -> None:
     _finish(code)
 
 
-_HANDLERS: dict = {}  # a fresh interpreter's signal handlers (with the preloaded modules'), for the workers
+_IMPORTED: dict = {}  # the signal handlers the preloaded modules set
+
+
+def _set(handlers: dict) -> None:
+    for s, h in handlers.items():
+        try:
+            signal.signal(s, h)
+        except (OSError, ValueError):  # one the C library keeps for itself
+            pass
 
 
 def _run_script(script: str, *args: str) -> None:
     """A worker: `python -u script *args` in this already-initialised process."""
-    for s, h in _HANDLERS.items():  # the agent's handlers (SIGTERM raising in it) are not a script's
-        try:
-            signal.signal(s, h)
-        except (OSError, ValueError):
-            pass
+    # exec keeps what the agent ignores and resets what it handles (torchrun's SIGTERM handler raising in a worker
+    # is not a script's); then the interpreter's own start, and what the preloaded modules set
+    ignored = {int(s) for s, h in _handlers().items() if h == signal.SIG_IGN}
+    _set({**_fresh_interpreter(ignored), **_IMPORTED})
     # The exit handlers inherited from the server are the preloaded modules' (wandb's media directory, shared by every
     # launch, among them): not this process's to run. The script's own are registered as it runs; of the preloaded
     # ones only logging's flush matters at a script's exit.
@@ -286,7 +312,8 @@ def _launch(argv: list[str], env: dict, cwd: str, timeout: float, tmp: str,
     base = os.path.join(tmp, f"forkrun-{os.getpid()}-{time.monotonic_ns()}")
     path = [p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p] + _site_path()
     req = {"argv": argv, "env": env, "cwd": cwd, "path": [""] + path, "stdout": base + ".out",
-           "stderr": base + ".err"}
+           "stderr": base + ".err",
+           "ignored": [int(s) for s, h in _handlers().items() if h == signal.SIG_IGN]}
     proc.stdin.write(json.dumps(req).encode() + b"\n")
     pid = _read(proc, 60)["pid"]
     reply = _read(proc, timeout)

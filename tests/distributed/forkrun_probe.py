@@ -23,7 +23,8 @@ seen = {"argv": sys.argv, "name": __name__, "file": __file__, "path0": sys.path[
         "on_path": os.environ["PROBE_PATH"] in sys.path, "cwd": os.getcwd(),
         "env": {k: os.environ.get(k) for k in keys}, "threads": torch.get_num_threads(),
         "sigterm": str(signal.getsignal(signal.SIGTERM)), "sigint": str(signal.getsignal(signal.SIGINT)),
-        "sigpipe": str(signal.getsignal(signal.SIGPIPE)), "all_reduce": total.item(),
+        "sigpipe": str(signal.getsignal(signal.SIGPIPE)), "sigusr1": str(signal.getsignal(signal.SIGUSR1)),
+        "all_reduce": total.item(),
         "main_module": sys.modules["__main__"].__dict__.get("__file__"),
         "forked": "megatron.core" in sys.modules}  # imported by the fork server, never by this script
 with open(f"{out}/rank{rank}.json", "w") as f:
@@ -31,7 +32,7 @@ with open(f"{out}/rank{rank}.json", "w") as f:
 with open(f"{out}/rank{rank}.pid", "w") as f:
     f.write(str(os.getpid()))
 atexit.register(lambda: open(f"{out}/rank{rank}.atexit", "w").close())
-print(f"rank {rank} says hello", flush=True)
+sys.stdout.write(f"rank {rank} says hello\n")  # one write: print's text and newline are two, which may interleave
 if mode == "exit3" and rank == 1:
     sys.exit(3)
 if mode == "raise" and rank == 0:

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import subprocess
 import time
 
@@ -42,9 +43,21 @@ def _alive(pid: int) -> bool:
         return False
 
 
-def test_a_forked_worker_sees_what_a_fresh_one_sees(tmp_path):
-    real, real_seen = _launch(tmp_path, "real", "ok", fork=False)
-    forked, forked_seen = _launch(tmp_path, "forked", "ok", fork=True)
+# "ignored": the launching process ignores SIGINT and SIGUSR1, as a command started with `&` by a script does
+# (SIGINT): an ignored signal stays ignored across exec, unless torchrun handles it (SIGINT, SIGTERM, SIGHUP, SIGQUIT)
+@pytest.mark.parametrize("signals", ["default", "ignored"])
+def test_a_forked_worker_sees_what_a_fresh_one_sees(tmp_path, signals):
+    ignore = signals == "ignored"
+    saved = {s: signal.signal(s, signal.SIG_IGN if ignore else h)
+             for s, h in ((signal.SIGINT, signal.default_int_handler), (signal.SIGUSR1, signal.SIG_DFL))}
+    try:
+        real, real_seen = _launch(tmp_path, "real", "ok", fork=False)
+        forked, forked_seen = _launch(tmp_path, "forked", "ok", fork=True)
+    finally:
+        for s, h in saved.items():
+            signal.signal(s, h)
+    assert real_seen[0]["sigint"] == "<built-in function default_int_handler>"
+    assert real_seen[0]["sigusr1"] == str(signal.SIG_IGN if ignore else signal.SIG_DFL)
     assert real.returncode == forked.returncode == 0, forked.stderr[-3000:]
     assert [s.pop("forked") for s in (real_seen[0], real_seen[1], forked_seen[0], forked_seen[1])] == \
         [False, False, True, True]
