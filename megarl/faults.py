@@ -123,12 +123,12 @@ def take(name: str) -> bool:
 
 def break_engine(engine, name: str) -> None:
     """engine_crash / engine_hang on the engine's own processes, wherever `engine` wraps it: the built-in engine's
-    process, or SGLang's CPU engine's scheduler and detokenizer."""
+    process, SGLang's CPU engine's scheduler and detokenizer, or vLLM's CPU engine core and worker."""
     while not hasattr(engine, "kill_for_fault"):
         if not hasattr(engine, "inner"):
             raise ConfigError(f"{ENV}: {name} needs the built-in engine in a process of its own (--rollout-backend "
-                              "builtin with --async-staleness >= 1) or SGLang's CPU engine (--rollout-backend "
-                              "sglang without a GPU)")
+                              "builtin with --async-staleness >= 1), SGLang's CPU engine (--rollout-backend "
+                              "sglang without a GPU) or vLLM's (--rollout-backend vllm without a GPU)")
         engine = engine.inner
     engine.kill_for_fault(hang=name == "engine_hang")
 

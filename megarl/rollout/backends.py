@@ -221,7 +221,10 @@ def build_vllm(cfg: Config, actor: MegatronPolicy | None = None) -> RolloutEngin
     config = json.loads((Path(cfg.model.hf_checkpoint) / "config.json").read_text())
     return VLLMEngine.launch(cfg.model.hf_checkpoint, dtype="bfloat16" if cfg.model.bf16 else "float32",
                              seed=cfg.training.seed, tokenizer=cfg.rollout.rollout_function != "single_turn",
-                             max_model_len=config.get("max_position_embeddings"))
+                             max_model_len=config.get("max_position_embeddings"),
+                             health_timeout_s=cfg.rollout.engine_health_timeout,
+                             max_restarts=cfg.rollout.engine_max_restarts,
+                             timeout_s=cfg.training.distributed_timeout_seconds)
 
 
 # -- Megatron's inference engine -----------------------------------------------------------------------------------

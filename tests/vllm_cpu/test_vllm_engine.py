@@ -74,3 +74,17 @@ def test_truncated_sampling_is_refused(results):
 
 def test_unsupported_head_size_refused_at_launch(results):
     assert "head size is 16" in value(results, "head_size_refused")
+
+
+def test_a_dead_or_hung_engine_is_restarted_with_its_weights(results):
+    """vLLM's CPU engine watched as SGLang's is: its processes SIGKILLed after a sync, the same greedy tokens from
+    the restarted engine holding the synced weights; SIGSTOPped with no restart left, the run stops naming it."""
+    v = value(results, "restart")
+    assert v["weights_matter"] and v["tokens_same"] and v["logprob_diff"] < TOL
+    assert v["restarts"] == 1 and v["version"] == 1 and v["new_pids"]
+    assert v["stopped"] and v["stopped"].startswith("the vLLM engine stopped the run after 1 restart(s) "
+                                                    "(--engine-max-restarts 1); its last error: the vLLM engine "
+                                                    "(engine core and worker pids ")
+    assert "is hung" in v["stopped"] and 3.0 <= v["stop_s"] < 30, v
+    print(f"vLLM CPU engine: SIGKILL answered after {v['crash_s']} s (relaunch included), SIGSTOP stopped the run "
+          f"after {v['stop_s']} s")
