@@ -517,16 +517,7 @@ class SGLangEngine(RestartingCalls, EngineCapabilities):
         restarted (`_call`, within --engine-max-restarts) and loads these new weights as it starts, so a sync is
         neither lost nor half applied; past the restarts the run stops, naming the sync."""
         kept = [WeightBucket(b.flat.detach().to("cpu", copy=True), list(b.slots)) for b in buckets]
-        previous = self._kept, self._kept_version
-        self._kept, self._kept_version = kept, version  # from here on a restarted engine starts with these
-        restarts = self.restarts
-        try:
-            # after a restart the fresh engine already holds `kept`: nothing is sent twice
-            self._call(f"weight sync to version {version}",
-                       lambda e: None if self.restarts != restarts else self._push(e, kept))
-        except BaseException:
-            self._kept, self._kept_version = previous
-            raise
+        self._sync_kept(kept, version, self._push)
         self.weight_version = version
 
     def _push(self, engine, buckets: Sequence[WeightBucket]) -> None:

@@ -151,9 +151,10 @@ class EngineWatch:
 class RestartingCalls:
     """The restart-and-resend loop of an in-process engine whose processes an `EngineWatch` watches (SGLang's CPU
     engine, `SGLangEngine`; vLLM's, `VLLMEngine`). The engine sets `watch` (None: calls made directly), `relaunch`
-    (a fresh engine and its watch), `max_restarts`, `timeout_s`, `restarts`, `seconds_lost` and `_kept_version`
-    (the weights a restarted engine starts with), and defines `_handle()` (what calls are made on) and
-    `_restart()` (the dead engine killed, a fresh one holding the kept weights). `_tag` and `_label` name it."""
+    (a fresh engine and its watch), `max_restarts`, `timeout_s`, `restarts`, `seconds_lost`, `_kept` and
+    `_kept_version` (the weights a restarted engine starts with, and their version), and defines `_handle()` (what
+    calls are made on) and `_restart()` (the dead engine killed, a fresh one holding the kept weights). `_tag` and
+    `_label` name it."""
 
     _tag, _label = "sglang", "the SGLang engine"
 
@@ -185,6 +186,20 @@ class RestartingCalls:
                 print(f"megarl: {self._tag}: {e}: restarting the engine (restart {self.restarts} of "
                       f"{self.max_restarts}), with weights version {self._kept_version}; the {what!r} call is "
                       "sent again", file=sys.stderr, flush=True)
+
+    def _sync_kept(self, kept, version: int, push: Callable[[object, object], None]) -> None:
+        """A weight sync of a watched engine: `kept` (the sync on the CPU) becomes what a restarted engine starts
+        with, then `push(engine, kept)` is made through `_call`; after a restart the fresh engine already holds it,
+        so nothing is sent twice. A sync that fails for good leaves the previous weights kept."""
+        previous = self._kept, self._kept_version
+        self._kept, self._kept_version = kept, version
+        restarts = self.restarts
+        try:
+            self._call(f"weight sync to version {version}",
+                       lambda engine: None if self.restarts != restarts else push(engine, kept))
+        except BaseException:
+            self._kept, self._kept_version = previous
+            raise
 
 
 def fresh_event_loop() -> None:

@@ -306,15 +306,7 @@ class VLLMEngine(RestartingCalls, EngineCapabilities):
         if self.watch is None:
             self._reload(self.llm, payload)
         else:
-            previous = self._kept, self._kept_version
-            self._kept, self._kept_version = payload, version  # from here on a restarted engine starts with these
-            restarts = self.restarts
-            try:
-                self._call(f"weight sync to version {version}",
-                           lambda llm: None if self.restarts != restarts else self._reload(llm, payload))
-            except BaseException:
-                self._kept, self._kept_version = previous
-                raise
+            self._sync_kept(payload, version, self._reload)
         self.weight_version = version
 
     @staticmethod
