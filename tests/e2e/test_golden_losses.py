@@ -211,11 +211,17 @@ def test_first_steps_equal_the_recorded_ones(starter, numerics, tmp_path, name):
 # The chunked log-prob head (--logprob-chunk-tokens, chunks far shorter than a micro-batch's tokens so that every
 # sequence spans several) against the full head's trusted curves: equal within float rounding, not bitwise (the
 # chunked head sums its soft-max terms in another order). The samples must be the same (reward, accuracy, lengths,
-# clipped share, exactly); each continuous curve within 2e-5 of its own scale (its largest value over the run: a GRPO
-# loss near 0 is a sum of terms of that size; measured at most 4.1e-6, the loss).
+# clipped share, exactly); each continuous curve within a bound relative to its own scale (its largest value over the
+# run: a GRPO loss near 0 is a sum of terms of that size). Step 1, same weights and samples, holds the rounding of one
+# step alone: within 1e-6 (measured 0 on an AMD EPYC for loss, KL and gradient norm, 1.1e-7 for the engine-actor KL).
+# Later steps carry the rounding of every update before them, amplified by training's own dynamics, and how much
+# depends on the machine's kernels: at most 4.1e-6 (the loss) on the Intel Xeon that set the first bound (2e-5), up
+# to 3.2e-5 (the gradient norm at step 15 of 20, one spike; 1.5e-5 the loss, 1.7e-5 the KL) on an AMD EPYC,
+# 2026-12-07: within 1e-4. Checked against a backward that drops each chunk's last token: off by 7.1e-6 (the
+# gradient norm) at step 1, 5.6e-3 (the loss) at step 2, up to 0.5 over the run.
 CHUNKED = {"tiny_cpu_kl_clip": ["--logprob-chunk-tokens", "8"]}
 EXACT = ("reward_mean", "clip_frac", "accuracy", "lr", "response_len")
-SCALE_TOL = 2e-5
+FIRST_STEP_TOL, SCALE_TOL = 1e-6, 1e-4
 
 
 @pytest.mark.parametrize("name", sorted(CHUNKED))
@@ -230,7 +236,7 @@ def test_chunked_logprobs_give_the_recorded_steps_within_rounding(starter, numer
         for r, g in zip(rows, golden):
             off = abs(r[key] - g[key]) / scale if scale else abs(r[key] - g[key])
             worst[key] = max(worst.get(key, 0.0), off)
-            if (r[key] != g[key]) if key in EXACT else off > SCALE_TOL:
+            if (r[key] != g[key]) if key in EXACT else off > (FIRST_STEP_TOL if r["step"] == 1 else SCALE_TOL):
                 bad.append(f"step {r['step']} {key}: {r[key]!r} vs {source} {g[key]!r} (scale {scale:.3g})")
     print(f"chunked vs {source} full head, {STEPS} steps of {name}, largest difference over each curve's scale: "
           + ", ".join(f"{k} {v:.1e}" for k, v in worst.items()))
