@@ -1,11 +1,16 @@
 """Processes seen from /proc (Linux): whose child each process is, and everything under a process. For what
 watches processes it did not start itself or whose grandchildren it does not hold: the fault injection
-(`megarl.faults`), the SGLang engine's health probe (`megarl.rollout.sglang_health`), the tests of both. And
-`exiting`, the end of a process's life: for train.py's and megarl-eval's `__main__`."""
+(`megarl.faults`), the SGLang engine's health probe (`megarl.rollout.sglang_health`), the tests of both.
+`stop_with_agent`: a torchrun worker ends when its agent does. And `exiting`, the end of a process's life: for
+train.py's and megarl-eval's `__main__`."""
 
 from __future__ import annotations
 
 import os
+import signal
+import sys
+import threading
+import time
 
 
 def children() -> dict[int, list[int]]:
@@ -29,6 +34,35 @@ def descendants(*pids: int) -> list[int]:
             out.append(child)
             todo.append(child)
     return out
+
+
+_watching: list[int] = []  # the parent this process's agent watch was started for
+
+
+def stop_with_agent(interval_s: float = 0.5) -> bool:
+    """Under torchrun (TORCHELASTIC_RUN_ID set), a daemon thread that ends this worker (SIGKILL) once its parent,
+    the torchrun agent, is gone. torchrun starts each worker in a session of its own, so a SIGKILLed agent (`kill -9`
+    of the torchrun pid, the OOM killer) left its workers training on and saving under --save as orphans (three
+    more steps and checkpoints within a second of the agent's death, measured), while a run started again read the
+    same directory: its ranks resumed from different steps. The worker says why on stderr and ends within
+    `interval_s` of its agent; a save cut short stays an `iter_N.tmp`, skipped on resume. Once a process; True when
+    the watch runs (False: not under torchrun, or already watching)."""
+    if "TORCHELASTIC_RUN_ID" not in os.environ or _watching:
+        return False
+    parent = os.getppid()
+    _watching.append(parent)
+    rank = os.environ.get("RANK", "?")
+
+    def watch() -> None:
+        while os.getppid() == parent:
+            time.sleep(interval_s)
+        print(f"megarl: rank {rank}: its torchrun agent (pid {parent}) is gone: this worker stops now, so that no "
+              "orphan trains on or writes under --save; the last complete checkpoint is left as it is",
+              file=sys.stderr, flush=True)
+        os.kill(os.getpid(), signal.SIGKILL)
+
+    threading.Thread(target=watch, name="megarl-agent-watch", daemon=True).start()
+    return True
 
 
 def exiting(code: int) -> int:

@@ -28,6 +28,7 @@ from megarl.mcore.model import MoEOptions
 from megarl.mcore.parallel import ParallelInfo
 from megarl.model_shape import ModelShape
 from megarl.preflight import Layout, check_run, padded_vocab_size, prompt_limit, read_shape
+from megarl.procs import stop_with_agent
 from megarl.registry import load_plugins
 from megarl.reward import RewardFn, build_reward, reward_options
 from megarl.reward.compose import spec_error
@@ -42,7 +43,7 @@ from megarl.stages.collect import Collect, Collector, DynamicSampling, OverlongS
 from megarl.stages.colocation import WeightSync
 from megarl.stages.critic_update import CriticStage
 from megarl.teacher import Teachers
-from megarl.trainer.checkpoints import resume
+from megarl.trainer.checkpoints import agreed_resume, resume
 from megarl.trainer.engine_launch import LaunchWait
 
 
@@ -113,12 +114,14 @@ def start(cfg: Config, checked: Checked) -> TrainingRun:
     from transformers import AutoTokenizer
 
     m, d, t = cfg.model, cfg.data, cfg.training
+    stop_with_agent()  # under torchrun: no orphan of a killed agent trains on or saves
     torch.set_num_threads(t.threads_per_rank)
     torch.manual_seed(t.seed)
     info = parallel.init_distributed(m.tensor_model_parallel_size, m.pipeline_model_parallel_size,
                                      timeout_s=t.distributed_timeout_seconds, seed=t.seed, cp=m.context_parallel_size,
                                      ep=m.expert_model_parallel_size, etp=m.expert_tensor_parallel_size)
     say = print if info.rank == 0 else (lambda *x, **k: None)
+    checked = Checked(checked.layout, checked.shape, agreed_resume(cfg.checkpoint.load, checked.resume_from))
     shape = checked.shape
     tokenizer = AutoTokenizer.from_pretrained(m.hf_checkpoint)
     prompts, eval_prompts, counts = _load_data(cfg, tokenizer, prompt_limit(cfg, shape), say)

@@ -9,11 +9,31 @@ from typing import TYPE_CHECKING
 from megarl.checkpoint_layout import find_resume
 from megarl.config import Config
 from megarl.data import PromptSampler
+from megarl.errors import ConfigError
 from megarl.mcore import checkpoint
 from megarl.mcore.actor import MegatronPolicy
 
 if TYPE_CHECKING:
     from megarl.trainer.build import TrainingRun
+
+
+def agreed_resume(load: str, path: Path | None) -> Path | None:
+    """Collective: `path`, the checkpoint this rank's preflight chose under --load, once every rank chose the same.
+    Each rank reads --load on its own before the process groups exist; ranks that read it at different moments
+    while something else wrote there (the workers of an earlier run whose torchrun agent was killed, a second job
+    with the same --save) resumed from different steps, their replicas apart, and the run died later in a
+    collective mismatch. Here it stops before any state is loaded or written, naming what each rank saw."""
+    import torch.distributed as dist
+
+    seen: list = [None] * dist.get_world_size()
+    dist.all_gather_object(seen, str(path) if path is not None else "")
+    if len(set(seen)) > 1:
+        views = "; ".join(f"rank {r}: {p or 'no checkpoint'}" for r, p in enumerate(seen))
+        raise ConfigError(f"--load {load} changed while this run started, so its ranks would resume "
+                          f"from different checkpoints ({views}). Another process is writing there (the workers "
+                          "of an earlier run whose torchrun was killed? a second job with the same --save?): stop "
+                          "it, then start this run again; nothing was loaded or written")
+    return path
 
 
 def resume(cfg: Config, path: Path | None, actor: MegatronPolicy, sampler: PromptSampler, say) -> tuple[int, dict]:
