@@ -268,7 +268,7 @@ class ToolUse(Rollout):
         if not t.refusal:
             from megarl.verifiers.signals import tool_refusal
 
-            t.refusal = next((r for o in observations if (r := tool_refusal(o.text, o.status))), "")
+            t.refusal = next((r for o in observations if (r := tool_refusal(o.text, o.status, o.refused))), "")
         text = chat_tool_turn(tokenizer, texts) if chat else "".join(self.parser.wrap(x) for x in texts)
         ids = tokenizer.encode(text, add_special_tokens=False)
         ids = ids[: t.budget]

@@ -44,11 +44,14 @@ ObservationStatus = Literal["ok", "error", "timeout"]
 
 @dataclass(frozen=True)
 class Observation:
-    """What a call gave back: the text the model sees next, how it ended and the seconds it took."""
+    """What a call gave back: the text the model sees next, how it ended and the seconds it took; `refused`, what
+    the tool's sandbox refused the call while it ran (`seccomp denied: socket(AF_INET) x1`), for the reward-hacking
+    signals (`tool_refusal`) and never shown to the model."""
 
     text: str
     status: ObservationStatus = "ok"
     seconds: float = 0.0
+    refused: str = ""
 
     @property
     def ok(self) -> bool:

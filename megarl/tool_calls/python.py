@@ -88,7 +88,11 @@ class PythonTool:
 
 
 def observation(result: RunResult, limits: Limits, seconds: float) -> Observation:
-    """What the model sees of a sandbox run."""
+    """What the model sees of a sandbox run, and the syscalls the sandbox refused it as the kernel counted them (a
+    program that catches the EPERM runs on: nothing in its text or status says so)."""
+    from megarl.verifiers.signals import seccomp_evidence
+
+    refused = seccomp_evidence(result.seccomp_denied) if result.seccomp_denied else ""
     out = result.stdout.rstrip("\n")
     why = {
         "nonzero_exit": lambda: (result.stderr.strip().splitlines() or [f"exit status {result.exit_code}"])[-1],
@@ -99,9 +103,9 @@ def observation(result: RunResult, limits: Limits, seconds: float) -> Observatio
         "sandbox_error": lambda: f"the sandbox failed ({result.detail[:200]})",
     }.get(result.status)
     if why is None:
-        return Observation(out, "ok", seconds)
+        return Observation(out, "ok", seconds, refused)
     text = f"{out}\nerror: {why()}" if out else f"error: {why()}"
-    return Observation(text, "timeout" if result.status == "timeout" else "error", seconds)
+    return Observation(text, "timeout" if result.status == "timeout" else "error", seconds, refused)
 
 
 @register_tool("python")

@@ -28,7 +28,8 @@ Categories (`CATEGORIES`, a fixed list so every rank reduces the same metric key
 - math (`math_signals`): `question_copy` (the answer is a listed not-answer: the question's own expression, an
   unfinished step), `hedged_answers` (several different boxed answers), `no_working` (a bare answer where the row
   asks for the working, `{"needs_working": true}`).
-- tool calls: `tool_refusal` (the tool's sandbox refused or cut off a call).
+- tool calls: `tool_refusal` (the tool's sandbox refused or cut off a call; the syscalls it refused, as the kernel
+  counted them, first: a call that caught the refusal and ended well carries them too).
 - reward models (`megarl.reward.compose`): `rm_disagrees` (a model score above its threshold where the row's rule
   verifier says incorrect). The correlation of model score with length is a window statistic, not a per-sample
   signal: the trainer reports it as `hack/rm_length_corr` (`megarl.reward.hacking`).
@@ -359,9 +360,12 @@ def math_signals(response: str, ground_truth: Any, extracted: str | None, outcom
     return found
 
 
-def tool_refusal(text: str, status: str) -> str:
-    """The evidence that the tool's sandbox refused or cut off a call (`megarl.tool_calls.python.observation`'s
-    text), or ""."""
+def tool_refusal(text: str, status: str, refused: str = "") -> str:
+    """The evidence that the tool's sandbox refused or cut off a call, or "": what it refused as the kernel counted
+    it (`refused`, `Observation.refused`: a call that caught the refusal and ended well), else what the call's text
+    says (`megarl.tool_calls.python.observation`'s)."""
+    if refused:
+        return _short(f"tool: {refused}")
     if status == "ok":
         return ""
     last = next((line for line in reversed(str(text).splitlines()) if line.strip()), "")

@@ -167,3 +167,25 @@ def test_without_user_notification_the_filter_is_the_plain_one_and_a_warning_say
     assert flags == "True False"
     assert sum("no seccomp user notification" in w and "not counted" in w for w in warnings.split("|")) == 1
     assert iso_mod.HostIsolation(seccomp=True).describe().count("seccomp (refusals counted)") == 0
+
+
+def test_the_python_tool_s_call_carries_the_kernel_s_count_and_the_model_sees_what_it_did():
+    """A tool call that opens a socket by number and catches the EPERM ends well: its text and status say nothing,
+    the kernel's count does (`Observation.refused`, the `tool_refusal` signal's evidence)."""
+    from megarl.tool_calls import ToolCall, ToolSettings
+    from megarl.tool_calls.python import PythonTool
+    from megarl.verifiers.signals import tool_refusal
+
+    tool = PythonTool(ToolSettings(workers=1))
+    try:
+        if not _supervised(tool.sandbox):
+            pytest.skip(f"no seccomp user notification here: {iso_mod.why_no_seccomp_notify()}")
+        code = ("m = __import__('ct' + 'ypes')\nlibc = m.CDLL(None, use_errno=True)\n"
+                "(libc.syscall(41, 2, 1, 0), m.get_errno())")
+        sneaky, honest = tool.run_many([ToolCall("python", {"code": code}), ToolCall("python", {"code": "6*7"})])
+    finally:
+        tool.close()
+    assert (sneaky.text, sneaky.status, sneaky.refused) == ("(-1, 1)", "ok", "seccomp denied: socket(AF_INET) x1")
+    assert tool_refusal(sneaky.text, sneaky.status, sneaky.refused) == "tool: seccomp denied: socket(AF_INET) x1"
+    assert tool_refusal(sneaky.text, sneaky.status) == ""  # the text alone: what the signal saw before
+    assert (honest.text, honest.status, honest.refused) == ("42", "ok", "")

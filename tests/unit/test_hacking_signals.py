@@ -116,6 +116,10 @@ def test_tool_refusals():
     assert tool_refusal("PermissionError: [Errno 13] Permission denied", "error")
     assert tool_refusal("error: NameError: name 'y' is not defined", "error") == ""
     assert tool_refusal("42", "ok") == ""
+    # what the kernel counted comes first, and counts even when the call caught it and ended well
+    assert tool_refusal("42", "ok", "seccomp denied: ptrace x1") == "tool: seccomp denied: ptrace x1"
+    assert tool_refusal("error: memory limit of 256 MB exceeded", "error", "seccomp denied: ptrace x1") == \
+        "tool: seccomp denied: ptrace x1"
 
 
 def test_compose_flags_a_model_that_pays_where_the_rule_does_not():

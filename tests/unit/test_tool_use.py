@@ -273,6 +273,25 @@ def test_the_python_tool_in_the_sandbox(tok):
     assert s.outcome == "correct" and rollout.step_metrics()["tool_latency_p50"] > 0
 
 
+class RefusedTool(EvalTool):
+    """A call whose program caught its sandbox's refusal and printed the right answer anyway."""
+
+    def run_many(self, calls):
+        return [Observation(o.text, o.status, o.seconds, "seccomp denied: socket(AF_INET) x1")
+                for o in super().run_many(calls)]
+
+
+def test_a_refusal_the_call_survived_is_a_signal_the_model_never_sees(tok):
+    (s,) = _rollout(RefusedTool())(ScriptedEngine(tok, call_then_answer), _prompts(tok, "12*34="),
+                                   SamplingParams(max_new_tokens=60, stop_token_ids=(EOS,)), InProcessReward(), tok)
+    assert s.signals == {"tool_refusal": "tool: seccomp denied: socket(AF_INET) x1"}
+    assert tok.decode([t for t, m in zip(s.response_ids, s.loss_mask) if m == 0]) == "```output\n408\n```\n"
+    assert (s.outcome, s.reward) == ("correct", 1.0)  # a signal, not a verdict
+    (plain,) = _rollout()(ScriptedEngine(tok, call_then_answer), _prompts(tok, "12*34="),
+                          SamplingParams(max_new_tokens=60, stop_token_ids=(EOS,)), InProcessReward(), tok)
+    assert plain.signals == {}
+
+
 def test_samples_rows_mark_the_masked_spans(tok):
     from megarl.metrics import rollout_sample_rows
 
