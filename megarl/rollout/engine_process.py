@@ -30,13 +30,15 @@ import signal
 import sys
 import time
 import traceback
-from typing import Iterable, Sequence
+from typing import Callable, Iterable, Sequence, TypeVar
 
 import torch
 import torch.multiprocessing as mp
 
 from megarl.rollout.base import Completion, EngineCapabilities, SamplingParams
 from megarl.rollout.weight_sync import TensorSlot, WeightBucket
+
+T = TypeVar("T")
 
 
 class EngineProcessError(RuntimeError):
@@ -45,6 +47,33 @@ class EngineProcessError(RuntimeError):
 
 class EngineDeadError(EngineProcessError):
     """The engine process died or hung (a restart may help, unlike an error the engine reported)."""
+
+
+def call_restarting(owner, attempt: Callable[[], T], label: str, restarting: Callable[[EngineDeadError], str],
+                    restarted: Callable[[], str], can_restart: bool = True) -> T:
+    """`attempt()` answered, on an engine `owner` restarts (`owner._restart()`) when it dies or hangs
+    (`EngineDeadError`), at most `owner.max_restarts` times in the run (`owner.restarts`), `attempt` made again on
+    the new one; `owner.seconds_lost` adds the time from the first failure to the answer. Each restart's line is
+    `restarting(error)`, the answer's after one `restarted()`; past the restarts (or without `can_restart`) the run
+    stops: `label` (the engine) stopped the run, with its last error. The loop of the built-in engine's process and
+    of the in-process SGLang and vLLM engines (`sglang_health.RestartingCalls`)."""
+    failed_at = None
+    while True:
+        try:
+            if failed_at is not None:
+                owner._restart()
+            value = attempt()
+            if failed_at is not None:
+                owner.seconds_lost += time.monotonic() - failed_at
+                print(restarted(), file=sys.stderr, flush=True)
+            return value
+        except EngineDeadError as e:
+            if not can_restart or owner.restarts >= owner.max_restarts:
+                raise EngineDeadError(f"{label} stopped the run after {owner.restarts} restart(s) "
+                                      f"(--engine-max-restarts {owner.max_restarts}); its last error: {e}") from None
+            owner.restarts += 1
+            failed_at = time.monotonic() if failed_at is None else failed_at
+            print(restarting(e), file=sys.stderr, flush=True)
 
 
 class EngineProcess(EngineCapabilities):
@@ -133,27 +162,12 @@ class EngineProcess(EngineCapabilities):
     def _call(self, op: str, *args):
         """`op` answered, restarting a dead or hung child (at most `max_restarts` times in the run) and sending
         `op` again; a child's own error is raised at once."""
-        failed_at = None
-        while True:
-            try:
-                if failed_at is not None:
-                    self._restart()
-                value = self._call_once(op, *args)
-                if failed_at is not None:
-                    self.seconds_lost += time.monotonic() - failed_at
-                    print(f"megarl: engine process restarted (pid {self._proc.pid}); engine_restarts "
-                          f"{self.restarts}, {self.seconds_lost:.1f} s lost in all", file=sys.stderr, flush=True)
-                return value
-            except EngineDeadError as e:
-                if self.restarts >= self.max_restarts:
-                    raise EngineDeadError(f"the built-in rollout engine process stopped the run after "
-                                          f"{self.restarts} restart(s) (--engine-max-restarts {self.max_restarts}); "
-                                          f"its last error: {e}") from None
-                self.restarts += 1
-                failed_at = time.monotonic() if failed_at is None else failed_at
-                print(f"megarl: {e}: restarting the engine process (restart {self.restarts} of {self.max_restarts}), "
-                      f"with weights version {self.weight_version}; the {op!r} request is sent again",
-                      file=sys.stderr, flush=True)
+        return call_restarting(
+            self, lambda: self._call_once(op, *args), "the built-in rollout engine process",
+            lambda e: (f"megarl: {e}: restarting the engine process (restart {self.restarts} of {self.max_restarts}), "
+                       f"with weights version {self.weight_version}; the {op!r} request is sent again"),
+            lambda: (f"megarl: engine process restarted (pid {self._proc.pid}); engine_restarts {self.restarts}, "
+                     f"{self.seconds_lost:.1f} s lost in all"))
 
     def _restart(self) -> None:
         """A new child holding the weights the old one held (every buffer, loaded again) and their version."""

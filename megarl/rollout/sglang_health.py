@@ -31,7 +31,7 @@ import time
 from typing import Callable
 
 from megarl import procs
-from megarl.rollout.engine_process import EngineDeadError
+from megarl.rollout.engine_process import EngineDeadError, call_restarting
 
 PROBE_S = 1.0  # how often a call's engine processes are looked at
 
@@ -165,27 +165,14 @@ class RestartingCalls:
         (colocated), made directly."""
         if self.watch is None:
             return call(self._handle())
-        failed_at = None
-        while True:
-            try:
-                if failed_at is not None:
-                    self._restart()
-                value = self.watch.call(lambda: call(self._handle()), what, self.timeout_s)
-                if failed_at is not None:
-                    self.seconds_lost += time.monotonic() - failed_at
-                    print(f"megarl: {self._tag}: the engine was restarted ({self.watch.name()}); engine_restarts "
-                          f"{self.restarts}, {self.seconds_lost:.1f} s lost in all", file=sys.stderr, flush=True)
-                return value
-            except EngineDeadError as e:
-                if self.relaunch is None or self.restarts >= self.max_restarts:
-                    raise EngineDeadError(f"{self._label} stopped the run after {self.restarts} restart(s) "
-                                          f"(--engine-max-restarts {self.max_restarts}); its last error: "
-                                          f"{e}") from None
-                self.restarts += 1
-                failed_at = time.monotonic() if failed_at is None else failed_at
-                print(f"megarl: {self._tag}: {e}: restarting the engine (restart {self.restarts} of "
-                      f"{self.max_restarts}), with weights version {self._kept_version}; the {what!r} call is "
-                      "sent again", file=sys.stderr, flush=True)
+        return call_restarting(
+            self, lambda: self.watch.call(lambda: call(self._handle()), what, self.timeout_s), self._label,
+            lambda e: (f"megarl: {self._tag}: {e}: restarting the engine (restart {self.restarts} of "
+                       f"{self.max_restarts}), with weights version {self._kept_version}; the {what!r} call is "
+                       "sent again"),
+            lambda: (f"megarl: {self._tag}: the engine was restarted ({self.watch.name()}); engine_restarts "
+                     f"{self.restarts}, {self.seconds_lost:.1f} s lost in all"),
+            can_restart=self.relaunch is not None)
 
     def _sync_kept(self, kept, version: int, push: Callable[[object, object], None]) -> None:
         """A weight sync of a watched engine: `kept` (the sync on the CPU) becomes what a restarted engine starts
