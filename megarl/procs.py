@@ -26,6 +26,15 @@ def children() -> dict[int, list[int]]:
     return out
 
 
+def running(pid: int) -> bool:
+    """`pid` exists and is not a zombie (dead, waiting for its parent, or init, to reap it)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"  # the state, after the command name
+    except (OSError, IndexError):
+        return False
+
+
 def descendants(*pids: int) -> list[int]:
     """Every process under `pids` (children, theirs, ...), not `pids` themselves."""
     tree, out, todo = children(), [], list(pids)

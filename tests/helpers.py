@@ -130,6 +130,14 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def latest_step(ckpt: Path) -> int:
+    """The step of the checkpoint `ckpt/latest` names (0: none yet)."""
+    try:
+        return int((Path(ckpt) / "latest").read_text().strip().removeprefix("iter_"))
+    except (FileNotFoundError, ValueError):
+        return 0
+
+
 def metrics_by_step(out: Path) -> dict[int, dict]:
     """A run's metrics.jsonl records (`--output-dir out`), by step."""
     import json

@@ -120,7 +120,7 @@ def _stop(proc: subprocess.Popen) -> None:
     """End the process group this script started for `proc` (torchrun and its ranks, or the SGLang server and
     its schedulers), politely first. torchrun starts each rank in a session of its own, out of that group: the
     processes under `proc` are found before any signal (an orphan's parent is no longer `proc`) and signalled too."""
-    from megarl.procs import descendants
+    from megarl.procs import descendants, running
 
     tree = descendants(proc.pid)
     for sig, wait in ((signal.SIGTERM, 15), (signal.SIGKILL, 5)):
@@ -133,18 +133,9 @@ def _stop(proc: subprocess.Popen) -> None:
             proc.wait(timeout=wait)
         except subprocess.TimeoutExpired:
             continue
-        if not any(map(_running, tree)):
+        if not any(map(running, tree)):
             return
         time.sleep(wait / 5)  # the ranks' own SIGTERM handling, after the agent's
-
-
-def _running(pid: int) -> bool:
-    """`pid` exists and is not a zombie waiting for its (new) parent to reap it."""
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
-    except OSError:
-        return False
 
 
 def wait_for_server(url: str, proc: subprocess.Popen, deadline: float) -> str | None:

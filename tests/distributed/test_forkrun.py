@@ -14,6 +14,8 @@ import time
 import pytest
 from helpers import REPO, torchrun
 
+from megarl.procs import running
+
 pytestmark = [pytest.mark.distributed]
 
 PROBE = "tests/distributed/forkrun_probe.py"
@@ -33,14 +35,6 @@ def _launch(tmp_path, name: str, mode: str, fork: bool, env: dict | None = None,
             seen[rank]["atexit"] = (out / f"rank{rank}.atexit").exists()
             seen[rank]["argv"][1] = "OUT"  # each launch its own folder
     return proc, seen
-
-
-def _alive(pid: int) -> bool:
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
-    except FileNotFoundError:
-        return False
 
 
 # "ignored": the launching process ignores SIGINT and SIGUSR1, as a command started with `&` by a script does
@@ -87,7 +81,7 @@ def test_a_hung_launch_times_out_and_leaves_no_worker(tmp_path):
     for rank in (0, 1):
         pid = int((tmp_path / "forked" / f"rank{rank}.pid").read_text())
         for _ in range(50):  # killed with the launch's process group (a zombie until its new parent reaps it)
-            if not _alive(pid):
+            if not running(pid):
                 break
             time.sleep(0.1)
         else:

@@ -13,7 +13,7 @@ import time
 from pathlib import Path
 
 import pytest
-from helpers import REPO, env, free_port, torchrun
+from helpers import REPO, env, free_port, latest_step, torchrun
 
 from megarl.procs import descendants
 
@@ -33,13 +33,6 @@ def _args(starter: Path, out: Path) -> list[str]:
 
 def _rows(out: Path) -> list[dict]:
     return [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines() if line.strip()]
-
-
-def _latest_step(ckpt: Path) -> int:
-    try:
-        return int((ckpt / "latest").read_text().strip().removeprefix("iter_"))
-    except (FileNotFoundError, ValueError):
-        return 0
 
 
 def _kill_tree(pid: int) -> None:
@@ -64,7 +57,7 @@ def _run_and_kill(nproc: int, args: list, ckpt: Path, timeout: float = 400) -> i
                             start_new_session=True)
     deadline = time.monotonic() + timeout
     try:
-        while _latest_step(ckpt) < KILL_AFTER:
+        while latest_step(ckpt) < KILL_AFTER:
             if proc.poll() is not None:
                 raise AssertionError(f"the run ended before step {KILL_AFTER} was saved:\n{proc.stderr.read()[-4000:]}")
             if time.monotonic() > deadline:
@@ -73,7 +66,7 @@ def _run_and_kill(nproc: int, args: list, ckpt: Path, timeout: float = 400) -> i
     finally:
         _kill_tree(proc.pid)
         proc.wait(timeout=60)
-    return _latest_step(ckpt)
+    return latest_step(ckpt)
 
 
 # Asynchronous at DP=2 (each rank's queue and dynamic-sampling buffer) with two batches in flight: the kill lands
@@ -104,7 +97,7 @@ def test_sigkill_then_resume_matches_uninterrupted_run(starter, tmp_path, nproc,
     assert KILL_AFTER <= killed_at < STEPS, "the kill should land mid-run"
 
     time.sleep(1.5)  # nothing of the killed run may write on: its checkpoints stay as the kill left them
-    assert _latest_step(ckpt) == killed_at
+    assert latest_step(ckpt) == killed_at
     resumed = torchrun(nproc, TRAIN, *_args(starter, out), *extra, "--save", ckpt, "--save-interval", 1, "--load",
                        ckpt, timeout=400)
     assert f"resumed from {ckpt / f'iter_{killed_at:07d}'} at step {killed_at}" in resumed.stdout, resumed.stdout

@@ -17,27 +17,12 @@ import time
 from pathlib import Path
 
 import pytest
-from helpers import REPO, env, free_port, torchrun
+from helpers import REPO, env, free_port, latest_step, torchrun
 
-from megarl.procs import descendants
+from megarl.procs import descendants, running
 
 pytestmark = [pytest.mark.faults, pytest.mark.distributed, pytest.mark.slow]
 STEPS = 40
-
-
-def _latest(ckpt: Path) -> int:
-    try:
-        return int((ckpt / "latest").read_text().strip().removeprefix("iter_"))
-    except (FileNotFoundError, ValueError):
-        return 0
-
-
-def _alive(pid: int) -> bool:
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
-    except (FileNotFoundError, ProcessLookupError):
-        return False
 
 
 def test_a_killed_torchrun_agent_takes_its_workers_with_it(starter, tmp_path):
@@ -53,7 +38,7 @@ def test_a_killed_torchrun_agent_takes_its_workers_with_it(starter, tmp_path):
     workers: list[int] = []
     try:
         deadline = time.monotonic() + 300
-        while _latest(ckpt) < 1:
+        while latest_step(ckpt) < 1:
             assert proc.poll() is None, f"the run ended before its first checkpoint:\n{log_path.read_text()[-3000:]}"
             assert time.monotonic() < deadline, "no checkpoint after 300 s"
             time.sleep(0.05)
@@ -61,19 +46,21 @@ def test_a_killed_torchrun_agent_takes_its_workers_with_it(starter, tmp_path):
         assert len(workers) == 2, workers
         os.kill(proc.pid, signal.SIGKILL)  # the agent alone: its workers are in sessions of their own
         proc.wait(timeout=60)
-        killed_at, t0 = _latest(ckpt), time.monotonic()
-        while any(map(_alive, workers)) and time.monotonic() - t0 < 30:
+        killed_at, t0 = latest_step(ckpt), time.monotonic()
+        while any(map(running, workers)) and time.monotonic() - t0 < 30:
             time.sleep(0.05)
         gone_after = time.monotonic() - t0
-        assert not any(map(_alive, workers)), f"workers {workers} outlived their agent by 30 s"
+        assert not any(map(running, workers)), f"workers {workers} outlived their agent by 30 s"
         time.sleep(1.0)
         text = log_path.read_text()
-        for rank in (0, 1):
-            assert f"megarl: rank {rank}: its torchrun agent (pid {proc.pid}) is gone: this worker stops now" in text
-        assert _latest(ckpt) <= killed_at + 1, "the workers went on saving after their agent died"
-        assert _latest(ckpt) < STEPS
+        # the first watch to fire ends its rank; the other may meet that first, as a closed gloo connection
+        said = [r for r in (0, 1) if f"megarl: rank {r}: its torchrun agent (pid {proc.pid}) is gone: this worker "
+                                     "stops now" in text]
+        assert said, text[-3000:]
+        assert latest_step(ckpt) <= killed_at + 1, "the workers went on saving after their agent died"
+        assert latest_step(ckpt) < STEPS
         print(f"workers gone {gone_after:.2f} s after their agent; checkpoint at the kill {killed_at}, "
-              f"after {_latest(ckpt)}")
+              f"after {latest_step(ckpt)}")
     finally:
         for p in [proc.pid, *workers, *(descendants(*workers) if workers else [])]:
             try:

@@ -55,7 +55,7 @@ def test_a_local_sandbox_killed_mid_case_runs_the_case_again(victim, capfd):
         seconds = time.monotonic() - t0
         killer.join()
         assert (result.outcome, result.score, result.normalized) == ("correct", 1.0, "2/2 tests passed"), result
-        assert not os.path.exists(f"/proc/{target}") or open(f"/proc/{target}/stat").read().split()[2] == "Z"
+        assert not procs.running(target)
         assert "megarl: the local sandbox failed on 1 code case(s) (first: " in capfd.readouterr().err
         assert verifier.verify(GOOD, GOLD).outcome == "correct"  # the fresh worker serves on
         print(f"local sandbox {victim} killed mid-case: verdict after {seconds:.1f} s (the case re-run)")

@@ -10,6 +10,7 @@ from pathlib import Path
 
 import pytest
 
+from megarl.procs import running
 from megarl.sandbox import Job, Limits, RunResult, Sandbox, make_sandbox
 from megarl.sandbox.local import LocalSandbox
 from sandbox_cases import Listener, attacks, check_attack, make_secret, target_paths
@@ -111,7 +112,7 @@ def test_nothing_left_after_close():
     sb.close()
     assert not os.path.exists(root)
     for pid in pids:
-        assert not os.path.exists(f"/proc/{pid}") or open(f"/proc/{pid}/stat").read().split()[2] == "Z"
+        assert not running(pid)
 
 
 def test_pickles_and_restarts_a_dead_worker():
