@@ -28,7 +28,12 @@ def agreed_resume(load: str, path: Path | None) -> Path | None:
     seen: list = [None] * dist.get_world_size()
     dist.all_gather_object(seen, str(path) if path is not None else "")
     if len(set(seen)) > 1:
-        views = "; ".join(f"rank {r}: {p or 'no checkpoint'}" for r, p in enumerate(seen))
+        ranks: dict[str, list[int]] = {}
+        for r, p in enumerate(seen):
+            ranks.setdefault(p, []).append(r)
+        views = "; ".join(f"rank{'s' if len(rs) > 1 else ''} {', '.join(map(str, rs[:4]))}"
+                          f"{f' and {len(rs) - 4} more' if len(rs) > 4 else ''}: {p or 'no checkpoint'}"
+                          for p, rs in ranks.items())
         raise ConfigError(f"--load {load} changed while this run started, so its ranks would resume "
                           f"from different checkpoints ({views}). Another process is writing there (the workers "
                           "of an earlier run whose torchrun was killed? a second job with the same --save?): stop "
