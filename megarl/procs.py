@@ -54,8 +54,8 @@ def stop_with_agent(interval_s: float = 0.5) -> bool:
     of the torchrun pid, the OOM killer) left its workers training on and saving under --save as orphans (three
     more steps and checkpoints within a second of the agent's death, measured), while a run started again read the
     same directory: its ranks resumed from different steps. The worker says why on stderr and ends within
-    `interval_s` of its agent; a save cut short stays an `iter_N.tmp`, skipped on resume. Once a process; True when
-    the watch runs (False: not under torchrun, or already watching)."""
+    `interval_s` of its agent, with every process it started; a save cut short stays an `iter_N.tmp`, skipped on
+    resume. Once a process; True when the watch runs (False: not under torchrun, or already watching)."""
     if "TORCHELASTIC_RUN_ID" not in os.environ or _watching:
         return False
     parent = os.getppid()
@@ -68,7 +68,13 @@ def stop_with_agent(interval_s: float = 0.5) -> bool:
         print(f"megarl: rank {rank}: its torchrun agent (pid {parent}) is gone: this worker stops now, so that no "
               "orphan trains on or writes under --save; the last complete checkpoint is left as it is",
               file=sys.stderr, flush=True)
-        os.kill(os.getpid(), signal.SIGKILL)
+        # and everything it started: a child blocked on a lock this process held would wait forever (megatron-core's
+        # checkpoint writers, forked mid-save, were found stuck in a JoinableQueue's task_done 20 minutes after)
+        for pid in [*descendants(os.getpid()), os.getpid()]:
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
 
     threading.Thread(target=watch, name="megarl-agent-watch", daemon=True).start()
     return True
