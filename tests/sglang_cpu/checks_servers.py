@@ -6,6 +6,7 @@ backend "gloo", then `update_weights_from_distributed` per flattened bucket) and
 (`update_weights_from_disk`); the reference is the same checkpoint in transformers."""
 
 import os
+import signal
 import socket
 import subprocess
 import sys
@@ -15,6 +16,7 @@ import warnings
 
 import torch
 
+from megarl import procs
 from megarl.rollout import weight_sync
 from megarl.rollout.base import SamplingParams
 from megarl.rollout.sglang_engine import SGLangServers
@@ -32,25 +34,45 @@ def _free_port() -> int:
 
 
 def check_start(model_dir: str, log: str, timeout_s: float = 240.0) -> dict:
+    start = time.perf_counter()
+    for _ in range(3):  # the server binds its port ~20 s after it was found free: another job may take it first
+        url = _launch(model_dir, log, timeout_s)
+        if url:
+            break
+    else:
+        raise AssertionError(f"the SGLang server's port was taken before it bound it, 3 times; its log:\n"
+                             f"{open(log).read()[-3000:]}")
+    STATE.update(url=url, model_dir=model_dir)
+    return {"seconds": time.perf_counter() - start}
+
+
+def _launch(model_dir: str, log: str, timeout_s: float) -> str:
+    """The healthy server's URL, or "" when its port was taken before it bound it (the server stopped)."""
     port = _free_port()
     cmd = [sys.executable, "-m", "sglang.launch_server", "--model-path", model_dir, "--host", "127.0.0.1",
            "--port", str(port), "--tp-size", "1", "--mem-fraction-static", "0.05", *CPU_SGLANG_ARGS]
-    start = time.perf_counter()
-    STATE["proc"] = subprocess.Popen(cmd, stdout=open(log, "w"), stderr=subprocess.STDOUT, env=dict(os.environ))
+    STATE["proc"] = proc = subprocess.Popen(cmd, stdout=open(log, "w"), stderr=subprocess.STDOUT,
+                                            env=dict(os.environ))
     url = f"http://127.0.0.1:{port}"
     deadline = time.monotonic() + timeout_s
     while True:  # the sbatch's readiness test
         try:
             with urllib.request.urlopen(url + "/health_generate", timeout=10) as r:
                 if r.status == 200:
-                    break
+                    return url
         except OSError:
             pass
-        if STATE["proc"].poll() is not None or time.monotonic() > deadline:
+        if "address already in use" in open(log).read():
+            for pid in [*procs.descendants(proc.pid), proc.pid]:  # its scheduler and detokenizer too
+                try:
+                    os.kill(pid, signal.SIGKILL)
+                except ProcessLookupError:
+                    pass
+            proc.wait(timeout=60)
+            return ""
+        if proc.poll() is not None or time.monotonic() > deadline:
             raise AssertionError(f"the SGLang server did not become healthy; its log:\n{open(log).read()[-3000:]}")
         time.sleep(1.0)
-    STATE.update(url=url, model_dir=model_dir)
-    return {"seconds": time.perf_counter() - start}
 
 
 def _reference():
